@@ -1,0 +1,56 @@
+"""`asyncrl`: one console script, one subcommand per process kind (DESIGN §1).
+
+Each subcommand lives in its own module and is imported only when run, so `asyncrl check` starts
+fast and a part that is not built yet is reported, not crashed on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "learner": (
+        "asyncrl.learner.main",
+        "train: TorchTitan learner, buffer service, weight broadcaster",
+    ),
+    "rollout": (
+        "asyncrl.rollout.main",
+        "generate: one rollout worker feeding the learner's buffer",
+    ),
+    "run": ("asyncrl.launch", "everything on one machine: learner, rollout workers, engines"),
+    "engine": ("asyncrl.rollout.engine.server", "serve the built-in generator (SGLang's HTTP API)"),
+    "check": ("asyncrl.check", "validate a recipe and print it resolved"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="asyncrl",
+        description="Asynchronous off-policy RL for LLMs.",
+        epilog="Run `asyncrl COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help=_table())
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
+    module_name, _ = COMMANDS[ns.command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name == module_name or module_name.startswith(e.name + ".")):
+            print(
+                f"asyncrl {ns.command}: this part ({module_name}) is not built yet", file=sys.stderr
+            )
+            return 2
+        raise
+    return int(module.main(argv[1:]) or 0)
+
+
+def _table() -> str:
+    return "; ".join(f"{name}: {doc}" for name, (_, doc) in COMMANDS.items())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

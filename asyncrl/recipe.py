@@ -1,0 +1,440 @@
+"""The recipe: one typed schema for everything a user can set, loaded from YAML with dotted overrides.
+
+Every field a process reads lives here. Validation errors name the file, the dotted key and what was
+expected (with a "did you mean" for misspelt keys), and are raised as :class:`RecipeError` so that the
+CLI can print one line and exit 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe is invalid. ``str(e)`` is one line naming the file, the key and the problem."""
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None):
+        self.file, self.key, self.detail = file, key, message
+        where = ": ".join(x for x in (file, key) if x)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+def _range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> dict:
+    return {"lo": lo, "hi": hi, "lo_open": lo_open}
+
+
+def _f(default: Any = dataclasses.MISSING, *, factory: Any = None, doc: str = "", **rng: Any):
+    meta = {"doc": doc, **({"range": _range(**rng)} if rng else {})}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = _f("run", doc="run folder name under output_dir")
+    output_dir: str = _f("runs")
+    seed: int = _f(0, lo=0)
+    steps: int = _f(100, lo=0, doc="optimizer steps (policy versions) to train")
+    resume: bool = _f(False, doc="continue from the run folder's latest checkpoint")
+    eval_every: int = _f(
+        0, lo=0, doc="evaluate held-out prompts every k versions (0: start/end only)"
+    )
+    eval_prompts: int = _f(128, lo=0)
+    timeout_s: float = _f(3600.0, lo=0, lo_open=True, doc="whole-run wall clock bound")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = _f("", doc="HuggingFace model folder: config.json, safetensors, tokenizer")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32")
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = _f("auto")
+    max_seq_len: int = _f(4096, lo=1)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = _f("", doc="jsonl or parquet file of training prompts")
+    eval_path: str = _f("", doc="held-out prompts (same format)")
+    prompt_key: str = _f("prompt")
+    answer_key: str = _f("answer")
+    completion_key: str = _f("completion", doc="target text, for sft")
+    chat_template: bool = _f(False, doc="wrap prompts with the tokenizer's chat template")
+    shuffle: bool = _f(True)
+    task: str = _f("", doc="built-in synthetic task name, instead of a file")
+    num_examples: int = _f(0, lo=0, doc="size of a generated synthetic data set")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    workers: int = _f(1, lo=0, doc="rollout worker processes started by `asyncrl run`")
+    group_size: int = _f(8, lo=1, doc="samples per prompt (GRPO's n)")
+    max_concurrent_groups: int = _f(16, lo=1, doc="groups in flight per worker")
+    workflow: str = _f("single_turn", doc="single_turn, multi_turn, or an import path module:fn")
+    reward: str = _f("exact_match", doc="exact_match, math, or an import path module:fn")
+    reward_timeout_s: float = _f(10.0, lo=0, lo_open=True)
+    tools: list[str] = _f(factory=list, doc="import paths of tool functions (multi_turn)")
+    max_turns: int = _f(4, lo=1)
+    temperature: float = _f(1.0, lo=0)
+    top_p: float = _f(1.0, lo=0, hi=1, lo_open=True)
+    top_k: int = _f(-1, lo=-1)
+    min_p: float = _f(0.0, lo=0, hi=1)
+    max_new_tokens: int = _f(256, lo=1)
+    stop: list[str] = _f(factory=list)
+    request_timeout_s: float = _f(600.0, lo=0, lo_open=True)
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    kind: Literal["builtin", "sglang"] = _f("builtin")
+    urls: list[str] = _f(factory=list, doc="SGLang server URLs (kind: sglang)")
+    engines_per_worker: int = _f(1, lo=0, doc="built-in engines each worker starts (kind: builtin)")
+    host: str = _f("127.0.0.1")
+    base_port: int = _f(0, lo=0, hi=65535, doc="0: pick free ports")
+    max_batch_size: int = _f(64, lo=1, doc="built-in engine: running requests per decode step")
+    startup_timeout_s: float = _f(300.0, lo=0, lo_open=True)
+
+
+@dataclass(kw_only=True)
+class TLSConfig:
+    cert: str = _f("", doc="this side's certificate (PEM)")
+    key: str = _f("", doc="this side's private key (PEM)")
+    ca: str = _f("", doc="the CA that signs the peers' certificates (PEM)")
+
+
+@dataclass(kw_only=True)
+class BufferConfig:
+    address: str = _f("tcp://127.0.0.1:0", doc="Req/Rep address of the buffer service")
+    pub_address: str = _f("tcp://127.0.0.1:0", doc="Pub/Sub address of version announcements")
+    groups_per_batch: int = _f(8, lo=1)
+    max_staleness: int = _f(
+        1, lo=0, doc="eta: no token older than this many versions is trained on"
+    )
+    lease_seconds: float = _f(120.0, lo=0, lo_open=True)
+    dynamic_sampling: bool = _f(False, doc="DAPO: drop groups whose rewards are all equal")
+    min_batch_fill: float = _f(1.0, lo=0, hi=1, lo_open=True)
+    overlong_filter: bool = _f(False, doc="drop samples cut by max_new_tokens from the loss")
+    batch_timeout_s: float = _f(600.0, lo=0, lo_open=True, doc="learner's longest wait for a batch")
+    tls: TLSConfig = _f(factory=TLSConfig)
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    loss: Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft"] = _f("decoupled_ppo")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = _f("grpo")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f(
+        "token_mean"
+    )
+    clip_low: float = _f(0.2, lo=0)
+    clip_high: float = _f(0.28, lo=0)
+    is_cap: float = _f(5.0, lo=0, lo_open=True, doc="C: cap on importance weights")
+    ratio_mask_low: float = _f(0.0, lo=0, doc="mask tokens with ratio below this (0: off)")
+    ratio_mask_high: float = _f(0.0, lo=0, doc="mask tokens with ratio above this (0: off)")
+    kl_coef: float = _f(0.0, lo=0)
+    kl_estimator: Literal["k1", "k3"] = _f("k3")
+    entropy_coef: float = _f(0.0)
+    adv_eps: float = _f(1e-6, lo=0, lo_open=True)
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    ranks: int = _f(1, lo=1, doc="torchrun processes started by `asyncrl run`")
+    lr: float = _f(1e-6, lo=0)
+    weight_decay: float = _f(0.0, lo=0)
+    betas: list[float] = _f(factory=lambda: [0.9, 0.999])
+    eps: float = _f(1e-8, lo=0, lo_open=True)
+    warmup_steps: int = _f(0, lo=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant")
+    grad_clip: float = _f(1.0, lo=0)
+    micro_batch_tokens: int = _f(8192, lo=1, doc="packed tokens per forward/backward")
+    batch_size: int = _f(64, lo=1, doc="sft: sequences per step")
+    checkpoint_every: int = _f(10, lo=0, doc="DCP checkpoint every k versions (0: only at the end)")
+    checkpoint_async: bool = _f(True)
+    export_every: int = _f(0, lo=0, doc="HF safetensors export every k versions (0: at the end)")
+    keep_checkpoints: int = _f(2, lo=0)
+
+
+@dataclass(kw_only=True)
+class WeightsConfig:
+    every: int = _f(1, lo=1, doc="publish weights every k versions")
+    backend: Literal["auto", "gloo", "nccl"] = _f("auto")
+    bucket_mb: float = _f(64.0, lo=0, lo_open=True)
+    load_format: Literal["flattened_bucket", "list"] = _f("flattened_bucket")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32")
+    timeout_s: float = _f(60.0, lo=0, lo_open=True, doc="a generator slower than this is dropped")
+    overlap: bool = _f(True, doc="broadcast version v while the learner computes v+1")
+    pause_mode: Literal["in_place", "retract"] = _f("in_place")
+    master_addr: str = _f("127.0.0.1")
+    master_port: int = _f(0, lo=0, hi=65535, doc="0: pick a free port")
+    group_name: str = _f("asyncrl_weights")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    wandb: bool = _f(True)
+    wandb_mode: Literal["offline", "online", "disabled"] = _f("offline")
+    project: str = _f("asyncrl")
+    group: str = _f("", doc="W&B run group (default: the run name)")
+    every: int = _f(1, lo=1)
+    progress: bool = _f(True)
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    run: RunConfig = _f(factory=RunConfig)
+    model: ModelConfig = _f(factory=ModelConfig)
+    data: DataConfig = _f(factory=DataConfig)
+    rollout: RolloutConfig = _f(factory=RolloutConfig)
+    generator: GeneratorConfig = _f(factory=GeneratorConfig)
+    buffer: BufferConfig = _f(factory=BufferConfig)
+    algorithm: AlgorithmConfig = _f(factory=AlgorithmConfig)
+    learner: LearnerConfig = _f(factory=LearnerConfig)
+    weights: WeightsConfig = _f(factory=WeightsConfig)
+    logging: LoggingConfig = _f(factory=LoggingConfig)
+    base_dir: str = field(default=".", metadata={"internal": True})
+    """The recipe file's folder: relative paths in the recipe are resolved against it."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def resolve(self, path: str) -> Path:
+        """A path from the recipe, relative to the recipe file's folder."""
+        p = Path(os.path.expanduser(path))
+        return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("base_dir")
+        return d
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+_SECTIONS = {f.name for f in dataclasses.fields(Recipe) if not f.metadata.get("internal")}
+
+
+def _suggest(key: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_type(value: Any, tp: Any, key: str, file: str | None) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise RecipeError(
+                f"expected one of {', '.join(map(str, choices))}, got {value!r}"
+                + (_suggest(str(value), map(str, choices)) if isinstance(value, str) else ""),
+                file=file,
+                key=key,
+            )
+        return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise RecipeError(f"expected a list, got {type(value).__name__}", file=file, key=key)
+        return [_check_type(v, item, f"{key}[{i}]", file) for i, v in enumerate(value)]
+    if origin in (types.UnionType, typing.Union):
+        for t in typing.get_args(tp):
+            try:
+                return _check_type(value, t, key, file)
+            except RecipeError:
+                continue
+        raise RecipeError(f"expected {tp}, got {value!r}", file=file, key=key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"expected true or false, got {value!r}", file=file, key=key)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"expected an integer, got {value!r}", file=file, key=key)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RecipeError(f"expected a number, got {value!r}", file=file, key=key)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"expected a string, got {value!r}", file=file, key=key)
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key, file)
+    raise RecipeError(f"unsupported type {tp}", file=file, key=key)  # pragma: no cover
+
+
+def _check_range(value: Any, rng: dict, key: str, file: str | None) -> None:
+    lo, hi = rng["lo"], rng["hi"]
+    if lo is not None and (value < lo or (rng["lo_open"] and value == lo)):
+        rel = ">" if rng["lo_open"] else ">="
+        raise RecipeError(f"must be {rel} {lo}, got {value}", file=file, key=key)
+    if hi is not None and value > hi:
+        raise RecipeError(f"must be <= {hi}, got {value}", file=file, key=key)
+
+
+def _build(cls: type, data: Any, prefix: str, file: str | None) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            f"expected a mapping of settings, got {type(data).__name__}", file=file, key=prefix
+        )
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in fields:
+            raise RecipeError("unknown key" + _suggest(str(k), fields), file=file, key=key)
+        value = _check_type(v, hints[k], key, file)
+        if "range" in fields[k].metadata:
+            _check_range(value, fields[k].metadata["range"], key, file)
+        kwargs[k] = value
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``learner.lr=1e-6`` -> (["learner", "lr"], 1e-6). Values are read as YAML scalars."""
+    if "=" not in text:
+        raise RecipeError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise RecipeError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-6 as a string; a user writing it means a number
+            value = float(value)
+        except ValueError:
+            pass
+    return parts, value
+
+
+def _apply_override(data: dict, parts: list[str], value: Any) -> None:
+    node = data
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"cannot set {'.'.join(parts)}: '{p}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(
+    data: dict, *, file: str | None = None, overrides: typing.Sequence[str] = ()
+) -> Recipe:
+    data = dict(data or {})
+    for text in overrides:
+        parts, value = parse_override(text)
+        if parts[0] not in _SECTIONS:
+            raise RecipeError(
+                "unknown section" + _suggest(parts[0], _SECTIONS),
+                file="override",
+                key=".".join(parts),
+            )
+        _apply_override(data, parts, value)
+    recipe = _build(Recipe, data, "", file)
+    if file:
+        recipe.base_dir = str(Path(file).resolve().parent)
+    validate(recipe, file=file)
+    return recipe
+
+
+def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply dotted overrides, validate, and return the typed recipe."""
+    file = str(path)
+    try:
+        text = Path(file).read_text()
+    except FileNotFoundError:
+        raise RecipeError("recipe file not found", file=file) from None
+    except OSError as e:
+        raise RecipeError(f"cannot read recipe: {e.strerror}", file=file) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"not valid YAML{at}", file=file) from None
+    if data is not None and not isinstance(data, dict):
+        raise RecipeError("a recipe must be a mapping of sections", file=file)
+    return from_dict(data or {}, file=file, overrides=overrides)
+
+
+def validate(recipe: Recipe, *, file: str | None = None) -> None:
+    """Checks across fields and on the file system, after the per-field checks."""
+    r = recipe
+    if r.model.path and not r.resolve(r.model.path).is_dir():
+        raise RecipeError(
+            f"model folder {r.model.path!r} does not exist", file=file, key="model.path"
+        )
+    if r.model.path and not (r.resolve(r.model.path) / "config.json").is_file():
+        raise RecipeError(
+            f"model folder {r.model.path!r} has no config.json", file=file, key="model.path"
+        )
+    for key in ("path", "eval_path"):
+        p = getattr(r.data, key)
+        if p and not r.resolve(p).is_file():
+            raise RecipeError(f"data file {p!r} does not exist", file=file, key=f"data.{key}")
+        if p and Path(p).suffix not in (".jsonl", ".json", ".parquet"):
+            raise RecipeError(
+                f"data file {p!r} must be .jsonl, .json or .parquet", file=file, key=f"data.{key}"
+            )
+    if r.algorithm.clip_low >= 1:
+        raise RecipeError("must be < 1", file=file, key="algorithm.clip_low")
+    if len(r.learner.betas) != 2 or not all(0 <= b < 1 for b in r.learner.betas):
+        raise RecipeError("expected two numbers in [0, 1)", file=file, key="learner.betas")
+    if r.generator.kind == "sglang" and not r.generator.urls and r.rollout.workers:
+        raise RecipeError(
+            "kind sglang needs at least one server URL", file=file, key="generator.urls"
+        )
+    if r.algorithm.ratio_mask_high and r.algorithm.ratio_mask_high <= r.algorithm.ratio_mask_low:
+        raise RecipeError(
+            "must be greater than algorithm.ratio_mask_low",
+            file=file,
+            key="algorithm.ratio_mask_high",
+        )
+    tls = r.buffer.tls
+    given = [bool(tls.cert), bool(tls.key), bool(tls.ca)]
+    if any(given) and not all(given):
+        raise RecipeError("cert, key and ca must be given together", file=file, key="buffer.tls")
+    for k in ("cert", "key", "ca"):
+        p = getattr(tls, k)
+        if p and not r.resolve(p).is_file():
+            raise RecipeError(f"file {p!r} does not exist", file=file, key=f"buffer.tls.{k}")
+    for k in ("address", "pub_address"):
+        a = getattr(r.buffer, k)
+        if not a.startswith(("tcp://", "ipc://", "tls+tcp://", "inproc://")):
+            raise RecipeError(
+                f"expected tcp://, ipc:// or tls+tcp:// address, got {a!r}",
+                file=file,
+                key=f"buffer.{k}",
+            )
+        if a.startswith("tls+tcp://") and not tls.cert:
+            raise RecipeError("a tls+tcp:// address needs buffer.tls", file=file, key=f"buffer.{k}")
+
+
+def dump(recipe: Recipe) -> str:
+    """The resolved recipe as YAML, as `asyncrl check` prints it."""
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

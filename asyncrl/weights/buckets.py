@@ -1,0 +1,113 @@
+"""Weight buckets in SGLang's layouts, and the checksum both sides compute.
+
+``flattened_bucket``: one uint8 tensor holding the raw bytes of every tensor in ``names`` order, each
+starting at a multiple of its dtype's item size (SGLang's ``FlattenedTensorBucket``). ``list``: one
+broadcast per tensor. Pure logic: no process groups or HTTP here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, the form SGLang resolves with ``getattr(torch, s)``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+@dataclass
+class Bucket:
+    """Tensors sent together in one update call."""
+
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def meta(self) -> dict:
+        """The ``names``/``dtypes``/``shapes`` fields of ``/update_weights_from_distributed``."""
+        return {
+            "names": list(self.names),
+            "dtypes": [dtype_name(t.dtype) for t in self.tensors],
+            "shapes": [list(t.shape) for t in self.tensors],
+        }
+
+
+def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    b = Bucket()
+    for name, t in named:
+        size = t.numel() * t.element_size()
+        if b.names and b.nbytes + size > bucket_bytes:
+            yield b
+            b = Bucket()
+        b.names.append(name)
+        b.tensors.append(t)
+    if b.names:
+        yield b
+
+
+def flat_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[int], int]:
+    """Byte offsets of each tensor in a flattened bucket, and its total size."""
+    offsets, pos = [], 0
+    for dt, shape in zip(dtypes, shapes, strict=True):
+        item = torch.empty((), dtype=dt).element_size()
+        pos = (pos + item - 1) // item * item
+        offsets.append(pos)
+        n = 1
+        for s in shape:
+            n *= s
+        pos += n * item
+    return offsets, pos
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Pack tensors into one uint8 tensor in SGLang's flattened-bucket layout."""
+    offsets, total = flat_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
+    flat = torch.zeros(total, dtype=torch.uint8)
+    for off, t in zip(offsets, tensors, strict=True):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[off : off + raw.numel()] = raw
+    return flat
+
+
+def unflatten(
+    flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]
+) -> list[torch.Tensor]:
+    """Views of each tensor inside a flattened bucket (the inverse of :func:`flatten`)."""
+    offsets, total = flat_layout(dtypes, shapes)
+    if flat.numel() != total:
+        raise ValueError(f"flattened bucket has {flat.numel()} bytes, the layout needs {total}")
+    out = []
+    for off, dt, shape in zip(offsets, dtypes, shapes, strict=True):
+        item = torch.empty((), dtype=dt).element_size()
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(flat[off : off + n * item].view(dt).reshape(shape))
+    return out
+
+
+def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over names and raw bytes, in sorted name order; equal on both sides iff weights equal."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda x: x[0]):
+        t = t.detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(dtype_name(t.dtype).encode())
+        h.update(str(list(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

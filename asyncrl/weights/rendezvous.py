@@ -1,0 +1,67 @@
+"""Join a weight-update process group exactly as SGLang's ``init_custom_process_group`` does.
+
+SGLang's servers form a non-default group over a TCPStore hosted by rank 0, with every key under
+``PrefixStore(group_name)``. A plain ``init_process_group`` would use other keys and never meet them,
+so the learner (rank 0) and the built-in engine (ranks from ``rank_offset``) both join through this
+one function. Gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_custom_process_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
+    """Rendezvous on ``tcp://master_address:master_port`` and return the new group (not the default).
+
+    Blocks until all ``world_size`` ranks have joined or ``timeout_s`` passes (then raises).
+    """
+    timeout = timedelta(seconds=timeout_s)
+    init_method = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    pg_options = {}
+    if "backend_options" in c10d._new_process_group_helper.__code__.co_varnames:
+        pg_options["backend_options"] = None
+    else:  # torch < 2.6 named it pg_options
+        pg_options["pg_options"] = None
+    pg, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **pg_options,
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_process_group(pg: dist.ProcessGroup | None) -> None:
+    """Tear a weight group down; safe to call on a group whose peers are gone."""
+    if pg is None:
+        return
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # a dead peer can make teardown raise; the group is unusable either way
+        c10d._world.pg_group_ranks.pop(pg, None)

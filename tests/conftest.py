@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny HF model folders made locally (no hub), one thread per process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # for tools/
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+
+def _make(tmp_path_factory, name: str, **kw) -> Path:
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp(name), **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """A random Qwen3ForCausalLM (hidden 128, 2 layers, tied embeddings) with a char tokenizer."""
+    return _make(tmp_path_factory, "tiny_qwen3", arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_untied(tmp_path_factory) -> Path:
+    return _make(tmp_path_factory, "tiny_qwen3_untied", arch="qwen3", tie_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A random LlamaForCausalLM, untied embeddings."""
+    return _make(tmp_path_factory, "tiny_llama", arch="llama", tie_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory) -> Path:
+    return _make(tmp_path_factory, "tiny_llama_tied", arch="llama", tie_embeddings=True)

@@ -1,0 +1,117 @@
+"""Make a tiny HuggingFace causal LM folder locally (no download): config, safetensors, tokenizer.
+
+The tokenizer is character-level over printable ASCII, so every synthetic task, tool call and chat
+template can be written in plain text. Used by the tests, the benches and the CPU demo.
+
+    python tools/make_tiny_model.py OUT_DIR [--arch qwen3|llama] [--hidden 128] [--layers 2] [--untied]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+CHARS = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"] + ["\n"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def make_tokenizer(out: Path):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_tiny_model(
+    out: str | Path,
+    *,
+    arch: str = "qwen3",
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 512,
+    max_positions: int = 512,
+    tie_embeddings: bool = True,
+    seed: int = 0,
+) -> Path:
+    """Write a random tiny model with the char tokenizer to ``out`` and return the folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_embeddings,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=False, mlp_bias=False))
+    else:
+        raise ValueError(f"arch must be qwen3 or llama, got {arch!r}")
+    model.save_pretrained(out, safe_serialization=True)
+    gen = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--untied", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    path = make_tiny_model(
+        a.out,
+        arch=a.arch,
+        hidden=a.hidden,
+        layers=a.layers,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        intermediate=a.intermediate,
+        tie_embeddings=not a.untied,
+        seed=a.seed,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
