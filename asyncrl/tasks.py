@@ -1,0 +1,187 @@
+"""Synthetic tasks with exact-match rewards: the CPU demo's data, and the tests'.
+
+Each task makes ``(prompt, answer)`` pairs from a seeded RNG, plus an SFT target (``completion``) that
+may differ from the answer on purpose: for ``sort``, a pure-sorting SFT model samples almost never right
+at temperature 1 and RL then has no signal, while a *noisy* target (mostly "copy the input", sometimes
+"sort it") teaches both behaviours and leaves RL to choose (/work/shared/reference/cpu-rl-feasibility.md).
+
+The held-out split is disjoint from training by construction: a prompt is held out iff a hash of the
+prompt text falls in the held-out bucket, so no seed or size can leak a held-out prompt into training.
+
+    python -m asyncrl.tasks sort OUT_DIR --train 20000 --eval 500 --seed 0
+
+writes ``OUT_DIR/train.jsonl`` and ``OUT_DIR/eval.jsonl`` with keys ``prompt``, ``answer``,
+``completion``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import string
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Split = Literal["train", "eval"]
+HELD_OUT_BUCKETS = 8
+"""One prompt in HELD_OUT_BUCKETS (by hash) is held out: enough for 500 eval prompts of 2-digit addition."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """A family of prompts with one right answer each."""
+
+    name: str
+    make: Callable[[random.Random], tuple[str, str]]
+    """One (prompt, answer) pair from the RNG."""
+    sft_target: Callable[[random.Random, str, str], str]
+    """The SFT completion for (prompt, answer): the answer itself, or a noisy target."""
+    doc: str
+
+
+def _addition(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _letters(rng: random.Random) -> str:
+    return "".join(rng.sample(string.ascii_lowercase, rng.randint(4, 5)))
+
+
+def _sort(rng: random.Random) -> tuple[str, str]:
+    s = _letters(rng)
+    return f"{s}=", "".join(sorted(s))
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    s = _letters(rng)
+    return f"{s}=", s[::-1]
+
+
+def _answer(rng: random.Random, prompt: str, answer: str) -> str:
+    return answer
+
+
+SORT_COPY_FRACTION = 0.6
+"""Share of sort SFT targets that copy the input instead of sorting it (the measured recipe)."""
+
+
+def _noisy_sort(rng: random.Random, prompt: str, answer: str) -> str:
+    return prompt.rstrip("=") if rng.random() < SORT_COPY_FRACTION else answer
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task(
+            name="addition",
+            make=_addition,
+            sft_target=_answer,
+            doc="two 2-digit numbers: '37+45=' -> '82'",
+        ),
+        Task(
+            name="sort",
+            make=_sort,
+            sft_target=_noisy_sort,
+            doc="sort 4-5 distinct letters: 'dcab=' -> 'abcd' (noisy SFT target: 60% copy)",
+        ),
+        Task(
+            name="reverse",
+            make=_reverse,
+            sft_target=_answer,
+            doc="reverse 4-5 distinct letters: 'dcab=' -> 'bacd'",
+        ),
+    )
+}
+
+
+def get(name: str) -> Task:
+    """The task called ``name``; a one-line error naming the choices otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}: expected one of {', '.join(TASKS)}") from None
+
+
+def split_of(prompt: str) -> Split:
+    """Which split a prompt belongs to: a pure function of the prompt text."""
+    h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
+    return "eval" if h % HELD_OUT_BUCKETS == 0 else "train"
+
+
+def examples(name: str, *, split: Split, n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` rows ``{prompt, answer, completion}`` of ``split``, the same for the same arguments.
+
+    Training rows may repeat a prompt (sampling with replacement, as fresh examples per step do);
+    held-out rows are distinct prompts. Raises ValueError if the split has fewer than ``n`` prompts.
+    """
+    task = get(name)
+    rng = random.Random(f"{name}:{split}:{seed}")
+    rows: list[dict[str, str]] = []
+    seen: set[str] = set()
+    tries = 0
+    while len(rows) < n:
+        tries += 1
+        if tries > 200 * n + 10_000:
+            raise ValueError(f"task {name!r} has fewer than {n} distinct {split} prompts")
+        prompt, answer = task.make(rng)
+        if split_of(prompt) != split or (split == "eval" and prompt in seen):
+            continue
+        seen.add(prompt)
+        rows.append(
+            {"prompt": prompt, "answer": answer, "completion": task.sft_target(rng, prompt, answer)}
+        )
+    return rows
+
+
+def score(completion: str, answer: str) -> float:
+    """Exact match after stripping surrounding whitespace: 1.0 or 0.0."""
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, str]]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    with Path(path).open() as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def write_task(
+    name: str, out_dir: str | Path, *, train: int, eval: int, seed: int = 0
+) -> tuple[Path, Path]:
+    """Write ``train.jsonl`` and ``eval.jsonl`` for a task; returns their paths."""
+    out = Path(out_dir)
+    return (
+        write_jsonl(out / "train.jsonl", examples(name, split="train", n=train, seed=seed)),
+        write_jsonl(out / "eval.jsonl", examples(name, split="eval", n=eval, seed=seed)),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m asyncrl.tasks", description=__doc__.splitlines()[0])
+    p.add_argument("task", choices=list(TASKS))
+    p.add_argument("out_dir")
+    p.add_argument("--train", type=int, default=20000)
+    p.add_argument("--eval", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    for path in write_task(a.task, a.out_dir, train=a.train, eval=a.eval, seed=a.seed):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
