@@ -343,7 +343,11 @@ def _apply_override(data: dict, parts: list[str], value: Any) -> None:
 
 
 def from_dict(
-    data: dict, *, file: str | None = None, overrides: typing.Sequence[str] = ()
+    data: dict,
+    *,
+    file: str | None = None,
+    overrides: typing.Sequence[str] = (),
+    check_files: bool = True,
 ) -> Recipe:
     data = dict(data or {})
     for text in overrides:
@@ -358,12 +362,18 @@ def from_dict(
     recipe = _build(Recipe, data, "", file)
     if file:
         recipe.base_dir = str(Path(file).resolve().parent)
-    validate(recipe, file=file)
+    validate(recipe, file=file, check_files=check_files)
     return recipe
 
 
-def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
-    """Read a YAML recipe, apply dotted overrides, validate, and return the typed recipe."""
+def load(
+    path: str | os.PathLike, overrides: typing.Sequence[str] = (), *, check_files: bool = True
+) -> Recipe:
+    """Read a YAML recipe, apply dotted overrides, validate, and return the typed recipe.
+
+    ``check_files=False`` skips the checks that model, data and TLS files exist (for a recipe written
+    for another machine, or whose model a previous stage builds); everything else is still checked.
+    """
     file = str(path)
     try:
         text = Path(file).read_text()
@@ -379,23 +389,23 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recip
         raise RecipeError(f"not valid YAML{at}", file=file) from None
     if data is not None and not isinstance(data, dict):
         raise RecipeError("a recipe must be a mapping of sections", file=file)
-    return from_dict(data or {}, file=file, overrides=overrides)
+    return from_dict(data or {}, file=file, overrides=overrides, check_files=check_files)
 
 
-def validate(recipe: Recipe, *, file: str | None = None) -> None:
-    """Checks across fields and on the file system, after the per-field checks."""
+def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = True) -> None:
+    """Checks across fields and on the file system (unless ``check_files`` is false)."""
     r = recipe
-    if r.model.path and not r.resolve(r.model.path).is_dir():
+    if check_files and r.model.path and not r.resolve(r.model.path).is_dir():
         raise RecipeError(
             f"model folder {r.model.path!r} does not exist", file=file, key="model.path"
         )
-    if r.model.path and not (r.resolve(r.model.path) / "config.json").is_file():
+    if check_files and r.model.path and not (r.resolve(r.model.path) / "config.json").is_file():
         raise RecipeError(
             f"model folder {r.model.path!r} has no config.json", file=file, key="model.path"
         )
     for key in ("path", "eval_path"):
         p = getattr(r.data, key)
-        if p and not r.resolve(p).is_file():
+        if check_files and p and not r.resolve(p).is_file():
             raise RecipeError(f"data file {p!r} does not exist", file=file, key=f"data.{key}")
         if p and Path(p).suffix not in (".jsonl", ".json", ".parquet"):
             raise RecipeError(
@@ -421,7 +431,7 @@ def validate(recipe: Recipe, *, file: str | None = None) -> None:
         raise RecipeError("cert, key and ca must be given together", file=file, key="buffer.tls")
     for k in ("cert", "key", "ca"):
         p = getattr(tls, k)
-        if p and not r.resolve(p).is_file():
+        if check_files and p and not r.resolve(p).is_file():
             raise RecipeError(f"file {p!r} does not exist", file=file, key=f"buffer.tls.{k}")
     for k in ("address", "pub_address"):
         a = getattr(r.buffer, k)
