@@ -126,7 +126,16 @@ class BufferConfig:
     )
     lease_seconds: float = _f(120.0, lo=0, lo_open=True)
     dynamic_sampling: bool = _f(False, doc="DAPO: drop groups whose rewards are all equal")
-    min_batch_fill: float = _f(1.0, lo=0, hi=1, lo_open=True)
+    min_batch_fill: float = _f(
+        1.0,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        doc="smallest batch fraction taken after partial_batch_after_s",
+    )
+    partial_batch_after_s: float = _f(
+        10.0, lo=0, doc="with min_batch_fill < 1: wait this long for a full batch, then take less"
+    )
     overlong_filter: bool = _f(False, doc="drop samples cut by max_new_tokens from the loss")
     batch_timeout_s: float = _f(600.0, lo=0, lo_open=True, doc="learner's longest wait for a batch")
     tls: TLSConfig = _f(factory=TLSConfig)
