@@ -48,7 +48,11 @@ _RECONNECT_MAX_MS = 2000
 
 
 class TransportTimeout(TimeoutError):
-    """A send or receive did not complete in time. Whether to resend is the caller's decision."""
+    """No reply: the wait timed out, or the connection dropped while the request was outstanding.
+
+    Either way the request may or may not have been processed; whether to resend is the caller's
+    decision (every asyncrl request is idempotent or carries an id for that reason).
+    """
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,6 +308,12 @@ class ReqClient:
             raise TransportTimeout(
                 f"no reply to {type(msg).kind} from {self.address} within {timeout:g} s"
             ) from None
+        except pynng.Closed:
+            raise
+        except pynng.NNGException as e:  # e.g. the server restarted with our request outstanding
+            raise TransportTimeout(
+                f"no reply to {type(msg).kind} from {self.address}: {e}"
+            ) from None
         finally:
             ctx.close()
         return wire.decode(raw, expect=expect)
@@ -328,6 +338,12 @@ class ReqClient:
             except pynng.Timeout:
                 raise TransportTimeout(
                     f"no reply to {type(msg).kind} from {self.address} within {timeout:g} s"
+                ) from None
+            except pynng.Closed:
+                raise
+            except pynng.NNGException as e:
+                raise TransportTimeout(
+                    f"no reply to {type(msg).kind} from {self.address}: {e}"
                 ) from None
         return wire.decode(raw, expect=expect)
 

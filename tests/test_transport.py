@@ -1,0 +1,286 @@
+"""Real nng sockets on loopback: ipc, tcp and mutual-TLS tcp (certificates made here by trustme)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pynng
+import pytest
+import trio
+import trustme
+
+from asyncrl import transport, wire
+from asyncrl.recipe import BufferConfig, TLSConfig
+from asyncrl.transport import (
+    TLS,
+    Publisher,
+    RepServer,
+    ReqClient,
+    Subscriber,
+    TransportTimeout,
+)
+
+WAIT_S = 20.0  # generous bound for "should happen": the test machine is loaded
+REFUSED_S = 1.5  # how long a refused request is given before we call it refused
+
+
+def _write_pair(ca: trustme.CA, d: Path, name: str, *identities: str) -> TLS:
+    cert = ca.issue_cert(*identities)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.crt").write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
+    (d / f"{name}.key").write_bytes(cert.private_key_pem.bytes())
+    (d / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    return TLS(cert=str(d / f"{name}.crt"), key=str(d / f"{name}.key"), ca=str(d / "ca.pem"))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, TLS]:
+    """A server and client signed by one CA, and a client signed by another (an intruder)."""
+    d = tmp_path_factory.mktemp("pki")
+    ca, other = trustme.CA(), trustme.CA()
+    return {
+        "server": _write_pair(ca, d / "ok", "server", "localhost", "127.0.0.1"),
+        "client": _write_pair(ca, d / "ok", "client", "client.asyncrl"),
+        "intruder": _write_pair(other, d / "other", "intruder", "client.asyncrl"),
+    }
+
+
+@pytest.fixture
+def ipc_dir():
+    # ipc paths are limited to ~100 bytes; pytest's tmp_path can be longer.
+    with tempfile.TemporaryDirectory(prefix="arl") as d:
+        yield d
+
+
+@pytest.fixture(params=["ipc", "tcp", "tls"])
+def endpoint(request, pki, ipc_dir):
+    """(server address, server tls, client tls); the server binds port 0 where it can."""
+    if request.param == "ipc":
+        return f"ipc://{ipc_dir}/rep.sock", None, None
+    if request.param == "tcp":
+        return "tcp://127.0.0.1:0", None, None
+    return "tls+tcp://127.0.0.1:0", pki["server"], pki["client"]
+
+
+def _sample(i: int, n_prompt: int = 5, n_completion: int = 7) -> wire.Sample:
+    return wire.Sample(
+        id=f"s{i}",
+        group_id="g",
+        prompt_ids=np.arange(n_prompt, dtype=np.int32),
+        completion_ids=np.arange(n_completion, dtype=np.int32),
+        behavior_logprobs=-np.ones(n_completion, dtype=np.float32),
+        versions=np.zeros(n_completion, dtype=np.int32),
+        loss_mask=np.ones(n_completion, dtype=np.float32),
+        reward=float(i),
+    )
+
+
+def _echo(msg: wire.Message) -> wire.Message:
+    """Replies with something that depends on the request, so a wrong pairing would show."""
+    if isinstance(msg, wire.Acquire):
+        return wire.Grant(lease_id=msg.worker_id, k=msg.n, version=3, lease_seconds=1.0)
+    if isinstance(msg, wire.Put):
+        return wire.Ack(group_ids=[g.id for g in msg.groups])
+    if isinstance(msg, wire.Status):
+        return wire.StatusReply(version=7)
+    raise RuntimeError(f"the handler fails on {msg.kind}")
+
+
+async def _until(predicate) -> None:
+    """Wait for a condition (a reply reaches the client before the server counts it as sent)."""
+    with trio.fail_after(WAIT_S):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+async def _serving(nursery, server: RepServer, handler=_echo) -> RepServer:
+    server.listen()
+    nursery.start_soon(server.serve, handler)
+    return server
+
+
+def test_req_rep_round_trip_and_concurrency(endpoint):
+    address, server_tls, client_tls = endpoint
+
+    async def main():
+        async with trio.open_nursery() as n:
+            server = await _serving(n, RepServer(address, tls=server_tls))
+            assert ":0" not in server.address.rsplit("/", 1)[-1]
+            async with ReqClient(server.address, tls=client_tls, timeout_s=WAIT_S) as client:
+                group = wire.Group(id="g", samples=[_sample(i) for i in range(3)])
+                ack = await client.request(wire.Put(worker_id="w", groups=[group]))
+                assert ack == wire.Ack(group_ids=["g"])
+                replies: dict[int, wire.Message] = {}
+
+                async def one(i: int) -> None:
+                    replies[i] = await client.request(wire.Acquire(worker_id=f"w{i}", n=i))
+
+                async with trio.open_nursery() as inner:  # several requests in flight at once
+                    for i in range(20):
+                        inner.start_soon(one, i)
+                assert all(replies[i].lease_id == f"w{i}" and replies[i].k == i for i in range(20))
+                sync_reply = await trio.to_thread.run_sync(
+                    lambda: client.request_sync(wire.Status(), expect=wire.StatusReply)
+                )
+                assert sync_reply.version == 7
+            await _until(lambda: server.stats["replied"] == 22)
+            assert server.stats == {
+                "received": 22,
+                "replied": 22,
+                "bad_messages": 0,
+                "handler_errors": 0,
+            }
+            server.close()
+
+    trio.run(main)
+
+
+def test_bad_bytes_and_handler_errors_get_error_replies_and_service_continues():
+    async def main():
+        async with trio.open_nursery() as n:
+            server = await _serving(n, RepServer("tcp://127.0.0.1:0"))
+            with pynng.Req0(dial=server.address, recv_timeout=20_000, send_timeout=20_000) as raw:
+                for junk in (b"", b"\xff\x00garbage", wire.encode(wire.Status())[:-1]):
+                    await raw.asend(junk)
+                    reply = wire.decode(await raw.arecv())
+                    assert isinstance(reply, wire.Error) and reply.code == "bad_message"
+            async with ReqClient(server.address, timeout_s=WAIT_S) as client:
+                err = await client.request(wire.Register(worker_id="w", generators=[]))
+                assert isinstance(err, wire.Error) and err.code == "internal"
+                assert "the handler fails on register" in err.message
+                assert (await client.request(wire.Status())).version == 7
+            await _until(lambda: server.stats["replied"] == 5)
+            assert server.stats["bad_messages"] == 3
+            assert server.stats["handler_errors"] == 1
+            server.close()
+
+    trio.run(main)
+
+
+def test_async_handler():
+    async def handler(msg):
+        await trio.sleep(0)
+        return wire.Ok(message=msg.kind)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            server = await _serving(n, RepServer("tcp://127.0.0.1:0"), handler)
+            async with ReqClient(server.address, timeout_s=WAIT_S) as client:
+                assert (await client.request(wire.Status())).message == "status"
+            server.close()
+
+    trio.run(main)
+
+
+def test_oversized_request_is_refused_and_server_keeps_serving():
+    async def main():
+        async with trio.open_nursery() as n:
+            server = await _serving(n, RepServer("tcp://127.0.0.1:0", max_message_bytes=64 * 1024))
+            # A group that encodes to ~1 MB; nng drops it (and the connection) before decoding.
+            big = wire.Group(id="g", samples=[_sample(0, n_prompt=10, n_completion=100_000)])
+            async with ReqClient(server.address, timeout_s=WAIT_S) as client:
+                with pytest.raises(TransportTimeout):
+                    await client.request(wire.Put(worker_id="w", groups=[big]), timeout_s=REFUSED_S)
+                # The same client reconnects and is served.
+                assert (await client.request(wire.Status())).version == 7
+            assert server.stats["received"] == 1  # the oversized request never reached Python
+            server.close()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("who", ["no_cert", "intruder", "plain_tcp"])
+def test_tls_refuses_clients_without_the_right_certificate(pki, who):
+    async def main():
+        async with trio.open_nursery() as n:
+            server = await _serving(n, RepServer("tls+tcp://127.0.0.1:0", tls=pki["server"]))
+            if who == "no_cert":
+                sock = pynng.Req0(
+                    tls_config=pynng.TLSConfig(
+                        pynng.TLSConfig.MODE_CLIENT,
+                        server_name="127.0.0.1",
+                        ca_files=[pki["client"].ca],
+                    )
+                )
+                sock.dial(server.address, block=False)
+                with sock, trio.move_on_after(REFUSED_S) as scope:
+                    await sock.asend(wire.encode(wire.Status()))
+                    await sock.arecv()
+                assert scope.cancelled_caught, "a client without a certificate was served"
+            else:
+                if who == "intruder":
+                    bad = ReqClient(server.address, tls=pki["intruder"], timeout_s=REFUSED_S)
+                else:
+                    bad = ReqClient(server.address.replace("tls+tcp", "tcp"), timeout_s=REFUSED_S)
+                with bad, pytest.raises(TransportTimeout):
+                    await bad.request(wire.Status())
+            assert server.stats["received"] == 0
+            async with ReqClient(server.address, tls=pki["client"], timeout_s=WAIT_S) as good:
+                assert (await good.request(wire.Status())).version == 7
+            server.close()
+
+    trio.run(main)
+
+
+def test_client_started_before_server_connects_when_it_comes_up(ipc_dir):
+    address = f"ipc://{ipc_dir}/late.sock"
+
+    async def main():
+        async with ReqClient(address, timeout_s=WAIT_S) as client:
+            with pytest.raises(TransportTimeout):
+                await client.request(wire.Status(), timeout_s=0.2)
+            async with trio.open_nursery() as n:
+                server = await _serving(n, RepServer(address))
+                assert (await client.request(wire.Status())).version == 7
+                server.close()
+
+    trio.run(main)
+
+
+def test_request_sync_times_out_without_server(ipc_dir):
+    with (
+        ReqClient(f"ipc://{ipc_dir}/nobody.sock", timeout_s=0.2) as client,
+        pytest.raises(TransportTimeout, match="status"),
+    ):
+        client.request_sync(wire.Status())
+
+
+def test_pub_sub_skips_bad_messages(endpoint):
+    address, server_tls, client_tls = endpoint
+
+    async def main():
+        with Publisher(address, tls=server_tls) as pub:
+            pub.listen()
+            with Subscriber(pub.address, tls=client_tls) as sub:
+                # Subscribers only hear what is sent after they connect: repeat until heard.
+                got = None
+                with trio.fail_after(WAIT_S):
+                    while got is None:
+                        await pub.publish(wire.Version(version=1, checkpoint="/ckpt/1"))
+                        got = await sub.receive(timeout_s=0.05)
+                assert got == wire.Version(version=1, checkpoint="/ckpt/1")
+                assert await sub.receive(timeout_s=0.01) in (None, got)  # drain a repeat or two
+                while await sub.receive(timeout_s=0.05) is not None:
+                    pass
+                pub._sock.send(b"\x00not msgpack")  # a raw bad message on the same socket
+                pub.publish_sync(wire.Version(version=2))
+                assert await sub.receive(timeout_s=WAIT_S) == wire.Version(version=2)
+                assert sub.stats["bad_messages"] == 1
+                assert await sub.receive(timeout_s=0.05) is None
+
+    trio.run(main)
+
+
+def test_tls_from_config_and_address_checks(pki):
+    assert TLS.from_config(BufferConfig()) is None
+    t = pki["client"]
+    cfg = BufferConfig(tls=TLSConfig(cert=t.cert, key=t.key, ca=t.ca))
+    assert TLS.from_config(cfg) == TLS(cert=t.cert, key=t.key, ca=t.ca)
+    assert TLS.from_config(cfg.tls) == TLS(cert=t.cert, key=t.key, ca=t.ca)
+    with pytest.raises(ValueError, match="needs a TLS"):
+        ReqClient("tls+tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="must be tls"):
+        ReqClient("tcp://127.0.0.1:1", tls=t)
+    assert transport.free_tcp_address().startswith("tcp://127.0.0.1:")
