@@ -1,0 +1,481 @@
+"""The generator client: SGLang's ``/generate`` over httpx on trio (DESIGN §3, reference/sglang.md §5).
+
+One :class:`GeneratorPool` drives any number of SGLang servers or built-in engines (same HTTP API):
+
+- it parses ``output_token_logprobs`` triples into token ids and behaviour logprobs, and
+  ``meta_info.weight_versions`` spans into one policy version per token (servers older than 0.5.19
+  send no spans: every token then gets the version the worker knew when it sent the request);
+- an ``abort`` finish (a weight update paused the server in ``abort`` mode) is not the end: the
+  request is re-sent as prompt + partial output with the remaining token budget, keeping the tokens,
+  logprobs and versions already received (AReaL's interruptible generation, sglang.md §3.3 and §6.6);
+- requests go to the least-loaded generator that is up; an unreachable one is marked down and tried
+  again after a back-off, and the request moves to another generator.
+
+Parsing is pure (:func:`parse_generate_response`) so it is tested on recorded SGLang responses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import trio
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class GeneratorError(RuntimeError):
+    """A request the generators refused (HTTP 4xx, a malformed response) or could not serve in time."""
+
+
+class GeneratorResponseError(GeneratorError):
+    """A ``/generate`` response that does not follow SGLang's schema; the text says which field."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Request
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """The subset of SGLang ``sampling_params`` a rollout sets. Unknown keys are a 400 in SGLang,
+    so only these are ever sent."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def to_json(self, *, max_new_tokens: int | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+        }
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_recipe(cls, rollout: Any) -> SamplingParams:
+        """From a :class:`asyncrl.recipe.RolloutConfig`."""
+        return cls(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            min_p=rollout.min_p,
+            stop=list(rollout.stop),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Response parsing (pure)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Segment:
+    """One ``/generate`` response: the tokens one HTTP request produced."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # stop | length | abort
+    matched_stop: int | str | None = None
+    abort_message: str = ""
+    prompt_tokens: int = 0
+    num_retractions: int = 0
+
+
+_LABEL = re.compile(r"^v?(\d+)$")
+
+
+def parse_version_label(label: Any, default: int) -> int:
+    """SGLang's ``weight_version`` is a free string. asyncrl's broadcaster sends the policy version
+    as ``"7"`` (``"v7"`` is also read as 7); any other label (``"default"``: no update received yet)
+    means the version the worker knew when it sent the request."""
+    if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
+        return label
+    if isinstance(label, str):
+        m = _LABEL.match(label.strip())
+        if m:
+            return int(m.group(1))
+    return default
+
+
+def spans_to_versions(spans: Any, n: int, default: int) -> list[int]:
+    """``[{"version","start","end"}, ...]`` over output-token indices → one version per token.
+
+    Tokens that no span covers (servers older than 0.5.19 send no spans) get ``default``.
+    """
+    versions = [default] * n
+    if spans is None:
+        return versions
+    if not isinstance(spans, list):
+        raise GeneratorResponseError("meta_info.weight_versions: expected a list of spans")
+    for i, s in enumerate(spans):
+        if not isinstance(s, dict) or not {"version", "start", "end"} <= s.keys():
+            raise GeneratorResponseError(
+                f"meta_info.weight_versions[{i}]: expected {{version, start, end}}, got {s!r}"
+            )
+        start, end = s["start"], s["end"]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
+            raise GeneratorResponseError(
+                f"meta_info.weight_versions[{i}]: span [{start}, {end}) is outside [0, {n})"
+            )
+        v = parse_version_label(s["version"], default)
+        versions[start:end] = [v] * (end - start)
+    return versions
+
+
+def parse_finish_reason(fr: Any) -> tuple[str, int | str | None, str]:
+    """SGLang's ``finish_reason`` → (stop | length | abort, matched stop, abort message)."""
+    if not isinstance(fr, dict) or fr.get("type") not in FINISH_REASONS:
+        raise GeneratorResponseError(f"meta_info.finish_reason: unexpected value {fr!r}")
+    kind = fr["type"]
+    if kind == "abort":
+        return kind, None, str(fr.get("message") or "")
+    return kind, fr.get("matched"), ""
+
+
+def parse_generate_response(body: Any, *, default_version: int) -> Segment:
+    """Parse one non-streaming ``/generate`` response (sglang.md §5.2).
+
+    Tokens and logprobs come from ``meta_info.output_token_logprobs`` (positional triples
+    ``[logprob, token_id, text]``), checked against ``output_ids``; versions from
+    ``meta_info.weight_versions`` (see :func:`spans_to_versions`).
+    """
+    if isinstance(body, list):
+        if len(body) != 1:
+            raise GeneratorResponseError(f"expected one response, got a list of {len(body)}")
+        body = body[0]
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise GeneratorResponseError("expected an object with meta_info")
+    meta = body["meta_info"]
+    triples = meta.get("output_token_logprobs")
+    if not isinstance(triples, list):
+        raise GeneratorResponseError(
+            "meta_info.output_token_logprobs: missing (was return_logprob sent?)"
+        )
+    ids: list[int] = []
+    lps: list[float] = []
+    for i, t in enumerate(triples):
+        if not (isinstance(t, list | tuple) and len(t) >= 2):
+            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: not a triple")
+        lp, tok = t[0], t[1]
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: bad token id")
+        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise GeneratorResponseError(
+                f"meta_info.output_token_logprobs[{i}]: logprob {lp!r} is not a finite number"
+            )
+        ids.append(tok)
+        lps.append(min(float(lp), 0.0))
+    out_ids = body.get("output_ids")
+    if out_ids is not None and list(out_ids) != ids:
+        raise GeneratorResponseError(
+            f"output_ids ({len(out_ids)} tokens) disagree with meta_info.output_token_logprobs "
+            f"({len(ids)} tokens)"
+        )
+    kind, matched, message = parse_finish_reason(meta.get("finish_reason"))
+    return Segment(
+        output_ids=ids,
+        logprobs=lps,
+        versions=spans_to_versions(meta.get("weight_versions"), len(ids), default_version),
+        finish_reason=kind,
+        matched_stop=matched,
+        abort_message=message,
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        num_retractions=int(meta.get("num_retractions") or 0),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The pool
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """What one :meth:`GeneratorPool.generate` call produced, possibly over several requests."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # stop | length | abort (abort only when resuming gave up)
+    matched_stop: int | str | None = None
+    num_resumes: int = 0  # requests re-sent after an abort
+    num_retractions: int = 0
+    generator: str = ""  # URL of the generator that produced the last tokens
+
+
+@dataclass(kw_only=True)
+class GeneratorState:
+    """Book-keeping for one generator: load, health, and busy time (for its idle fraction)."""
+
+    url: str
+    in_flight: int = 0
+    down_until: float = 0.0  # trio clock; 0 = up
+    failures: int = 0  # consecutive transport failures
+    last_error: str = ""
+    requests: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0
+    _busy_since: float | None = None
+
+    def enter(self, now: float) -> None:
+        if self.in_flight == 0:
+            self._busy_since = now
+        self.in_flight += 1
+
+    def leave(self, now: float) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._busy_since is not None:
+            self.busy_s += now - self._busy_since
+            self._busy_since = None
+
+    def busy_total(self, now: float) -> float:
+        extra = now - self._busy_since if self._busy_since is not None else 0.0
+        return self.busy_s + extra
+
+
+class GeneratorPool:
+    """Sends ``/generate`` requests to a set of SGLang-compatible generators.
+
+    ``version`` is the policy version the worker last heard of; it stamps tokens a server does not
+    label (servers older than 0.5.19). Use as ``async with GeneratorPool(urls) as pool``.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        retry_s: float = 0.5,
+        max_retry_s: float = 15.0,
+        max_resumes: int = 1000,
+        version: int = 0,
+    ):
+        if not urls:
+            raise ValueError("GeneratorPool needs at least one generator URL")
+        self.generators = {u.rstrip("/"): GeneratorState(url=u.rstrip("/")) for u in urls}
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self.max_resumes = max_resumes
+        self.version = version
+        self._rr = itertools.count()
+        self._t0 = trio.current_time()  # made inside trio.run
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def __aenter__(self) -> GeneratorPool:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self._http.aclose()
+
+    # -- choosing a generator --------------------------------------------------------------------
+
+    def _pick(self, prefer: str | None) -> GeneratorState | None:
+        now = trio.current_time()
+        up = [g for g in self.generators.values() if g.down_until <= now]
+        if not up:
+            return None
+        if prefer is not None:
+            g = self.generators.get(prefer)
+            if g is not None and g.down_until <= now:
+                return g
+        low = min(g.in_flight for g in up)
+        ties = [g for g in up if g.in_flight == low]
+        return ties[next(self._rr) % len(ties)]
+
+    def _mark_down(self, g: GeneratorState, why: str) -> None:
+        g.failures += 1
+        g.last_error = why
+        backoff = min(self.retry_s * 2 ** (g.failures - 1), self.max_retry_s)
+        g.down_until = trio.current_time() + backoff
+        log.warning("generator %s is down (%s); retrying it in %.1fs", g.url, why, backoff)
+
+    def _mark_up(self, g: GeneratorState) -> None:
+        if g.failures:
+            log.info("generator %s is back up", g.url)
+        g.failures = 0
+        g.down_until = 0.0
+        g.last_error = ""
+
+    def stats(self) -> dict[str, float]:
+        """Load and idle fraction per generator since the pool was made."""
+        now = trio.current_time()
+        elapsed = max(now - self._t0, 1e-9)
+        out: dict[str, float] = {}
+        idle = []
+        for i, g in enumerate(self.generators.values()):
+            frac = 1.0 - min(g.busy_total(now) / elapsed, 1.0)
+            idle.append(frac)
+            out[f"generator/{i}/idle_fraction"] = frac
+            out[f"generator/{i}/in_flight"] = g.in_flight
+            out[f"generator/{i}/up"] = float(g.down_until <= now)
+        out["generator/idle_fraction"] = sum(idle) / len(idle)
+        out["generator/up"] = sum(g.down_until <= now for g in self.generators.values())
+        return out
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every generator answers ``/health`` (raises :class:`GeneratorError`)."""
+        with trio.move_on_after(timeout_s):
+            for g in self.generators.values():
+                while True:
+                    try:
+                        r = await self._http.get(g.url + "/health", timeout=5.0)
+                        if r.status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await trio.sleep(0.2)
+            return
+        down = [g.url for g in self.generators.values()]
+        raise GeneratorError(f"generators not ready after {timeout_s:.0f}s: {', '.join(down)}")
+
+    async def _post(
+        self, payload: dict[str, Any], prefer: str | None, deadline: float
+    ) -> tuple[Segment, str]:
+        """One ``/generate`` request, moved to another generator while transport errors last."""
+        while True:
+            g = self._pick(prefer)
+            if g is None:
+                wake = min(x.down_until for x in self.generators.values())
+                if wake >= deadline:
+                    errs = "; ".join(f"{x.url}: {x.last_error}" for x in self.generators.values())
+                    raise GeneratorError(f"no generator reachable before the timeout ({errs})")
+                await trio.sleep_until(wake)
+                continue
+            version_at_request = self.version
+            g.enter(trio.current_time())
+            g.requests += 1
+            try:
+                r = await self._http.post(g.url + "/generate", json=payload)
+            except httpx.TransportError as e:
+                self._mark_down(g, f"{type(e).__name__}: {e}")
+                prefer = None
+                continue
+            finally:
+                g.leave(trio.current_time())
+            if r.status_code >= 500:
+                self._mark_down(g, f"HTTP {r.status_code}: {r.text[:200]}")
+                prefer = None
+                continue
+            if r.status_code != 200:
+                raise GeneratorError(f"{g.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
+            self._mark_up(g)
+            try:
+                body = r.json()
+            except ValueError:
+                raise GeneratorResponseError(f"{g.url}/generate: response is not JSON") from None
+            seg = parse_generate_response(body, default_version=version_at_request)
+            g.tokens += len(seg.output_ids)
+            return seg, g.url
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_new_tokens: int | None = None,
+        rid: str | None = None,
+    ) -> Completion:
+        """Generate one completion of ``input_ids``; resumes across aborts (see module doc).
+
+        ``rid`` prefixes the SGLang request ids (``{rid}.{n}``), so ``abort(rid)`` stops them all.
+        Raises :class:`GeneratorError` on a refused request or when no generator answers within
+        ``timeout_s``.
+        """
+        budget = params.max_new_tokens if max_new_tokens is None else max_new_tokens
+        rid = rid or uuid.uuid4().hex
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        resumes = retractions = 0
+        finish, matched, url = "length", None, None
+        deadline = trio.current_time() + self.timeout_s
+        try:
+            for n in itertools.count():
+                remaining = budget - len(ids)
+                if remaining <= 0:
+                    finish = "length"
+                    break
+                payload = {
+                    "input_ids": list(input_ids) + ids,
+                    "sampling_params": params.to_json(max_new_tokens=remaining),
+                    "return_logprob": True,
+                    "stream": False,
+                    "rid": f"{rid}.{n}",
+                }
+                seg, url = await self._post(payload, url, deadline)
+                ids += seg.output_ids
+                lps += seg.logprobs
+                vers += seg.versions
+                retractions += seg.num_retractions
+                finish, matched = seg.finish_reason, seg.matched_stop
+                if finish != "abort":
+                    break
+                resumes += 1
+                if resumes > self.max_resumes or trio.current_time() >= deadline:
+                    log.warning("request %s: giving up after %d aborts", rid, resumes)
+                    break
+                if not seg.output_ids:  # aborted before any progress: do not spin
+                    await trio.sleep(min(0.01 * 2 ** min(resumes, 7), 1.0))
+        except trio.Cancelled:
+            if url is not None:  # stop the server's work too (SGLang aborts by rid prefix)
+                with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                    await self.abort(rid, urls=[url])
+            raise
+        if len(ids) > budget:
+            raise GeneratorResponseError(
+                f"generator returned {len(ids)} tokens for a budget of {budget}"
+            )
+        return Completion(
+            output_ids=ids,
+            logprobs=lps,
+            versions=vers,
+            finish_reason=finish,
+            matched_stop=matched,
+            num_resumes=resumes,
+            num_retractions=retractions,
+            generator=url or "",
+        )
+
+    async def abort(self, rid_prefix: str, *, urls: list[str] | None = None) -> None:
+        """Best effort ``/abort_request`` by rid prefix on the given (default: all up) generators."""
+        now = trio.current_time()
+        targets = urls or [g.url for g in self.generators.values() if g.down_until <= now]
+        for u in targets:
+            try:
+                await self._http.post(u + "/abort_request", json={"rid": rid_prefix}, timeout=2.0)
+            except httpx.HTTPError:
+                pass

@@ -1,0 +1,120 @@
+"""The generator client's response parsing, on real recorded SGLang 0.5.23 responses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.rollout.client import (
+    GeneratorResponseError,
+    SamplingParams,
+    parse_generate_response,
+    parse_version_label,
+    spans_to_versions,
+)
+
+RECORDED = Path("/work/shared/reference/sglang-recorded")
+
+
+def _recorded(name: str) -> dict:
+    path = RECORDED / name
+    if not path.exists():
+        pytest.skip(f"{path} not available")
+    return json.loads(path.read_text())
+
+
+def test_parse_recorded_sglang_response():
+    body = _recorded("generate_logprob.json")
+    seg = parse_generate_response(body, default_version=3)
+    assert seg.output_ids == body["output_ids"]
+    assert seg.logprobs == [t[0] for t in body["meta_info"]["output_token_logprobs"]]
+    # the recorded server had never been updated: its label "default" means "the version the
+    # worker knew at request time"
+    assert seg.versions == [3] * len(seg.output_ids)
+    assert seg.finish_reason == "length"
+    assert seg.prompt_tokens == 5
+
+
+def test_parse_last_recorded_stream_chunk_has_spans():
+    chunks = [
+        json.loads(line[len("data: ") :])
+        for line in (RECORDED / "generate_stream.txt").read_text().splitlines()
+        if line.startswith("data: {")
+    ]
+    last = chunks[-1]
+    seg = parse_generate_response(last, default_version=0)
+    assert len(seg.output_ids) == len(seg.logprobs) == len(seg.versions) > 0
+    assert seg.finish_reason in ("stop", "length")
+
+
+def test_spans_give_per_token_versions():
+    spans = [{"version": "v2", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 6}]
+    assert spans_to_versions(spans, 6, default=9) == [2, 2, 2, 5, 5, 5]
+    # older SGLang: no spans -> the version at request time
+    assert spans_to_versions(None, 3, default=4) == [4, 4, 4]
+    with pytest.raises(GeneratorResponseError, match=r"weight_versions\[0\]"):
+        spans_to_versions([{"version": "1", "start": 0, "end": 9}], 6, default=0)
+
+
+def test_version_labels():
+    assert parse_version_label("7", 0) == 7
+    assert parse_version_label("v12", 0) == 12
+    assert parse_version_label("default", 4) == 4
+    assert parse_version_label(None, 4) == 4
+
+
+def test_abort_response_keeps_partial_output():
+    body = {
+        "output_ids": [5, 6],
+        "meta_info": {
+            "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None},
+            "output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
+            "weight_versions": [{"version": "1", "start": 0, "end": 2}],
+        },
+    }
+    seg = parse_generate_response(body, default_version=0)
+    assert (seg.finish_reason, seg.abort_message) == ("abort", "Aborted")
+    assert seg.output_ids == [5, 6] and seg.logprobs == [-1.0, -2.0] and seg.versions == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ({"finish_reason": {"type": "length"}}, "output_token_logprobs"),
+        ({"finish_reason": {"type": "??"}, "output_token_logprobs": []}, "finish_reason"),
+        (
+            {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[None, 3, None]]},
+            "logprob",
+        ),
+    ],
+)
+def test_malformed_responses_name_the_field(meta, match):
+    with pytest.raises(GeneratorResponseError, match=match):
+        parse_generate_response({"meta_info": meta}, default_version=0)
+
+
+def test_output_ids_must_agree_with_logprobs():
+    body = {
+        "output_ids": [1, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 1},
+            "output_token_logprobs": [[-0.5, 1, None]],
+        },
+    }
+    with pytest.raises(GeneratorResponseError, match="disagree"):
+        parse_generate_response(body, default_version=0)
+
+
+def test_sampling_params_send_only_sglang_keys():
+    d = SamplingParams(max_new_tokens=7, stop=["</tool>"]).to_json(max_new_tokens=3)
+    assert d["max_new_tokens"] == 3 and d["stop"] == ["</tool>"]
+    allowed = set(_recorded_allowed_keys())
+    assert set(d) <= allowed
+
+
+def _recorded_allowed_keys() -> list[str]:
+    text = (RECORDED / "generate_bad_sampling_key.txt").read_text()
+    inner = text.split("expected one of", 1)[1].split('"}')[0]
+    return [k.strip(" `") for k in inner.split(",")]
