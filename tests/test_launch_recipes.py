@@ -1,0 +1,53 @@
+"""The shipped recipes are valid: GPU ones with --no-files here, the demo ones on the built demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl import check, recipe
+from tools.make_demo import make_demo
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def test_there_are_demo_and_gpu_recipes():
+    names = {p.name for p in RECIPES}
+    assert {"demo.yaml", "demo_sft.yaml", "qwen3_0.6b_gsm8k.yaml", "multinode.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_passes_check_without_files(path, capsys):
+    assert check.main(["--no-files", str(path)]) == 0
+    assert "file existence not checked" in capsys.readouterr().err
+
+
+def test_gpu_recipe_with_file_checks_names_the_missing_model(capsys):
+    assert check.main([str(ROOT / "recipes/qwen3_0.6b_gsm8k.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "model.path" in err and "/models/Qwen3-0.6B" in err and "Traceback" not in err
+
+
+def test_no_files_still_checks_the_schema(capsys):
+    path = str(ROOT / "recipes/multinode.yaml")
+    assert check.main(["--no-files", path, "buffer.max_staleness=-1"]) == 2
+    assert "buffer.max_staleness" in capsys.readouterr().err
+
+
+def test_demo_sft_recipe_points_at_what_make_demo_builds(tmp_path):
+    out = make_demo(tmp_path / "demo", train=50, eval=10)
+    r = recipe.load(ROOT / "recipes/demo_sft.yaml", check_files=False)
+    assert r.resolve(r.model.path).resolve() == (ROOT / "build/demo/model").resolve()
+    # the same recipe with the freshly made folder passes the full file checks
+    r = recipe.load(
+        ROOT / "recipes/demo_sft.yaml",
+        [
+            f"model.path={out / 'model'}",
+            f"data.path={out / 'data/train.jsonl'}",
+            f"data.eval_path={out / 'data/eval.jsonl'}",
+        ],
+    )
+    assert r.algorithm.loss == "sft"
+    assert (out / "model/config.json").is_file()

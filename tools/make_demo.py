@@ -1,0 +1,64 @@
+"""Build the CPU demo's inputs: a random tiny Qwen3 and the synthetic task's jsonl files. No download.
+
+    python tools/make_demo.py [--out build/demo] [--task sort] [--seed 0]
+
+writes ``OUT/model`` (Qwen3ForCausalLM: hidden 128, 2 layers, 4 heads / 4 KV heads, intermediate 512,
+tied embeddings, 64 positions: the model of /work/shared/reference/cpu-rl-feasibility.md, with the
+char tokenizer of tools/make_tiny_model.py) and ``OUT/data/{train,eval}.jsonl``. Idempotent: existing
+outputs made with the same arguments are kept, so `make demo` can be re-run cheaply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl import tasks  # noqa: E402
+from tools.make_tiny_model import make_tiny_model  # noqa: E402
+
+MODEL = dict(
+    arch="qwen3",
+    hidden=128,
+    layers=2,
+    heads=4,
+    kv_heads=4,
+    intermediate=512,
+    max_positions=64,
+    tie_embeddings=True,
+)
+
+
+def make_demo(
+    out: str | Path, *, task: str = "sort", seed: int = 0, train: int = 20000, eval: int = 500
+) -> Path:
+    """Make (or keep) the demo model and data under ``out``; returns ``out``."""
+    out = Path(out)
+    stamp = out / "made_with.json"
+    args = {"task": task, "seed": seed, "train": train, "eval": eval, "model": MODEL}
+    if stamp.is_file() and json.loads(stamp.read_text()) == args:
+        return out
+    make_tiny_model(out / "model", seed=seed, **MODEL)
+    tasks.write_task(task, out / "data", train=train, eval=eval, seed=seed)
+    stamp.write_text(json.dumps(args))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="build/demo")
+    p.add_argument("--task", default="sort", choices=list(tasks.TASKS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train", type=int, default=20000)
+    p.add_argument("--eval", type=int, default=500)
+    a = p.parse_args(argv)
+    out = make_demo(a.out, task=a.task, seed=a.seed, train=a.train, eval=a.eval)
+    print(f"demo model and data in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
