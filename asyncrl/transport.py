@@ -101,11 +101,19 @@ class TLS:
 
     @classmethod
     def from_config(cls, cfg: Any) -> TLS | None:
-        """From a recipe's ``buffer.tls`` (or ``buffer``) section; None when no TLS is configured."""
+        """From a recipe, its ``buffer`` section or ``buffer.tls``; None when TLS is not configured.
+
+        Given the whole recipe, relative paths are resolved against the recipe file's folder.
+        """
+        resolve = getattr(cfg, "resolve", None)
+        cfg = getattr(cfg, "buffer", cfg)
         cfg = getattr(cfg, "tls", cfg)
         if not (cfg.cert or cfg.key or cfg.ca):
             return None
-        return cls(cert=cfg.cert, key=cfg.key, ca=cfg.ca)
+        paths = [cfg.cert, cfg.key, cfg.ca]
+        if resolve is not None:
+            paths = [str(resolve(p)) for p in paths]
+        return cls(cert=paths[0], key=paths[1], ca=paths[2])
 
     def _pem(self, field: str) -> str:
         path = getattr(self, field)

@@ -12,7 +12,7 @@ import trio
 import trustme
 
 from asyncrl import transport, wire
-from asyncrl.recipe import BufferConfig, TLSConfig
+from asyncrl.recipe import BufferConfig, Recipe, TLSConfig
 from asyncrl.transport import (
     TLS,
     Publisher,
@@ -279,6 +279,13 @@ def test_tls_from_config_and_address_checks(pki):
     cfg = BufferConfig(tls=TLSConfig(cert=t.cert, key=t.key, ca=t.ca))
     assert TLS.from_config(cfg) == TLS(cert=t.cert, key=t.key, ca=t.ca)
     assert TLS.from_config(cfg.tls) == TLS(cert=t.cert, key=t.key, ca=t.ca)
+    d = Path(t.ca).parent
+    rel = Recipe(
+        buffer=BufferConfig(tls=TLSConfig(cert="client.crt", key="client.key", ca="ca.pem"))
+    )
+    rel.base_dir = str(d)
+    assert TLS.from_config(rel) == TLS(cert=t.cert, key=t.key, ca=t.ca)
+    assert TLS.from_config(Recipe()) is None
     with pytest.raises(ValueError, match="needs a TLS"):
         ReqClient("tls+tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="must be tls"):
