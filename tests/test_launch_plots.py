@@ -1,0 +1,77 @@
+"""tools/plots.py: every plot from a full metrics file, and no failure on missing or broken keys."""
+
+from __future__ import annotations
+
+import json
+
+from tools import plots
+
+
+def _write(path, records, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def _full_records(n=12, eta=4):
+    recs = []
+    for v in range(n):
+        recs.append(
+            {
+                "version": v,
+                "reward/mean": v / n,
+                "staleness/mean": min(v, eta) / 2,
+                "staleness/max": min(v, eta),
+                **{f"staleness/hist/{k}": float(k <= min(v, eta)) for k in range(eta + 1)},
+                "buffer/max_staleness": eta,
+                "buffer/dropped_stale": 0,
+                "throughput/generated_tokens_per_s": 900.0 + v,
+                "throughput/trained_tokens_per_s": 800.0,
+                "learner/idle_frac": 0.1,
+                "generator/idle_frac": 0.05,
+                "weights/sync_s": 0.02,
+                "weights/pause_s/gen0": 0.001,
+                "drift/mismatch_kl": 1e-6,
+                "drift/staleness_kl/1": 1e-3,
+            }
+        )
+    recs.append({"version": n, "eval/success": 0.8})
+    return recs
+
+
+def test_all_plots_from_full_metrics(tmp_path):
+    m = _write(tmp_path / "metrics.jsonl", _full_records())
+    written = plots.make_plots(m)
+    names = {p.name for p in written}
+    assert names == {
+        "reward.png",
+        "staleness.png",
+        "throughput.png",
+        "weight_sync.png",
+        "drift.png",
+    }
+    for p in written:
+        assert p.parent == tmp_path / "plots" and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_keys_and_a_torn_last_line_are_not_errors(tmp_path):
+    recs = [{"version": 0, "reward/mean": 0.1}, {"step": 1, "reward/mean": None, "text": "x"}]
+    m = _write(tmp_path / "metrics.jsonl", recs, tail='{"version": 2, "rew')
+    written = plots.make_plots(m, tmp_path / "out")
+    assert [p.name for p in written] == ["reward.png"]
+
+
+def test_series_picks_keys_by_pattern_and_x_by_version():
+    recs = [{"version": 5, "rollout/generator_idle_fraction": 0.5}, {"foo": 1}]
+    key, xs, ys = plots.series(recs, plots.GEN_IDLE)
+    assert key == "rollout/generator_idle_fraction" and xs == [5.0] and ys == [0.5]
+    assert plots.series(recs, plots.SYNC_S) == ("", [], [])
+
+
+def test_nested_records_are_flattened(tmp_path):
+    m = _write(tmp_path / "m.jsonl", [{"version": 1, "staleness": {"mean": 1.0, "max": 2}}])
+    assert plots.read_metrics(m) == [{"version": 1, "staleness/mean": 1.0, "staleness/max": 2}]
+
+
+def test_cli_reports_a_missing_file(tmp_path, capsys):
+    assert plots.main([str(tmp_path / "nope.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
