@@ -75,3 +75,16 @@ def test_nested_records_are_flattened(tmp_path):
 def test_cli_reports_a_missing_file(tmp_path, capsys):
     assert plots.main([str(tmp_path / "nope.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_staleness_histograms_from_the_metrics_sink(tmp_path):
+    from asyncrl.metrics import MetricsSink
+
+    with MetricsSink(tmp_path, name="t", group="t", use_wandb=False) as sink:
+        for v in range(4):
+            sink.log({"staleness/mean": v / 2}, step=v)
+            sink.log_histogram("staleness/hist", [0, 1, 1, min(v, 2)], step=v, bins=3)
+    recs = plots.read_metrics(tmp_path / "metrics.jsonl")
+    hist = next(r["staleness/hist"] for r in recs if "staleness/hist" in r)
+    assert plots._hist_buckets(hist) == {0: 2.0, 1: 2.0}
+    assert [p.name for p in plots.make_plots(tmp_path / "metrics.jsonl")] == ["staleness.png"]

@@ -49,10 +49,28 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, dict) and not _is_hist(v):
             out.update(_flatten(v, key + "/"))
         else:
             out[key] = v
+    return out
+
+
+def _is_hist(v) -> bool:
+    """A histogram as asyncrl.metrics logs it: ``{"hist": counts, "edges": edges}``."""
+    return (
+        isinstance(v, dict) and isinstance(v.get("hist"), list) and isinstance(v.get("edges"), list)
+    )
+
+
+def _hist_buckets(h: dict) -> dict[int, float]:
+    """Integer staleness bucket -> count, from a histogram's bins (bin centres rounded)."""
+    counts, edges = h["hist"], h["edges"]
+    out: dict[int, float] = {}
+    for i, c in enumerate(counts):
+        if i + 1 < len(edges) and _num(c) is not None and c:
+            b = max(0, round((edges[i] + edges[i + 1]) / 2))
+            out[b] = out.get(b, 0.0) + float(c)
     return out
 
 
@@ -145,18 +163,22 @@ def plot_reward(records, out: Path) -> Path | None:
 def plot_staleness(records, out: Path) -> Path | None:
     plt = _plt()
     rx = re.compile(STALE_HIST)
-    buckets = sorted({int(m.group(1)) for r in records for k in r if (m := rx.fullmatch(k))})
+    cols: list[tuple[float, dict[int, float]]] = []  # (x, bucket -> count) per record
+    for i, r in enumerate(records):
+        col: dict[int, float] = {}
+        for k, v in r.items():
+            if (m := rx.fullmatch(k)) and _num(v) is not None:
+                col[int(m.group(1))] = float(v)
+            elif "staleness" in k and _is_hist(v):
+                col.update(_hist_buckets(v))
+        if col:
+            cols.append((_x(r, i), col))
+    buckets = sorted({b for _, col in cols for b in col})
     fig, ax = plt.subplots(figsize=(7, 4))
     drawn = False
     if buckets:
-        cols = [(i, r) for i, r in enumerate(records) if any(rx.fullmatch(k) for k in r)]
-        grid = [[0.0] * len(cols) for _ in range(max(buckets) + 1)]
-        xs = []
-        for j, (i, r) in enumerate(cols):
-            xs.append(_x(r, i))
-            for k, v in r.items():
-                if (m := rx.fullmatch(k)) and _num(v) is not None:
-                    grid[int(m.group(1))][j] = float(v)
+        grid = [[col.get(b, 0.0) for _, col in cols] for b in range(max(buckets) + 1)]
+        xs = [x for x, _ in cols]
         x0, x1 = (min(xs), max(xs)) if xs else (0, 1)
         im = ax.imshow(
             grid,
