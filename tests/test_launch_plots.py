@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tools import plots
+from asyncrl import plots
 
 
 def _write(path, records, tail=""):

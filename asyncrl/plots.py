@@ -1,0 +1,293 @@
+"""metrics.jsonl -> PNG plots of a run (matplotlib, Agg backend: no display needed).
+
+    python tools/plots.py runs/demo/metrics.jsonl [--out runs/demo/plots]   (or: python -m asyncrl.plots)
+
+Writes (each only if its metrics are present; a missing key never fails the tool):
+- ``reward.png``: training reward mean per version and held-out success at each evaluation;
+- ``staleness.png``: the staleness histogram over versions (heat map) with per-batch mean and max,
+  the bound eta, and groups dropped as stale;
+- ``throughput.png``: generated and trained tokens/s, learner and generator idle fractions;
+- ``weight_sync.png``: weight-sync seconds and generator pause seconds per version;
+- ``drift.png``: KL(mu || pi_prox) per staleness bucket (engine mismatch vs staleness drift).
+
+Each line of metrics.jsonl is one JSON object of flat ``section/name`` keys; the x axis is the
+record's ``version`` (or ``step``), else its position. Keys are found by the patterns below, so a sink
+that renames ``generator/idle_frac`` to ``rollout/generator_idle_fraction`` still plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+X_KEYS = ("version", "step", "learner/version", "_step")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics JSONL file; malformed lines (a crash mid-write) are skipped."""
+    records = []
+    with Path(path).open() as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                records.append(_flatten(rec))
+    return records
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and not _is_hist(v):
+            out.update(_flatten(v, key + "/"))
+        else:
+            out[key] = v
+    return out
+
+
+def _is_hist(v) -> bool:
+    """A histogram as asyncrl.metrics logs it: ``{"hist": counts, "edges": edges}``."""
+    return (
+        isinstance(v, dict) and isinstance(v.get("hist"), list) and isinstance(v.get("edges"), list)
+    )
+
+
+def _hist_buckets(h: dict) -> dict[int, float]:
+    """Integer staleness bucket -> count, from a histogram's bins (bin centres rounded)."""
+    counts, edges = h["hist"], h["edges"]
+    out: dict[int, float] = {}
+    for i, c in enumerate(counts):
+        if i + 1 < len(edges) and _num(c) is not None and c:
+            b = max(0, round((edges[i] + edges[i + 1]) / 2))
+            out[b] = out.get(b, 0.0) + float(c)
+    return out
+
+
+def _num(v) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _x(rec: dict, i: int) -> float:
+    for k in X_KEYS:
+        v = _num(rec.get(k))
+        if v is not None:
+            return v
+    return float(i)
+
+
+def find_key(records: list[dict], patterns: Iterable[str]) -> str | None:
+    """The first key (in pattern order) that fully matches a pattern and has a number somewhere."""
+    keys = sorted({k for r in records for k, v in r.items() if _num(v) is not None})
+    for pat in patterns:
+        rx = re.compile(pat)
+        for k in keys:
+            if rx.fullmatch(k):
+                return k
+    return None
+
+
+def series(records: list[dict], patterns: Iterable[str]) -> tuple[str, list[float], list[float]]:
+    """(key, xs, ys) of the first matching key; empty lists if none matches."""
+    key = find_key(records, patterns)
+    if key is None:
+        return "", [], []
+    xs, ys = [], []
+    for i, r in enumerate(records):
+        v = _num(r.get(key))
+        if v is not None:
+            xs.append(_x(r, i))
+            ys.append(v)
+    return key, xs, ys
+
+
+REWARD = [r"(train/|rollout/|learner/)?reward(/mean|_mean)?", r".*reward.*mean"]
+EVAL = [r"eval/(success|reward|accuracy)", r"eval.*(success|reward)"]
+STALE_MEAN = [r"(buffer/|learner/)?staleness/mean", r".*staleness.*mean"]
+STALE_MAX = [r"(buffer/|learner/)?staleness/max", r".*staleness.*max(?!_allowed)"]
+STALE_HIST = r"(?:.*/)?staleness/(?:hist|histogram)/(\d+)"
+ETA = [r".*max_staleness(_allowed)?", r".*staleness/(bound|eta)"]
+DROPPED = [r".*(dropped|cancelled).*stale.*", r".*stale.*(dropped|cancelled).*"]
+GEN_TPS = [r".*generated_tokens_per_s", r".*gen.*tokens.*per_s.*", r".*gen.*tok.*s"]
+TRAIN_TPS = [r".*trained_tokens_per_s", r".*train.*tokens.*per_s.*"]
+LEARNER_IDLE = [r"learner/idle_frac(tion)?", r".*learner.*idle.*"]
+GEN_IDLE = [r"(generator|rollout)/idle_frac(tion)?", r".*(generator|rollout).*idle.*"]
+SYNC_S = [r"weights/sync_s(econds)?", r".*weight.*sync.*s(econds)?", r".*broadcast.*s(econds)?"]
+PAUSE = r"(?:.*/)?pause_s(?:econds)?(?:/(.+))?"
+DRIFT = r"drift/(mismatch_kl|staleness_kl/(\d+))"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _line(ax, records, patterns, label=None, **kw) -> bool:
+    key, xs, ys = series(records, patterns)
+    if xs:
+        ax.plot(xs, ys, label=label or key, **kw)
+    return bool(xs)
+
+
+def plot_reward(records, out: Path) -> Path | None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = _line(ax, records, REWARD, label="train reward (sampled)", alpha=0.6)
+    key, xs, ys = series(records, EVAL)
+    if xs:
+        ax.plot(xs, ys, "o-", label="held-out success (greedy)", color="C3")
+    if not (drawn or xs):
+        plt.close(fig)
+        return None
+    ax.set(xlabel="policy version", ylabel="reward", title="Reward", ylim=(-0.02, 1.02))
+    ax.legend(loc="lower right")
+    return _save(fig, out / "reward.png")
+
+
+def plot_staleness(records, out: Path) -> Path | None:
+    plt = _plt()
+    rx = re.compile(STALE_HIST)
+    cols: list[tuple[float, dict[int, float]]] = []  # (x, bucket -> count) per record
+    for i, r in enumerate(records):
+        col: dict[int, float] = {}
+        for k, v in r.items():
+            if (m := rx.fullmatch(k)) and _num(v) is not None:
+                col[int(m.group(1))] = float(v)
+            elif "staleness" in k and _is_hist(v):
+                col.update(_hist_buckets(v))
+        if col:
+            cols.append((_x(r, i), col))
+    buckets = sorted({b for _, col in cols for b in col})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = False
+    if buckets:
+        grid = [[col.get(b, 0.0) for _, col in cols] for b in range(max(buckets) + 1)]
+        xs = [x for x, _ in cols]
+        x0, x1 = (min(xs), max(xs)) if xs else (0, 1)
+        im = ax.imshow(
+            grid,
+            aspect="auto",
+            origin="lower",
+            interpolation="nearest",
+            extent=(x0 - 0.5, x1 + 0.5, -0.5, max(buckets) + 0.5),
+            cmap="Blues",
+        )
+        fig.colorbar(im, ax=ax, label="tokens or samples")
+        drawn = True
+    drawn |= _line(ax, records, STALE_MEAN, label="mean", color="C1")
+    drawn |= _line(ax, records, STALE_MAX, label="max", color="C3", drawstyle="steps-post")
+    key, xs, ys = series(records, ETA)
+    if ys:
+        ax.axhline(max(ys), ls="--", color="k", label=f"bound eta = {max(ys):g}")
+    if not drawn:
+        plt.close(fig)
+        return None
+    key, xs, ys = series(records, DROPPED)
+    title = f"Staleness ({key}: {ys[-1]:g} at the end)" if ys else "Staleness"
+    ax.set(xlabel="policy version", ylabel="staleness (versions)", title=title)
+    ax.legend(loc="upper left")
+    return _save(fig, out / "staleness.png")
+
+
+def plot_throughput(records, out: Path) -> Path | None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    d1 = _line(a1, records, GEN_TPS, label="generated tokens/s")
+    d1 |= _line(a1, records, TRAIN_TPS, label="trained tokens/s")
+    d2 = _line(a2, records, LEARNER_IDLE, label="learner idle (waiting for data)")
+    d2 |= _line(a2, records, GEN_IDLE, label="generator idle")
+    if not (d1 or d2):
+        plt.close(fig)
+        return None
+    a1.set(ylabel="tokens/s", title="Throughput")
+    a2.set(xlabel="policy version", ylabel="idle fraction", ylim=(-0.02, 1.02))
+    for a, d in ((a1, d1), (a2, d2)):
+        if d:
+            a.legend(loc="best")
+    return _save(fig, out / "throughput.png")
+
+
+def plot_weight_sync(records, out: Path) -> Path | None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    drawn = _line(ax, records, SYNC_S, label="weight sync (learner)", marker=".")
+    rx = re.compile(PAUSE)
+    pause_keys = sorted({k for r in records for k in r if rx.fullmatch(k)})
+    for k in pause_keys[:8]:
+        drawn |= _line(ax, records, [re.escape(k)], label=f"pause {k}", marker=".")
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set(xlabel="policy version", ylabel="seconds", title="Weight sync and generator pause")
+    ax.legend(loc="best")
+    return _save(fig, out / "weight_sync.png")
+
+
+def plot_drift(records, out: Path) -> Path | None:
+    plt = _plt()
+    rx = re.compile(DRIFT)
+    keys = sorted(
+        {k for r in records for k in r if rx.fullmatch(k)},
+        key=lambda k: int(m.group(2)) if (m := rx.fullmatch(k)) and m.group(2) else -1,
+    )
+    if not keys:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k in keys:
+        label = "staleness 0 (engine mismatch)" if k.endswith("mismatch_kl") else k.split("/", 1)[1]
+        _line(ax, records, [re.escape(k)], label=label)
+    ax.set(xlabel="policy version", ylabel="KL(mu || pi_prox)", title="Drift by staleness")
+    ax.legend(loc="best")
+    return _save(fig, out / "drift.png")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
+PLOTS = (plot_reward, plot_staleness, plot_throughput, plot_weight_sync, plot_drift)
+
+
+def make_plots(metrics: str | Path, out: str | Path | None = None) -> list[Path]:
+    """Write every plot whose metrics exist; returns the files written."""
+    metrics = Path(metrics)
+    out = Path(out) if out else metrics.parent / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    records = read_metrics(metrics) if metrics.is_file() else []
+    return [p for plot in PLOTS if (p := plot(records, out)) is not None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("metrics", help="metrics.jsonl of a run")
+    p.add_argument("--out", help="folder for the PNGs (default: plots/ next to the metrics)")
+    a = p.parse_args(argv)
+    if not Path(a.metrics).is_file():
+        print(f"plots: {a.metrics}: no such file", file=sys.stderr)
+        return 2
+    for path in make_plots(a.metrics, a.out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
