@@ -1,0 +1,354 @@
+"""The wire codec: every message round-trips; no byte string makes decode raise anything but WireError."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncrl import wire
+
+# --------------------------------------------------------------------------------------------------
+# Strategies: one per message kind (a new kind without one fails test_every_kind_has_a_strategy)
+# --------------------------------------------------------------------------------------------------
+
+text = st.text(max_size=12)
+ident = st.text(min_size=1, max_size=8)
+version = st.integers(0, 2**62)
+count = st.integers(0, wire.MAX_ITEMS)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+json_leaf = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | finite | text
+metadata = st.dictionaries(
+    text,
+    st.recursive(
+        json_leaf,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+        max_leaves=6,
+    ),
+    max_size=3,
+)
+
+
+@st.composite
+def samples(draw, group_id: str, sample_id: str) -> wire.Sample:
+    n = draw(st.integers(0, 40))
+    p = draw(st.integers(0, 40))
+    i32 = st.integers(-(2**31), 2**31 - 1)
+    return wire.Sample(
+        id=sample_id,
+        group_id=group_id,
+        prompt_ids=np.array(draw(st.lists(i32, min_size=p, max_size=p)), dtype=np.int32),
+        completion_ids=np.array(draw(st.lists(i32, min_size=n, max_size=n)), dtype=np.int32),
+        behavior_logprobs=np.array(
+            draw(st.lists(st.floats(-(2.0**100), 0.0, width=32), min_size=n, max_size=n)),
+            dtype=np.float32,
+        ),
+        versions=np.array(
+            draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)), dtype=np.int32
+        ),
+        loss_mask=np.array(
+            draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n)), dtype=np.float32
+        ),
+        reward=draw(finite),
+        finish_reason=draw(st.sampled_from(["stop", "length", "abort"])),
+        metadata=draw(metadata),
+    )
+
+
+@st.composite
+def groups(draw) -> wire.Group:
+    gid = draw(ident)
+    ids = draw(st.lists(ident, min_size=1, max_size=4, unique=True))
+    return wire.Group(
+        id=gid,
+        lease_id=draw(text),
+        samples=[draw(samples(gid, i)) for i in ids],
+        prompt_index=draw(st.integers(-(2**63), 2**63 - 1)),
+        metadata=draw(metadata),
+    )
+
+
+STRATEGIES: dict[str, st.SearchStrategy] = {
+    "group": groups(),
+    "acquire": st.builds(wire.Acquire, worker_id=text, n=count, request_id=text),
+    "grant": st.builds(
+        wire.Grant, lease_id=text, k=count, version=version, lease_seconds=finite, request_id=text
+    ),
+    "put": st.builds(wire.Put, worker_id=text, groups=st.lists(groups(), max_size=3)),
+    "ack": st.builds(
+        wire.Ack,
+        group_ids=st.lists(text, max_size=4),
+        rejected=st.dictionaries(text, text, max_size=3),
+        version=version,
+    ),
+    "release": st.builds(wire.Release, worker_id=text, lease_id=text, n=count),
+    "register": st.builds(
+        wire.Register,
+        worker_id=text,
+        generators=st.lists(
+            st.builds(wire.GeneratorInfo, url=text, world_size=st.integers(1, 4096), kind=text),
+            max_size=3,
+        ),
+    ),
+    "ok": st.builds(wire.Ok, version=version, message=text),
+    "error": st.builds(wire.Error, code=text, message=text),
+    "status": st.just(wire.Status()),
+    "status_reply": st.builds(wire.StatusReply, version=version, stats=metadata),
+    "version": st.builds(
+        wire.Version, version=version, checkpoint=text, max_staleness=st.integers(0, 2**31)
+    ),
+}
+
+
+def assert_same(a, b, where: str = "msg") -> None:
+    """Deep equality that compares numpy arrays by dtype and content."""
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), where
+        return
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+        return
+    if isinstance(a, list | tuple):
+        assert isinstance(b, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+        return
+    assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_every_kind_has_a_strategy():
+    assert set(STRATEGIES) == set(wire.MESSAGES)
+
+
+@pytest.mark.parametrize("kind", sorted(wire.MESSAGES))
+def test_round_trip(kind):
+    @settings(
+        max_examples=40,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(STRATEGIES[kind])
+    def check(msg):
+        data = wire.encode(msg)
+        back = wire.decode(data, expect=wire.MESSAGES[kind])
+        assert_same(msg, back)
+        assert wire.encode(back) == data
+
+    check()
+
+
+# --------------------------------------------------------------------------------------------------
+# Fuzzing decode: 10,000 random and mutated inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _valid_messages(rng: random.Random) -> list[wire.Message]:
+    def sample(gid: str, i: int) -> wire.Sample:
+        n = rng.randint(0, 6)
+        return wire.Sample(
+            id=f"s{i}",
+            group_id=gid,
+            prompt_ids=np.arange(rng.randint(0, 5), dtype=np.int32),
+            completion_ids=np.arange(n, dtype=np.int32),
+            behavior_logprobs=-np.ones(n, dtype=np.float32),
+            versions=np.zeros(n, dtype=np.int32),
+            loss_mask=np.ones(n, dtype=np.float32),
+            reward=1.0,
+            metadata={"task": "sort"},
+        )
+
+    group = wire.Group(id="g", lease_id="L", samples=[sample("g", i) for i in range(3)])
+    return [
+        group,
+        wire.Put(worker_id="w", groups=[group, group]),
+        wire.Acquire(worker_id="w", n=4, request_id="r"),
+        wire.Grant(lease_id="L", k=2, version=3, lease_seconds=30.0),
+        wire.Ack(group_ids=["g"], rejected={"h": "stale"}, version=2),
+        wire.Release(worker_id="w", lease_id="L", n=1),
+        wire.Register(worker_id="w", generators=[wire.GeneratorInfo(url="http://x", world_size=2)]),
+        wire.Ok(version=1, message="fine"),
+        wire.Error(code="bad_message", message="no"),
+        wire.Status(),
+        wire.StatusReply(version=5, stats={"a": 1}),
+        wire.Version(version=9, checkpoint="/c", max_staleness=1),
+    ]
+
+
+def _random_value(rng: random.Random):
+    return rng.choice(
+        [
+            None,
+            True,
+            -1,
+            2**64 - 1,
+            -(2**63),
+            float("nan"),
+            float("inf"),
+            1.5,
+            "",
+            "x" * rng.randint(0, 50),
+            b"\x00" * rng.randint(0, 9),
+            [],
+            [1, "a"],
+            {},
+            {"k": [None]},
+            {1: 2},
+        ]
+    )
+
+
+def _mutate_tree(obj, rng: random.Random):
+    """Change one thing somewhere in a decoded msgpack tree."""
+    if isinstance(obj, dict) and obj and rng.random() < 0.7:
+        key = rng.choice(list(obj))
+        op = rng.random()
+        if op < 0.2:
+            del obj[key]
+        elif op < 0.4:
+            obj[key] = _random_value(rng)
+        elif op < 0.5 and key == "kind":
+            obj[key] = rng.choice([*wire.MESSAGES, "nope", 7])
+        elif op < 0.6 and isinstance(obj[key], bytes):  # an array of the wrong length
+            raw = obj[key]
+            obj[key] = raw[: rng.randint(0, len(raw))] + b"\x01" * rng.randint(0, 9)
+        else:
+            obj[key] = _mutate_tree(obj[key], rng)
+        return obj
+    if isinstance(obj, list) and obj and rng.random() < 0.7:
+        i = rng.randrange(len(obj))
+        if rng.random() < 0.3:
+            obj.append(obj[i])  # e.g. a duplicate sample id
+        else:
+            obj[i] = _mutate_tree(obj[i], rng)
+        return obj
+    if isinstance(obj, bytes):
+        return bytes(rng.getrandbits(8) for _ in range(len(obj) + rng.randint(-4, 4)))
+    return _random_value(rng)
+
+
+_HUGE_HEADERS = [
+    b"\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
+    b"\xdb\xff\xff\xff\xff",  # str32 of 4 GiB
+    b"\xdd\xff\xff\xff\xff",  # array32 of 4G items
+    b"\xdf\xff\xff\xff\xff",  # map32 of 4G entries
+    b"\xc9\x7f\xff\xff\xff\x01",  # ext32
+    b"\xc5\xff\xff",  # bin16
+]
+
+
+def _huge_declared(base: dict, rng: random.Random) -> bytes:
+    """A valid prefix, then a field whose declared size is far beyond the data that follows."""
+    head = {k: v for k, v in base.items() if k in ("kind", "v")}
+    packed = msgpack.packb(head, use_bin_type=True)
+    n = len(head) + 1
+    prefix = bytes([0x80 | n]) + packed[1:]  # one more entry than given
+    key = rng.choice(["samples", "groups", "prompt_ids", "id", "metadata", "worker_id"])
+    return prefix + msgpack.packb(key) + rng.choice(_HUGE_HEADERS) + b"\x00" * rng.randint(0, 16)
+
+
+def _fuzz_inputs(rng: random.Random, n: int):
+    valid = [wire.encode(m) for m in _valid_messages(rng)]
+    trees = [msgpack.unpackb(v, raw=False) for v in valid]
+    for i in range(n):
+        base = rng.randrange(len(valid))
+        data = valid[base]
+        op = i % 6
+        if op == 0:  # random bytes
+            yield bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+        elif op == 1:  # truncated
+            yield data[: rng.randrange(len(data))]
+        elif op == 2:  # flipped bytes
+            b = bytearray(data)
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] = rng.getrandbits(8)
+            yield bytes(b)
+        elif op in (3, 4):  # structural mutation: kinds, types, missing fields, array lengths
+            tree = msgpack.unpackb(data, raw=False)
+            for _ in range(rng.randint(1, 3)):
+                tree = _mutate_tree(tree, rng)
+            try:
+                yield msgpack.packb(tree, use_bin_type=True)
+            except (TypeError, ValueError, OverflowError):
+                yield data[:-1]
+        else:  # huge declared sizes
+            yield _huge_declared(trees[base], rng)
+
+
+def test_decode_fuzz_raises_only_wire_error():
+    rng = random.Random(20261122)
+    outcomes = {"error": 0, "ok": 0}
+    for data in _fuzz_inputs(rng, 10_000):
+        try:
+            msg = wire.decode(data)
+        except wire.WireError:
+            outcomes["error"] += 1
+            continue
+        # Whatever decodes must be a well-formed message that encodes again.
+        assert type(msg) in wire.MESSAGES.values()
+        wire.encode(msg)
+        outcomes["ok"] += 1
+    assert outcomes["error"] > 5_000  # the mutations do break messages...
+    assert outcomes["ok"] > 0  # ...and some survive (e.g. a changed metadata value)
+
+
+@pytest.mark.parametrize("field", ["behavior_logprobs", "versions", "loss_mask"])
+def test_per_token_length_mismatch_names_the_field(field):
+    sample = _valid_messages(random.Random(1))[0].samples[0]
+    n = len(sample.completion_ids) + 2
+    sample.completion_ids = np.arange(n, dtype=np.int32)
+    for f in ("behavior_logprobs", "versions", "loss_mask"):
+        if f != field:
+            setattr(sample, f, np.zeros(n, dtype=getattr(sample, f).dtype))
+    group = wire.Group(id="g", samples=[sample])
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(wire.encode(wire.Put(worker_id="w", groups=[group])))
+    assert f"put.groups[0].samples[0].{field}:" in str(e.value)
+    assert "completion_ids" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda d: d.update(kind="nope"), "unknown message kind"),
+        (lambda d: d.update(v=99), "schema version"),
+        (lambda d: d.pop("worker_id"), "missing field 'worker_id'"),
+        (lambda d: d.update(n=True), "acquire.n: expected int, got bool"),
+        (lambda d: d.update(n=-1), "acquire.n: -1 is outside"),
+    ],
+)
+def test_decode_errors_name_the_problem(change, needle):
+    d = msgpack.unpackb(wire.encode(wire.Acquire(worker_id="w", n=1)), raw=False)
+    change(d)
+    with pytest.raises(wire.WireError, match=needle):
+        wire.decode(msgpack.packb(d))
+
+
+def test_decode_rejects_bad_sample_values_and_unexpected_kinds():
+    good = _valid_messages(random.Random(2))[0]
+    s = good.samples[0]
+    s.completion_ids = np.arange(2, dtype=np.int32)
+    s.versions = np.zeros(2, dtype=np.int32)
+    s.loss_mask = np.ones(2, dtype=np.float32)
+    for logprobs, needle in ((np.array([0.5, 0.0]), "cannot be positive"), ([np.nan, 0], "finite")):
+        s.behavior_logprobs = np.asarray(logprobs, dtype=np.float32)
+        with pytest.raises(wire.WireError, match=needle):
+            wire.decode(wire.encode(good))
+    with pytest.raises(wire.WireError, match="unexpected message kind 'status'"):
+        wire.decode(wire.encode(wire.Status()), expect=wire.Put)
+    with pytest.raises(wire.WireError, match="not a wire message"):
+        wire.encode(s)
