@@ -56,6 +56,9 @@ def test_equal_rewards_and_singletons_give_exact_zero(kind):
     out = adv([[0.1, 0.1, 0.1], [0.7], [0.3, 0.3]], kind, eps=1e-6)
     for a in out:
         assert torch.equal(a, torch.zeros_like(a)), (kind, out)
+    # In float64, mean([0.1]*3) != 0.1 (by 1.4e-17); a tiny residual must not survive as signal.
+    t = adv(torch.full((2, 3), 0.1, dtype=torch.float64), kind, eps=1e-6)
+    assert torch.equal(t, torch.zeros_like(t)), (kind, t)
 
 
 @pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo"])

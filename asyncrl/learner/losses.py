@@ -1,0 +1,317 @@
+"""Policy losses (DESIGN §4) on packed, flat token tensors.
+
+Every tensor is 1-D over the completion tokens of one micro-batch (packed, no padding); ``seq_ids``
+says which sequence each token belongs to and ``mask`` which tokens are trained on (the sample's
+``loss_mask``; tokens with mask 0 may hold any value, even NaN, and never reach the loss or the
+gradient). Notation per token t: π = exp(logp), the current policy (carries the gradient);
+μ = exp(behavior_logp), the generator's; π_prox = exp(prox_logp), the learner's weights at the
+start of the step; A = advantage; sg[·] = stop-gradient.
+
+Each loss is one function returning the per-token loss ℓ_t and where its clipping was active. The
+step's loss is a weighted sum ``L = Σ_t c_t · ℓ_t`` whose weights c_t (:func:`token_weights`) use
+GLOBAL denominators (:class:`Normaliser`, counted over every rank and micro-batch of the step). So a
+micro-batch's loss is its own contribution, and summing the micro-batch losses of all ranks gives
+the full-batch loss exactly: the result does not depend on how the batch is split. Sequence-level
+parts (``gspo``, ``seq_mean_token_mean``) need each sequence whole inside one micro-batch.
+
+Statistics come back as additive sums (:func:`policy_loss`); sum them over micro-batches and ranks,
+then :func:`finalize_stats` turns them into the logged means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from asyncrl.recipe import AlgorithmConfig
+
+LOSSES = ("ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def needs_prox(name: str) -> bool:
+    """Whether the loss needs π_prox, a forward-only recompute with the step's starting weights."""
+    return name == "decoupled_ppo"
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-token losses: (ℓ_t, clipping active at t)
+# --------------------------------------------------------------------------------------------------
+
+
+def ppo(
+    logp: Tensor, behavior_logp: Tensor, adv: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO clip with the generator as π_old: ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), r = π/μ."""
+    r = torch.exp(logp - behavior_logp)
+    unclipped, clipped = r * adv, torch.clamp(r, 1 - clip_low, 1 + clip_high) * adv
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def decoupled_ppo(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behavior_logp: Tensor,
+    adv: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    is_cap: float,
+) -> tuple[Tensor, Tensor]:
+    """Decoupled PPO (AReaL): ℓ = −w · min(r·A, clip(r, 1−ε_low, 1+ε_high)·A),
+    r = π/π_prox, w = sg[min(π_prox/μ, C)]. The trust region is around π_prox, the IS weight
+    corrects for sampling from μ; with π_prox = μ (and C ≥ 1) it is exactly :func:`ppo`."""
+    w = torch.exp(prox_logp - behavior_logp).clamp(max=is_cap).detach()
+    loss, clip_active = ppo(logp, prox_logp, adv, clip_low=clip_low, clip_high=clip_high)
+    return w * loss, clip_active
+
+
+def tis(
+    logp: Tensor, behavior_logp: Tensor, adv: Tensor, *, is_cap: float
+) -> tuple[Tensor, Tensor]:
+    """Truncated importance-weighted policy gradient: ℓ = −sg[min(π/μ, C)] · A · log π."""
+    w = torch.exp(logp - behavior_logp).detach()
+    return -w.clamp(max=is_cap) * adv * logp, w > is_cap
+
+
+def cispo(
+    logp: Tensor, behavior_logp: Tensor, adv: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1): ℓ = −sg[clip(π/μ, 1−ε_low, 1+ε_high)] · A · log π. Clipping the weight,
+    not the token, keeps every token's gradient."""
+    w = torch.exp(logp - behavior_logp).detach()
+    clipped = w.clamp(1 - clip_low, 1 + clip_high)
+    return -clipped * adv * logp, clipped != w
+
+
+def gspo(
+    logp: Tensor,
+    behavior_logp: Tensor,
+    adv: Tensor,
+    *,
+    seq_ids: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """GSPO: s_i = exp(1/|y_i| Σ_{t∈y_i} (log π_t − log μ_t)) (geometric mean of the token ratios,
+    gradient flows through it), and for t ∈ y_i: ℓ_t = −min(s_i·A_t, clip(s_i, 1−ε_low, 1+ε_high)·A_t).
+
+    ℓ_t is the sequence's loss on each of its tokens, so ``seq_mean_token_mean`` gives the paper's
+    mean over sequences. GSPO's clip ranges are small (paper: 3e-4 / 4e-4); set them in the recipe.
+    """
+    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    m = mask.to(logp.dtype)
+    count = torch.zeros(n, dtype=logp.dtype).index_add_(0, seq_ids, m)
+    total = torch.zeros(n, dtype=logp.dtype).index_add_(0, seq_ids, (logp - behavior_logp) * m)
+    s = torch.exp(total / count.clamp(min=1))[seq_ids]
+    unclipped, clipped = s * adv, torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def sft(logp: Tensor) -> tuple[Tensor, Tensor]:
+    """Supervised fine-tuning: cross-entropy ℓ = −log π on the target tokens."""
+    return -logp, torch.zeros_like(logp, dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------------------------------
+# Regularisers
+# --------------------------------------------------------------------------------------------------
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str) -> Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) on tokens sampled from π (Schulman's estimators):
+    k1 = log π − log π_ref;  k3 = ρ − 1 − log ρ with ρ = π_ref/π (unbiased, always ≥ 0)."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        log_rho = ref_logp - logp
+        return torch.exp(log_rho) - 1 - log_rho
+    raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r}; one of k1, k3")
+
+
+# --------------------------------------------------------------------------------------------------
+# Aggregation
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Normaliser:
+    """Global denominators of one optimizer step, the same on every rank and micro-batch.
+
+    ``tokens``: tokens with mask 1 in the whole step; ``seqs``: sequences with at least one such
+    token; ``seq_len``: Dr. GRPO's constant L (use ``rollout.max_new_tokens``). Build it from
+    :func:`count_tokens_and_seqs` summed over micro-batches and all-reduced over ranks.
+    """
+
+    tokens: float
+    seqs: float
+    seq_len: float = 1.0
+
+
+def count_tokens_and_seqs(mask: Tensor, seq_ids: Tensor) -> Tensor:
+    """This micro-batch's share of the :class:`Normaliser`: float64 ``[tokens, seqs]``, to be summed."""
+    m = mask.bool()
+    return torch.tensor(
+        [float(m.sum()), float(torch.unique(seq_ids[m]).numel())], dtype=torch.float64
+    )
+
+
+def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Normaliser) -> Tensor:
+    """The c_t of L = Σ_t c_t ℓ_t (0 where mask is 0), with N_tok, N_seq, L from ``norm``:
+    - ``token_mean``:              c_t = 1 / N_tok
+    - ``seq_mean_token_mean``:     c_t = 1 / (|y_i| · N_seq), |y_i| = mask-1 tokens of t's sequence
+    - ``seq_mean_token_sum_norm``: c_t = 1 / (L · N_seq)   (Dr. GRPO: no length normalisation)
+    """
+    m = mask.to(torch.float64)
+    if aggregation == "token_mean":
+        c = m / max(norm.tokens, 1)
+    elif aggregation == "seq_mean_token_mean":
+        n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+        length = torch.zeros(n, dtype=torch.float64).index_add_(0, seq_ids, m)[seq_ids]
+        c = m / (length.clamp(min=1) * max(norm.seqs, 1))
+    elif aggregation == "seq_mean_token_sum_norm":
+        if norm.seq_len <= 0:
+            raise ValueError(
+                f"seq_mean_token_sum_norm needs a positive seq_len, got {norm.seq_len}"
+            )
+        c = m / (norm.seq_len * max(norm.seqs, 1))
+    else:
+        raise ValueError(f"algorithm.aggregation: unknown {aggregation!r}; one of {AGGREGATIONS}")
+    return c
+
+
+# --------------------------------------------------------------------------------------------------
+# The step's loss
+# --------------------------------------------------------------------------------------------------
+
+
+def policy_loss(
+    *,
+    cfg: AlgorithmConfig,
+    norm: Normaliser,
+    logp: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    behavior_logp: Tensor | None = None,
+    advantages: Tensor | None = None,
+    prox_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's contribution to the step loss, for the loss ``cfg.loss``:
+
+        L = Σ_t c_t · m_t · (ℓ_t + β·KL_t − α·H_t)
+
+    with c_t from ``cfg.aggregation`` and ``norm``, ℓ_t the per-token loss, β = ``kl_coef``,
+    α = ``entropy_coef``, H_t the caller's per-token entropy (with gradient). m_t drops tokens whose
+    IS ratio ρ_t = π_prox/μ (π/μ without π_prox) lies outside [ratio_mask_low, ratio_mask_high]
+    (IcePop / masked IS; a bound of 0 is off); dropped tokens stay in the denominators.
+
+    Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch: add them
+    up over micro-batches and ranks, then call :func:`finalize_stats`.
+    """
+    name = cfg.loss
+    if name not in LOSSES:
+        raise ValueError(f"algorithm.loss: unknown loss {name!r}; one of {LOSSES}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logp.dtype)
+
+    def clean(x: Tensor | None, what: str) -> Tensor:
+        # Masked positions may hold garbage; zero them so neither loss nor gradient sees NaN/inf.
+        if x is None:
+            raise ValueError(f"loss {name!r} needs {what}")
+        if x.shape != logp.shape:
+            raise ValueError(f"{what}: shape {tuple(x.shape)} != logp shape {tuple(logp.shape)}")
+        return torch.where(valid, x, zero.to(x.dtype))
+
+    lp = clean(logp, "logp")
+    if name == "sft":
+        log_rho, keep = torch.zeros_like(lp.detach()), valid
+        per_token, clip_active = sft(lp)
+    else:
+        blp = clean(behavior_logp, "behavior_logp").detach()
+        adv = clean(advantages, "advantages").detach()
+        plp = clean(prox_logp, "prox_logp").detach() if needs_prox(name) else None
+        log_rho = (lp.detach() if plp is None else plp) - blp
+        keep = valid & ratio_in_bounds(torch.exp(log_rho), cfg.ratio_mask_low, cfg.ratio_mask_high)
+        eps = {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}
+        if name == "ppo":
+            per_token, clip_active = ppo(lp, blp, adv, **eps)
+        elif name == "decoupled_ppo":
+            per_token, clip_active = decoupled_ppo(lp, plp, blp, adv, **eps, is_cap=cfg.is_cap)
+        elif name == "tis":
+            per_token, clip_active = tis(lp, blp, adv, is_cap=cfg.is_cap)
+        elif name == "cispo":
+            per_token, clip_active = cispo(lp, blp, adv, **eps)
+        else:
+            per_token, clip_active = gspo(lp, blp, adv, seq_ids=seq_ids, mask=keep, **eps)
+
+    rho = torch.exp(log_rho)
+    capped = keep & (rho > cfg.is_cap) if name in ("decoupled_ppo", "tis") else keep & False
+    stats = {
+        "tokens": valid.sum(),
+        "ratio_masked": (valid & ~keep).sum(),
+        "clipped": (keep & clip_active).sum(),
+        "is_capped": capped.sum(),
+        "is_weight": torch.where(valid, rho, 0).sum(),
+        "is_weight_sq": torch.where(valid, rho * rho, 0).sum(),
+        "kl_mu_k1": torch.where(valid, -log_rho, 0).sum(),
+        "kl_mu_k3": torch.where(valid, rho - 1 - log_rho, 0).sum(),
+    }
+    if cfg.kl_coef > 0 or ref_logp is not None:
+        ref = clean(ref_logp, "ref_logp (algorithm.kl_coef > 0)").detach()
+        kl = kl_penalty(lp, ref, estimator=cfg.kl_estimator)
+        per_token = per_token + cfg.kl_coef * kl
+        stats["kl_ref"] = torch.where(keep, kl.detach(), 0).sum()
+    if cfg.entropy_coef != 0 or entropy is not None:
+        h = clean(entropy, "entropy (algorithm.entropy_coef != 0)")
+        per_token = per_token - cfg.entropy_coef * h
+        stats["entropy"] = torch.where(keep, h.detach(), 0).sum()
+
+    # Weights from the trained tokens (ratio-masked tokens stay in every denominator).
+    c = token_weights(valid, seq_ids, aggregation=cfg.aggregation, norm=norm).to(per_token.dtype)
+    loss = torch.where(keep, per_token * c, 0).sum()
+    return loss, {k: torch.as_tensor(v, dtype=torch.float64).detach() for k, v in stats.items()}
+
+
+def ratio_in_bounds(rho: Tensor, lo: float, hi: float) -> Tensor:
+    """IcePop / masked IS: keep tokens with lo ≤ ρ ≤ hi; a bound of 0 is off."""
+    keep = torch.ones_like(rho, dtype=torch.bool)
+    if lo > 0:
+        keep &= rho >= lo
+    if hi > 0:
+        keep &= rho <= hi
+    return keep
+
+
+def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
+    """Summed stats → logged metrics (means over trained tokens; ESS = (Σw)² / (N·Σw²)).
+
+    Over no tokens every fraction is 0 and ESS is 1 (nothing to weight)."""
+    s = {k: float(v) for k, v in stats.items()}
+    n = s["tokens"]
+    out = {"loss/tokens": n}
+    if n <= 0:
+        return out | {
+            "loss/is_weight_mean": 1.0,
+            "loss/ess": 1.0,
+            "loss/clip_frac": 0.0,
+            "loss/ratio_masked_frac": 0.0,
+            "loss/is_capped_frac": 0.0,
+        }
+    out["loss/is_weight_mean"] = s["is_weight"] / n
+    out["loss/ess"] = (
+        s["is_weight"] ** 2 / (n * s["is_weight_sq"]) if s["is_weight_sq"] > 0 else 0.0
+    )
+    out["loss/clip_frac"] = s["clipped"] / n
+    out["loss/ratio_masked_frac"] = s["ratio_masked"] / n
+    out["loss/is_capped_frac"] = s["is_capped"] / n
+    out["loss/kl_mu_k1"] = s["kl_mu_k1"] / n
+    out["loss/kl_mu_k3"] = s["kl_mu_k3"] / n
+    for k in ("kl_ref", "entropy"):
+        if k in s:
+            out[f"loss/{k}"] = s[k] / n
+    return out

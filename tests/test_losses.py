@@ -1,0 +1,423 @@
+"""Policy losses: hand-computed values, identities, float64 gradients, split invariance, masking."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.learner.losses import (
+    LOSSES,
+    Normaliser,
+    count_tokens_and_seqs,
+    finalize_stats,
+    needs_prox,
+    policy_loss,
+)
+from asyncrl.recipe import AlgorithmConfig
+
+F64 = torch.float64
+RL_LOSSES = [x for x in LOSSES if x != "sft"]
+AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=F64)
+
+
+def run(loss, *, logp, blp=None, adv=None, mask=None, seq_ids=None, norm=None, **kw):
+    """policy_loss with a config from keyword fields and a one-micro-batch normaliser."""
+    fields = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    cfg = AlgorithmConfig(loss=loss, **{k: v for k, v in kw.items() if k in fields})
+    extra = {k: v for k, v in kw.items() if k not in fields}
+    n = logp.shape[0]
+    mask = torch.ones(n, dtype=torch.bool) if mask is None else mask
+    seq_ids = torch.zeros(n, dtype=torch.long) if seq_ids is None else seq_ids
+    if norm is None:
+        tok, seqs = count_tokens_and_seqs(mask, seq_ids).tolist()
+        norm = Normaliser(tokens=tok, seqs=seqs, seq_len=8)
+    return policy_loss(
+        cfg=cfg,
+        norm=norm,
+        logp=logp,
+        behavior_logp=blp,
+        advantages=adv,
+        mask=mask,
+        seq_ids=seq_ids,
+        **extra,
+    )
+
+
+def grad_of(loss_fn, logp):
+    x = logp.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(loss_fn(x), x)
+    return g
+
+
+# ---- hand-built example: ratios r = π/μ = [1.5, 0.5, 1.0, 1.1], A = [1, −1, 2, −1] ----------
+BLP = t(-1.0, -2.0, -0.5, -1.5)
+R = t(1.5, 0.5, 1.0, 1.1)
+LOGP = BLP + torch.log(R)
+A = t(1.0, -1.0, 2.0, -1.0)
+
+
+def test_ppo_golden():
+    # clip [0.8, 1.28]: −min(1.5, 1.28), −min(−.5, −.8), −min(2, 2), −min(−1.1, −1.1)
+    loss, stats = run("ppo", logp=LOGP, blp=BLP, adv=A)
+    assert float(loss) == pytest.approx((-1.28 + 0.8 - 2.0 + 1.1) / 4)
+    m = finalize_stats(stats)
+    assert m["loss/clip_frac"] == pytest.approx(0.5)
+    assert m["loss/is_weight_mean"] == pytest.approx(float(R.mean()))
+    # Analytic gradient: unclipped tokens give −r·A/N, clipped tokens 0.
+    g = grad_of(lambda x: run("ppo", logp=x, blp=BLP, adv=A)[0], LOGP)
+    torch.testing.assert_close(g, t(0.0, 0.0, -2.0 / 4, 1.1 / 4))
+
+
+def test_decoupled_ppo_golden():
+    # π_prox/μ = [2, .5, 10, 1] → w = [2, .5, 5, 1] with C = 5; r = π/π_prox = [1.5, .5, 1, 1.1]/w_raw.
+    w_raw = t(2.0, 0.5, 10.0, 1.0)
+    prox = BLP + torch.log(w_raw)
+    r = R / w_raw  # [.75, 1, .1, 1.1]
+    loss, stats = run("decoupled_ppo", logp=LOGP, blp=BLP, adv=A, prox_logp=prox, is_cap=5.0)
+    # token0 A=1 r=.75 → −.75·2; token1 r=1 → +1·.5; token2 A=2 r=.1 → −.2·5; token3 A=−1 r=1.1 → 1.1
+    expected = (-0.75 * 2 + 0.5 - 0.2 * 5 + 1.1) / 4
+    assert float(loss) == pytest.approx(expected)
+    assert float(r[2]) == pytest.approx(0.1)
+    m = finalize_stats(stats)
+    assert m["loss/is_capped_frac"] == pytest.approx(0.25)
+    assert m["loss/is_weight_mean"] == pytest.approx(float(w_raw.mean()))
+
+
+def test_tis_golden_and_gradient():
+    loss, stats = run("tis", logp=LOGP, blp=BLP, adv=A, is_cap=1.2)
+    w = t(1.2, 0.5, 1.0, 1.1)
+    assert float(loss) == pytest.approx(float(-(w * A * LOGP).sum() / 4))
+    assert finalize_stats(stats)["loss/is_capped_frac"] == pytest.approx(0.25)
+    g = grad_of(lambda x: run("tis", logp=x, blp=BLP, adv=A, is_cap=1.2)[0], LOGP)
+    torch.testing.assert_close(g, -w * A / 4)
+
+
+def test_cispo_golden_and_gradient():
+    loss, stats = run("cispo", logp=LOGP, blp=BLP, adv=A, clip_low=0.2, clip_high=0.28)
+    w = t(1.28, 0.8, 1.0, 1.1)
+    assert float(loss) == pytest.approx(float(-(w * A * LOGP).sum() / 4))
+    assert finalize_stats(stats)["loss/clip_frac"] == pytest.approx(0.5)
+    g = grad_of(lambda x: run("cispo", logp=x, blp=BLP, adv=A)[0], LOGP)
+    torch.testing.assert_close(g, -w * A / 4)
+
+
+def test_gspo_golden_and_gradient():
+    # Seq 0 = tokens 0,1: s0 = sqrt(1.5·0.5) = .866 (A=+1); seq 1 = tokens 2,3: s1 = sqrt(1.0·1.1)
+    # = 1.0488 (A=−1); both inside [0.8, 1.28], so neither is clipped.
+    seq = torch.tensor([0, 0, 1, 1])
+    adv = t(1.0, 1.0, -1.0, -1.0)
+    kw = dict(seq_ids=seq, clip_low=0.2, clip_high=0.28, aggregation="seq_mean_token_mean")
+    loss, _ = run("gspo", logp=LOGP, blp=BLP, adv=adv, **kw)
+    s0, s1 = math.sqrt(0.75), math.sqrt(1.1)
+    assert float(loss) == pytest.approx((-s0 + s1) / 2)
+    # d/dlogp_t (−s_i A_i / 2) = −A_i s_i / (2·|y_i|): the gradient flows through the geometric mean.
+    g = grad_of(lambda x: run("gspo", logp=x, blp=BLP, adv=adv, **kw)[0], LOGP)
+    torch.testing.assert_close(g, t(-s0 / 4, -s0 / 4, s1 / 4, s1 / 4))
+    # Flip A and tighten ε_low to 0.05: seq 0 (A=−1, s0 = .866 < .95) is clipped to .95.
+    loss, stats = run("gspo", logp=LOGP, blp=BLP, adv=-adv, **{**kw, "clip_low": 0.05})
+    assert float(loss) == pytest.approx((0.95 - s1) / 2)
+    assert finalize_stats(stats)["loss/clip_frac"] == pytest.approx(0.5)
+
+
+def test_sft_is_masked_cross_entropy():
+    mask = torch.tensor([True, False, True, True])
+    loss, _ = run("sft", logp=LOGP, mask=mask)
+    assert float(loss) == pytest.approx(-float(LOGP[mask].mean()))
+
+
+def test_needs_prox():
+    assert [x for x in LOSSES if needs_prox(x)] == ["decoupled_ppo"]
+
+
+# ---- aggregations ------------------------------------------------------------------------------
+
+
+def test_aggregations_golden():
+    logp = t(-1.0, -2.0, -3.0, -4.0, -5.0)
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    mask = torch.tensor([True, True, True, True, False])
+    tm, _ = run("sft", logp=logp, seq_ids=seq, mask=mask, aggregation="token_mean")
+    assert float(tm) == pytest.approx((1 + 2 + 3 + 4) / 4)
+    sm, _ = run("sft", logp=logp, seq_ids=seq, mask=mask, aggregation="seq_mean_token_mean")
+    assert float(sm) == pytest.approx((6 / 3 + 4 / 1) / 2)
+    norm = Normaliser(tokens=4, seqs=2, seq_len=10)
+    dr, _ = run(
+        "sft", logp=logp, seq_ids=seq, mask=mask, norm=norm, aggregation="seq_mean_token_sum_norm"
+    )
+    assert float(dr) == pytest.approx((6 / 10 + 4 / 10) / 2)
+
+
+def _random_batch(gen, n_seqs, max_len):
+    lengths = torch.randint(1, max_len + 1, (n_seqs,), generator=gen)
+    seq = torch.repeat_interleave(torch.arange(n_seqs), lengths)
+    n = int(lengths.sum())
+    blp = -torch.rand(n, generator=gen, dtype=F64) * 3
+    logp = blp + (torch.rand(n, generator=gen, dtype=F64) - 0.5) * 0.8
+    prox = blp + (torch.rand(n, generator=gen, dtype=F64) - 0.5) * 0.4
+    seq_adv = torch.randn(n_seqs, generator=gen, dtype=F64)
+    mask = torch.rand(n, generator=gen) > 0.2
+    return dict(logp=logp, blp=blp, prox_logp=prox, adv=seq_adv[seq], mask=mask, seq_ids=seq)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    loss=st.sampled_from(LOSSES),
+    aggregation=st.sampled_from(AGGS),
+    seed=st.integers(0, 2**31 - 1),
+    n_micro=st.integers(1, 4),
+)
+def test_micro_batch_split_invariance(loss, aggregation, seed, n_micro):
+    """Σ over micro-batches of (contribution / global normaliser) = the full-batch loss, and so
+    are the gradients; whole sequences per micro-batch, split points drawn at random."""
+    gen = torch.Generator().manual_seed(seed)
+    b = _random_batch(gen, n_seqs=6, max_len=5)
+    kw = dict(aggregation=aggregation, ratio_mask_high=1.3, kl_coef=0.1)
+    ref = b["blp"] + 0.05
+    tok, seqs = count_tokens_and_seqs(b["mask"], b["seq_ids"]).tolist()
+    norm = Normaliser(tokens=tok, seqs=seqs, seq_len=7)
+
+    def full(x):
+        return run(loss, **{**b, "logp": x}, norm=norm, ref_logp=ref, **kw)[0]
+
+    cuts = sorted(torch.randperm(5, generator=gen)[: n_micro - 1].add(1).tolist())
+    bounds = [0, *cuts, 6]
+
+    def split(x):
+        # Each micro-batch counts its own share; the sum of the shares is the global normaliser.
+        parts = []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            sel = (b["seq_ids"] >= lo) & (b["seq_ids"] < hi)
+            part = {k: v[sel] for k, v in b.items()}
+            part["seq_ids"] = part["seq_ids"] - lo  # local sequence numbering
+            parts.append((sel, part))
+        shares = sum(count_tokens_and_seqs(p["mask"], p["seq_ids"]) for _, p in parts)
+        assert shares.tolist() == [tok, seqs]
+        total = 0
+        for sel, p in parts:
+            p["logp"] = x[sel]
+            total = total + run(loss, **p, norm=norm, ref_logp=ref[sel], **kw)[0]
+        return total
+
+    torch.testing.assert_close(split(b["logp"]), full(b["logp"]))
+    torch.testing.assert_close(grad_of(split, b["logp"]), grad_of(full, b["logp"]))
+
+
+def test_token_mean_is_invariant_to_splitting_inside_sequences():
+    gen = torch.Generator().manual_seed(0)
+    b = _random_batch(gen, n_seqs=3, max_len=6)
+    tok, seqs = count_tokens_and_seqs(b["mask"], b["seq_ids"]).tolist()
+    norm = Normaliser(tokens=tok, seqs=seqs)
+    full, _ = run("ppo", **b, norm=norm)
+    half = len(b["logp"]) // 2
+    parts = [
+        run("ppo", **{k: v[s] for k, v in b.items()}, norm=norm)[0]
+        for s in (slice(0, half), slice(half, None))
+    ]
+    torch.testing.assert_close(parts[0] + parts[1], full)
+
+
+def test_summed_stats_equal_full_batch_stats():
+    gen = torch.Generator().manual_seed(1)
+    b = _random_batch(gen, n_seqs=4, max_len=6)
+    norm = Normaliser(tokens=1, seqs=1)
+    _, full = run("decoupled_ppo", **b, norm=norm, clip_low=0.1, clip_high=0.1)
+    sums = None
+    for s in (b["seq_ids"] < 2, b["seq_ids"] >= 2):
+        _, part = run(
+            "decoupled_ppo",
+            **{k: v[s] for k, v in b.items()},
+            norm=norm,
+            clip_low=0.1,
+            clip_high=0.1,
+        )
+        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+    assert finalize_stats(sums) == pytest.approx(finalize_stats(full))
+    assert finalize_stats(full)["loss/clip_frac"] > 0  # the example exercises clipping
+
+
+# ---- identities ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), aggregation=st.sampled_from(AGGS))
+def test_decoupled_ppo_equals_ppo_when_prox_is_behaviour(seed, aggregation):
+    b = _random_batch(torch.Generator().manual_seed(seed), n_seqs=4, max_len=5)
+    del b["prox_logp"]
+
+    def loss(name, x):
+        extra = {"prox_logp": b["blp"]} if name == "decoupled_ppo" else {}
+        return run(name, **{**b, "logp": x}, aggregation=aggregation, **extra)[0]
+
+    torch.testing.assert_close(loss("decoupled_ppo", b["logp"]), loss("ppo", b["logp"]))
+    torch.testing.assert_close(
+        grad_of(lambda x: loss("decoupled_ppo", x), b["logp"]),
+        grad_of(lambda x: loss("ppo", x), b["logp"]),
+    )
+
+
+@pytest.mark.parametrize("loss", RL_LOSSES)
+def test_on_policy_every_weight_is_one(loss):
+    """π = μ = π_prox: IS weights 1, ESS 1, nothing clipped/capped/masked, zero KL; and every loss's
+    gradient is the plain policy gradient −A·∇log π / N."""
+    b = _random_batch(torch.Generator().manual_seed(3), n_seqs=3, max_len=4)
+    b["blp"] = b["prox_logp"] = b["logp"].clone()
+    kw = dict(ratio_mask_low=0.9, ratio_mask_high=1.1, is_cap=1.0)
+    _, stats = run(loss, **b, **kw)
+    m = finalize_stats(stats)
+    assert m["loss/is_weight_mean"] == 1.0 and m["loss/ess"] == 1.0
+    assert m["loss/clip_frac"] == m["loss/is_capped_frac"] == m["loss/ratio_masked_frac"] == 0.0
+    assert m["loss/kl_mu_k1"] == m["loss/kl_mu_k3"] == 0.0
+    g = grad_of(lambda x: run(loss, **{**b, "logp": x}, **kw)[0], b["logp"])
+    n = int(b["mask"].sum())
+    torch.testing.assert_close(g, torch.where(b["mask"], -b["adv"] / n, 0.0))
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_gradcheck_float64(loss):
+    b = _random_batch(torch.Generator().manual_seed(4), n_seqs=3, max_len=4)
+    ent = torch.rand(len(b["logp"]), dtype=F64, generator=torch.Generator().manual_seed(5))
+    ref = b["blp"] - 0.1
+    kw = dict(
+        kl_coef=0.3,
+        entropy_coef=0.01,
+        aggregation="seq_mean_token_mean",
+        clip_low=0.1,
+        clip_high=0.1,
+    )
+
+    # tis and cispo detach their weight w(π/μ) by design, so their gradient is the derivative at a
+    # frozen weight: finite differences see that when μ moves with π (ρ fixed; μ is detached inside).
+    frozen_w = loss in ("tis", "cispo")
+    log_rho = (b["logp"] - b["blp"]).detach()
+
+    def f(x, h):
+        blp = x - log_rho if frozen_w else b["blp"]
+        return run(loss, **{**b, "logp": x, "blp": blp}, ref_logp=ref, entropy=h, **kw)[0]
+
+    x = b["logp"].clone().requires_grad_(True)
+    h = ent.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (x, h), eps=1e-6, atol=1e-8)
+
+
+# ---- options: masking, KL, entropy, garbage in masked positions ----------------------------------
+
+
+def test_ratio_masking_drops_tokens_but_keeps_denominator():
+    # r = [1.5, 0.5, 1.0, 1.1]; keep [0.8, 1.2] → tokens 0 and 1 dropped.
+    loss, stats = run("ppo", logp=LOGP, blp=BLP, adv=A, ratio_mask_low=0.8, ratio_mask_high=1.2)
+    assert float(loss) == pytest.approx((-2.0 + 1.1) / 4)
+    m = finalize_stats(stats)
+    assert m["loss/ratio_masked_frac"] == 0.5 and m["loss/clip_frac"] == 0.0
+    only_high, _ = run("ppo", logp=LOGP, blp=BLP, adv=A, ratio_mask_high=1.2)
+    assert float(only_high) == pytest.approx((0.8 - 2.0 + 1.1) / 4)
+    # decoupled_ppo masks on π_prox/μ, not on π/μ.
+    loss, _ = run("decoupled_ppo", logp=LOGP, blp=BLP, adv=A, prox_logp=BLP, ratio_mask_high=1.2)
+    full, _ = run("decoupled_ppo", logp=LOGP, blp=BLP, adv=A, prox_logp=BLP)
+    assert float(loss) == float(full)
+
+
+def test_ratio_masking_in_gspo_drops_tokens_from_the_geometric_mean():
+    # Token 0 (ρ = 1.5) is dropped: s0 = ρ_1 = 0.5 from token 1 alone; |y_0| still counts 2 tokens.
+    seq, adv = torch.tensor([0, 0, 1, 1]), t(1.0, 1.0, -1.0, -1.0)
+    kw = dict(seq_ids=seq, aggregation="seq_mean_token_mean", ratio_mask_high=1.2)
+    loss, _ = run("gspo", logp=LOGP, blp=BLP, adv=adv, **kw)
+    assert float(loss) == pytest.approx((-0.5 / 2 + math.sqrt(1.1)) / 2)
+
+
+def test_masked_positions_may_hold_garbage():
+    mask = torch.tensor([True, False, True, False])
+    bad = t(0.0, math.nan, 0.0, math.inf)
+    for loss in LOSSES:
+        clean, _ = run(loss, logp=LOGP, blp=BLP, adv=A, mask=mask, prox_logp=BLP)
+        dirty = lambda x, loss=loss: run(  # noqa: E731
+            loss,
+            logp=x,
+            blp=BLP + bad,
+            adv=A + bad,
+            mask=mask,
+            prox_logp=BLP - bad,
+            ref_logp=BLP + bad,
+            entropy=bad,
+        )[0]
+        assert float(dirty(LOGP)) == pytest.approx(float(clean))
+        g = grad_of(dirty, LOGP)
+        assert torch.isfinite(g).all() and (g[~mask] == 0).all(), loss
+
+
+def test_kl_penalty_k1_k3():
+    ref = BLP.clone()
+    zero_adv = torch.zeros(4, dtype=F64)
+    for est in ("k1", "k3"):
+        loss, stats = run(
+            "ppo", logp=LOGP, blp=BLP, adv=zero_adv, ref_logp=ref, kl_coef=0.5, kl_estimator=est
+        )
+        log_rho = ref - LOGP  # ρ = π_ref/π
+        kl = -log_rho if est == "k1" else torch.exp(log_rho) - 1 - log_rho
+        assert float(loss) == pytest.approx(0.5 * float(kl.mean()))
+        assert finalize_stats(stats)["loss/kl_ref"] == pytest.approx(float(kl.mean()))
+    # k3 is ≥ 0 and flat (zero gradient) where π = π_ref.
+    g = grad_of(
+        lambda x: run("ppo", logp=x, blp=BLP, adv=zero_adv, ref_logp=ref, kl_coef=1.0)[0], BLP
+    )
+    assert torch.equal(g, torch.zeros(4, dtype=F64))
+    with pytest.raises(ValueError, match="ref_logp"):
+        run("ppo", logp=LOGP, blp=BLP, adv=A, kl_coef=0.1)
+
+
+def test_entropy_bonus():
+    h = t(0.5, 1.0, 1.5, 2.0).requires_grad_(True)
+    base, _ = run("ppo", logp=LOGP, blp=BLP, adv=A)
+    loss, stats = run("ppo", logp=LOGP, blp=BLP, adv=A, entropy=h, entropy_coef=0.1)
+    assert float(loss.detach()) == pytest.approx(float(base) - 0.1 * 1.25)
+    assert finalize_stats(stats)["loss/entropy"] == pytest.approx(1.25)
+    (gh,) = torch.autograd.grad(loss, h)
+    torch.testing.assert_close(gh, torch.full((4,), -0.1 / 4, dtype=F64))
+    with pytest.raises(ValueError, match="entropy"):
+        run("ppo", logp=LOGP, blp=BLP, adv=A, entropy_coef=0.1)
+
+
+def test_missing_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="prox_logp"):
+        run("decoupled_ppo", logp=LOGP, blp=BLP, adv=A)
+    with pytest.raises(ValueError, match="behavior_logp"):
+        run("ppo", logp=LOGP, adv=A)
+    with pytest.raises(ValueError, match="shape"):
+        run("ppo", logp=LOGP, blp=BLP[:3], adv=A)
+
+
+# ---- effective sample size -----------------------------------------------------------------------
+
+
+def _ess(weights, mask=None):
+    w = torch.as_tensor(weights, dtype=F64)
+    blp = torch.zeros_like(w)
+    _, stats = run("tis", logp=torch.log(w), blp=blp, adv=torch.ones_like(w), mask=mask)
+    return finalize_stats(stats)["loss/ess"]
+
+
+def test_ess_edge_cases():
+    assert _ess([2.0, 2.0, 2.0]) == pytest.approx(1.0)  # uniform weights, whatever their scale
+    assert _ess([1.0, 1e-30, 1e-30, 1e-30]) == pytest.approx(0.25)  # one sample dominates: 1/N
+    assert _ess([3.0, 1.0]) == pytest.approx(16 / (2 * 10))
+    assert _ess([1.0, 1e6], mask=torch.tensor([True, False])) == pytest.approx(
+        1.0
+    )  # masked ignored
+    empty = finalize_stats(
+        run("tis", logp=LOGP, blp=BLP, adv=A, mask=torch.zeros(4, dtype=torch.bool))[1]
+    )
+    assert empty["loss/ess"] == 1.0 and empty["loss/tokens"] == 0.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(1e-3, 1e3), min_size=1, max_size=20))
+def test_ess_bounds(ws):
+    assert 1 / len(ws) - 1e-9 <= _ess(ws) <= 1 + 1e-9
