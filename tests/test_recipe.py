@@ -1,0 +1,126 @@
+"""The recipe schema: loading, overrides, and one-line errors naming the key and the file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl import recipe
+from asyncrl.recipe import Recipe, RecipeError
+
+
+def _write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+GOOD = """\
+run:
+  name: t
+  steps: 3
+learner:
+  lr: 2.0e-5
+buffer:
+  max_staleness: 2
+"""
+
+
+def test_load_reads_sections_and_keeps_defaults(tmp_path):
+    r = recipe.load(_write(tmp_path, GOOD))
+    assert isinstance(r, Recipe)
+    assert (r.run.name, r.run.steps, r.learner.lr, r.buffer.max_staleness) == ("t", 3, 2e-5, 2)
+    assert r.buffer.groups_per_batch == Recipe().buffer.groups_per_batch
+    assert r.base_dir == str(tmp_path.resolve())
+    assert r.resolve("x/y") == tmp_path.resolve() / "x/y"
+    assert recipe.load(_write(tmp_path, "", "empty.yaml")) == Recipe(
+        base_dir=str(tmp_path.resolve())
+    )
+
+
+def test_overrides_are_typed(tmp_path):
+    r = recipe.load(
+        _write(tmp_path, GOOD),
+        ["learner.lr=1e-6", "run.steps=7", "buffer.dynamic_sampling=true", "run.name=other"],
+    )
+    assert r.learner.lr == 1e-6 and isinstance(r.learner.lr, float)
+    assert r.run.steps == 7 and r.buffer.dynamic_sampling is True and r.run.name == "other"
+    assert recipe.parse_override("learner.lr=1e-6") == (["learner", "lr"], 1e-6)
+    r2 = recipe.load(_write(tmp_path, GOOD), ["learner.lr=3"])  # an int where a float goes
+    assert r2.learner.lr == 3.0 and isinstance(r2.learner.lr, float)
+
+
+@pytest.mark.parametrize(
+    "text, overrides, key, needle",
+    [
+        ("learner:\n  lrr: 1e-5\n", [], "learner.lrr", "did you mean 'lr'"),
+        ("lerner:\n  lr: 1e-5\n", [], "lerner", "did you mean 'learner'"),
+        ("", ["buffer.max_stalenes=2"], "buffer.max_stalenes", "did you mean 'max_staleness'"),
+        ("", ["bufer.max_staleness=2"], "bufer.max_staleness", "did you mean 'buffer'"),
+        ("run:\n  steps: many\n", [], "run.steps", "expected an integer, got 'many'"),
+        ("buffer:\n  dynamic_sampling: 1\n", [], "buffer.dynamic_sampling", "true or false"),
+        ("run:\n  steps: -1\n", [], "run.steps", "must be >= 0"),
+        ("rollout:\n  top_p: 1.5\n", [], "rollout.top_p", "must be <= 1"),
+        ("model:\n  dtype: fp8\n", [], "model.dtype", "expected one of float32"),
+        ("buffer:\n  address: http://x\n", [], "buffer.address", "tcp://"),
+        ("learner: 3\n", [], "learner", "expected a mapping"),
+    ],
+)
+def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
+    path = _write(tmp_path, text)
+    with pytest.raises(RecipeError) as e:
+        recipe.load(path, overrides)
+    msg = str(e.value)
+    assert key in msg and needle in msg
+    assert "\n" not in msg
+    assert e.value.key == key
+    assert str(path) in msg or e.value.file == "override"
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found") as e:
+        recipe.load(tmp_path / "nope.yaml")
+    assert str(tmp_path / "nope.yaml") in str(e.value)
+    with pytest.raises(RecipeError, match="not valid YAML at line 2"):
+        recipe.load(_write(tmp_path, "run:\n  name: a: b\n"))
+    with pytest.raises(RecipeError, match="model.path: model folder 'nowhere' does not exist"):
+        recipe.load(_write(tmp_path, "model:\n  path: nowhere\n"))
+    r = recipe.load(_write(tmp_path, "model:\n  path: nowhere\n"), check_files=False)
+    assert r.model.path == "nowhere"
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "check", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_check_cli_one_line_error_for_a_misspelt_key(tmp_path):
+    path = _write(tmp_path, "learner:\n  lrr: 1e-5\n")
+    p = _check(str(path))
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    assert str(path) in lines[0] and "learner.lrr" in lines[0] and "did you mean 'lr'" in lines[0]
+    assert p.stdout == ""
+
+
+def test_check_cli_prints_the_resolved_recipe(tmp_path):
+    path = _write(tmp_path, GOOD)
+    p = _check(str(path), "learner.lr=1e-6")
+    assert p.returncode == 0, p.stderr
+    printed = yaml.safe_load(p.stdout)
+    assert printed["learner"]["lr"] == 1e-6
+    assert printed["run"]["name"] == "t"
+    assert set(printed) == {f for f in Recipe().to_dict()}
