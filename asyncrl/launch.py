@@ -1,0 +1,567 @@
+"""`asyncrl run RECIPE [key=value ...]`: the whole system on one machine (DESIGN §1).
+
+Starts the learner (alone, or under torchrun when ``learner.ranks > 1``) and ``rollout.workers``
+rollout workers (each starts its built-in engines) as child processes, each in its own process group
+with one thread, waits until the learner's buffer answers, shows progress, and stops everything when
+the learner finishes, on Ctrl-C / SIGTERM, or when a child dies (printing its log's tail). It then
+evaluates the first and the last model on held-out prompts and leaves in ``runs/<name>/``:
+``metrics.jsonl``, ``wandb/``, checkpoints, ``plots/*.png``, ``logs/*.log`` and ``summary.json``.
+
+No orphans: a child gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and every stop signals the
+child's whole process group (torchrun's ranks, a worker's engines), then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl import recipe as recipe_mod
+from asyncrl.recipe import Recipe
+
+STOP_GRACE_S = 60.0
+"""How long a child may take to exit after SIGTERM (the learner saves a checkpoint) before SIGKILL."""
+LOG_TAIL_LINES = 30
+
+
+class LaunchError(RuntimeError):
+    """The run could not start or did not finish; the message is one line for the user."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Child processes
+# --------------------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """preexec_fn: SIGTERM this child when the launcher dies, even by SIGKILL (Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass(kw_only=True)
+class Child:
+    """One child process in its own process group, with its output in ``log``."""
+
+    name: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    stopping: bool = False
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group: pgid == pid
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def tail(self, n: int = LOG_TAIL_LINES) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_children(children: Sequence[Child], *, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every child's group, wait up to ``grace_s`` for all of them, SIGKILL the rest.
+
+    Waits on the groups, not only the direct children: a worker's engines or torchrun's ranks must
+    be gone too before the launcher returns.
+    """
+    started = [c for c in children if c.proc is not None]
+    for c in started:
+        c.stopping = True
+        c.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        for c in started:
+            c.poll()  # reap the direct child so its group can empty
+        if not any(_group_alive(c.pid) for c in started):
+            return
+        time.sleep(0.05)
+    for c in started:
+        c.signal_group(signal.SIGKILL)
+    for c in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(timeout=5)  # type: ignore[union-attr]
+
+
+def child_env(r: Recipe) -> dict[str, str]:
+    """The environment of every child: one thread each, offline hub, W&B mode from the recipe."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        WANDB_SILENT="true",
+    )
+    env.setdefault("WANDB_MODE", r.logging.wandb_mode if r.logging.wandb else "disabled")
+    return env
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan: which processes, with which arguments
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Plan:
+    recipe_path: Path
+    overrides: list[str]
+    run_dir: Path
+    buffer_address: str
+    pub_address: str
+    children: list[Child] = field(default_factory=list)
+
+
+def _local_address(address: str, sock_dir: Path, name: str) -> str:
+    """A recipe address with port 0 becomes an ipc:// socket (no port race); others are kept."""
+    if address.startswith("tcp://") and address.rsplit(":", 1)[-1] == "0":
+        return f"ipc://{sock_dir / name}"
+    return address
+
+
+def make_plan(r: Recipe, recipe_path: Path, overrides: list[str], sock_dir: Path) -> Plan:
+    """The learner and the rollout workers of one machine, as argv lists (nothing started)."""
+    buffer = _local_address(r.buffer.address, sock_dir, "buffer.ipc")
+    pub = _local_address(r.buffer.pub_address, sock_dir, "pub.ipc")
+    common = [*overrides, f"buffer.address={buffer}", f"buffer.pub_address={pub}"]
+    run_dir = r.run_dir.resolve()
+    common.append(f"run.output_dir={run_dir.parent}")
+    logs = run_dir / "logs"
+    py = sys.executable
+    if r.learner.ranks > 1:
+        learner_argv = [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={r.learner.ranks}",
+            "-m",
+            "asyncrl.cli",
+            "learner",
+            str(recipe_path),
+            *common,
+        ]
+    else:
+        learner_argv = [py, "-m", "asyncrl.cli", "learner", str(recipe_path), *common]
+    plan = Plan(
+        recipe_path=recipe_path,
+        overrides=overrides,
+        run_dir=run_dir,
+        buffer_address=buffer,
+        pub_address=pub,
+    )
+    plan.children.append(Child(name="learner", argv=learner_argv, log=logs / "learner.log"))
+    workers = r.rollout.workers if r.algorithm.loss != "sft" else 0
+    for i in range(workers):
+        argv = [py, "-m", "asyncrl.cli", "rollout", str(recipe_path), "--buffer", buffer]
+        argv += ["--pub", pub, "--worker-id", f"worker{i}", *common]
+        plan.children.append(Child(name=f"rollout{i}", argv=argv, log=logs / f"rollout{i}.log"))
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------
+# Watching the run: buffer status and the metrics file
+# --------------------------------------------------------------------------------------------------
+
+
+class MetricsTail:
+    """Reads the lines appended to metrics.jsonl since the last call; keeps the latest values."""
+
+    def __init__(self, path: Path):
+        self.path, self._pos, self._partial = path, 0, b""
+        self.latest: dict[str, Any] = {}
+        self.max_staleness_seen: float | None = None
+
+    def update(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+                self._pos = f.tell()
+        except OSError:
+            return
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(rec, dict):
+                self._take(rec)
+
+    def _take(self, rec: dict) -> None:
+        for k, v in rec.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                self.latest[k] = v
+                if _is_staleness_max(k):
+                    m = self.max_staleness_seen
+                    self.max_staleness_seen = v if m is None else max(m, v)
+
+    def get(self, *patterns: str) -> float | None:
+        from asyncrl.plots import find_key
+
+        key = find_key([self.latest], patterns)
+        return None if key is None else float(self.latest[key])
+
+
+def _is_staleness_max(key: str) -> bool:
+    import re
+
+    from asyncrl.plots import STALE_MAX
+
+    return any(re.fullmatch(p, key) for p in STALE_MAX)
+
+
+def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The buffer's Status reply as a dict (version + stats), or None if it does not answer."""
+    from asyncrl import transport, wire
+
+    tls = transport.TLS.from_config(r) if r.buffer.tls.cert else None
+    try:
+        with transport.ReqClient(address, tls=tls, timeout_s=timeout_s) as client:
+            reply = client.request_sync(wire.Status(), timeout_s=timeout_s)
+    except (transport.TransportTimeout, wire.WireError, OSError):
+        return None
+    except Exception:  # pynng errors while the learner starts or stops
+        return None
+    if isinstance(reply, wire.StatusReply):
+        return {"version": reply.version, **reply.stats}
+    return None
+
+
+class Display:
+    """A rich progress bar on a terminal, a line every 15 s otherwise."""
+
+    def __init__(self, total: int, *, enabled: bool):
+        self.total, self._last_line = total, 0.0
+        self._progress = None
+        if enabled and sys.stderr.isatty():
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("version", total=total, info="starting")
+
+    def update(self, version: int, info: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=min(version, self.total), info=info)
+        elif time.monotonic() - self._last_line > 15:
+            self._last_line = time.monotonic()
+            print(f"asyncrl run: version {version}/{self.total}  {info}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def progress_info(tail: MetricsTail, eta: int) -> str:
+    from asyncrl import plots
+
+    reward = tail.get(*plots.REWARD)
+    smean, smax = tail.get(*plots.STALE_MEAN), tail.max_staleness_seen
+    gen, train = tail.get(*plots.GEN_TPS), tail.get(*plots.TRAIN_TPS)
+    return (
+        f"reward {_fmt(reward, '.2f')}  staleness {_fmt(smean, '.1f')} (max {_fmt(smax, 'g')}"
+        f"/{eta})  gen {_fmt(gen, ',.0f')} tok/s  train {_fmt(train, ',.0f')} tok/s"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation and the summary
+# --------------------------------------------------------------------------------------------------
+
+
+def find_export(run_dir: Path) -> Path | None:
+    """The newest HF model folder (config.json + safetensors) the learner exported into the run."""
+    found = [
+        p.parent
+        for p in run_dir.rglob("config.json")
+        if any(p.parent.glob("*.safetensors")) and "wandb" not in p.parts
+    ]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def eval_held_out(r: Recipe, model_dir: Path | None) -> float | None:
+    """Greedy held-out success of ``model_dir`` (None if there is no model or no eval file)."""
+    if model_dir is None or not r.data.eval_path or not r.run.eval_prompts:
+        return None
+    from asyncrl import evaluate
+
+    rows = evaluate.load_rows(
+        r.resolve(r.data.eval_path),
+        prompt_key=r.data.prompt_key,
+        answer_key=r.data.answer_key,
+        n=r.run.eval_prompts,
+    )
+    res = evaluate.evaluate(model_dir, rows, max_new_tokens=r.rollout.max_new_tokens)
+    return res.success
+
+
+def _all_records(run_dir: Path) -> list[dict]:
+    from asyncrl import plots
+
+    path = run_dir / "metrics.jsonl"
+    return plots.read_metrics(path) if path.is_file() else []
+
+
+def summarize(
+    r: Recipe,
+    *,
+    run_dir: Path,
+    wall_seconds: float,
+    reward_start: float | None,
+    reward_end: float | None,
+    status: dict[str, Any] | None,
+    outcome: str,
+) -> dict[str, Any]:
+    """summary.json: what the run did, read from the metrics file and the buffer's last status."""
+    from asyncrl import plots
+
+    records = _all_records(run_dir)
+    _, _, smax = plots.series(records, plots.STALE_MAX)
+    version = status.get("version") if status else None
+    if version is None:
+        _, _, vs = plots.series(records, [r"version", r"learner/version"])
+        steps_from_records = [rec.get("step") for rec in records if rec.get("process") == "learner"]
+        cands = [int(v) for v in vs] + [int(s) for s in steps_from_records if isinstance(s, int)]
+        version = max(cands) if cands else 0
+    trained_tokens = _sum_key(records, [r".*trained_tokens", r"loss/tokens"])
+    _, _, tps = plots.series(records, plots.TRAIN_TPS)
+    summary = {
+        "name": r.run.name,
+        "outcome": outcome,
+        "steps": int(version),
+        "reward_start": reward_start,
+        "reward_end": reward_end,
+        "reward_gain": None
+        if reward_start is None or reward_end is None
+        else reward_end - reward_start,
+        "max_staleness_seen": max(smax) if smax else None,
+        "max_staleness_allowed": r.buffer.max_staleness,
+        "wall_seconds": round(wall_seconds, 2),
+        "trained_tokens": trained_tokens,
+        "trained_tokens_per_s": (trained_tokens / wall_seconds)
+        if trained_tokens and wall_seconds > 0
+        else (sum(tps) / len(tps) if tps else None),
+        "algorithm": r.algorithm.loss,
+        "buffer_status": status or {},
+    }
+    return summary
+
+
+def _sum_key(records: list[dict], patterns: list[str]) -> float | None:
+    from asyncrl import plots
+
+    key = plots.find_key([rec for rec in records if rec.get("process") == "learner"], patterns)
+    if key is None:
+        return None
+    return float(sum(rec[key] for rec in records if isinstance(rec.get(key), int | float)))
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """SIGINT or SIGTERM reached the launcher."""
+
+
+def _raise_stop(signum, frame):  # pragma: no cover - signal handler
+    raise _Stop(signal.Signals(signum).name)
+
+
+def prepare_run_dir(r: Recipe, *, overwrite: bool) -> Path:
+    run_dir = r.run_dir.resolve()
+    if run_dir.exists() and any(run_dir.iterdir()) and not r.run.resume:
+        if not overwrite:
+            raise LaunchError(
+                f"run folder {run_dir} exists: pass run.resume=true to continue it, "
+                "--overwrite to start over, or run.name=NEW"
+            )
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def run(
+    recipe_path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    stop_grace_s: float = STOP_GRACE_S,
+) -> dict[str, Any]:
+    """Run a recipe to completion on this machine; returns the summary (also in summary.json)."""
+    recipe_path = Path(recipe_path).resolve()
+    overrides = list(overrides)
+    r = recipe_mod.load(recipe_path, overrides)
+    run_dir = prepare_run_dir(r, overwrite=overwrite)
+    (run_dir / "recipe.yaml").write_text(recipe_mod.dump(r))
+    t0 = time.monotonic()
+    status: dict[str, Any] | None = None
+    outcome = "running"
+    sock_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))  # short path: ipc socket names are <108 B
+    plan = make_plan(r, recipe_path, overrides, sock_dir)
+    env = child_env(r)
+    display = Display(r.run.steps, enabled=r.logging.progress if progress is None else progress)
+    tail = MetricsTail(run_dir / "metrics.jsonl")
+    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed: Child | None = None
+    try:
+        start_model = r.resolve(r.model.path) if r.model.path else None
+        for child in plan.children:
+            child.start(env)
+        deadline = t0 + r.run.timeout_s
+        healthy = False
+        last_poll = 0.0
+        while True:
+            done = plan.children[0].poll()
+            dead = [c for c in plan.children[1:] if c.poll() is not None]
+            if done is not None:
+                if done != 0:
+                    failed, outcome = plan.children[0], "failed"
+                else:
+                    outcome = "completed"
+                break
+            if dead:
+                failed, outcome = dead[0], "failed"
+                break
+            if time.monotonic() > deadline:
+                outcome = "timeout"
+                break
+            now = time.monotonic()
+            if now - last_poll >= 1.0:
+                last_poll = now
+                st = buffer_status(plan.buffer_address, r, timeout_s=1.0)
+                if st is not None:
+                    status, healthy = st, True
+                elif not healthy and now - t0 > r.generator.startup_timeout_s:
+                    raise LaunchError(
+                        f"the learner's buffer at {plan.buffer_address} did not answer within "
+                        f"{r.generator.startup_timeout_s:g} s (generator.startup_timeout_s)"
+                    )
+                tail.update()
+                version = int(status.get("version", 0)) if status else 0
+                display.update(version, progress_info(tail, r.buffer.max_staleness))
+            time.sleep(0.1)
+    except _Stop as e:
+        outcome = f"stopped ({e})"
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        display.close()
+        stop_children(plan.children, grace_s=stop_grace_s)
+        for s, h in old.items():
+            signal.signal(s, h)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    if failed is not None:
+        print(
+            f"asyncrl run: {failed.name} exited with code {failed.poll()}; "
+            f"last lines of {failed.log}:\n{failed.tail()}",
+            file=sys.stderr,
+        )
+    wall = time.monotonic() - t0
+    reward_start = eval_held_out(r, start_model)
+    reward_end = eval_held_out(r, find_export(run_dir)) if outcome == "completed" else None
+    summary = summarize(
+        r,
+        run_dir=run_dir,
+        wall_seconds=wall,
+        reward_start=reward_start,
+        reward_end=reward_end,
+        status=status,
+        outcome=outcome,
+    )
+    from asyncrl import plots
+
+    with contextlib.suppress(Exception):  # plots are a convenience; the summary must be written
+        summary["plots"] = [str(p) for p in plots.make_plots(run_dir / "metrics.jsonl")]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl run", description=__doc__.splitlines()[0])
+    p.add_argument("recipe", help="YAML recipe file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    try:
+        summary = run(
+            a.recipe, a.overrides, overwrite=a.overwrite, progress=False if a.no_progress else None
+        )
+    except (recipe_mod.RecipeError, LaunchError) as e:
+        print(f"asyncrl run: {e}", file=sys.stderr)
+        return 2
+    keys = ("outcome", "steps", "reward_start", "reward_end", "max_staleness_seen")
+    keys += ("max_staleness_allowed", "wall_seconds", "trained_tokens_per_s")
+    print(json.dumps({k: summary.get(k) for k in keys}))
+    return 0 if summary["outcome"] == "completed" else 1

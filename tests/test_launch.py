@@ -1,0 +1,184 @@
+"""The launcher's process handling, plan and metrics tail, with real processes (no learner needed).
+
+The whole-system runs are in tests/test_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl import launch, recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A child that starts a grandchild in its own group and ignores SIGTERM if asked: the shapes of
+# torchrun (agent + ranks) and of a rollout worker (worker + engines).
+TREE = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    if sys.argv[1] == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    g = subprocess.Popen([sys.executable, "-c", "import time, signal; signal.signal(signal.SIGTERM, signal.SIG_IGN) if %r == 'stubborn' else None; time.sleep(600)" % sys.argv[1]])
+    print(g.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie of ours still answers kill(0): reap it
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        if _is_zombie(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _grandchild_pid(log: Path, timeout_s: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if text.strip():
+            return int(text.split()[0])
+        time.sleep(0.05)
+    raise AssertionError(f"no pid in {log}")
+
+
+@pytest.mark.parametrize("mode", ["polite", "stubborn"])
+def test_stop_children_ends_the_whole_process_group(tmp_path, mode):
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    child = launch.Child(name="c", argv=[sys.executable, str(script), mode], log=tmp_path / "c.log")
+    child.start(dict(os.environ))
+    grandchild = _grandchild_pid(child.log)
+    assert os.getpgid(grandchild) == child.pid  # the grandchild is in the child's group
+    launch.stop_children([child], grace_s=0.5 if mode == "stubborn" else 30)
+    assert child.poll() is not None
+    assert _wait_gone(grandchild), "grandchild survived"
+
+
+def test_a_killed_launcher_leaves_no_child(tmp_path):
+    """SIGKILL of the launcher itself: PR_SET_PDEATHSIG makes its child exit, and the child's group."""
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    fake_launcher = tmp_path / "launcher.py"
+    fake_launcher.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys, time
+            sys.path.insert(0, {str(ROOT)!r})
+            from pathlib import Path
+            from asyncrl.launch import Child
+            c = Child(name="c", argv=[sys.executable, {str(script)!r}, "polite"], log=Path({str(tmp_path / "c.log")!r}))
+            c.start(dict(os.environ))
+            print(c.pid, flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    p = subprocess.Popen([sys.executable, str(fake_launcher)], stdout=subprocess.PIPE, text=True)
+    child_pid = int(p.stdout.readline())
+    grandchild = _grandchild_pid(tmp_path / "c.log")
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert _wait_gone(child_pid)
+    # The direct child got SIGTERM from the kernel. Its own children are its duty (torchrun and the
+    # rollout worker stop theirs on SIGTERM); this stand-in does not, so clean its group up here.
+    try:
+        os.killpg(child_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    assert _wait_gone(grandchild)
+
+
+def _recipe(tmp_path, tiny_qwen3, *extra):
+    return recipe.load(
+        ROOT / "recipes/demo.yaml",
+        [f"model.path={tiny_qwen3}", "data.path=", "data.eval_path=", *extra],
+    )
+
+
+def test_plan_one_learner_and_the_workers(tmp_path, tiny_qwen3):
+    r = _recipe(tmp_path, tiny_qwen3, "rollout.workers=2", f"run.output_dir={tmp_path}")
+    plan = launch.make_plan(r, ROOT / "recipes/demo.yaml", ["run.steps=3"], tmp_path)
+    names = [c.name for c in plan.children]
+    assert names == ["learner", "rollout0", "rollout1"]
+    learner = plan.children[0].argv
+    assert learner[1:4] == ["-m", "asyncrl.cli", "learner"] and "run.steps=3" in learner
+    assert plan.buffer_address == f"ipc://{tmp_path / 'buffer.ipc'}"
+    assert f"buffer.address={plan.buffer_address}" in learner
+    rollout = plan.children[1].argv
+    assert rollout[rollout.index("--buffer") + 1] == plan.buffer_address
+    assert rollout[rollout.index("--pub") + 1] == plan.pub_address
+
+
+def test_plan_uses_torchrun_for_several_ranks_and_no_workers_for_sft(tmp_path, tiny_qwen3):
+    r = _recipe(tmp_path, tiny_qwen3, "learner.ranks=2", "algorithm.loss=sft")
+    plan = launch.make_plan(r, ROOT / "recipes/demo.yaml", [], tmp_path)
+    assert [c.name for c in plan.children] == ["learner"]
+    argv = plan.children[0].argv
+    assert "torch.distributed.run" in argv and "--nproc-per-node=2" in argv
+
+
+def test_explicit_addresses_are_kept(tmp_path, tiny_qwen3):
+    r = _recipe(tmp_path, tiny_qwen3, "buffer.address=tcp://127.0.0.1:5555")
+    plan = launch.make_plan(r, ROOT / "recipes/demo.yaml", [], tmp_path)
+    assert plan.buffer_address == "tcp://127.0.0.1:5555"
+
+
+def test_existing_run_folder_needs_resume_or_overwrite(tmp_path, tiny_qwen3):
+    r = _recipe(tmp_path, tiny_qwen3, f"run.output_dir={tmp_path}")
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo/metrics.jsonl").write_text("{}\n")
+    with pytest.raises(launch.LaunchError, match="run.resume=true"):
+        launch.prepare_run_dir(r, overwrite=False)
+    r.run.resume = True
+    assert (launch.prepare_run_dir(r, overwrite=False) / "metrics.jsonl").exists()
+    r.run.resume = False
+    assert not (launch.prepare_run_dir(r, overwrite=True) / "metrics.jsonl").exists()
+
+
+def test_metrics_tail_reads_whole_lines_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = launch.MetricsTail(path)
+    tail.update()  # no file yet: nothing, no error
+    with path.open("w") as f:
+        f.write(json.dumps({"step": 1, "staleness/max": 2, "reward/mean": 0.25}) + "\n")
+        f.write('{"step": 2, "staleness/max": 3')
+    tail.update()
+    assert tail.max_staleness_seen == 2 and tail.get(r"reward/mean") == 0.25
+    with path.open("a") as f:
+        f.write(', "reward/mean": 0.5}\n')
+    tail.update()
+    assert tail.max_staleness_seen == 3 and tail.get(r"reward/mean") == 0.5
+
+
+def test_cli_bad_recipe_is_one_line(tmp_path, capsys):
+    assert launch.main([str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "recipe file not found" in err and "Traceback" not in err
