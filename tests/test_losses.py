@@ -90,6 +90,10 @@ def test_decoupled_ppo_golden():
     m = finalize_stats(stats)
     assert m["loss/is_capped_frac"] == pytest.approx(0.25)
     assert m["loss/is_weight_mean"] == pytest.approx(float(w_raw.mean()))
+    # Gradient −w·r·A/N (nothing clipped here); w is a constant, however π_prox was computed.
+    prox_g = prox.clone().requires_grad_(True)
+    g = grad_of(lambda x: run("decoupled_ppo", logp=x, blp=BLP, adv=A, prox_logp=prox_g)[0], LOGP)
+    torch.testing.assert_close(g, -t(2.0, 0.5, 5.0, 1.0) * r * A / 4)
 
 
 def test_tis_golden_and_gradient():
@@ -421,3 +425,19 @@ def test_ess_edge_cases():
 @given(st.lists(st.floats(1e-3, 1e3), min_size=1, max_size=20))
 def test_ess_bounds(ws):
     assert 1 / len(ws) - 1e-9 <= _ess(ws) <= 1 + 1e-9
+
+
+def test_float32_inputs_and_integer_mask():
+    """The learner's dtypes: float32 logprobs and a 0/1 integer loss_mask straight off the wire."""
+    mask = torch.tensor([1, 0, 1, 1], dtype=torch.int32)
+    want, _ = run("decoupled_ppo", logp=LOGP, blp=BLP, adv=A, prox_logp=BLP, mask=mask.bool())
+    got, stats = run(
+        "decoupled_ppo",
+        logp=LOGP.float(),
+        blp=BLP.float(),
+        adv=A.float(),
+        prox_logp=BLP.float(),
+        mask=mask,
+    )
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=1e-6)
+    assert all(v.dtype == F64 for v in stats.values()) and float(stats["tokens"]) == 3
