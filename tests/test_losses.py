@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from asyncrl.learner.losses import (
     LOSSES,
+    STAT_KEYS,
     Normaliser,
     count_tokens_and_seqs,
     finalize_stats,
     needs_prox,
     policy_loss,
+    zero_stats,
 )
 from asyncrl.recipe import AlgorithmConfig
 
@@ -441,3 +443,32 @@ def test_float32_inputs_and_integer_mask():
     )
     assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=1e-6)
     assert all(v.dtype == F64 for v in stats.values()) and float(stats["tokens"]) == 3
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_empty_micro_batch_and_fixed_stat_keys(loss, aggregation):
+    """A rank may get no tokens: the loss is 0 and the stats have the same keys as everyone's, so
+    the all-reduce of the summed stats lines up (start the sum from zero_stats())."""
+    e = torch.zeros(0, dtype=F64)
+    x = e.clone().requires_grad_(True)
+    norm = Normaliser(tokens=10, seqs=2, seq_len=4)
+    out, stats = run(
+        loss,
+        logp=x,
+        blp=e,
+        adv=e,
+        prox_logp=e,
+        mask=torch.zeros(0, dtype=torch.bool),
+        seq_ids=torch.zeros(0, dtype=torch.long),
+        norm=norm,
+        aggregation=aggregation,
+    )
+    out.backward()
+    assert float(out.detach()) == 0.0 and tuple(stats) == STAT_KEYS
+    assert {k: float(v) for k, v in stats.items()} == {k: 0.0 for k in STAT_KEYS}
+    _, full = run(loss, logp=LOGP, blp=BLP, adv=A, prox_logp=BLP, entropy=torch.ones(4, dtype=F64))
+    assert tuple(full) == STAT_KEYS
+    summed = {k: zero_stats()[k] + stats[k] + full[k] for k in STAT_KEYS}
+    assert finalize_stats(summed) == finalize_stats(full)
+    assert finalize_stats(full)["loss/entropy"] == 1.0 and "loss/kl_ref" not in finalize_stats(full)

@@ -210,8 +210,9 @@ def policy_loss(
     IS ratio ρ_t = π_prox/μ (π/μ without π_prox) lies outside [ratio_mask_low, ratio_mask_high]
     (IcePop / masked IS; a bound of 0 is off); dropped tokens stay in the denominators.
 
-    Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch: add them
-    up over micro-batches and ranks, then call :func:`finalize_stats`.
+    Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch, always
+    keyed by :data:`STAT_KEYS`: add them up over micro-batches and ranks (start from
+    :func:`zero_stats`), then call :func:`finalize_stats`.
     """
     name = cfg.loss
     if name not in LOSSES:
@@ -260,16 +261,22 @@ def policy_loss(
         "is_weight_sq": torch.where(valid, rho * rho, 0).sum(),
         "kl_mu_k1": torch.where(valid, -log_rho, 0).sum(),
         "kl_mu_k3": torch.where(valid, rho - 1 - log_rho, 0).sum(),
+        "kl_ref": 0,
+        "kl_ref_tokens": 0,
+        "entropy": 0,
+        "entropy_tokens": 0,
     }
     if cfg.kl_coef > 0 or ref_logp is not None:
         ref = clean(ref_logp, "ref_logp (algorithm.kl_coef > 0)").detach()
         kl = kl_penalty(lp, ref, estimator=cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
         stats["kl_ref"] = torch.where(keep, kl.detach(), 0).sum()
+        stats["kl_ref_tokens"] = keep.sum()
     if cfg.entropy_coef != 0 or entropy is not None:
         h = clean(entropy, "entropy (algorithm.entropy_coef != 0)")
         per_token = per_token - cfg.entropy_coef * h
         stats["entropy"] = torch.where(keep, h.detach(), 0).sum()
+        stats["entropy_tokens"] = keep.sum()
 
     # Weights from the trained tokens (ratio-masked tokens stay in every denominator).
     c = token_weights(valid, seq_ids, aggregation=cfg.aggregation, norm=norm).to(per_token.dtype)
@@ -311,7 +318,29 @@ def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
     out["loss/is_capped_frac"] = s["is_capped"] / n
     out["loss/kl_mu_k1"] = s["kl_mu_k1"] / n
     out["loss/kl_mu_k3"] = s["kl_mu_k3"] / n
-    for k in ("kl_ref", "entropy"):
-        if k in s:
-            out[f"loss/{k}"] = s[k] / n
+    for k in ("kl_ref", "entropy"):  # only when computed (the caller passed ref_logp / entropy)
+        if s[f"{k}_tokens"] > 0:
+            out[f"loss/{k}"] = s[k] / s[f"{k}_tokens"]
     return out
+
+
+STAT_KEYS = (
+    "tokens",
+    "ratio_masked",
+    "clipped",
+    "is_capped",
+    "is_weight",
+    "is_weight_sq",
+    "kl_mu_k1",
+    "kl_mu_k3",
+    "kl_ref",
+    "kl_ref_tokens",
+    "entropy",
+    "entropy_tokens",
+)
+
+
+def zero_stats() -> dict[str, Tensor]:
+    """The stats of a micro-batch with no tokens: the starting point of a sum, so that every rank
+    all-reduces the same keys (:data:`STAT_KEYS`, which :func:`policy_loss` always returns)."""
+    return {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}
