@@ -1,0 +1,24 @@
+"""The built-in generator: SGLang's HTTP API on HuggingFace transformers models, for CPU machines.
+
+Start one as a child process (``start_engine_process``) or in this process (``serve``); both give a
+``.url`` that any SGLang client can talk to, and a ``.stop()``.
+"""
+
+from __future__ import annotations
+
+from asyncrl.rollout.engine.process import EngineProcess, start_engine_process
+
+__all__ = ["EngineProcess", "start_engine_process", "serve", "EngineConfig", "EngineServer"]
+
+
+def __getattr__(name: str):
+    # serve/EngineConfig pull in torch and transformers; import them only when asked for
+    if name in ("serve", "EngineServer"):
+        from asyncrl.rollout.engine import server
+
+        return getattr(server, name)
+    if name == "EngineConfig":
+        from asyncrl.rollout.engine.api import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(name)

@@ -1,0 +1,135 @@
+"""Start `asyncrl engine` as a child process and wait until it answers /health.
+
+The child binds port 0 unless told otherwise and writes the bound port to a file, so callers never
+pick ports. ``stop()`` sends SIGTERM, then SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class EngineProcess:
+    """A running engine child process: ``url`` is ``http://host:port``."""
+
+    proc: subprocess.Popen
+    host: str
+    port: int
+    log_path: Path
+    _tmpdir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """Terminate the engine; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        return self.proc.returncode
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_engine_process(
+    model_dir: str | os.PathLike,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_batch_size: int = 64,
+    weight_version: str = "default",
+    seed: int = 0,
+    log_path: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> EngineProcess:
+    """Launch ``python -m asyncrl.rollout.engine.server`` and return once /health answers 200.
+
+    Raises ``RuntimeError`` (with the log's tail) if the child exits or is not healthy in time.
+    stdout and stderr go to ``log_path`` (a temporary file when None).
+    """
+    tmp = tempfile.TemporaryDirectory(prefix="asyncrl-engine-")
+    port_file = Path(tmp.name) / "port"
+    log = Path(log_path) if log_path is not None else Path(tmp.name) / "engine.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.rollout.engine.server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--port-file",
+        str(port_file),
+        "--max-batch-size",
+        str(max_batch_size),
+        "--weight-version",
+        weight_version,
+        "--seed",
+        str(seed),
+    ]
+    child_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env)
+    ep = EngineProcess(proc=proc, host=host, port=port, log_path=log, _tmpdir=tmp)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with code {proc.returncode}:\n{ep.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine not healthy within {timeout_s:.0f}s:\n{ep.log_tail()}")
+            if ep.port == 0 and port_file.exists():
+                ep.port = int(port_file.read_text())
+            if ep.port and _healthy(ep.url):
+                return ep
+            time.sleep(0.1)
+    except BaseException:
+        ep.stop()
+        raise
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2.0) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

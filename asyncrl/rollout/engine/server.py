@@ -1,0 +1,262 @@
+"""`asyncrl engine`: serve a HuggingFace causal LM over SGLang's HTTP API.
+
+    asyncrl engine --model HF_DIR [--host 127.0.0.1] [--port P] [--port-file F] [--max-batch-size N]
+                   [--weight-version default] [--seed S]
+
+Stdlib ``ThreadingHTTPServer``: HTTP threads parse JSON and wait on events; all torch work runs in
+the scheduler's one decode thread (and weight receives in the HTTP thread that asked for them).
+``--port 0`` binds a free port; the bound port is printed and, with ``--port-file``, written there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+from asyncrl.rollout.engine.api import BadRequest, Engine, EngineConfig, Reply
+
+MAX_BODY = 256 << 20
+
+
+def _routes(engine: Engine) -> dict[str, Callable[[dict], Reply]]:
+    e = engine
+    return {
+        "/generate": e.generate,
+        "/model_info": lambda b: Reply(200, e.model_info()),
+        "/get_model_info": lambda b: Reply(200, e.model_info()),
+        "/engine_stats": lambda b: Reply(200, e.stats(_float(b.get("since")))),
+        "/health": lambda b: e.health(),
+        "/health_generate": lambda b: e.health_generate(),
+        "/abort_request": e.abort_request,
+        "/flush_cache": lambda b: e.flush_cache(),
+        "/pause_generation": e.pause_generation,
+        "/continue_generation": e.continue_generation,
+        "/init_weights_update_group": e.init_weights_update_group,
+        "/destroy_weights_update_group": e.destroy_weights_update_group,
+        "/begin_weight_update": e.begin_weight_update,
+        "/end_weight_update": e.end_weight_update,
+        "/update_weights_from_distributed": e.update_weights_from_distributed,
+        "/update_weights_from_disk": e.update_weights_from_disk,
+        "/update_weight_version": e.update_weight_version,
+        "/get_weights_by_name": e.get_weights_by_name,
+        "/weights_checker": e.weights_checker,
+    }
+
+
+def _float(x) -> float | None:
+    try:
+        return None if x is None else float(x)
+    except (TypeError, ValueError):
+        raise BadRequest(f"not a number: {x!r}") from None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: EngineHTTPServer
+
+    def log_message(self, format, *args):  # quiet: one line per request is too much at 1k req/s
+        pass
+
+    def do_GET(self):
+        self._handle()
+
+    def do_POST(self):
+        self._handle()
+
+    def _handle(self) -> None:
+        url = urlparse(self.path)
+        route = self.server.routes.get(url.path)
+        try:
+            body = self._body(url)
+            if route is None:
+                raise BadRequest(f"no such endpoint: {url.path}", status=404)
+            reply = route(body)
+        except BadRequest as e:
+            reply = Reply(e.status, e.body)
+        except Exception as e:  # a bug must not kill the server: answer 500 with the reason
+            reply = Reply(500, {"error": {"message": f"internal error: {e!r}"}})
+        if reply.stream is not None:
+            self._send_stream(reply)
+        else:
+            self._send(reply)
+
+    def _body(self, url) -> dict:
+        n = int(self.headers.get("Content-Length") or 0)
+        if n > MAX_BODY:
+            raise BadRequest(f"request body too large ({n} bytes)", status=413)
+        raw = self.rfile.read(n) if n else b""
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if not raw.strip():
+            return query
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return {**query, **body}
+
+    def _send(self, reply: Reply) -> None:
+        if reply.body is None:
+            data, ctype = b"", "application/json"
+        elif isinstance(reply.body, str):
+            data, ctype = reply.body.encode(), "text/plain; charset=utf-8"
+        else:
+            data, ctype = json.dumps(reply.body).encode(), "application/json"
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _send_stream(self, reply: Reply) -> None:
+        self.close_connection = True
+        it = reply.stream
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for chunk in it:
+                self.wfile.write(chunk)
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except BadRequest as e:
+            err = {
+                "error": {
+                    "message": str(e),
+                    "type": "invalid_request_error",
+                    "code": e.status,
+                    "retryable": False,
+                }
+            }
+            try:
+                self.wfile.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            except OSError:
+                pass
+        finally:
+            it.close()  # aborts what the client no longer reads
+
+
+class EngineHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 512
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], engine: Engine):
+        self.engine = engine
+        self.routes = _routes(engine)
+        super().__init__(addr, _Handler)
+
+
+@dataclass
+class EngineServer:
+    """An engine served from threads of this process (tests, embedding). ``stop()`` shuts it down."""
+
+    engine: Engine
+    httpd: EngineHTTPServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.httpd.server_address[0]}:{self.port}"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.engine.close()
+
+    def __enter__(self) -> EngineServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
+    """Load the model and serve it on ``host:port`` from background threads; returns at once."""
+    engine = Engine.load(config)
+    httpd = EngineHTTPServer((host, port), engine)
+    t = threading.Thread(target=httpd.serve_forever, name="engine-http", daemon=True)
+    t.start()
+    return EngineServer(engine=engine, httpd=httpd, thread=t)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl engine", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HuggingFace model folder (config.json, safetensors, tokenizer)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 = any free port")
+    p.add_argument("--port-file", help="write the bound port here once serving")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--served-model-name", default=None)
+    a = p.parse_args(argv)
+    if not (Path(a.model) / "config.json").is_file():
+        print(
+            f"asyncrl engine: --model {a.model}: not a HuggingFace model folder (no config.json)",
+            file=sys.stderr,
+        )
+        return 2
+    if a.max_batch_size < 1:
+        print("asyncrl engine: --max-batch-size must be >= 1", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = EngineConfig(
+        model=a.model,
+        max_batch_size=a.max_batch_size,
+        weight_version=a.weight_version,
+        seed=a.seed,
+        served_model_name=a.served_model_name,
+    )
+    try:
+        srv = serve(cfg, host=a.host, port=a.port)
+    except (OSError, ValueError) as e:
+        print(f"asyncrl engine: {e}", file=sys.stderr)
+        return 2
+    if a.port_file:
+        tmp = Path(a.port_file + ".tmp")
+        tmp.write_text(str(srv.port))
+        os.replace(tmp, a.port_file)
+    print(f"asyncrl engine: serving {a.model} at {srv.url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if not srv.engine.scheduler.alive:
+            print(
+                f"asyncrl engine: decode loop died: {srv.engine.scheduler.error!r}", file=sys.stderr
+            )
+            srv.stop()
+            return 1
+    srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
