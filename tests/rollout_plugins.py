@@ -29,3 +29,27 @@ def nan_reward(prompt, completion, prompt_ids, completion_ids, **row):
 
 async def async_reward(prompt, completion, prompt_ids, completion_ids, *, answer=None, **row):
     return 1.0 if completion == answer else 0.5
+
+
+# -- a multi-turn tool workflow a random tiny model can drive ------------------------------------
+# A random model never writes a well-formed tool call, so this parser turns whatever the model wrote
+# in a turn into a call deterministically: the tool runs on the model's own first characters.
+
+from asyncrl.rollout.tools import ToolCall  # noqa: E402
+from asyncrl.rollout.workflows import MultiTurn  # noqa: E402
+
+
+def char_code_sum(text: str) -> int:
+    """Sum of the character codes of ``text``."""
+    return sum(ord(c) for c in text)
+
+
+def first_chars_call(text: str) -> ToolCall | None:
+    """Every turn's first 4 characters become a call of char_code_sum (even if the turn ended at
+    EOS: the call is always made, so the test's turn structure does not depend on sampling)."""
+    return ToolCall(name="char_code_sum", arguments={"text": text[:4]})
+
+
+tool_workflow = MultiTurn(
+    tools=[char_code_sum], parse_tool_call=first_chars_call, turn_max_new_tokens=6, max_turns=3
+)

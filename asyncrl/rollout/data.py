@@ -188,6 +188,12 @@ class PromptSource:
         """The prompt at ``index`` needs no more rollouts (its group was delivered or dropped)."""
         self.outstanding.discard(index)
 
+    def give_back(self, index: int) -> None:
+        """The prompt at ``index`` was not delivered (its group failed or was cancelled): it is
+        served again, before any new one."""
+        self.outstanding.discard(index)
+        self._retry.appendleft(index)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "next_index": self.next_index,
