@@ -220,6 +220,7 @@ class MetricsTail:
         self.path, self._pos, self._partial = path, 0, b""
         self.latest: dict[str, Any] = {}
         self.max_staleness_seen: float | None = None
+        self.learner_step = 0
 
     def update(self) -> None:
         try:
@@ -240,6 +241,8 @@ class MetricsTail:
                 self._take(rec)
 
     def _take(self, rec: dict) -> None:
+        if rec.get("process") == "learner" and isinstance(rec.get("step"), int):
+            self.learner_step = max(self.learner_step, rec["step"])
         for k, v in rec.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 self.latest[k] = v
@@ -339,13 +342,26 @@ def progress_info(tail: MetricsTail, eta: int) -> str:
 
 
 def find_export(run_dir: Path) -> Path | None:
-    """The newest HF model folder (config.json + safetensors) the learner exported into the run."""
+    """The learner's newest HF export, ``run_dir/hf/v{version}`` with the highest version."""
     found = [
-        p.parent
-        for p in run_dir.rglob("config.json")
-        if any(p.parent.glob("*.safetensors")) and "wandb" not in p.parts
+        (int(p.name[1:]), p)
+        for p in (run_dir / "hf").glob("v*")
+        if p.name[1:].isdigit() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
     ]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    return max(found)[1] if found else None
+
+
+def link_latest_export(run_dir: Path) -> Path | None:
+    """``run_dir/hf/latest`` -> the newest export, so a next stage can name it without its version."""
+    export = find_export(run_dir)
+    if export is None:
+        return None
+    link = run_dir / "hf" / "latest"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(os.path.relpath(export, link.parent), target_is_directory=True)
+    return link
 
 
 def eval_held_out(r: Recipe, model_dir: Path | None) -> float | None:
@@ -392,7 +408,7 @@ def summarize(
         steps_from_records = [rec.get("step") for rec in records if rec.get("process") == "learner"]
         cands = [int(v) for v in vs] + [int(s) for s in steps_from_records if isinstance(s, int)]
         version = max(cands) if cands else 0
-    trained_tokens = _sum_key(records, [r".*trained_tokens", r"loss/tokens"])
+    trained_tokens = _sum_key(records, [r"learner/tokens", r".*trained_tokens", r"loss/tokens"])
     _, _, tps = plots.series(records, plots.TRAIN_TPS)
     summary = {
         "name": r.run.name,
@@ -481,6 +497,7 @@ def run(
             child.start(env)
         deadline = t0 + r.run.timeout_s
         healthy = False
+        uses_buffer = r.algorithm.loss != "sft"
         last_poll = 0.0
         while True:
             done = plan.children[0].poll()
@@ -500,16 +517,16 @@ def run(
             now = time.monotonic()
             if now - last_poll >= 1.0:
                 last_poll = now
-                st = buffer_status(plan.buffer_address, r, timeout_s=1.0)
+                st = buffer_status(plan.buffer_address, r, timeout_s=1.0) if uses_buffer else None
                 if st is not None:
                     status, healthy = st, True
-                elif not healthy and now - t0 > r.generator.startup_timeout_s:
+                elif uses_buffer and not healthy and now - t0 > r.generator.startup_timeout_s:
                     raise LaunchError(
                         f"the learner's buffer at {plan.buffer_address} did not answer within "
                         f"{r.generator.startup_timeout_s:g} s (generator.startup_timeout_s)"
                     )
                 tail.update()
-                version = int(status.get("version", 0)) if status else 0
+                version = int(status.get("version", 0)) if status else tail.learner_step
                 display.update(version, progress_info(tail, r.buffer.max_staleness))
             time.sleep(0.1)
     except _Stop as e:
@@ -528,6 +545,8 @@ def run(
             file=sys.stderr,
         )
     wall = time.monotonic() - t0
+    if outcome == "completed":
+        link_latest_export(run_dir)
     reward_start = eval_held_out(r, start_model)
     reward_end = eval_held_out(r, find_export(run_dir)) if outcome == "completed" else None
     summary = summarize(

@@ -117,7 +117,8 @@ REWARD = [r"(train/|rollout/|learner/)?reward(/mean|_mean)?", r".*reward.*mean"]
 EVAL = [r"eval/(success|reward|accuracy)", r"eval.*(success|reward)"]
 STALE_MEAN = [r"(buffer/|learner/)?staleness/mean", r".*staleness.*mean"]
 STALE_MAX = [r"(buffer/|learner/)?staleness/max", r".*staleness.*max(?!_allowed)"]
-STALE_HIST = r"(?:.*/)?staleness/(?:hist|histogram)/(\d+)"
+STALE_HIST = r"(?:.*/)?staleness(?:/|_)(?:hist|histogram)/(\d+)|drift/tokens/(\d+)"
+"""Per-bucket counts: a staleness histogram, or the learner's trained tokens per staleness bucket."""
 ETA = [r".*max_staleness(_allowed)?", r".*staleness/(bound|eta)"]
 DROPPED = [r".*(dropped|cancelled).*stale.*", r".*stale.*(dropped|cancelled).*"]
 GEN_TPS = [r".*generated_tokens_per_s", r".*gen.*tokens.*per_s.*", r".*gen.*tok.*s"]
@@ -168,7 +169,7 @@ def plot_staleness(records, out: Path) -> Path | None:
         col: dict[int, float] = {}
         for k, v in r.items():
             if (m := rx.fullmatch(k)) and _num(v) is not None:
-                col[int(m.group(1))] = float(v)
+                col[int(m.group(1) or m.group(2))] = float(v)
             elif "staleness" in k and _is_hist(v):
                 col.update(_hist_buckets(v))
         if col:
