@@ -236,6 +236,7 @@ _ARRAYS = {
     "loss_mask": _F32,
 }
 _PER_TOKEN = ("behavior_logprobs", "versions", "loss_mask")
+_MAX_ARRAY_BYTES = MAX_TOKENS * 4  # every per-token dtype is 4 bytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,17 +244,22 @@ _PER_TOKEN = ("behavior_logprobs", "versions", "loss_mask")
 # --------------------------------------------------------------------------------------------------
 
 
+def _sample_plain(s: Sample) -> dict[str, Any]:
+    # The hot path of every Put: no generic recursion for the fixed fields (DESIGN §3 budget).
+    d: dict[str, Any] = {"id": s.id, "group_id": s.group_id}  # dataclass field order, as before
+    for k, dt in _ARRAYS.items():
+        d[k] = np.ascontiguousarray(getattr(s, k), dtype=dt).tobytes()
+    d["reward"] = _to_plain(s.reward)
+    d["finish_reason"] = s.finish_reason
+    d["metadata"] = _to_plain(s.metadata) if s.metadata else {}
+    return d
+
+
 def _to_plain(obj: Any) -> Any:
+    if obj is None or type(obj) in (str, int, float, bool, bytes):
+        return obj
     if isinstance(obj, Sample):
-        d = {}
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if f.name in _ARRAYS:
-                v = np.ascontiguousarray(v, dtype=_ARRAYS[f.name]).tobytes()
-            else:
-                v = _to_plain(v)
-            d[f.name] = v
-        return d
+        return _sample_plain(obj)
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, list | tuple):
@@ -348,24 +354,36 @@ def _array(d: dict, key: str, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dt)
 
 
-def _sample(d: Any, where: str) -> Sample:
+def _values_ok(logprobs: np.ndarray, versions: np.ndarray, mask: np.ndarray) -> bool:
+    """One check of a whole group's arrays (a NaN makes min and max NaN, which fails)."""
+    if len(logprobs) == 0:
+        return True
+    return bool(
+        np.isfinite(logprobs.min())
+        and logprobs.max() <= 1e-3
+        and versions.min() >= 0
+        and not ((mask != 0) & (mask != 1)).any()
+    )
+
+
+def _sample(d: Any, where: str, *, check_values: bool = True) -> Sample:
     if not isinstance(d, dict):
         raise WireError(f"{where}: expected a map, got {type(d).__name__}")
-    arrays = {k: _array(d, k, where) for k in _ARRAYS}
+    arrays = {}
+    for k, dt in _ARRAYS.items():
+        raw = d.get(k)
+        if type(raw) is bytes and not len(raw) % dt.itemsize and len(raw) <= _MAX_ARRAY_BYTES:
+            arrays[k] = np.frombuffer(raw, dtype=dt)  # the common case, without _req's overhead
+        else:
+            arrays[k] = _array(d, k, where)  # raises, naming the field
     n = len(arrays["completion_ids"])
     for k in _PER_TOKEN:
         if len(arrays[k]) != n:
             raise WireError(
                 f"{where}.{k}: {len(arrays[k])} entries, but completion_ids has {n} (one per token)"
             )
-    if not np.isfinite(arrays["behavior_logprobs"]).all():
-        raise WireError(f"{where}.behavior_logprobs: must be finite")
-    if (arrays["behavior_logprobs"] > 1e-3).any():
-        raise WireError(f"{where}.behavior_logprobs: a log-probability cannot be positive")
-    if (arrays["versions"] < 0).any():
-        raise WireError(f"{where}.versions: must be >= 0")
-    if ((arrays["loss_mask"] != 0) & (arrays["loss_mask"] != 1)).any():
-        raise WireError(f"{where}.loss_mask: entries must be 0 or 1")
+    if check_values:
+        _check_values(arrays, where)
     finish = _opt(d, "finish_reason", str, where, "stop")
     if finish not in ("stop", "length", "abort"):
         raise WireError(f"{where}.finish_reason: expected stop, length or abort, got {finish!r}")
@@ -379,6 +397,17 @@ def _sample(d: Any, where: str) -> Sample:
     )
 
 
+def _check_values(arrays: dict[str, np.ndarray], where: str) -> None:
+    if not np.isfinite(arrays["behavior_logprobs"]).all():
+        raise WireError(f"{where}.behavior_logprobs: must be finite")
+    if (arrays["behavior_logprobs"] > 1e-3).any():
+        raise WireError(f"{where}.behavior_logprobs: a log-probability cannot be positive")
+    if (arrays["versions"] < 0).any():
+        raise WireError(f"{where}.versions: must be >= 0")
+    if ((arrays["loss_mask"] != 0) & (arrays["loss_mask"] != 1)).any():
+        raise WireError(f"{where}.loss_mask: entries must be 0 or 1")
+
+
 def _group(d: Any, where: str) -> Group:
     if not isinstance(d, dict):
         raise WireError(f"{where}: expected a map, got {type(d).__name__}")
@@ -386,7 +415,12 @@ def _group(d: Any, where: str) -> Group:
     raw = _req(d, "samples", list, where)
     if not raw:
         raise WireError(f"{where}.samples: a group needs at least one sample")
-    samples = [_sample(s, f"{where}.samples[{i}]") for i, s in enumerate(raw)]
+    samples = [_sample(s, f"{where}.samples[{i}]", check_values=False) for i, s in enumerate(raw)]
+    cat = [np.concatenate([getattr(s, k) for s in samples]) for k in _PER_TOKEN]
+    if not _values_ok(*cat):  # find and name the bad sample
+        for i, s in enumerate(samples):
+            _check_values({k: getattr(s, k) for k in _PER_TOKEN}, f"{where}.samples[{i}]")
+        raise WireError(f"{where}: invalid per-token values")  # pragma: no cover - checks agree
     ids = set()
     for i, s in enumerate(samples):
         if s.group_id != gid:
