@@ -121,7 +121,12 @@ STALE_HIST = r"(?:.*/)?staleness(?:/|_)(?:hist|histogram)/(\d+)|drift/tokens/(\d
 """Per-bucket counts: a staleness histogram, or the learner's trained tokens per staleness bucket."""
 ETA = [r".*max_staleness(_allowed)?", r".*staleness/(bound|eta)"]
 DROPPED = [r".*(dropped|cancelled).*stale.*", r".*stale.*(dropped|cancelled).*"]
-GEN_TPS = [r".*generated_tokens_per_s", r".*gen.*tokens.*per_s.*", r".*gen.*tok.*s"]
+GEN_TPS = [
+    r".*generated_tokens_per_s",
+    r"rollout/tokens_per_s",
+    r".*gen.*tokens.*per_s.*",
+    r".*gen.*tok.*s",
+]
 TRAIN_TPS = [r".*trained_tokens_per_s", r".*train.*tokens.*per_s.*"]
 LEARNER_IDLE = [r"learner/idle_frac(tion)?", r".*learner.*idle.*"]
 GEN_IDLE = [r"(generator|rollout)/idle_frac(tion)?", r".*(generator|rollout).*idle.*"]
