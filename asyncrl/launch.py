@@ -410,8 +410,14 @@ def summarize(
         version = max(cands) if cands else 0
     trained_tokens = _sum_key(records, [r"learner/tokens", r".*trained_tokens", r"loss/tokens"])
     _, _, tps = plots.series(records, plots.TRAIN_TPS)
+    times = [
+        rec["time"]
+        for rec in records
+        if rec.get("process") == "learner" and isinstance(rec.get("time"), int | float)
+    ]
     summary = {
         "name": r.run.name,
+        "run_dir": str(run_dir),
         "outcome": outcome,
         "steps": int(version),
         "reward_start": reward_start,
@@ -422,6 +428,10 @@ def summarize(
         "max_staleness_seen": max(smax) if smax else None,
         "max_staleness_allowed": r.buffer.max_staleness,
         "wall_seconds": round(wall_seconds, 2),
+        # from the learner's first logged step to its last: steady-state training time of
+        # len(times) - 1 steps, without start-up and evaluation
+        "train_seconds": round(times[-1] - times[0], 3) if len(times) > 1 else None,
+        "train_steps_timed": max(len(times) - 1, 0),
         "trained_tokens": trained_tokens,
         "trained_tokens_per_s": (trained_tokens / wall_seconds)
         if trained_tokens and wall_seconds > 0
