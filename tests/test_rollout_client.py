@@ -118,3 +118,118 @@ def _recorded_allowed_keys() -> list[str]:
     text = (RECORDED / "generate_bad_sampling_key.txt").read_text()
     inner = text.split("expected one of", 1)[1].split('"}')[0]
     return [k.strip(" `") for k in inner.split(",")]
+
+
+# --------------------------------------------------------------------------------------------------
+# Against the real built-in engine
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3):
+    from asyncrl.rollout.engine.api import EngineConfig
+    from asyncrl.rollout.engine.server import serve
+
+    srv = serve(EngineConfig(model=str(tiny_qwen3), max_batch_size=8))
+    yield srv
+    srv.stop()
+
+
+def test_abort_and_resume_equals_one_uninterrupted_stream(engine):
+    """The engine is paused in `abort` mode mid-generation; the client resubmits prompt + partial
+    output and the finished sample equals one uninterrupted greedy stream."""
+    import httpx
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    prompt = [10, 11, 12, 13, 14]
+    params = SamplingParams(max_new_tokens=400, temperature=0.0)
+    sched = engine.engine.scheduler
+
+    async def interrupted(pool, http):
+        out = {}
+
+        async def gen():
+            out["c"] = await pool.generate(prompt, params, rid="resume-test")
+
+        async with trio.open_nursery() as n:
+            n.start_soon(gen)
+            with trio.fail_after(60):  # wait until it is really mid-generation
+                while not any(len(r.output_ids) >= 8 for r in list(sched.running)):
+                    if "c" in out:
+                        return None  # finished before we could pause: the caller retries
+                    await trio.sleep(0.001)
+            r = await http.post(engine.url + "/pause_generation", json={"mode": "abort"})
+            assert r.status_code == 200
+            # the aborted request comes back and is resubmitted; a paused engine holds it
+            with trio.fail_after(60):
+                while not sched.waiting and "c" not in out:
+                    await trio.sleep(0.005)
+            r = await http.post(engine.url + "/continue_generation", json={})
+            assert r.status_code == 200
+        return out["c"]
+
+    async def go():
+        async with GeneratorPool([engine.url], version=2) as pool, httpx.AsyncClient() as http:
+            ref = await pool.generate(prompt, params)
+            for _ in range(5):
+                got = await interrupted(pool, http)
+                if got is not None and got.num_resumes:
+                    return ref, got
+            pytest.fail("could not pause the engine mid-generation in 5 tries")
+
+    ref, got = trio.run(go)
+    assert got.num_resumes >= 1
+    assert got.finish_reason == ref.finish_reason
+    assert got.output_ids == ref.output_ids
+    assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert got.versions == ref.versions == [2] * len(ref.output_ids)
+
+
+def test_unreachable_generator_is_marked_down_and_requests_move(engine):
+    import socket
+
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def go():
+        async with GeneratorPool([dead, engine.url], retry_s=30.0) as pool:
+            results = []
+
+            async def one(i):
+                results.append(await pool.generate([5, 6, 7, i], SamplingParams(max_new_tokens=4)))
+
+            async with trio.open_nursery() as n:
+                for i in range(6):
+                    n.start_soon(one, 20 + i)
+            return pool, results
+
+    pool, results = trio.run(go)
+    assert len(results) == 6 and all(r.generator == engine.url for r in results)
+    dead_state = pool.generators[dead]
+    assert dead_state.failures >= 1 and dead_state.down_until > 0
+    assert "ConnectError" in dead_state.last_error
+
+
+def test_requests_spread_by_load():
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    async def go():
+        async with GeneratorPool(["http://a", "http://b", "http://c"]) as pool:
+            picks = []
+            for _ in range(6):
+                g = pool._pick(None)
+                g.enter(trio.current_time())
+                picks.append(g.url)
+            return picks
+
+    picks = trio.run(go)
+    assert sorted(picks) == sorted(["http://a", "http://b", "http://c"] * 2)
