@@ -8,7 +8,8 @@ Writes (each only if its metrics are present; a missing key never fails the tool
   the bound eta, and groups dropped as stale;
 - ``throughput.png``: generated and trained tokens/s, learner and generator idle fractions;
 - ``weight_sync.png``: weight-sync seconds and generator pause seconds per version;
-- ``drift.png``: KL(mu || pi_prox) per staleness bucket (engine mismatch vs staleness drift).
+- ``drift.png``: KL(mu || pi_prox) per staleness bucket (engine mismatch vs staleness drift);
+- ``learning.png``: loss, entropy, grad norm, response length.
 
 Each line of metrics.jsonl is one JSON object of flat ``section/name`` keys; the x axis is the
 record's ``version`` (or ``step``), else its position. Keys are found by the patterns below, so a sink
@@ -270,7 +271,31 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-PLOTS = (plot_reward, plot_staleness, plot_throughput, plot_weight_sync, plot_drift)
+LOSS = [r"loss", r"learner/loss", r".*/loss"]
+ENTROPY = [r"loss/entropy", r".*entropy.*"]
+GRAD_NORM = [r"grad_norm", r".*grad_norm.*"]
+LENGTH = [r"rollout/response_length_mean", r".*response_length.*mean.*"]
+
+
+def plot_learning(records, out: Path) -> Path | None:
+    """Loss, entropy, grad norm and response length, one small panel each."""
+    panels = [("loss", LOSS), ("entropy", ENTROPY), ("grad norm", GRAD_NORM)]
+    panels.append(("response length", LENGTH))
+    present = [(t, pats) for t, pats in panels if series(records, pats)[1]]
+    if not present:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.2 * len(present)), sharex=True)
+    axes = axes if len(present) > 1 else [axes]
+    for ax, (title, pats) in zip(axes, present, strict=True):
+        _line(ax, records, pats)
+        ax.set_ylabel(title)
+    axes[0].set_title("Learning")
+    axes[-1].set_xlabel("policy version")
+    return _save(fig, out / "learning.png")
+
+
+PLOTS = (plot_reward, plot_staleness, plot_throughput, plot_weight_sync, plot_drift, plot_learning)
 
 
 def make_plots(metrics: str | Path, out: str | Path | None = None) -> list[Path]:

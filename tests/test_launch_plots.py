@@ -32,6 +32,8 @@ def _full_records(n=12, eta=4):
                 "weights/pause_s/gen0": 0.001,
                 "drift/mismatch_kl": 1e-6,
                 "drift/staleness_kl/1": 1e-3,
+                "loss": 1.0 / (v + 1),
+                "grad_norm": 0.5,
             }
         )
     recs.append({"version": n, "eval/success": 0.8})
@@ -48,6 +50,7 @@ def test_all_plots_from_full_metrics(tmp_path):
         "throughput.png",
         "weight_sync.png",
         "drift.png",
+        "learning.png",
     }
     for p in written:
         assert p.parent == tmp_path / "plots" and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
