@@ -1,0 +1,172 @@
+"""Pause modes, continue, abort and flush on the built-in engine, as SGLang 0.5.23 defines them.
+
+Every check reads the engine's own state (/engine_stats) or compares token sequences, so none
+depends on timing: a paused decode loop cannot take steps, whatever the machine's load.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from asyncrl.rollout.engine import EngineConfig, serve
+
+LONG = {
+    "input_ids": [9, 10, 11],
+    "sampling_params": {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True},
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3):
+    with serve(EngineConfig(model=str(tiny_qwen3))) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(engine):
+    with httpx.Client(base_url=engine.url, timeout=120) as c:
+        yield c
+        c.post("/continue_generation", json={})
+
+
+class Stream:
+    def __init__(self, url: str, body: dict):
+        self.first = threading.Event()
+        self.chunks: list[dict] = []
+        self.status = None
+        self._t = threading.Thread(
+            target=self._run, args=(url, {**body, "stream": True}), daemon=True
+        )
+        self._t.start()
+        assert self.first.wait(60)
+
+    def _run(self, url, body):
+        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/generate", json=body) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.chunks.append(json.loads(line[6:]))
+                    self.first.set()
+
+    def result(self) -> dict:
+        self._t.join(120)
+        return self.chunks[-1]
+
+
+class Call:
+    def __init__(self, url: str, body: dict):
+        self.resp = None
+        self._t = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._t.start()
+
+    def _run(self, url, body):
+        self.resp = httpx.post(url + "/generate", json=body, timeout=120)
+
+    def result(self) -> dict:
+        self._t.join(120)
+        return self.resp.json()
+
+
+def _stats(c):
+    return c.get("/engine_stats").json()
+
+
+def _wait_waiting(c, n):
+    """Poll until ``n`` requests are queued (a request in flight over HTTP needs a moment to land)."""
+    for _ in range(600):
+        if _stats(c)["waiting"] >= n:
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError("request never reached the engine's queue")
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return httpx.post(engine.url + "/generate", json=LONG, timeout=120).json()["output_ids"]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_keeps_requests_and_continue_finishes_them_unchanged(client, engine, reference, mode):
+    s = Stream(engine.url, LONG)
+    r = client.post("/pause_generation", json={"mode": mode})
+    assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    st = _stats(client)
+    assert st["paused"] == mode
+    if mode == "in_place":
+        assert (st["running"], st["waiting"]) == (1, 0)  # frozen with its KV cache
+        assert client.get("/flush_cache").status_code == 400
+    else:
+        assert (st["running"], st["waiting"]) == (0, 1)  # KV dropped, tokens kept
+        assert (
+            client.get("/flush_cache").status_code == 200
+        )  # SGLang ignores the waiting queue here
+    held = Call(engine.url, {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
+    _wait_waiting(client, 1 if mode == "in_place" else 2)
+    assert _stats(client)["decode_steps"] == st["decode_steps"]  # no step taken while paused
+    assert client.post("/continue_generation", json={}).json() == {
+        "message": "Generation continued successfully.",
+        "status": "ok",
+    }
+    res = s.result()
+    m = res["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 480}
+    assert m["num_retractions"] == (1 if mode == "retract" else 0)
+    assert res["output_ids"] == reference  # same weights: a pause changes nothing
+    assert held.result()["meta_info"]["completion_tokens"] == 2
+
+
+def test_pause_abort_returns_partial_output_and_holds_new_requests(client, engine, reference):
+    s = Stream(engine.url, LONG)
+    assert client.post("/pause_generation", json={}).status_code == 200  # default mode: abort
+    res = s.result()
+    m = res["meta_info"]
+    assert s.status == 200
+    assert m["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
+    n = len(res["output_ids"])
+    assert 0 < n < 480 and res["output_ids"] == reference[:n]
+    assert len(m["weight_versions"]) == 1 and m["weight_versions"][0]["end"] == n
+    held = Call(engine.url, {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
+    _wait_waiting(client, 1)
+    client.post("/continue_generation", json={})
+    assert held.result()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_request_by_rid_prefix_and_abort_all(client, engine):
+    a = Stream(engine.url, {**LONG, "rid": "grp-1"})
+    b = Stream(engine.url, {**LONG, "rid": "grp-2"})
+    other = Stream(engine.url, {**LONG, "rid": "other"})
+    r = client.post("/abort_request", json={"rid": "grp-"})
+    assert r.status_code == 200 and r.content == b""
+    assert a.result()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert b.result()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert client.get("/flush_cache").status_code == 400  # 'other' still runs
+    client.post("/abort_request", json={"abort_all": True})
+    assert other.result()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert client.get("/flush_cache").status_code == 200
+
+
+def test_bad_control_requests(client):
+    r = client.post("/pause_generation", json={"mode": "freeze"})
+    assert r.status_code == 400 and "mode" in r.text
+    assert client.post("/abort_request", json={}).status_code == 400
+    assert client.post("/update_weight_version", json={}).status_code == 400
+    r = client.post("/get_weights_by_name", json={"name": "no.such.weight"})
+    assert r.status_code == 400 and "no.such.weight" in r.text
+    r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1"})
+    assert (
+        r.status_code == 400
+        and r.json()["success"] is False
+        and "master_port" in r.json()["message"]
+    )
+    r = client.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert client.get("/health").status_code == 200
