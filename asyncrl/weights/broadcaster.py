@@ -1,0 +1,804 @@
+"""The versioned weight broadcaster: learner rank 0 pushes each new policy version to every generator.
+
+Per version (reference/sglang.md §2.1, §6): every generator is paused in place (no abort, no drain),
+a session is opened (``/begin_weight_update``; 404 on old SGLang: no session), the weights go out in
+buckets (one ``/update_weights_from_distributed`` call per bucket, posted concurrently with rank 0's
+broadcast of that bucket), the session is closed and generation continues. Then each generator is
+asked which version it holds and for its checksum, compared with the checksum of what was sent.
+
+Never hangs: every HTTP call and every broadcast has a bound (``WeightsConfig.timeout_s``). A
+generator that fails or does not answer is dropped, the group is rebuilt without it and the version is
+sent again to the others. A dropped generator that answers ``/health`` again first loads the latest
+exported HF checkpoint from disk, then rejoins the group at the next version.
+
+Overlap: :meth:`WeightBroadcaster.publish` copies the snapshot on the caller's (training) thread and
+sends it from a background thread while the learner computes the next version; at most one version is
+in flight (the next publish waits for it). ``overlap: false`` sends synchronously.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.recipe import WeightsConfig
+from asyncrl.weights import buckets, rendezvous
+from asyncrl.weights.client import GeneratorError, GroupSpec, WeightsClient
+from asyncrl.wire import GeneratorInfo
+
+log = logging.getLogger("asyncrl.weights")
+
+TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
+"""(name, source): when both are sent and equal, only the source goes out, as SGLang's own test does."""
+
+VERSION_FILE = "asyncrl_version.json"
+"""Written next to an exported HF checkpoint: ``{"version": v}`` (else the folder name's last number)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Snapshots
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """One version's weights as they go on the wire: buckets of owned tensors (never the live ones)."""
+
+    version: int
+    buckets: list[buckets.Bucket]
+    payloads: list[list[torch.Tensor]]  # per bucket: what rank 0 broadcasts, in order
+    nbytes: int
+
+    def named(self) -> Iterable[tuple[str, torch.Tensor]]:
+        for b in self.buckets:
+            yield from zip(b.names, b.tensors, strict=True)
+
+
+def drop_tied(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop ``lm_head.weight`` when it is the same storage as, or equal to, the input embedding."""
+    out = dict(named)
+    for name, source in TIED_PAIRS:
+        a, b = out.get(name), out.get(source)
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() or torch.equal(a, b):
+            del out[name]
+    return out
+
+
+def make_snapshot(
+    version: int,
+    named: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    load_format: str,
+) -> Snapshot:
+    """Copy ``named`` into wire buckets: floating tensors cast to ``dtype``, tied copies sent once."""
+    named = drop_tied(named)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def wire_bytes(t: torch.Tensor) -> int:
+        return t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for n, t in named.items():  # as buckets.make_buckets, but sized as sent (after the cast)
+        s = wire_bytes(t)
+        if groups[-1] and size + s > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((n, t))
+        size += s
+    out_buckets: list[buckets.Bucket] = []
+    payloads: list[list[torch.Tensor]] = []
+    for g in groups:
+        if not g:
+            continue
+        names = [n for n, _ in g]
+        if load_format == "flattened_bucket":
+            tensors = [cast(t) for _, t in g]  # casting one bucket at a time bounds extra memory
+            flat = buckets.flatten(tensors)  # the copy
+            dts, shapes = [t.dtype for t in tensors], [list(t.shape) for t in tensors]
+            out_buckets.append(
+                buckets.Bucket(names=names, tensors=buckets.unflatten(flat, dts, shapes))
+            )
+            payloads.append([flat])
+        else:
+            tensors = [cast(t).clone(memory_format=torch.contiguous_format) for _, t in g]
+            out_buckets.append(buckets.Bucket(names=names, tensors=tensors))
+            payloads.append(tensors)
+    total = sum(b.nbytes for b in out_buckets)
+    return Snapshot(version=version, buckets=out_buckets, payloads=payloads, nbytes=total)
+
+
+def latest_export(export_dir: str | Path | None) -> tuple[Path, int] | None:
+    """The newest HF checkpoint folder under ``export_dir`` (itself or a subfolder with config.json)."""
+    if export_dir is None:
+        return None
+    root = Path(export_dir)
+    if not root.is_dir():
+        return None
+    best: tuple[Path, int] | None = None
+    for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())]:
+        if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
+            continue
+        v = _export_version(d)
+        if v is not None and (best is None or v > best[1]):
+            best = (d, v)
+    return best
+
+
+def _export_version(d: Path) -> int | None:
+    f = d / VERSION_FILE
+    if f.is_file():
+        try:
+            return int(json.loads(f.read_text())["version"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    m = re.search(r"(\d+)$", d.name)
+    return int(m.group(1)) if m else None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _parse_version(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None  # "default": the server's initial weights
+
+
+# --------------------------------------------------------------------------------------------------
+# Membership and reports
+# --------------------------------------------------------------------------------------------------
+
+State = Literal["joining", "member", "dropped", "removed"]
+
+
+@dataclass
+class Member:
+    """The broadcaster's view of one generator."""
+
+    info: GeneratorInfo
+    client: WeightsClient
+    state: State = "joining"
+    version: int | None = None  # the last version it confirmed (None: its initial weights)
+    sessions: bool | None = None  # has /begin_weight_update (SGLang >= 0.5.21, the built-in engine)
+    reason: str = ""  # why it was dropped
+    from_disk: bool = False  # a rejoining generator loads the latest export before joining
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+@dataclass
+class SyncReport:
+    """What one version's broadcast did (also logged as metrics)."""
+
+    version: int
+    updated: list[str] = field(default_factory=list)  # urls that hold this version now
+    dropped: list[str] = field(default_factory=list)  # urls dropped during this version
+    sync_s: float = 0.0
+    nbytes: int = 0
+    attempts: int = 0
+    group_builds: int = 0
+    pause_s: dict[str, float] = field(default_factory=dict)
+    reported: dict[str, str | None] = field(default_factory=dict)  # /model_info weight_version
+    checksum: str = ""
+    checksum_ok: dict[str, bool | None] = field(default_factory=dict)  # None: not comparable
+    error: str = ""
+
+    @property
+    def mismatches(self) -> list[str]:
+        bad = [u for u, ok in self.checksum_ok.items() if ok is False]
+        bad += [u for u in self.updated if self.reported.get(u) != str(self.version)]
+        return sorted(set(bad))
+
+
+class _Failed(Exception):
+    """Some generators failed during an attempt: ``culprits`` are dropped, the rest retry."""
+
+    def __init__(self, culprits: dict[str, str], message: str):
+        self.culprits = culprits
+        super().__init__(message)
+
+
+# --------------------------------------------------------------------------------------------------
+# The broadcaster
+# --------------------------------------------------------------------------------------------------
+
+
+class WeightBroadcaster:
+    """Learner-side weight broadcaster. Construct it on every learner rank; only rank 0 sends.
+
+    Use ``trainer.publishers.append(b.on_step)`` (all ranks: it takes the ``hf_state_dict()``
+    collective every ``cfg.every`` versions), or call :meth:`publish` on rank 0 with HF-named tensors.
+    """
+
+    def __init__(
+        self,
+        cfg: WeightsConfig,
+        *,
+        export_dir: str | Path | None = None,
+        metrics: Any = None,
+        rank: int | None = None,
+        verify: bool = True,
+        on_event: Callable[[str, dict], None] | None = None,
+        api_key: str | None = None,
+    ):
+        """``metrics``: an object with ``log(dict, step=)`` (asyncrl.metrics.MetricsSink) or None.
+        ``export_dir``: where the learner exports HF checkpoints (rejoining generators load the newest).
+        ``on_event(name, fields)``: progress callback ("bucket_sent", "dropped", "synced", ...)."""
+        self.cfg = cfg
+        self.export_dir = Path(export_dir) if export_dir is not None else None
+        self.metrics = metrics
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
+        self.verify = verify
+        self.on_event = on_event
+        self.api_key = api_key
+        self.dtype = buckets.parse_dtype(cfg.dtype)
+        self.backend = rendezvous.default_backend() if cfg.backend == "auto" else cfg.backend
+        self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
+        self.reports: list[SyncReport] = []
+        self.last_version = 0  # the newest version handed to publish()
+        self._members: dict[str, Member] = {}
+        self._by_worker: dict[str, set[str]] = {}
+        self._lock = threading.Lock()  # membership (callers' threads vs the sync thread)
+        self._dirty = True  # membership changed: rebuild the group at the next version
+        self._pg: dist.ProcessGroup | None = None
+        self._group: GroupSpec | None = None
+        self._group_urls: list[str] = []
+        self._builds = 0
+        self._inflight: cf.Future | None = None
+        self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-sync")
+        self._http = cf.ThreadPoolExecutor(32, thread_name_prefix="weights-http")
+        self._closed = False
+
+    # ---- membership (any thread) -----------------------------------------------------------------
+
+    def add_generator(self, info: GeneratorInfo) -> None:
+        """Register a generator; it joins the group at the next version."""
+        url = info.url.rstrip("/")
+        with self._lock:
+            m = self._members.get(url)
+            if m is not None and m.state != "removed":
+                m.info = info
+                return
+            client = WeightsClient(info, timeout_s=self.cfg.timeout_s, api_key=self.api_key)
+            self._members[url] = Member(info=info, client=client, state="joining")
+            self._dirty = True
+        log.info(
+            "weights: generator %s registered (%s, %d rank(s))", url, info.kind, info.world_size
+        )
+
+    def remove_generator(self, url: str) -> None:
+        """Stop sending to a generator from the next version on."""
+        url = url.rstrip("/")
+        with self._lock:
+            m = self._members.get(url)
+            if m is None or m.state == "removed":
+                return
+            m.state = "removed"
+            self._dirty = True
+        log.info("weights: generator %s removed", url)
+
+    def on_register(self, worker_id: str, generators: list[GeneratorInfo]) -> None:
+        """The buffer service's callback: a worker's current generator list (replaces its last one)."""
+        urls = {g.url.rstrip("/") for g in generators}
+        with self._lock:
+            gone = self._by_worker.get(worker_id, set()) - urls
+            self._by_worker[worker_id] = urls
+        for g in generators:
+            self.add_generator(g)
+        for url in gone:
+            self.remove_generator(url)
+
+    def generators(self) -> dict[str, str]:
+        """url -> state ("joining", "member", "dropped")."""
+        with self._lock:
+            return {u: m.state for u, m in self._members.items() if m.state != "removed"}
+
+    # ---- publishing (training thread) ------------------------------------------------------------
+
+    def on_step(self, version: int, trainer: Any) -> None:
+        """Trainer publisher hook, on every rank: snapshot every ``cfg.every`` versions and send."""
+        if version % self.cfg.every:
+            return
+        named = trainer.hf_state_dict()  # a collective: every rank calls it at the same point
+        if self.rank == 0:
+            self.publish(version, named, owned=True)  # hf_state_dict() returns fresh copies
+
+    def publish(
+        self, version: int, named_tensors: Mapping[str, torch.Tensor], *, owned: bool = False
+    ) -> None:
+        """Send ``version``: snapshot the tensors, send them in the background (or now, no overlap).
+
+        ``owned``: the caller hands the tensors over and never changes them (``hf_state_dict()``
+        returns fresh copies), so even the bucket copy happens off the training thread. Otherwise
+        they are copied before this returns, as the learner may step right after. Waits for the
+        previous version's broadcast first (at most one in flight). A no-op on ranks other than 0.
+        """
+        if self.rank != 0:
+            return
+        if self._closed:
+            raise RuntimeError("weight broadcaster is closed")
+        if owned:
+            named = dict(named_tensors)
+            job = lambda: self._sync_logged(self._snapshot(version, named))  # noqa: E731
+        else:
+            snap = self._snapshot(version, named_tensors)
+            job = lambda: self._sync_logged(snap)  # noqa: E731
+        self.wait()
+        self.last_version = version
+        self._inflight = self._sender.submit(job)
+        if not self.cfg.overlap:
+            self.wait()
+
+    def _snapshot(self, version: int, named: Mapping[str, torch.Tensor]) -> Snapshot:
+        return make_snapshot(
+            version,
+            named,
+            dtype=self.dtype,
+            bucket_bytes=self.bucket_bytes,
+            load_format=self.cfg.load_format,
+        )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight broadcast; False if it is still running after ``timeout`` seconds."""
+        f = self._inflight
+        if f is None:
+            return True
+        try:
+            f.result(timeout=timeout)
+        except cf.TimeoutError:
+            return False
+        self._inflight = None
+        return True
+
+    def close(self) -> None:
+        """Finish the in-flight broadcast, leave the group and close the HTTP clients."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait()
+        self._sender.shutdown(wait=True)
+        with self._lock:
+            members = list(self._members.values())
+        if self._pg is not None:
+            alive = [m for m in members if m.state == "member"]
+            self._drop_group(alive, background=False)
+        self._http.shutdown(wait=True)
+        for m in members:
+            m.client.close()
+
+    def __enter__(self) -> WeightBroadcaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- one version (sender thread) ---------------------------------------------------------------
+
+    def _event(self, name: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(name, fields)
+            except Exception:  # a progress callback must not break a weight update
+                log.exception("weights: on_event(%s) raised", name)
+
+    def _sync_logged(self, snap: Snapshot) -> SyncReport:
+        try:
+            report = self._sync(snap)
+        except Exception as e:  # never let one version kill the sender: report and go on
+            log.exception("weights: version %d failed", snap.version)
+            report = SyncReport(version=snap.version, nbytes=snap.nbytes, error=repr(e))
+        self.reports.append(report)
+        self._log_metrics(report)
+        self._event("synced", version=snap.version, report=report)
+        return report
+
+    def _sync(self, snap: Snapshot) -> SyncReport:
+        t0 = time.monotonic()
+        report = SyncReport(version=snap.version, nbytes=snap.nbytes)
+        self._preflight(report)
+        paused: dict[str, float] = {}
+        try:
+            for attempt in range(1, 4):
+                report.attempts = attempt
+                members = self._active()
+                if not members:
+                    report.error = "no generators"
+                    break
+                try:
+                    if (
+                        self._dirty
+                        or self._pg is None
+                        or self._group_urls != [m.url for m in members]
+                    ):
+                        self._build_group(members)
+                        report.group_builds += 1
+                    self._pause(members, paused)
+                    self._send(snap, members, paused, report)
+                    break
+                except _Failed as e:
+                    log.warning("weights: version %d attempt %d: %s", snap.version, attempt, e)
+                    for url, why in e.culprits.items():
+                        self._drop(url, why, report)
+                    self._abort_attempt(self._active())
+            else:
+                report.error = "gave up after 3 attempts"
+        finally:
+            self._resume(paused, report)
+        if not report.error:
+            for m in self._active():
+                m.version = snap.version
+                m.state = "member"
+                report.updated.append(m.url)
+        report.sync_s = time.monotonic() - t0
+        if self.verify and report.updated:
+            self._verify(snap, report)
+        return report
+
+    def _active(self) -> list[Member]:
+        with self._lock:
+            return [m for m in self._members.values() if m.state in ("joining", "member")]
+
+    def _fan_out(
+        self, members: list[Member], fn: Callable[[Member], Any], timeout: float
+    ) -> tuple[dict[str, Any], dict[str, GeneratorError | Exception]]:
+        """Run ``fn`` for every member concurrently; results and failures by url (bounded wait)."""
+        futs = {self._http.submit(fn, m): m for m in members}
+        done, pending = cf.wait(futs, timeout=timeout)
+        ok: dict[str, Any] = {}
+        bad: dict[str, GeneratorError | Exception] = {}
+        for f, m in futs.items():
+            if f in pending:
+                bad[m.url] = GeneratorError(m.url, "", f"no answer within {timeout:g}s", dead=True)
+            elif f.exception() is not None:
+                bad[m.url] = f.exception()  # type: ignore[assignment]
+            else:
+                ok[m.url] = f.result()
+        return ok, bad
+
+    def _preflight(self, report: SyncReport) -> None:
+        """Before a version: drop members that stopped answering, notice restarts, bring back the
+        dropped ones that answer again (latest export from disk first)."""
+        with self._lock:
+            known = [m for m in self._members.values() if m.state != "removed"]
+        quick = min(5.0, self.cfg.timeout_s)
+
+        def probe(m: Member) -> str | None:
+            if m.state == "dropped":
+                return "up" if m.client.health(timeout_s=quick) else None
+            return m.client.weight_version(timeout_s=quick)
+
+        ok, bad = self._fan_out(known, probe, timeout=quick + 1)
+        for m in known:
+            if m.url in bad:
+                if m.state != "dropped":
+                    self._drop(m.url, f"preflight: {bad[m.url]}", report)
+            elif m.state == "dropped":
+                if ok[m.url] == "up":
+                    self._rejoin(m)
+            elif m.state == "member" and _parse_version(ok[m.url]) != m.version:
+                log.warning(
+                    "weights: %s reports version %r, expected %s: it restarted; rejoining",
+                    m.url,
+                    ok[m.url],
+                    m.version,
+                )
+                self._rejoin(m)
+
+    def _rejoin(self, m: Member) -> None:
+        """A generator is back: load the newest exported checkpoint, then join at this version."""
+        exp = latest_export(self.export_dir)
+        if exp is not None:
+            path, v = exp
+            try:
+                m.client.update_from_disk(str(path), weight_version=str(v))
+                m.version = v
+                log.info("weights: %s loaded %s (version %d) from disk", m.url, path, v)
+            except GeneratorError as e:
+                log.warning("weights: %s could not load %s: %s; it stays dropped", m.url, path, e)
+                return
+        with self._lock:
+            m.state, m.reason = "joining", ""
+            self._dirty = True
+        self._event("rejoining", url=m.url, export=str(exp[0]) if exp else None)
+
+    def _drop(self, url: str, why: str, report: SyncReport) -> None:
+        with self._lock:
+            m = self._members.get(url)
+            if m is None or m.state in ("dropped", "removed"):
+                return
+            m.state, m.reason = "dropped", why
+            self._dirty = True
+        report.dropped.append(url)
+        log.warning("weights: dropped generator %s: %s", url, why)
+        self._event("dropped", url=url, reason=why, version=report.version)
+
+    # ---- the process group -----------------------------------------------------------------------
+
+    def _build_group(self, members: list[Member]) -> None:
+        """Destroy the old group and build one over ``members``: every server's init posted
+        concurrently, then rank 0 joins (the server calls return only once everyone has joined)."""
+        self._drop_group(members, background=True)
+        self._builds += 1
+        host = self.cfg.master_addr
+        port = (
+            self.cfg.master_port + (self._builds - 1) % 16
+            if self.cfg.master_port
+            else _free_port(host)
+        )
+        spec = GroupSpec(
+            master_address=host,
+            master_port=port,
+            world_size=1 + sum(m.info.world_size for m in members),
+            group_name=f"{self.cfg.group_name}-{self._builds}",
+            backend=self.backend,
+            timeout_s=self.cfg.timeout_s,
+        )
+        offsets, off = {}, 1
+        for m in members:
+            offsets[m.url] = off
+            off += m.info.world_size
+        futs = {
+            self._http.submit(m.client.init_group, spec, rank_offset=offsets[m.url]): m
+            for m in members
+        }
+        pg, err = None, None
+        try:
+            pg = rendezvous.init_custom_process_group(
+                master_address=host,
+                master_port=port,
+                rank=0,
+                world_size=spec.world_size,
+                group_name=spec.group_name,
+                backend=self.backend,
+                timeout_s=self.cfg.timeout_s,
+            )
+        except Exception as e:  # a peer never came: find out which below
+            err = e
+        done, pending = cf.wait(futs, timeout=2 * self.cfg.timeout_s + 10)
+        dead, refused = {}, {}
+        for f, m in futs.items():
+            if f in pending:
+                dead[m.url] = "init_weights_update_group: no answer"
+            elif f.exception() is not None:
+                e = f.exception()
+                (dead if getattr(e, "dead", True) else refused)[m.url] = f"init: {e}"
+        if err is not None or dead or refused:
+            if pg is not None:
+                self._abandon(pg)
+            # a survivor of a failed rendezvous times out too (refused): blame the dead ones first
+            culprits = dead or refused or self._unhealthy(members)
+            raise _Failed(
+                culprits, f"group build failed: {err or 'some generators failed to join'}"
+            )
+        self._pg, self._group, self._group_urls = pg, spec, [m.url for m in members]
+        with self._lock:
+            self._dirty = False
+        log.info(
+            "weights: group %s built: world %d on %s:%d",
+            spec.group_name,
+            spec.world_size,
+            host,
+            port,
+        )
+        self._event("group_built", group=spec.group_name, world_size=spec.world_size, port=port)
+
+    def _drop_group(self, members: list[Member], *, background: bool) -> None:
+        """Leave the current group: servers destroy their side (best effort), rank 0 destroys its own."""
+        pg, spec = self._pg, self._group
+        self._pg, self._group, self._group_urls = None, None, []
+        if spec is not None and members:
+            quick = min(5.0, self.cfg.timeout_s)
+            self._fan_out(
+                members,
+                lambda m: m.client.destroy_group(spec.group_name, timeout_s=quick),
+                quick + 1,
+            )
+        if pg is not None:
+            if background:
+                self._abandon(pg)
+            else:
+                rendezvous.destroy_process_group(pg)
+
+    @staticmethod
+    def _abandon(pg: dist.ProcessGroup) -> None:
+        """Destroy a group whose peers may be gone. Gloo's shutdown waits for a stuck collective to
+        time out, so it runs in a daemon thread (group names are never reused, so nothing waits on it)."""
+        threading.Thread(target=rendezvous.destroy_process_group, args=(pg,), daemon=True).start()
+
+    def _unhealthy(self, members: list[Member]) -> dict[str, str]:
+        quick = min(5.0, self.cfg.timeout_s)
+        ok, bad = self._fan_out(members, lambda m: m.client.health(timeout_s=quick), quick + 1)
+        return {u: "health check failed" for u, up in ok.items() if not up} | {
+            u: f"health check: {e}" for u, e in bad.items()
+        }
+
+    # ---- pause, send, resume ---------------------------------------------------------------------
+
+    def _pause(self, members: list[Member], paused: dict[str, float]) -> None:
+        """Pause (in place) and open a session on every member; failures raise :class:`_Failed`.
+
+        The built-in engine is not paused: it receives into a staging copy while it decodes and
+        swaps between two decode steps at ``/end_weight_update``, so its pause is the swap alone."""
+
+        def pause(m: Member) -> None:
+            if m.info.kind != "builtin" and m.url not in paused:
+                m.client.pause(self.cfg.pause_mode)
+                paused[m.url] = time.monotonic()
+            m.sessions = m.client.begin()
+
+        _, bad = self._fan_out(members, pause, timeout=self.cfg.timeout_s + 5)
+        if bad:
+            raise _Failed({u: f"pause/begin: {e}" for u, e in bad.items()}, "pause/begin failed")
+
+    def _send(
+        self, snap: Snapshot, members: list[Member], paused: dict[str, float], report: SyncReport
+    ) -> None:
+        """Every bucket: HTTP update calls to all members concurrently with rank 0's broadcast."""
+        assert self._pg is not None and self._group is not None
+        pg, spec = self._pg, self._group
+        n = len(snap.buckets)
+        http_timeout = 2 * self.cfg.timeout_s + 5  # a survivor of a failed broadcast answers only
+        # after its own group timeout (timeout_s) expires: it must not be mistaken for a dead one
+        for i, (bucket, payload) in enumerate(zip(snap.buckets, snap.payloads, strict=True)):
+            meta = bucket.meta()
+            version = str(snap.version) if i == n - 1 else None
+
+            def update(m: Member, meta=meta, version=version) -> None:
+                m.client.update_from_distributed(
+                    meta,
+                    group_name=spec.group_name,
+                    load_format=self.cfg.load_format,
+                    weight_version=version,
+                    timeout_s=http_timeout,
+                )
+
+            futs = {self._http.submit(update, m): m for m in members}
+            bcast_err = self._broadcast(pg, payload)
+            done, pending = cf.wait(
+                futs, timeout=self.cfg.timeout_s if not bcast_err else http_timeout
+            )
+            culprits, refused = {}, {}
+            for f, m in futs.items():
+                if f in pending:
+                    culprits[m.url] = f"update bucket {i + 1}/{n}: no answer within the timeout"
+                elif f.exception() is not None:
+                    e = f.exception()
+                    (culprits if getattr(e, "dead", True) else refused)[m.url] = f"update: {e}"
+            if bcast_err or culprits or refused:
+                if not culprits and refused and not bcast_err:
+                    culprits = refused  # alive but refusing the update: drop it
+                if not culprits:
+                    culprits = self._unhealthy(members)
+                raise _Failed(culprits, f"bucket {i + 1}/{n}: {bcast_err or 'update failed'}")
+            self._event("bucket_sent", version=snap.version, index=i, count=n, nbytes=bucket.nbytes)
+        ended, bad = self._fan_out(
+            [m for m in members if m.sessions], lambda m: m.client.end(), self.cfg.timeout_s + 5
+        )
+        if bad:
+            raise _Failed({u: f"end: {e}" for u, e in bad.items()}, "end_weight_update failed")
+        for url, reply in ended.items():  # the built-in engine's swap: its whole pause
+            if isinstance(reply.get("pause_s"), int | float) and url not in paused:
+                report.pause_s[url] = float(reply["pause_s"])
+
+    def _abort_attempt(self, survivors: list[Member]) -> None:
+        """After a failed attempt: close the survivors' sessions and leave the group (best effort)."""
+        quick = min(5.0, self.cfg.timeout_s)
+        with_session = [m for m in survivors if m.sessions]
+        self._fan_out(with_session, lambda m: m.client.end(), quick + 1)
+        self._drop_group(survivors, background=True)
+
+    def _broadcast(self, pg: dist.ProcessGroup, payload: list[torch.Tensor]) -> str | None:
+        """Rank 0's broadcasts of one bucket, bounded by ``timeout_s``; an error message or None."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        try:
+            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
+            for w in works:
+                left = max(0.001, deadline - time.monotonic())
+                w.wait(timeout=timedelta(seconds=left))
+        except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
+            return f"broadcast: {e}".splitlines()[0][:300]
+        return None
+
+    def _resume(self, paused: dict[str, float], report: SyncReport) -> None:
+        """Continue every generator this version paused that is still alive."""
+        with self._lock:
+            targets = [
+                self._members[u]
+                for u in paused
+                if self._members[u].state not in ("dropped", "removed")
+            ]
+
+        def cont(m: Member) -> None:
+            m.client.resume()
+            report.pause_s[m.url] = time.monotonic() - paused[m.url]
+
+        _, bad = self._fan_out(targets, cont, timeout=self.cfg.timeout_s + 5)
+        for url, e in bad.items():
+            self._drop(url, f"continue_generation: {e}", report)
+
+    # ---- verification and metrics ----------------------------------------------------------------
+
+    def _verify(self, snap: Snapshot, report: SyncReport) -> None:
+        """Ask every updated generator for its version and checksum; compare with what was sent."""
+        report.checksum = buckets.checksum(snap.named())
+        members = [self._members[u] for u in report.updated]
+
+        def check(m: Member) -> tuple[str | None, str | None]:
+            return m.client.weight_version(), m.client.checksum()
+
+        ok, bad = self._fan_out(members, check, timeout=self.cfg.timeout_s + 5)
+        for url, (version, checksum) in ok.items():
+            report.reported[url] = version
+            report.checksum_ok[url] = None if checksum is None else checksum == report.checksum
+        for url, e in bad.items():
+            report.reported[url] = None
+            report.checksum_ok[url] = None
+            log.warning("weights: could not verify %s: %s", url, e)
+        for url in report.mismatches:
+            log.error(
+                "weights: %s after version %d: reports version %r, checksum %s",
+                url,
+                snap.version,
+                report.reported.get(url),
+                "matches" if report.checksum_ok.get(url) else "DIFFERS",
+            )
+
+    def _log_metrics(self, r: SyncReport) -> None:
+        if self.metrics is None:
+            return
+        with self._lock:
+            members = [m for m in self._members.values() if m.state != "removed"]
+        lags = [r.version - (m.version or 0) for m in members]
+        values: dict[str, Any] = {
+            "weights/sync_s": r.sync_s,
+            "weights/bytes": r.nbytes,
+            "weights/generators": sum(m.state == "member" for m in members),
+            "weights/dropped": len(r.dropped),
+            "weights/dropped_total": sum(m.state == "dropped" for m in members),
+            "weights/version_lag/max": max(lags, default=0),
+            "weights/version_lag/mean": sum(lags) / len(lags) if lags else 0.0,
+            "weights/checksum_mismatch": len(r.mismatches),
+            "weights/attempts": r.attempts,
+            "weights/failed": int(bool(r.error)),
+        }
+        if r.sync_s > 0:
+            values["weights/gbps"] = r.nbytes / r.sync_s / 1e9
+        for url, s in r.pause_s.items():
+            values[f"weights/pause_s/{url.split('://')[-1]}"] = s
+        if r.pause_s:
+            values["weights/pause_s/max"] = max(r.pause_s.values())
+        try:
+            self.metrics.log(values, step=r.version)
+        except Exception:
+            log.exception("weights: metrics.log failed")

@@ -1,0 +1,81 @@
+"""Pure logic of the broadcaster: snapshots (buckets as sent), tied weights, finding the latest export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from asyncrl.weights import buckets
+from asyncrl.weights.broadcaster import VERSION_FILE, drop_tied, latest_export, make_snapshot
+
+
+def _named(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(50, 16, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.randn(16, generator=g),
+        "model.norm.weight": torch.randn(16, generator=g),
+        "lm_head.weight": torch.randn(50, 16, generator=g),
+        "counter": torch.arange(3, dtype=torch.int64),  # a non-float tensor keeps its dtype
+    }
+
+
+@pytest.mark.parametrize("load_format", ["flattened_bucket", "list"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_snapshot_holds_cast_copies_in_order(load_format, dtype):
+    named = _named()
+    snap = make_snapshot(3, named, dtype=dtype, bucket_bytes=2048, load_format=load_format)
+    got = dict(snap.named())
+    assert list(got) == list(named)  # order kept: the receiver broadcasts in names order
+    for n, t in named.items():
+        want = t.to(dtype) if t.is_floating_point() else t
+        assert got[n].dtype == want.dtype and torch.equal(got[n], want)
+    # every bucket fits, unless a single tensor is larger than a bucket
+    for b in snap.buckets:
+        assert b.nbytes <= 2048 or len(b.names) == 1
+    assert len(snap.buckets) > 1
+    assert snap.nbytes == sum(b.nbytes for b in snap.buckets)
+    # what goes on the wire decodes to the same tensors
+    for b, payload in zip(snap.buckets, snap.payloads, strict=True):
+        meta = b.meta()
+        if load_format == "flattened_bucket":
+            assert len(payload) == 1 and payload[0].dtype == torch.uint8
+            dts = [buckets.parse_dtype(d) for d in meta["dtypes"]]
+            sent = buckets.unflatten(payload[0], dts, meta["shapes"])
+        else:
+            sent = payload
+        for n, t in zip(meta["names"], sent, strict=True):
+            assert torch.equal(t, got[n])
+    # the snapshot is a copy: the learner may step right after publish() returns
+    before = buckets.checksum(snap.named())
+    for t in named.values():
+        t.add_(1)
+    assert buckets.checksum(snap.named()) == before
+
+
+def test_tied_lm_head_sent_once():
+    named = _named()
+    named["lm_head.weight"] = named["model.embed_tokens.weight"]  # same storage: tied
+    assert "lm_head.weight" not in drop_tied(named)
+    named["lm_head.weight"] = named["model.embed_tokens.weight"].clone()  # equal copies (gathered)
+    assert "lm_head.weight" not in drop_tied(named)
+    named["lm_head.weight"] = named["model.embed_tokens.weight"] + 1  # untied
+    assert "lm_head.weight" in drop_tied(named)
+
+
+def test_latest_export(tmp_path):
+    assert latest_export(tmp_path / "missing") is None
+    assert latest_export(tmp_path) is None
+    for name, version in [("step-3", None), ("step-12", None), ("final", 20), ("step-99", None)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        if name != "step-99":  # no weights: not a checkpoint
+            (d / "model.safetensors").write_bytes(b"")
+        if version is not None:
+            (d / VERSION_FILE).write_text(json.dumps({"version": version}))
+    path, v = latest_export(tmp_path)
+    assert (path.name, v) == ("final", 20)
