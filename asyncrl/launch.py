@@ -505,6 +505,8 @@ def run(
         start_model = r.resolve(r.model.path) if r.model.path else None
         for child in plan.children:
             child.start(env)
+        pids = {c.name: c.pid for c in plan.children}  # each is also its process group id
+        (run_dir / "logs" / "pids.json").write_text(json.dumps(pids) + "\n")
         deadline = t0 + r.run.timeout_s
         healthy = False
         uses_buffer = r.algorithm.loss != "sft"
