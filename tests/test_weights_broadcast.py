@@ -1,0 +1,230 @@
+"""The weight broadcaster end to end: the real learner (Trainer) as rank 0, real built-in engines as
+generators, a real gloo group on loopback, real HTTP. After every update both engines hold exactly the
+learner's weights (checksums), report the version, and decode greedily as a fresh load of the export;
+requests in flight during the updates finish without abort. A killed engine is dropped within the
+timeout while the other is updated, and catches up when it is back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from asyncrl import recipe as recipe_mod
+from asyncrl import wire
+from asyncrl.buffer.store import Batch
+from asyncrl.recipe import WeightsConfig
+from asyncrl.rollout.engine import start_engine_process
+from asyncrl.weights.broadcaster import WeightBroadcaster, drop_tied
+from asyncrl.weights.buckets import checksum
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[10, 20, 30, 40], [50, 7, 9]]
+
+
+def make_trainer(model_dir, tmp_path):
+    from asyncrl.learner.trainer import Trainer
+
+    data = {
+        "model": {"path": str(model_dir), "max_seq_len": 128},
+        "run": {"output_dir": str(tmp_path), "name": "w"},
+        "algorithm": {"loss": "sft"},
+        "learner": {"lr": 3e-2},
+    }
+    return Trainer(recipe_mod.from_dict(data), checkpointing=False)
+
+
+def sft_batch(version: int, vocab: int, seed: int) -> Batch:
+    """A tiny SFT batch: random completions the learner is pushed towards (its weights move a lot)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(2):
+        c = rng.integers(3, vocab, size=16).astype(np.int32)
+        samples.append(
+            wire.Sample(
+                id=f"s{seed}-{i}",
+                group_id=f"g{seed}",
+                prompt_ids=rng.integers(3, vocab, size=4).astype(np.int32),
+                completion_ids=c,
+                behavior_logprobs=np.zeros(len(c), np.float32),
+                versions=np.full(len(c), version, np.int32),
+                loss_mask=np.ones(len(c), np.float32),
+                reward=1.0,
+            )
+        )
+    return Batch(groups=[wire.Group(id=f"g{seed}", samples=samples)], version=version, stats={})
+
+
+def greedy(url: str, prompt: list[int], n: int = 12) -> list[int]:
+    body = {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": n}}
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    r.raise_for_status()
+    return r.json()["output_ids"]
+
+
+def hf_greedy(model_dir, prompt: list[int], n: int = 12) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = m.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            min_new_tokens=n,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def engine_checksum(url: str) -> str:
+    r = httpx.post(url + "/weights_checker", json={"action": "checksum"}, timeout=60)
+    return r.json()["checksum"]
+
+
+class Stream:
+    """A long streaming generation read in a thread, so it is in flight while weights change."""
+
+    def __init__(self, url: str, n: int = 60):
+        self.first = threading.Event()
+        self.final: dict | None = None
+        body = {
+            "input_ids": PROMPTS[0],
+            "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True},
+        }
+        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url, body):
+        with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                    self.final = json.loads(line[5:])
+                    self.first.set()
+
+    def result(self) -> dict:
+        self.thread.join(120)
+        assert not self.thread.is_alive() and self.final is not None
+        return self.final
+
+
+@pytest.fixture
+def engines(tiny_qwen3):
+    eps = [start_engine_process(tiny_qwen3, weight_version="0", timeout_s=120) for _ in range(2)]
+    yield eps
+    for ep in eps:
+        ep.stop()
+
+
+def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
+    tr = make_trainer(tiny_qwen3, tmp_path)
+    vocab = tr.spec.model.vocab_size
+    cfg = WeightsConfig(timeout_s=30.0, bucket_mb=0.1, overlap=True)
+    b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf")
+    e1, e2 = engines
+    # e1 as the built-in engine (staged swap, no pause); e2 driven with SGLang's pause protocol
+    b.add_generator(wire.GeneratorInfo(url=e1.url, kind="builtin"))
+    b.add_generator(wire.GeneratorInfo(url=e2.url, kind="sglang"))
+    tr.add_publisher(b.on_step)
+    before = greedy(e1.url, PROMPTS[1])
+    # a request in flight on each engine, held in place so it is certainly live during the update
+    streams = [Stream(e.url) for e in engines]
+    for s in streams:
+        assert s.first.wait(60)
+    for e in engines:
+        httpx.post(e.url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
+    try:
+        for v in (1, 2):
+            tr.step(sft_batch(v - 1, vocab, seed=v))
+            assert tr.version == v
+            assert b.wait(timeout=120)
+            r = b.reports[-1]
+            assert r.version == v and not r.error, r
+            assert sorted(r.updated) == sorted([e1.url, e2.url]) and not r.dropped
+            assert r.reported == {e1.url: str(v), e2.url: str(v)}
+            assert r.checksum_ok == {e1.url: True, e2.url: True}
+            want = checksum(drop_tied(tr.hf_state_dict()).items())
+            assert r.checksum == want
+            assert engine_checksum(e1.url) == engine_checksum(e2.url) == want
+            if v == 1:  # the first update uses several buckets and builds the group once
+                assert r.group_builds == 1 and r.nbytes > cfg.bucket_mb * 2**20
+            else:
+                assert r.group_builds == 0
+        assert set(b.reports[-1].pause_s) == {e1.url, e2.url}
+    finally:
+        for e in engines:
+            httpx.post(e.url + "/continue_generation", json={}, timeout=30)
+    for s in streams:  # in flight across the updates: finished normally, spans from v0 to a new one
+        meta = s.result()["meta_info"]
+        assert meta["finish_reason"]["type"] == "length"
+        spans = meta["weight_versions"]
+        assert spans[0]["version"] == "0" and spans[-1]["version"] in ("1", "2")
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == meta["completion_tokens"] == 60
+    # greedy decoding equals a fresh load of the exported checkpoint
+    export = tr.export_hf(tmp_path / "export")
+    for p in PROMPTS:
+        want = hf_greedy(export, p)
+        assert greedy(e1.url, p) == greedy(e2.url, p) == want
+    assert greedy(e1.url, PROMPTS[1]) != before  # the weights really moved
+    b.close()
+    tr.close()
+
+
+@pytest.mark.faults
+def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
+    """SIGKILL one engine in the middle of an update (after the first of several buckets)."""
+    tr = make_trainer(tiny_qwen3, tmp_path)
+    vocab = tr.spec.model.vocab_size
+    cfg = WeightsConfig(timeout_s=4.0, bucket_mb=0.1, overlap=True)
+    eps = [start_engine_process(tiny_qwen3, weight_version="0", timeout_s=120) for _ in range(2)]
+    victim, other = eps
+    killed = threading.Event()
+    rejoined: list[str | None] = []
+
+    def on_event(name, f):
+        if name == "rejoining":
+            rejoined.append(f["export"])
+        if name == "bucket_sent" and f["version"] == 2 and f["index"] == 0 and not killed.is_set():
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.set()
+
+    b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf", on_event=on_event)
+    try:
+        for ep in eps:
+            b.add_generator(wire.GeneratorInfo(url=ep.url, kind="builtin"))
+        tr.add_publisher(b.on_step)
+        tr.step(sft_batch(0, vocab, seed=1))
+        assert b.wait(timeout=60) and b.reports[-1].updated == [victim.url, other.url]
+        tr.step(sft_batch(1, vocab, seed=2))  # version 2: the victim dies after bucket 1
+        assert b.wait(timeout=8 * cfg.timeout_s + 30)  # bounded by the timeouts, never a hang
+        r = b.reports[-1]
+        assert killed.is_set() and r.version == 2 and not r.error, r
+        assert r.dropped == [victim.url] and r.updated == [other.url]
+        assert r.reported == {other.url: "2"} and r.checksum_ok == {other.url: True}
+        assert b.generators() == {victim.url: "dropped", other.url: "member"}
+        # the victim comes back on the same port; the learner exports v2; at v3 it rejoins
+        tr.export_hf(tr.run_dir / "hf" / "v2")
+        victim.proc.wait(10)
+        back = start_engine_process(tiny_qwen3, port=victim.port, weight_version="0", timeout_s=120)
+        eps.append(back)
+        tr.step(sft_batch(2, vocab, seed=3))
+        assert b.wait(timeout=60)
+        r = b.reports[-1]
+        assert not r.error and sorted(r.updated) == sorted([victim.url, other.url]), r
+        assert r.reported == {victim.url: "3", other.url: "3"}
+        assert rejoined == [str(tr.run_dir / "hf" / "v2")]  # it loaded the export before joining
+        assert r.checksum_ok == {victim.url: True, other.url: True}
+        assert engine_checksum(back.url) == checksum(drop_tied(tr.hf_state_dict()).items())
+    finally:
+        b.close()
+        tr.close()
+        for ep in eps:
+            ep.stop()
