@@ -63,6 +63,8 @@ def histogram(values: Iterable[float] | np.ndarray, bins: int = 32) -> dict[str,
 class MetricsSink:
     """Writes metrics of one process to the run's JSONL file and to its W&B run."""
 
+    _open_wandb_runs = 0  # in this process; W&B is torn down (files flushed) when the last closes
+
     def __init__(
         self,
         run_dir: str | os.PathLike,
@@ -102,6 +104,7 @@ class MetricsSink:
                     x_disable_machine_info=True,
                 ),
             )
+            MetricsSink._open_wandb_runs += 1
             self._run.define_metric("step")
             self._run.define_metric("*", step_metric="step")
 
@@ -141,10 +144,15 @@ class MetricsSink:
             self._run.log({"step": int(step), name: value})
 
     def close(self) -> None:
-        """Flush and finish W&B (idempotent)."""
+        """Flush and finish W&B (idempotent); the run's files are complete when this returns."""
         if self._run is not None:
             run, self._run = self._run, None
             run.finish()
+            MetricsSink._open_wandb_runs -= 1
+            if MetricsSink._open_wandb_runs == 0:
+                # finish() can return before the last run's records reach its .wandb file;
+                # teardown waits for W&B's service to write everything (a later init restarts it).
+                self._wandb.teardown()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
