@@ -1,0 +1,126 @@
+"""`asyncrl learner RECIPE [key=value ...]`: the training loop, alone or under torchrun.
+
+Reads like a table of contents: parse the recipe, build the source (rank 0) and the trainer, loop
+pull → step → export → announce → checkpoint → log, and clean up in ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+from asyncrl import recipe as recipe_mod
+from asyncrl.learner.source import BatchSource, SourceError, broadcast_batch
+from asyncrl.recipe import Recipe
+
+CRASH_ENV = "ASYNCRL_LEARNER_CRASH_AFTER_VERSION"
+"""Fault injection for tests: exit hard (no cleanup) right after the checkpoint of this version."""
+
+SourceFactory = Callable[[Recipe, "object"], BatchSource]
+
+
+def default_source(recipe: Recipe, trainer: object) -> BatchSource:
+    """The batch source of rank 0: the sft dataset, or (RL) the buffer service."""
+    if recipe.algorithm.loss == "sft":
+        from asyncrl.learner.data import SFTSource
+
+        return SFTSource.from_recipe(recipe)
+    raise SystemExit(
+        "asyncrl learner: RL needs the buffer service as batch source; start it with `asyncrl run`"
+    )
+
+
+def train(
+    recipe: Recipe,
+    *,
+    source_factory: SourceFactory = default_source,
+    publishers: Sequence[Callable] = (),
+) -> int:
+    """Run the learner to ``run.steps`` versions. Collective: every rank calls it."""
+    from asyncrl.learner.trainer import Trainer, ensure_distributed
+    from asyncrl.metrics import MetricsSink
+
+    rank, _ = ensure_distributed()
+    trainer = Trainer(recipe)
+    sink = None
+    try:
+        if rank == 0:
+            trainer.source = source_factory(recipe, trainer)
+            if trainer.source_state is not None:
+                trainer.source.load_state_dict(trainer.source_state)
+            lg = recipe.logging
+            sink = MetricsSink(
+                trainer.run_dir,
+                name=recipe.run.name,
+                group=lg.group or recipe.run.name,
+                config=recipe.to_dict(),
+                use_wandb=lg.wandb,
+                wandb_mode=lg.wandb_mode,
+                project=lg.project,
+                process="learner",
+            )
+        for fn in publishers:
+            trainer.add_publisher(fn)
+        crash_at = int(os.environ.get(CRASH_ENV, "-1"))
+        saved_at = -1
+        while trainer.version < recipe.run.steps:
+            batch = broadcast_batch(trainer.source, timeout_s=recipe.buffer.batch_timeout_s)
+            result = trainer.step(batch)
+            exported = trainer.maybe_export()
+            if rank == 0:
+                trainer.source.set_version(trainer.version, exported)
+            if trainer.save_checkpoint():
+                saved_at = trainer.version
+            if sink is not None and trainer.version % recipe.logging.every == 0:
+                sink.log(result.metrics, step=trainer.version)
+            if trainer.version == crash_at:
+                trainer.wait_for_checkpoint()
+                os._exit(3)
+        if saved_at != trainer.version:
+            trainer.save_checkpoint(force=True)
+        final = trainer.run_dir / "hf" / f"v{trainer.version}"
+        if trainer.last_export != str(final.resolve()):
+            trainer.export_hf(final)
+        if rank == 0:
+            trainer.source.set_version(trainer.version, str(final.resolve()))
+        return 0
+    finally:
+        trainer.close()
+        if sink is not None:
+            sink.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(
+        prog="asyncrl learner",
+        description="Train with the TorchTitan learner (alone, or under torchrun for N ranks).",
+    )
+    p.add_argument("recipe", help="YAML recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    a = p.parse_args(argv)
+    try:
+        recipe = recipe_mod.load(a.recipe, a.overrides)
+    except recipe_mod.RecipeError as e:
+        print(f"asyncrl learner: {e}", file=sys.stderr)
+        return 2
+    from asyncrl.learner.data import DataError
+    from asyncrl.learner.model import ModelConfigError
+    from asyncrl.learner.trainer import LearnerError
+
+    try:
+        return train(recipe)
+    except (DataError, ModelConfigError, LearnerError, SourceError) as e:
+        print(f"asyncrl learner: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Pack samples into rows without padding, and split a batch over ranks and micro-batches.
+
+A sample is ``prompt_ids + completion_ids``; the model reads ``ids[:-1]`` and predicts ``ids[1:]``, so
+completion token j is predicted at row position ``len(prompt) - 1 + j``. Per-token data (loss mask,
+behaviour logprobs, versions, advantage) is placed at those positions. Several samples share one row;
+``positions`` restart at 0 at each sample, which is all the attention needs to keep them apart.
+
+Pure logic (numpy in, torch out), no I/O: tested directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(kw_only=True)
+class Sequence:
+    """One sample, ready to pack. Arrays have one entry per input position (``len(ids) - 1``)."""
+
+    index: int  # position in the batch (global, the same on every rank)
+    input_ids: np.ndarray  # int64 [n]
+    labels: np.ndarray  # int64 [n], the next token
+    mask: np.ndarray  # float32 [n], 1 where the label is a completion token to train on
+    behavior_logp: np.ndarray  # float32 [n]
+    versions: np.ndarray  # int64 [n], version that generated the label token
+    advantage: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def make_sequence(
+    index: int,
+    prompt_ids: np.ndarray,
+    completion_ids: np.ndarray,
+    *,
+    loss_mask: np.ndarray | None = None,
+    behavior_logprobs: np.ndarray | None = None,
+    versions: np.ndarray | None = None,
+    advantage: float = 0.0,
+    max_len: int = 0,
+) -> Sequence:
+    """Lay one sample out for packing; ``max_len`` > 0 cuts the completion so the row fits the model.
+
+    A completion token with no prompt before it (empty prompt) cannot be predicted and is not trained.
+    """
+    p, c = len(prompt_ids), len(completion_ids)
+    ids = np.concatenate([np.asarray(prompt_ids), np.asarray(completion_ids)]).astype(np.int64)
+    n = len(ids) - 1
+    if max_len and n > max_len:
+        ids, n = ids[: max_len + 1], max_len
+    per_token = {
+        "mask": (np.ones(c, np.float32) if loss_mask is None else loss_mask, np.float32),
+        "behavior_logp": (
+            np.zeros(c, np.float32) if behavior_logprobs is None else behavior_logprobs,
+            np.float32,
+        ),
+        "versions": (np.zeros(c, np.int64) if versions is None else versions, np.int64),
+    }
+    out = {}
+    start = p - 1  # row position predicting completion token 0
+    for name, (arr, dtype) in per_token.items():
+        row = np.zeros(max(n, 0), dtype)
+        arr = np.asarray(arr, dtype)
+        lo, hi = max(start, 0), min(start + c, n)
+        if hi > lo:
+            row[lo:hi] = arr[lo - start : hi - start]
+        out[name] = row
+    return Sequence(
+        index=index,
+        input_ids=ids[:-1],
+        labels=ids[1:].copy(),
+        advantage=float(advantage),
+        **out,
+    )
+
+
+def split_over_ranks(seqs: list[Sequence], world: int) -> list[list[Sequence]]:
+    """Balance sequences over ranks by tokens: longest first, each to the least loaded rank."""
+    shards: list[list[Sequence]] = [[] for _ in range(world)]
+    load = [0] * world
+    for s in sorted(seqs, key=lambda s: (-len(s), s.index)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        shards[r].append(s)
+        load[r] += len(s)
+    return [sorted(sh, key=lambda s: s.index) for sh in shards]
+
+
+def split_micro_batches(seqs: list[Sequence], max_tokens: int) -> list[list[Sequence]]:
+    """First-fit decreasing into bins of at most ``max_tokens`` (a longer sequence gets its own bin)."""
+    bins: list[list[Sequence]] = []
+    room: list[int] = []
+    for s in sorted(seqs, key=lambda s: (-len(s), s.index)):
+        for i, r in enumerate(room):
+            if len(s) <= r:
+                bins[i].append(s)
+                room[i] -= len(s)
+                break
+        else:
+            bins.append([s])
+            room.append(max_tokens - len(s))
+    return [sorted(b, key=lambda s: s.index) for b in bins]
+
+
+@dataclass(kw_only=True)
+class MicroBatch:
+    """One packed row (batch dimension 1) and its per-token data.
+
+    ``tokens``, ``positions``, ``labels`` are ``[1, L]``. The loss tensors are flat over ``sel``, the
+    row positions whose label is a trained completion token (mask > 0: the only tokens a loss sees).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    sel: torch.Tensor  # long [T], row positions of trained completion tokens (mask > 0)
+    mask: torch.Tensor  # float [T]
+    behavior_logp: torch.Tensor  # float [T]
+    versions: torch.Tensor  # long [T]
+    advantages: torch.Tensor  # float [T]
+    seq_ids: torch.Tensor  # long [T], 0.. within this micro-batch
+    seq_index: list[int]  # batch index of each sequence in the row
+    num_tokens: int  # L
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seq_index
+
+
+def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
+    """Concatenate sequences into one row; an empty list gives a 1-token dummy row (no loss)."""
+    if not seqs:
+        z = torch.zeros(1, 1, dtype=torch.long)
+        e = torch.zeros(0)
+        return MicroBatch(
+            tokens=z + pad_id,
+            positions=z.clone(),
+            labels=z + IGNORE_INDEX,
+            sel=e.long(),
+            mask=e,
+            behavior_logp=e.clone(),
+            versions=e.long(),
+            advantages=e.clone(),
+            seq_ids=e.long(),
+            seq_index=[],
+            num_tokens=1,
+        )
+    cat = np.concatenate
+    lengths = [len(s) for s in seqs]
+    sel = np.nonzero(cat([s.mask > 0 for s in seqs]))[0]
+    seq_ids = np.repeat(np.arange(len(seqs)), lengths)
+    adv = np.repeat(np.array([s.advantage for s in seqs], np.float32), lengths)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    return MicroBatch(
+        tokens=t(cat([s.input_ids for s in seqs]))[None],
+        positions=t(cat([np.arange(n, dtype=np.int64) for n in lengths]))[None],
+        labels=t(cat([s.labels for s in seqs]))[None],
+        sel=t(sel.astype(np.int64)),
+        mask=t(cat([s.mask for s in seqs])[sel]),
+        behavior_logp=t(cat([s.behavior_logp for s in seqs])[sel]),
+        versions=t(cat([s.versions for s in seqs])[sel]),
+        advantages=t(adv[sel]),
+        seq_ids=t(seq_ids[sel].astype(np.int64)),
+        seq_index=[s.index for s in seqs],
+        num_tokens=int(sum(lengths)),
+    )

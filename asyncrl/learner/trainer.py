@@ -1,0 +1,514 @@
+"""The learner: TorchTitan's parts (not its Trainer) assembled into an off-policy RL step (DESIGN §4).
+
+Build: ``ParallelDims`` → model spec from the HF folder → meta build → ``parallelize_fn`` (FSDP2) →
+``to_empty`` / ``init_weights`` → optimizer and LR-scheduler containers → ``CheckpointManager``, which
+loads the HF weights through the state-dict adapter (or resumes the run's latest DCP checkpoint).
+
+Step (all ranks, the same batch): sequences → advantages → this rank's share, packed into micro-batches
+→ (decoupled PPO) proximal logprobs, forward only → loss normalised by GLOBAL counts → backward →
+``clip_grad_norm_`` → optimizer and scheduler step → version + 1 → publishers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import compute_logprobs
+from torchtitan.components.optimizer import (
+    LRSchedulersContainer,
+    OptimizersContainer,
+    ParamGroupConfig,
+)
+from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+
+from asyncrl.learner import cpu_shims
+from asyncrl.learner.advantages import compute_advantages
+from asyncrl.learner.attention import attention_masks
+from asyncrl.learner.drift import drift_sums, finalize_drift
+from asyncrl.learner.losses import (
+    Normaliser,
+    count_tokens_and_seqs,
+    finalize_stats,
+    needs_prox,
+    policy_loss,
+)
+from asyncrl.learner.model import build_spec
+from asyncrl.learner.packing import (
+    MicroBatch,
+    Sequence,
+    make_sequence,
+    pack,
+    split_micro_batches,
+    split_over_ranks,
+)
+from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
+from asyncrl.recipe import Recipe
+
+Publisher = Callable[[int, "Trainer"], None]
+"""Called on every rank after each optimizer step with the new version (weights, announcements)."""
+
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+"""Files copied from the source HF folder into every export, next to the weights."""
+
+
+class LearnerError(RuntimeError):
+    """A configuration or state the learner cannot run with (one-line message)."""
+
+
+def ensure_distributed() -> tuple[int, int]:
+    """Join torchrun's process group, or make a one-process gloo group when run alone."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            from torchtitan.config.configs import CommConfig
+
+            dist_utils.init_distributed(CommConfig(trace_buf_size=0))
+        else:
+            torch.autograd.set_multithreading_enabled(False)
+            dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    return dist.get_rank(), dist.get_world_size()
+
+
+class _LearnerState(Stateful):
+    """The learner's own part of a checkpoint: version and the batch source's state, as JSON text.
+
+    One string leaf (not nested dicts) so that DCP can load it into a placeholder of any shape.
+    """
+
+    def __init__(self) -> None:
+        self.text = "{}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"json": self.text}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.text = state_dict["json"]
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """What one optimizer step reports (identical on every rank)."""
+
+    version: int
+    loss: float
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """The learner on one rank. Construct it on every rank (collective), then call :meth:`step`.
+
+    ``Trainer(recipe, source=None, run_dir=None, checkpointing=True)``: ``source`` matters on rank 0
+    only; ``run_dir`` defaults to the recipe's run folder; with ``checkpointing=False`` nothing is
+    written (the HF weights are still loaded through the CheckpointManager).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        source: BatchSource | None = None,
+        run_dir: str | Path | None = None,
+        checkpointing: bool = True,
+    ) -> None:
+        r = self.recipe = recipe
+        self.rank, self.world = ensure_distributed()
+        self.source = source
+        self.run_dir = Path(run_dir) if run_dir is not None else r.run_dir
+        self.model_dir = r.resolve(r.model.path)
+        self.alg = r.algorithm
+        if self.alg.kl_coef > 0:
+            raise LearnerError("algorithm.kl_coef > 0 needs a reference model (not supported yet)")
+        if r.model.dtype == "float16":
+            raise LearnerError("model.dtype: float16 training is not supported; use bfloat16")
+        self.version = 0
+        self.publishers: list[Publisher] = []
+        self.source_state: dict | None = None
+        self.last_export = ""
+
+        parallelism = ParallelismConfig(
+            spmd_backend=cpu_shims.SPMD_BACKEND, data_parallel_shard_degree=-1
+        )
+        self.parallel_dims = ParallelDims.from_config(parallelism, self.world)
+        self.parallel_dims.build_mesh()
+        dist_utils.set_spmd_backend(cpu_shims.SPMD_BACKEND)
+
+        self.spec = build_spec(
+            self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
+        )
+        self.max_seq_len = self.spec.model.max_seq_len
+
+        class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
+            pass
+
+        _Cfg.parallelism = parallelism
+        self.spec.model.update_from_config(config=_Cfg)
+        with torch.device("meta"):
+            model = self.spec.model.build()
+        training = TrainingConfig(mixed_precision_param=r.model.dtype)
+        model = self.spec.parallelize_fn(
+            model,
+            parallel_dims=self.parallel_dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder=str(self.run_dir),
+        )
+        cpu_shims.force_sum_reduction(model)
+        model.to_empty(device="cpu" if cpu_shims.ON_CPU else "cuda")
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        self.model = model
+
+        lr = r.learner
+        self.optimizers = OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name="AdamW",
+                    optimizer_kwargs={
+                        "lr": lr.lr,
+                        "betas": tuple(lr.betas),
+                        "eps": lr.eps,
+                        "weight_decay": lr.weight_decay,
+                    },
+                )
+            ],
+            implementation="foreach",
+        ).build(model_parts=[model])
+        total = max(r.run.steps, 1)
+        sched = LRSchedulersContainer.Config(
+            warmup_steps=lr.warmup_steps,
+            total_steps=total if lr.lr_schedule != "constant" else 1 << 40,
+            decay_ratio=None if lr.lr_schedule != "constant" else 0.0,
+            decay_type="cosine" if lr.lr_schedule == "cosine" else "linear",
+        )
+        self.lr_schedulers = sched.build(optimizers=self.optimizers, training_steps=total)
+
+        self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.model_dir))
+        self._state = _LearnerState()
+        keep = lr.keep_checkpoints
+        self.checkpointer = CheckpointManager.Config(
+            enable=True,
+            folder="checkpoints",
+            interval=lr.checkpoint_every or (1 << 40),
+            keep_latest_k=0 if keep == 0 else max(keep, 2),
+            initial_load_path=str(self.model_dir.resolve()),
+            initial_load_in_hf=True,
+            initial_load_model_only=True,
+            last_save_model_only=False,
+            async_mode="async" if lr.checkpoint_async else "disabled",
+            load_only=not checkpointing,
+        ).build(
+            dataloader=None,
+            model_parts=[model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"learner": self._state},
+            sd_adapter=self.adapter,
+            base_folder=str(self.run_dir) if checkpointing else str(self.run_dir / ".no-ckpt"),
+        )
+        self.checkpointing = checkpointing
+        self._load()
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpointer.folder)
+
+    def latest_checkpoint_step(self) -> int:
+        """The highest complete ``step-N`` in the run's checkpoint folder, or -1."""
+        return self.checkpointer._find_load_step() if self.checkpointing else -1
+
+    def _load(self) -> None:
+        step = self.latest_checkpoint_step()
+        if step >= 0 and not self.recipe.run.resume:
+            raise LearnerError(
+                f"{self.checkpoint_dir} already holds checkpoints (step {step}); "
+                "set run.resume=true to continue it or pick another run.name"
+            )
+        self.checkpointer.load()  # the latest step-N, else the HF weights of model.path
+        if step >= 0:
+            state = json.loads(self._state.text)
+            self.version = int(state["version"])
+            self.source_state = state.get("source")
+            if self.source is not None and self.source_state is not None and self.rank == 0:
+                self.source.load_state_dict(self.source_state)
+
+    def save_checkpoint(self, *, force: bool = False) -> bool:
+        """DCP checkpoint of model, optimizer, scheduler, version and source state (collective).
+
+        Saves when the version is a multiple of ``learner.checkpoint_every`` or when ``force``.
+        """
+        if not self.checkpointing:
+            return False
+        if not (force or self.checkpointer._should_save(self.version)):
+            return False
+        src = self.source.state_dict() if self.source is not None and self.rank == 0 else None
+        text = json.dumps({"version": self.version, "source": src})
+        self._state.text = broadcast_bytes(text.encode() if self.rank == 0 else None).decode()
+        return self.checkpointer.save(curr_step=self.version, last_step=force)
+
+    def wait_for_checkpoint(self) -> None:
+        self.checkpointer.maybe_wait_for_saving()
+
+    def close(self) -> None:
+        self.checkpointer.maybe_wait_for_saving()
+        self.checkpointer.close()
+
+    # ------------------------------------------------------------------------------------------
+    # Weights out
+    # ------------------------------------------------------------------------------------------
+
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full tensors under HF names (collective: every rank must call it, every rank gets all)."""
+        out = {}
+        for k, v in self.adapter.to_hf(self.model.state_dict()).items():
+            t = v.full_tensor() if isinstance(v, DTensor) else v
+            t = t.detach()
+            out[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
+        return out
+
+    def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
+        """Write an HF folder (safetensors, config.json, tokenizer files) loadable by transformers.
+
+        Collective. Weights go through DCP's HuggingFace writer and the state-dict adapter, so no rank
+        holds the whole model; rank 0 then adds config and tokenizer files from the source folder.
+        """
+        from torchtitan.components.checkpoint import AsyncMode, ModelWrapper
+        from torchtitan.config import TORCH_DTYPE_MAP
+
+        path = Path(path).resolve()
+        dtype = dtype or self.recipe.model.dtype
+        tdtype = TORCH_DTYPE_MAP[dtype]
+        if self.rank == 0:
+            if path.exists():
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        dist.barrier()
+        states = {
+            k: v.to(tdtype) if v.is_floating_point() and v.dtype != tdtype else v
+            for k, v in ModelWrapper([self.model]).state_dict().items()
+        }
+        self.checkpointer.dcp_save(
+            states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED, to_hf=True
+        )
+        if self.rank == 0:
+            for name in HF_FILES:
+                if (self.model_dir / name).is_file():
+                    shutil.copy2(self.model_dir / name, path / name)
+            cfg = json.loads((path / "config.json").read_text())
+            cfg["dtype"] = cfg["torch_dtype"] = dtype
+            (path / "config.json").write_text(json.dumps(cfg, indent=2))
+            shutil.rmtree(path / "sharded", ignore_errors=True)
+        dist.barrier()
+        return path
+
+    def maybe_export(self) -> str:
+        """HF export every ``learner.export_every`` versions into ``run_dir/hf/v{version}``."""
+        k = self.recipe.learner.export_every
+        if k and self.version % k == 0:
+            self.last_export = str(self.export_hf(self.run_dir / "hf" / f"v{self.version}"))
+            return self.last_export
+        return ""
+
+    def add_publisher(self, fn: Publisher) -> None:
+        self.publishers.append(fn)
+
+    # ------------------------------------------------------------------------------------------
+    # The step
+    # ------------------------------------------------------------------------------------------
+
+    def sequences(self, batch: Batch) -> list[Sequence]:
+        """Every sample of the batch laid out for packing, with its group-relative advantage."""
+        is_sft = self.alg.loss == "sft"
+        rewards = [[s.reward for s in g.samples] for g in batch.groups if g.samples]
+        advs = (
+            None
+            if is_sft or not rewards
+            else compute_advantages(rewards, kind=self.alg.advantage, eps=self.alg.adv_eps)
+        )
+        seqs, i = [], 0
+        groups = [g for g in batch.groups if g.samples]
+        for gi, g in enumerate(groups):
+            for si, s in enumerate(g.samples):
+                mask = s.loss_mask
+                if self.recipe.buffer.overlong_filter and s.finish_reason == "length":
+                    mask = np.zeros_like(mask)
+                seqs.append(
+                    make_sequence(
+                        i,
+                        s.prompt_ids,
+                        s.completion_ids,
+                        loss_mask=mask,
+                        behavior_logprobs=s.behavior_logprobs,
+                        versions=s.versions,
+                        advantage=0.0 if advs is None else float(advs[gi][si]),
+                        max_len=self.max_seq_len,
+                    )
+                )
+                i += 1
+        return seqs
+
+    def micro_batches(self, seqs: list[Sequence]) -> list[MicroBatch]:
+        """This rank's share, packed; every rank runs the same number of micro-batches (FSDP's
+        collectives must pair up), padding with empty rows that carry no loss."""
+        mine = split_over_ranks(seqs, self.world)[self.rank]
+        bins = split_micro_batches(mine, self.recipe.learner.micro_batch_tokens)
+        n = torch.tensor([len(bins)], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        bins += [[] for _ in range(int(n) - len(bins))]
+        return [pack(b) for b in bins]
+
+    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        return self.model(mb.tokens, mb.positions, attention_masks(self.model, mb.positions))
+
+    def _logprobs(
+        self, logits: torch.Tensor, mb: MicroBatch, *, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log π of each trained token (and its entropy), flat over ``mb.sel``."""
+        sel_logits = logits[:, mb.sel]
+        labels = mb.labels[:, mb.sel]
+        if not entropy:
+            return compute_logprobs(sel_logits, labels)[0], None
+        if self.alg.entropy_coef != 0:  # with gradient
+            lf = sel_logits[0].float()
+            ent = torch.logsumexp(lf, -1) - (torch.softmax(lf, -1) * lf).sum(-1)
+            return compute_logprobs(sel_logits, labels)[0], ent
+        lp, ent = compute_logprobs(sel_logits, labels, return_entropy=True)
+        return lp[0], ent[0]
+
+    @torch.no_grad()
+    def logprobs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Forward only: log π of each micro-batch's trained tokens with the current weights."""
+        return [self._logprobs(self._forward(mb), mb, entropy=False)[0] for mb in mbs]
+
+    def step(self, batch: Batch) -> StepResult:
+        """One optimizer step on ``batch`` (collective; every rank passes the same batch)."""
+        t0 = time.perf_counter()
+        alg = self.alg
+        mbs = self.micro_batches(self.sequences(batch))
+        counts = sum((count_tokens_and_seqs(mb.mask, mb.seq_ids) for mb in mbs), torch.zeros(2))
+        counts = counts.to(torch.float64)
+        dist.all_reduce(counts)  # the GLOBAL normaliser: every rank and micro-batch
+        norm = Normaliser(
+            tokens=float(counts[0]),
+            seqs=float(counts[1]),
+            seq_len=float(self.recipe.rollout.max_new_tokens),
+        )
+        prox: list[torch.Tensor | None] = [None] * len(mbs)
+        t_prox = 0.0
+        if needs_prox(alg.loss):  # π_prox: this step's starting weights, forward only
+            t_prox = time.perf_counter()
+            prox = list(self.logprobs(mbs))
+            t_prox = time.perf_counter() - t_prox
+
+        self.optimizers.zero_grad()
+        eta = self.recipe.buffer.max_staleness
+        stats: dict[str, torch.Tensor] = {}
+        drift = torch.zeros(eta + 1, 3, dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens = 0
+        for i, mb in enumerate(mbs):
+            self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+            logits = self._forward(mb)
+            logp, ent = self._logprobs(logits, mb, entropy=True)
+            if mb.is_empty or mb.sel.numel() == 0:
+                loss = logits.sum() * 0.0  # keeps FSDP's backward collectives in step
+            else:
+                loss, st = policy_loss(
+                    cfg=alg,
+                    norm=norm,
+                    logp=logp,
+                    mask=mb.mask,
+                    seq_ids=mb.seq_ids,
+                    behavior_logp=mb.behavior_logp,
+                    advantages=mb.advantages,
+                    prox_logp=prox[i],
+                    entropy=ent,
+                )
+                for k, v in st.items():
+                    stats[k] = stats.get(k, 0) + v
+                if alg.loss != "sft":
+                    staleness = self.version - mb.versions
+                    ref = prox[i] if prox[i] is not None else logp.detach()
+                    drift += drift_sums(
+                        mb.behavior_logp, ref, staleness, mb.mask, max_staleness=eta
+                    )
+            loss.backward()
+            loss_sum += loss.detach().to(torch.float64)
+            tokens += 0 if mb.is_empty else mb.num_tokens
+        clip = self.recipe.learner.grad_clip
+        grad_norm = dist_utils.clip_grad_norm_(
+            list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True
+        )
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.version += 1
+
+        keys = sorted(stats)
+        local = torch.cat(
+            [
+                loss_sum.reshape(1),
+                torch.tensor([float(tokens)], dtype=torch.float64),
+                torch.stack([stats[k] for k in keys])
+                if keys
+                else torch.zeros(0, dtype=torch.float64),
+                drift.reshape(-1),
+            ]
+        )
+        dist.all_reduce(local)
+        loss_total, tokens_total = float(local[0]), float(local[1])
+        summed = dict(zip(keys, local[2 : 2 + len(keys)].tolist(), strict=True))
+        dt = time.perf_counter() - t0
+        metrics = {
+            "loss": loss_total,
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "learner/step_s": dt,
+            "learner/prox_s": t_prox,
+            "learner/tokens": tokens_total,
+            "learner/trained_tokens_per_s": tokens_total / dt if dt > 0 else 0.0,
+            "learner/micro_batches": float(len(mbs)),
+            "learner/sequences": counts[1].item(),
+        }
+        if summed:
+            metrics |= finalize_stats(summed)
+        if alg.loss != "sft":
+            metrics |= finalize_drift(local[2 + len(keys) :].reshape(eta + 1, 3))
+        for k, v in batch.stats.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                metrics.setdefault(k if "/" in k else f"buffer/{k}", float(v))
+        for fn in self.publishers:
+            fn(self.version, self)
+        return StepResult(version=self.version, loss=loss_total, metrics=metrics)
