@@ -46,7 +46,9 @@ def evaluate(
     """Greedy held-out success of the HF model in ``model_dir`` on ``rows`` ({prompt, answer})."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would break the launcher's output
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
