@@ -452,6 +452,12 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             )
         if a.startswith("tls+tcp://") and not tls.cert:
             raise RecipeError("a tls+tcp:// address needs buffer.tls", file=file, key=f"buffer.{k}")
+        if a.startswith("tcp://") and tls.cert:
+            raise RecipeError(
+                "buffer.tls is set, so use tls+tcp:// (plain tcp:// would not encrypt)",
+                file=file,
+                key=f"buffer.{k}",
+            )
 
 
 def dump(recipe: Recipe) -> str:

@@ -82,6 +82,16 @@ def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
     assert str(path) in msg or e.value.file == "override"
 
 
+def test_tls_certificates_need_tls_addresses(tmp_path):
+    text = "buffer:\n  address: tls+tcp://h:1\n  tls: {cert: c.pem, key: k.pem, ca: ca.pem}\n"
+    with pytest.raises(RecipeError, match="buffer.pub_address: buffer.tls is set, so use tls"):
+        recipe.load(_write(tmp_path, text), check_files=False)
+    ok = recipe.load(
+        _write(tmp_path, text), ["buffer.pub_address=tls+tcp://h:2"], check_files=False
+    )
+    assert ok.buffer.tls.ca == "ca.pem"
+
+
 def test_missing_and_unreadable_files(tmp_path):
     with pytest.raises(RecipeError, match="recipe file not found") as e:
         recipe.load(tmp_path / "nope.yaml")
