@@ -125,14 +125,9 @@ def _recorded_allowed_keys() -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3):
-    from asyncrl.rollout.engine.api import EngineConfig
-    from asyncrl.rollout.engine.server import serve
-
-    srv = serve(EngineConfig(model=str(tiny_qwen3), max_batch_size=8))
-    yield srv
-    srv.stop()
+@pytest.fixture
+def engine(rollout_engine):
+    return rollout_engine
 
 
 def test_abort_and_resume_equals_one_uninterrupted_stream(engine):

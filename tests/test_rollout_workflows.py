@@ -11,14 +11,9 @@ from asyncrl.rollout.tools import ToolCall, ToolRegistry, parse_tagged_tool_call
 from asyncrl.rollout.workflows import EpisodeContext, SingleTurn, load_workflow
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3):
-    from asyncrl.rollout.engine.api import EngineConfig
-    from asyncrl.rollout.engine.server import serve
-
-    srv = serve(EngineConfig(model=str(tiny_qwen3), max_batch_size=16))
-    yield srv
-    srv.stop()
+@pytest.fixture
+def engine(rollout_engine):
+    return rollout_engine
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,647 @@
+"""The rollout worker: a trio nursery of named tasks feeding the learner's buffer (DESIGN §2, §3, §5).
+
+Tasks:
+- ``register``: tells the learner which generators this worker drives (``wire.Register``), retried
+  until acknowledged.
+- ``versions``: hears version announcements (``wire.Version`` over Pub/Sub) and cancels groups that can
+  no longer be trained within ``max_staleness``, giving their starts back (``wire.Release``).
+- ``admission``: asks the buffer for the right to start groups (``wire.Acquire`` → ``wire.Grant``, a
+  lease) and starts one ``group-*`` task per granted start, never more groups in flight than granted
+  and never more than ``max_concurrent_groups``.
+- ``group-*``: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
+  one whole ``wire.Group``.
+- ``sender``: puts finished groups to the buffer (``wire.Put``, several per message), resending the
+  SAME group ids until each is acknowledged or rejected: with the buffer's dedup by id, exactly once.
+- ``metrics``: throughput, episodes in flight, generator idle fraction, reward, length, failures.
+
+A group is "in flight" from the moment it takes a granted start until the buffer acknowledged or
+rejected it, or it was cancelled and its start released. A group whose lease expires while it is
+still generating is cancelled too (the buffer has taken the start back).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from asyncrl import wire
+from asyncrl.rollout.client import GeneratorPool, SamplingParams
+from asyncrl.rollout.data import PromptSource, render_prompt
+from asyncrl.rollout.rewards import RewardRunner
+from asyncrl.rollout.tools import ToolRegistry
+from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
+from asyncrl.transport import ReqClient, Subscriber, TransportTimeout
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """The worker cannot go on (e.g. every group fails); the text says why."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The buffer, as the worker sees it
+# --------------------------------------------------------------------------------------------------
+
+
+class BufferLink:
+    """The buffer service's Req/Rep calls, each bounded by ``timeout_s``.
+
+    ``acquire`` carries a request id reused on resend, so a lost reply does not grant twice (when
+    the buffer deduplicates it; otherwise the extra lease expires on its own).
+    """
+
+    def __init__(self, client: ReqClient, *, worker_id: str, timeout_s: float = 10.0):
+        self.client = client
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+
+    async def _request(self, msg: wire.Message, expect: type) -> wire.Message:
+        reply = await self.client.request(msg, timeout_s=self.timeout_s)
+        if isinstance(reply, wire.Error):
+            raise BufferRefused(reply.code, reply.message)
+        if not isinstance(reply, expect):
+            raise BufferRefused("unexpected_reply", f"expected {expect.kind}, got {reply.kind}")
+        return reply
+
+    async def acquire(self, n: int, *, request_id: str) -> wire.Grant:
+        msg = wire.Acquire(worker_id=self.worker_id, n=n, request_id=request_id)
+        return await self._request(msg, wire.Grant)
+
+    async def put(self, groups: list[wire.Group]) -> wire.Ack:
+        return await self._request(wire.Put(worker_id=self.worker_id, groups=groups), wire.Ack)
+
+    async def release(self, lease_id: str, n: int) -> wire.Ok:
+        msg = wire.Release(worker_id=self.worker_id, lease_id=lease_id, n=n)
+        return await self._request(msg, wire.Ok)
+
+    async def register(self, generators: list[wire.GeneratorInfo]) -> wire.Ok:
+        msg = wire.Register(worker_id=self.worker_id, generators=generators)
+        return await self._request(msg, wire.Ok)
+
+
+class BufferRefused(RuntimeError):
+    """The buffer answered with ``wire.Error``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class WorkerConfig:
+    worker_id: str
+    group_size: int = 8
+    max_concurrent_groups: int = 16
+    max_staleness: int = 1
+    prompt_key: str = "prompt"
+    chat_template: bool = False
+    max_prompt_tokens: int = 0  # 0: no limit; longer prompts are reported and skipped
+    put_batch: int = 8  # groups per Put message
+    buffer_timeout_s: float = 10.0  # one Req/Rep exchange
+    retry_s: float = 0.2  # first back-off after a failed buffer call (doubles, up to 5 s)
+    acquire_idle_s: float = 1.0  # wait before asking again after a grant of 0
+    metrics_every_s: float = 10.0
+    max_consecutive_failures: int = 20  # groups failing in a row before the worker gives up
+    max_groups: int = 0  # stop after this many groups are delivered (0: run until cancelled)
+
+
+@dataclass
+class _Permit:
+    lease_id: str
+    version: int
+    expires_at: float  # trio clock
+
+
+@dataclass(eq=False)
+class _GroupRun:
+    gid: str
+    permit: _Permit
+    scope: trio.CancelScope
+    prompt_index: int = -1
+    started_at: float = 0.0
+    cancelled: str = ""  # why the worker cancelled it
+
+
+@dataclass
+class WorkerStats:
+    """Counters since the start (cumulative) and a window since the last metrics line."""
+
+    counters: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            [
+                "groups_started",
+                "groups_delivered",
+                "groups_rejected",
+                "groups_cancelled_stale",
+                "groups_cancelled_lease",
+                "groups_failed",
+                "episodes",
+                "tokens_generated",
+                "reward_failures",
+                "prompts_skipped",
+                "put_resends",
+                "put_messages",
+                "acquires",
+                "grants_zero",
+                "releases",
+                "resumes",
+            ],
+            0,
+        )
+    )
+    rewards: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    max_in_flight_over_granted: int = 0  # must stay <= 0: the admission invariant
+    peak_groups_in_flight: int = 0
+    peak_episodes_in_flight: int = 0
+
+
+class RolloutWorker:
+    """Runs episodes into the buffer until cancelled (or until ``config.max_groups`` delivered)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        buffer: BufferLink,
+        pool: GeneratorPool,
+        source: PromptSource,
+        tokenizer: Any,
+        workflow: Workflow,
+        reward: RewardRunner,
+        params: SamplingParams,
+        tools: ToolRegistry | None = None,
+        max_turns: int = 1,
+        subscriber: Subscriber | None = None,
+        generators: list[wire.GeneratorInfo] | None = None,
+        metrics: Any = None,  # asyncrl.metrics.MetricsSink
+    ) -> None:
+        self.cfg = config
+        self.buffer = buffer
+        self.pool = pool
+        self.source = source
+        self.tokenizer = tokenizer
+        self.workflow = workflow
+        self.reward = reward
+        self.params = params
+        self.tools = tools or ToolRegistry([])
+        self.max_turns = max_turns
+        self.subscriber = subscriber
+        self.generators = generators or []
+        self.metrics = metrics
+        self.stats = WorkerStats()
+        self.version = 0
+        self.registered = trio.Event()
+        self._nonce = uuid.uuid4().hex[:8]  # group ids stay unique across restarts of a worker
+        self._seq = 0
+        self._permits: deque[_Permit] = deque()
+        self._granted_open = 0  # starts granted and not yet acked, rejected or released
+        self._runs: dict[str, _GroupRun] = {}
+        self._unsent = 0  # finished groups not yet acknowledged
+        self._episodes_in_flight = 0
+        self._consecutive_failures = 0
+        self._changed = trio.Event()  # something freed capacity or the version moved
+        self._done = trio.Event()
+        self._send, self._receive = trio.open_memory_channel[tuple[wire.Group, _Permit]](
+            float("inf")
+        )
+        self._pending: dict[str, tuple[wire.Group, _Permit]] = {}  # sent, not yet acknowledged
+        self._t_last = 0.0
+        self._prev = dict(self.stats.counters)
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._runs) + self._unsent
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> WorkerStats:
+        """Run until cancelled or ``max_groups`` delivered; returns the counters."""
+        self._t_last = trio.current_time()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._register_loop, name="register")
+                if self.subscriber is not None:
+                    nursery.start_soon(self._version_loop, name="versions")
+                nursery.start_soon(self._admission_loop, name="admission")
+                nursery.start_soon(self._sender_loop, name="sender")
+                nursery.start_soon(self._metrics_loop, name="metrics")
+                task_status.started()
+                await self._done.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.buffer_timeout_s):
+                await self._release_all()
+            self._log_metrics(final=True)
+        return self.stats
+
+    def stop(self) -> None:
+        self._done.set()
+
+    # -- capacity book-keeping -------------------------------------------------------------------
+
+    def _check_invariant(self) -> None:
+        s = self.stats
+        excess = self.groups_in_flight - self._granted_open
+        s.max_in_flight_over_granted = max(s.max_in_flight_over_granted, excess)
+        s.peak_groups_in_flight = max(s.peak_groups_in_flight, self.groups_in_flight)
+        s.peak_episodes_in_flight = max(s.peak_episodes_in_flight, self._episodes_in_flight)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _finish(self, n: int = 1) -> None:
+        """``n`` starts are spent (acked, rejected or released): capacity for new groups."""
+        self._granted_open -= n
+        self._check_invariant()
+        self._wake()
+
+    # -- tasks -----------------------------------------------------------------------------------
+
+    async def _retry_sleep(self, attempt: int) -> None:
+        await trio.sleep(min(self.cfg.retry_s * 2**attempt, 5.0))
+
+    async def _register_loop(self) -> None:
+        if not self.generators:
+            self.registered.set()
+            return
+        attempt = 0
+        while True:
+            try:
+                ok = await self.buffer.register(self.generators)
+                self._see_version(ok.version)
+                self.registered.set()
+                log.info("registered %d generator(s) with the learner", len(self.generators))
+                return
+            except (TransportTimeout, BufferRefused) as e:
+                log.warning("register: %s; retrying", e)
+            await self._retry_sleep(attempt)
+            attempt += 1
+
+    def _see_version(self, version: int) -> None:
+        if version <= self.version:
+            return
+        self.version = version
+        self.pool.version = version
+        self._cancel_stale()
+        self._wake()
+
+    def _cancel_stale(self) -> None:
+        """A group whose lease version is below ``version - max_staleness`` cannot be trained."""
+        oldest_ok = self.version - self.cfg.max_staleness
+        for run in self._runs.values():
+            if run.permit.version < oldest_ok and not run.cancelled:
+                run.cancelled = "stale"
+                run.scope.cancel()
+        while self._permits and self._permits[0].version < oldest_ok:
+            p = self._permits.popleft()  # never started: give it back, it is worthless now
+            self._nursery.start_soon(self._release, p.lease_id, 1, name="release")
+
+    async def _version_loop(self) -> None:
+        assert self.subscriber is not None
+        while True:
+            msg = await self.subscriber.receive(timeout_s=1.0)
+            if isinstance(msg, wire.Version):
+                self._see_version(msg.version)
+
+    async def _release(self, lease_id: str, n: int) -> None:
+        """Give ``n`` starts back; retried, since the buffer otherwise waits for the lease to end."""
+        for attempt in range(5):
+            try:
+                ok = await self.buffer.release(lease_id, n)
+                self.stats.counters["releases"] += n
+                self._see_version(ok.version)
+                break
+            except BufferRefused as e:  # e.g. the lease already expired: nothing to give back
+                log.info("release %s: %s", lease_id, e)
+                break
+            except TransportTimeout:
+                await self._retry_sleep(attempt)
+        self._finish(n)
+
+    async def _release_all(self) -> None:
+        """On the way out: give back every start not delivered (unused, running, unacknowledged)."""
+        by_lease: dict[str, int] = {}
+        permits = list(self._permits) + [r.permit for r in self._runs.values()]
+        permits += [p for _, p in self._pending.values()]
+        self._permits.clear()
+        for p in permits:
+            by_lease[p.lease_id] = by_lease.get(p.lease_id, 0) + 1
+        for lease_id, n in by_lease.items():
+            try:
+                await self.buffer.release(lease_id, n)
+                self.stats.counters["releases"] += n
+            except (TransportTimeout, BufferRefused):
+                pass
+            self._granted_open -= n
+
+    async def _admission_loop(self) -> None:
+        attempt = 0
+        while True:
+            now = trio.current_time()
+            while self._permits and self._permits[0].expires_at <= now:
+                self._permits.popleft()  # the buffer took these starts back
+                self._finish()
+            cap = self.cfg.max_concurrent_groups
+            while self._permits and self.groups_in_flight < cap and not self._done.is_set():
+                self._start_group(self._permits.popleft())
+            want = cap - self.groups_in_flight - len(self._permits)
+            if want <= 0 or self._done.is_set():
+                with trio.move_on_after(1.0):
+                    await self._changed.wait()
+                continue
+            request_id = uuid.uuid4().hex
+            try:
+                self.stats.counters["acquires"] += 1
+                grant = await self.buffer.acquire(want, request_id=request_id)
+                attempt = 0
+            except (TransportTimeout, BufferRefused) as e:
+                log.warning("acquire: %s; retrying", e)
+                await self._retry_sleep(attempt)
+                attempt += 1
+                continue
+            self._see_version(grant.version)
+            if grant.k == 0:
+                self.stats.counters["grants_zero"] += 1
+                with trio.move_on_after(self.cfg.acquire_idle_s):
+                    await self._changed.wait()
+                continue
+            if grant.k > want:
+                raise WorkerError(f"the buffer granted {grant.k} starts for {want} asked")
+            expires = trio.current_time() + grant.lease_seconds
+            self._granted_open += grant.k
+            for _ in range(grant.k):
+                self._permits.append(_Permit(grant.lease_id, grant.version, expires))
+
+    def _start_group(self, permit: _Permit) -> None:
+        self._seq += 1
+        gid = f"{self.cfg.worker_id}-{self._nonce}-{self._seq}"
+        run = _GroupRun(gid=gid, permit=permit, scope=trio.CancelScope())
+        run.started_at = trio.current_time()
+        deadline = permit.expires_at
+        run.scope.deadline = deadline  # a lease that ends takes the start back: stop generating
+        self._runs[gid] = run
+        self.stats.counters["groups_started"] += 1
+        self._check_invariant()
+        self._nursery.start_soon(self._group_task, run, name=f"group-{gid}")
+
+    async def _group_task(self, run: _GroupRun) -> None:
+        group: wire.Group | None = None
+        failed = ""
+        with run.scope:
+            try:
+                group = await self._make_group(run)
+            except Exception as e:  # one bad group must not stop the worker
+                failed = f"{type(e).__name__}: {e}"
+        if run.scope.cancelled_caught and not run.cancelled:
+            run.cancelled = "lease"
+        del self._runs[run.gid]
+        if group is not None and not run.cancelled:
+            self._consecutive_failures = 0
+            self._unsent += 1
+            self._send.send_nowait((group, run.permit))
+            return
+        if run.prompt_index >= 0:
+            self.source.give_back(run.prompt_index)  # not trained on: its prompt is served again
+        c = self.stats.counters
+        if run.cancelled:
+            c[f"groups_cancelled_{run.cancelled}"] += 1
+            log.info("group %s cancelled (%s)", run.gid, run.cancelled)
+        else:
+            c["groups_failed"] += 1
+            self._consecutive_failures += 1
+            log.warning("group %s failed: %s", run.gid, failed)
+            if self._consecutive_failures >= self.cfg.max_consecutive_failures:
+                raise WorkerError(
+                    f"{self._consecutive_failures} groups failed in a row; last: {failed}"
+                )
+        with trio.CancelScope(shield=True):
+            if run.cancelled == "lease":
+                self._finish()  # the buffer already took the start back
+            else:
+                await self._release(run.permit.lease_id, 1)
+
+    async def _take_prompt(self, run: _GroupRun) -> tuple[Any, str, list[int]]:
+        """The next usable prompt; rows that cannot be rendered are reported and skipped."""
+        for _ in range(1000):
+            item = self.source.take()
+            try:
+                render = functools.partial(
+                    render_prompt,
+                    item.row,
+                    self.tokenizer,
+                    prompt_key=self.cfg.prompt_key,
+                    chat_template=self.cfg.chat_template,
+                    tools=self.tools.schemas() or None,
+                )
+                text, ids = await trio.to_thread.run_sync(render)
+                if self.cfg.max_prompt_tokens and len(ids) > self.cfg.max_prompt_tokens:
+                    raise ValueError(
+                        f"the prompt has {len(ids)} tokens, over {self.cfg.max_prompt_tokens}"
+                    )
+            except Exception as e:
+                self.stats.counters["prompts_skipped"] += 1
+                self.source.done(item.index)
+                log.warning("skipping a malformed row: %s: %s", item.where, e)
+                continue
+            run.prompt_index = item.index
+            return item, text, ids
+        raise WorkerError("1000 prompts in a row could not be rendered")
+
+    async def _make_group(self, run: _GroupRun) -> wire.Group:
+        item, prompt_text, prompt_ids = await self._take_prompt(run)
+        n = self.cfg.group_size
+        samples: list[wire.Sample | None] = [None] * n
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(
+                    self._episode, run, i, item.row, prompt_text, prompt_ids, samples
+                )
+        return wire.Group(
+            id=run.gid,
+            lease_id=run.permit.lease_id,
+            samples=[s for s in samples if s is not None],
+            prompt_index=item.index,
+            metadata={"worker_id": self.cfg.worker_id, "prompt": item.where},
+        )
+
+    async def _episode(
+        self,
+        run: _GroupRun,
+        i: int,
+        row: dict[str, Any],
+        prompt_text: str,
+        prompt_ids: list[int],
+        out: list[wire.Sample | None],
+    ) -> None:
+        ctx = EpisodeContext(
+            prompt_ids=list(prompt_ids),
+            prompt_text=prompt_text,
+            row=row,
+            pool=self.pool,
+            params=self.params,
+            tokenizer=self.tokenizer,
+            tools=self.tools,
+            max_turns=self.max_turns,
+            rid=f"{run.gid}/{i}",
+        )
+        self._episodes_in_flight += 1
+        self._check_invariant()
+        try:
+            ep = await self.workflow.run_episode(ctx)
+        finally:
+            self._episodes_in_flight -= 1
+        if not isinstance(ep, Episode):
+            raise TypeError(f"the workflow returned {type(ep).__name__}, not an Episode")
+        ep.check()
+        c = self.stats.counters
+        c["episodes"] += 1
+        c["tokens_generated"] += sum(ep.loss_mask)
+        c["resumes"] += int(ep.metadata.get("resumes", 0))
+        completion = await ctx.decode(ep.completion_ids)
+        r = await self.reward.score(
+            prompt=prompt_text,
+            completion=completion,
+            prompt_ids=list(prompt_ids),
+            completion_ids=list(ep.completion_ids),
+            row=row,
+            extra={"finish_reason": ep.finish_reason},
+        )
+        meta = dict(ep.metadata)
+        if r.failure:
+            c["reward_failures"] += 1
+            meta["reward_failure"] = r.failure
+        self.stats.rewards.append(r.value)
+        self.stats.lengths.append(len(ep.completion_ids))
+        out[i] = wire.Sample(
+            id=f"{run.gid}/{i}",
+            group_id=run.gid,
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            completion_ids=np.asarray(ep.completion_ids, dtype=np.int32),
+            behavior_logprobs=np.asarray(ep.logprobs, dtype=np.float32),
+            versions=np.asarray(ep.versions, dtype=np.int32),
+            loss_mask=np.asarray(ep.loss_mask, dtype=np.float32),
+            reward=r.value,
+            finish_reason=ep.finish_reason,
+            metadata=meta,
+        )
+
+    async def _sender_loop(self) -> None:
+        """Put finished groups; resend the same ids until each is acked or rejected."""
+        pending = self._pending
+        attempt = 0
+        while True:
+            if not pending:
+                g, p = await self._receive.receive()
+                pending[g.id] = (g, p)
+            while len(pending) < self.cfg.put_batch:  # take whatever else is ready
+                try:
+                    g, p = self._receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                pending[g.id] = (g, p)
+            batch = list(pending.values())[: self.cfg.put_batch]
+            groups = [g for g, _ in batch]
+            state = self.source.state_dict()
+            sent = {g.prompt_index for g in groups}
+            state["outstanding"] = [i for i in state["outstanding"] if i not in sent]
+            for g in groups:  # the data position as if these were delivered (see data.py)
+                g.metadata["data_state"] = state
+            try:
+                self.stats.counters["put_messages"] += 1
+                if attempt:
+                    self.stats.counters["put_resends"] += 1
+                ack = await self.buffer.put(groups)
+            except TransportTimeout as e:
+                log.warning("put of %d group(s): %s; resending", len(groups), e)
+                await self._retry_sleep(min(attempt, 3))
+                attempt += 1
+                continue
+            except BufferRefused as e:
+                if len(groups) > 1:  # find the one the buffer cannot read: send them one by one
+                    log.warning("put refused (%s); resending one group per message", e)
+                    self.cfg.put_batch = 1
+                    continue
+                log.error("group %s refused by the buffer: %s; dropped", groups[0].id, e)
+                ack = wire.Ack(group_ids=[], rejected={groups[0].id: str(e)})
+            attempt = 0
+            self._see_version(ack.version)
+            for gid in ack.group_ids:
+                if gid in pending:
+                    g, _ = pending.pop(gid)
+                    self.source.done(g.prompt_index)
+                    self.stats.counters["groups_delivered"] += 1
+                    self._unsent -= 1
+                    self._finish()
+            for gid, why in ack.rejected.items():
+                if gid in pending:
+                    g, _ = pending.pop(gid)
+                    self.source.done(g.prompt_index)
+                    self.stats.counters["groups_rejected"] += 1
+                    log.warning("group %s rejected: %s", gid, why)
+                    self._unsent -= 1
+                    self._finish()
+            if (
+                self.cfg.max_groups
+                and self.stats.counters["groups_delivered"] >= self.cfg.max_groups
+            ):
+                self._done.set()
+
+    # -- metrics ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, float]:
+        """The metrics line: rates over the window since the last call, counters since start."""
+        now = trio.current_time()
+        dt = max(now - self._t_last, 1e-9)
+        c = self.stats.counters
+        prev = self._prev
+        out: dict[str, float] = {
+            "rollout/tokens_per_s": (c["tokens_generated"] - prev["tokens_generated"]) / dt,
+            "rollout/episodes_in_flight": self._episodes_in_flight,
+            "rollout/groups_in_flight": self.groups_in_flight,
+            "rollout/version": self.version,
+        }
+        if self.stats.rewards:
+            out["rollout/reward_mean"] = float(np.mean(self.stats.rewards))
+            out["rollout/response_length_mean"] = float(np.mean(self.stats.lengths))
+            out["rollout/response_length_max"] = float(np.max(self.stats.lengths))
+        out.update({f"rollout/{k}": float(v) for k, v in c.items()})
+        out["rollout/failures"] = float(
+            c["reward_failures"] + c["groups_failed"] + c["prompts_skipped"]
+        )
+        out.update({f"rollout/{k}": v for k, v in self.pool.stats().items()})
+        self._prev = dict(c)
+        self._t_last = now
+        self.stats.rewards.clear()
+        self.stats.lengths.clear()
+        return out
+
+    def _log_metrics(self, *, final: bool = False) -> None:
+        snap = self.snapshot()
+        if self.metrics is not None:
+            try:
+                self.metrics.log(snap, step=self.version)
+            except Exception as e:  # metrics must never stop rollouts
+                log.warning("metrics: %s", e)
+        if final:
+            log.info("worker done: %s", {k: v for k, v in snap.items() if "generator/" not in k})
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.metrics_every_s)
+            self._log_metrics()
