@@ -142,16 +142,18 @@ class TLS:
         )
 
 
-def _check_tls(address: str, tls: TLS | None) -> None:
+def _check_tls(address: str, tls: TLS | None) -> TLS | None:
+    """The TLS to use for ``address``: ipc:// and inproc:// never leave the machine and take none."""
     if address.startswith("tls+tcp://") and tls is None:
         raise ValueError(f"{address}: a tls+tcp:// address needs a TLS configuration")
-    if tls is not None and not address.startswith("tls+tcp://"):
+    if tls is not None and address.startswith("tcp://"):
         raise ValueError(f"{address}: TLS is configured, so the address must be tls+tcp://")
+    return tls if address.startswith("tls+tcp://") else None
 
 
 def _dial(sock: pynng.Socket, address: str, tls: TLS | None) -> None:
     """Non-blocking dial: nng keeps retrying in the background, so the peer may start later."""
-    _check_tls(address, tls)
+    tls = _check_tls(address, tls)
     if tls is not None:
         sock.tls_config = tls.client_config(address)
     sock.reconnect_time_min = _RECONNECT_MIN_MS
@@ -160,7 +162,7 @@ def _dial(sock: pynng.Socket, address: str, tls: TLS | None) -> None:
 
 
 def _listen(sock: pynng.Socket, address: str, tls: TLS | None) -> str:
-    _check_tls(address, tls)
+    tls = _check_tls(address, tls)
     if tls is not None:
         sock.tls_config = tls.server_config()
     return _bound_address(address, sock.listen(address))
@@ -211,7 +213,11 @@ class RepServer:
         return self.address
 
     async def serve(self, handler: Handler) -> None:
-        """Serve until :meth:`close` or cancellation; any bad input is answered, never fatal."""
+        """Serve until :meth:`close` or cancellation; any bad input is answered, never fatal.
+
+        Up to ``concurrency`` requests are handled at once. A sync handler runs on the event loop,
+        so it must be quick (pure bookkeeping); slow work belongs in an async handler.
+        """
         self.listen()
         async with trio.open_nursery() as nursery:
             for i in range(self._concurrency):

@@ -239,6 +239,30 @@ def test_client_started_before_server_connects_when_it_comes_up(ipc_dir):
     trio.run(main)
 
 
+def test_client_survives_a_server_restart(ipc_dir):
+    address = f"ipc://{ipc_dir}/restart.sock"
+
+    async def main():
+        async with ReqClient(address, timeout_s=WAIT_S) as client:
+            async with trio.open_nursery() as n:
+                first = await _serving(n, RepServer(address))
+                assert (await client.request(wire.Status())).version == 7
+                first.close()
+            async with trio.open_nursery() as n:
+                second = await _serving(n, RepServer(address))
+                with trio.fail_after(WAIT_S):  # the caller's resend loop
+                    while True:
+                        try:
+                            reply = await client.request(wire.Status(), timeout_s=1.0)
+                            break
+                        except TransportTimeout:
+                            continue
+                assert reply.version == 7 and second.stats["received"] >= 1
+                second.close()
+
+    trio.run(main)
+
+
 def test_request_sync_times_out_without_server(ipc_dir):
     with (
         ReqClient(f"ipc://{ipc_dir}/nobody.sock", timeout_s=0.2) as client,
@@ -290,4 +314,5 @@ def test_tls_from_config_and_address_checks(pki):
         ReqClient("tls+tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="must be tls"):
         ReqClient("tcp://127.0.0.1:1", tls=t)
+    ReqClient("inproc://local", tls=t).close()  # local transports take no TLS
     assert transport.free_tcp_address().startswith("tcp://127.0.0.1:")
