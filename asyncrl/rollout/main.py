@@ -1,0 +1,283 @@
+"""`asyncrl rollout`: one rollout worker feeding the learner's buffer (DESIGN §1, §5).
+
+    asyncrl rollout RECIPE [key=value ...] [--buffer ADDRESS] [--pub ADDRESS] [--worker-id ID]
+                    [--shard I/N] [--data-state FILE] [--max-groups N]
+
+``--buffer``/``--pub`` replace the recipe's ``buffer.address``/``buffer.pub_address``. With
+``generator.kind: builtin`` the worker starts ``generator.engines_per_worker`` built-in engines and
+stops them on exit; with ``kind: sglang`` it drives ``generator.urls``. ``--shard I/N`` gives this
+worker every N-th prompt (default: from a ``workerI`` id and ``rollout.workers``). ``--data-state``
+resumes the data position from a JSON file (a group's ``metadata["data_state"]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from asyncrl import recipe as recipe_mod
+from asyncrl import wire
+from asyncrl.recipe import Recipe, RecipeError
+from asyncrl.rollout.client import GeneratorError, GeneratorPool, SamplingParams
+from asyncrl.rollout.data import DataError, PromptSource
+from asyncrl.rollout.plugins import PluginError
+from asyncrl.rollout.rewards import RewardRunner, load_reward
+from asyncrl.rollout.tools import ToolRegistry, load_tools
+from asyncrl.rollout.worker import BufferLink, RolloutWorker, WorkerConfig, WorkerError
+from asyncrl.rollout.workflows import load_workflow
+
+log = logging.getLogger("asyncrl.rollout")
+
+
+class UsageError(ValueError):
+    """A mistake on the command line or in the recipe: reported in one line, exit code 2."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="asyncrl rollout", description=__doc__.splitlines()[0])
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("--buffer", help="Req/Rep address of the buffer service")
+    p.add_argument("--pub", help="Pub/Sub address of version announcements")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--shard", default="", help="I/N: take every N-th prompt starting at I")
+    p.add_argument("--data-state", default="", help="JSON file with a saved data position")
+    p.add_argument("--max-groups", type=int, default=0, help="stop after N delivered groups")
+    return p.parse_intermixed_args(argv)
+
+
+def _shard(text: str, worker_id: str, workers: int) -> tuple[int, int]:
+    if text:
+        m = re.fullmatch(r"(\d+)/(\d+)", text)
+        if not m or not int(m.group(1)) < int(m.group(2)):
+            raise UsageError(f"--shard {text!r}: expected I/N with 0 <= I < N")
+        return int(m.group(1)), int(m.group(2))
+    m = re.fullmatch(r"worker(\d+)", worker_id)
+    if m and workers > 1 and int(m.group(1)) < workers:
+        return int(m.group(1)), workers
+    return 0, 1
+
+
+def build_source(r: Recipe, shard: tuple[int, int]) -> PromptSource:
+    d = r.data
+    if d.path:
+        src = PromptSource.from_file(
+            r.resolve(d.path),
+            prompt_key=d.prompt_key,
+            shuffle=d.shuffle,
+            seed=r.run.seed,
+            shard=shard,
+        )
+        if src.skipped:
+            log.warning("%s: skipped %d malformed row(s)", d.path, len(src.skipped))
+        return src
+    if d.task:
+        from asyncrl import tasks
+
+        try:
+            rows = tasks.examples(d.task, split="train", n=d.num_examples or 10000, seed=r.run.seed)
+        except ValueError as e:
+            raise UsageError(f"data.task: {e}") from None
+        return PromptSource(
+            rows, name=f"task:{d.task}", shuffle=d.shuffle, seed=r.run.seed, shard=shard
+        )
+    raise UsageError("data.path or data.task: the worker needs prompts")
+
+
+def start_engines(r: Recipe, run_dir: Path, worker_id: str) -> list[Any]:
+    """Built-in engines for this worker, started in parallel (each loads the model)."""
+    from asyncrl.rollout.engine import start_engine_process
+
+    if r.generator.engines_per_worker < 1:
+        raise UsageError("generator.engines_per_worker: a builtin worker needs at least 1")
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    model = str(r.resolve(r.model.path))
+
+    def one(i: int):
+        port = r.generator.base_port + i if r.generator.base_port else 0
+        return start_engine_process(
+            model,
+            host=r.generator.host,
+            port=port,
+            max_batch_size=r.generator.max_batch_size,
+            seed=r.run.seed + i,
+            log_path=logs / f"engine-{worker_id}-{i}.log",
+            timeout_s=r.generator.startup_timeout_s,
+        )
+
+    n = r.generator.engines_per_worker
+    with ThreadPoolExecutor(n) as ex:
+        futures = [ex.submit(one, i) for i in range(n)]
+    engines, errors = [], []
+    for f in futures:
+        try:
+            engines.append(f.result())
+        except RuntimeError as e:
+            errors.append(str(e))
+    if errors:
+        for e in engines:
+            e.stop()
+        raise GeneratorError(f"built-in engine failed to start: {errors[0]}")
+    return engines
+
+
+def make_metrics(r: Recipe, worker_id: str) -> Any:
+    from asyncrl.metrics import MetricsSink
+
+    lg = r.logging
+    return MetricsSink(
+        r.run_dir,
+        name=r.run.name,
+        group=lg.group or r.run.name,
+        config=r.to_dict(),
+        use_wandb=lg.wandb,
+        wandb_mode=lg.wandb_mode,
+        project=lg.project,
+        process=worker_id,
+    )
+
+
+async def run_worker(
+    r: Recipe,
+    *,
+    worker_id: str,
+    buffer_address: str,
+    pub_address: str,
+    urls: list[str],
+    kind: str,
+    source: PromptSource,
+    tokenizer: Any,
+    metrics: Any = None,
+    max_groups: int = 0,
+) -> dict[str, int]:
+    """Build the worker from the recipe and run it until cancelled (or ``max_groups``)."""
+    from asyncrl.transport import TLS, ReqClient, Subscriber
+
+    ro = r.rollout
+    tls = TLS.from_config(r.buffer)
+    reward = RewardRunner(
+        load_reward(ro.reward), timeout_s=ro.reward_timeout_s, answer_key=r.data.answer_key
+    )
+    workflow = load_workflow(ro.workflow)
+    tools = ToolRegistry(load_tools(ro.tools))
+    cfg = WorkerConfig(
+        worker_id=worker_id,
+        group_size=ro.group_size,
+        max_concurrent_groups=ro.max_concurrent_groups,
+        max_staleness=r.buffer.max_staleness,
+        prompt_key=r.data.prompt_key,
+        chat_template=r.data.chat_template,
+        max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
+        max_groups=max_groups,
+    )
+    with (
+        ReqClient(buffer_address, tls=tls) as req,
+        Subscriber(pub_address, tls=tls) as sub,
+    ):
+        async with GeneratorPool(urls, timeout_s=ro.request_timeout_s) as pool:
+            await pool.wait_ready(r.generator.startup_timeout_s)
+            worker = RolloutWorker(
+                cfg,
+                buffer=BufferLink(req, worker_id=worker_id),
+                pool=pool,
+                source=source,
+                tokenizer=tokenizer,
+                workflow=workflow,
+                reward=reward,
+                params=SamplingParams.from_recipe(ro),
+                tools=tools,
+                max_turns=ro.max_turns,
+                subscriber=sub,
+                generators=[wire.GeneratorInfo(url=u, kind=kind) for u in urls],
+                metrics=metrics,
+            )
+            async with trio.open_nursery() as nursery:
+
+                async def on_signal() -> None:
+                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                        async for _ in sigs:
+                            log.info("stopping on signal")
+                            worker.stop()
+                            return
+
+                nursery.start_soon(on_signal, name="signals")
+                stats = await worker.run()
+                nursery.cancel_scope.cancel()
+    return stats.counters
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    a = parse_args(argv)
+    engines: list[Any] = []
+    metrics = None
+    try:
+        overrides = list(a.overrides)
+        if a.buffer:
+            overrides.append(f"buffer.address={a.buffer}")
+        if a.pub:
+            overrides.append(f"buffer.pub_address={a.pub}")
+        r = recipe_mod.load(a.recipe, overrides)
+        if not r.model.path:
+            raise UsageError("model.path: the worker needs the model's tokenizer")
+        worker_id = a.worker_id or f"rollout-{os.getpid()}"
+        source = build_source(r, _shard(a.shard, worker_id, r.rollout.workers))
+        if a.data_state:
+            try:
+                source.load_state_dict(json.loads(Path(a.data_state).read_text()))
+            except (OSError, ValueError, KeyError) as e:
+                raise UsageError(f"--data-state {a.data_state}: {e}") from None
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(r.resolve(r.model.path))
+        load_workflow(r.rollout.workflow)  # report plug-in mistakes before starting engines
+        load_reward(r.rollout.reward)
+        load_tools(r.rollout.tools)
+        if r.generator.kind == "builtin":
+            engines = start_engines(r, r.run_dir, worker_id)
+            urls = [e.url for e in engines]
+        else:
+            urls = list(r.generator.urls)
+        metrics = make_metrics(r, worker_id)
+        counters = trio.run(
+            lambda: run_worker(
+                r,
+                worker_id=worker_id,
+                buffer_address=r.buffer.address,
+                pub_address=r.buffer.pub_address,
+                urls=urls,
+                kind=r.generator.kind,
+                source=source,
+                tokenizer=tokenizer,
+                metrics=metrics,
+                max_groups=a.max_groups,
+            )
+        )
+        log.info("delivered %d groups", counters["groups_delivered"])
+        return 0
+    except (RecipeError, UsageError, PluginError, DataError) as e:
+        print(f"asyncrl rollout: {e}", file=sys.stderr)
+        return 2
+    except (WorkerError, GeneratorError) as e:
+        print(f"asyncrl rollout: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if metrics is not None:
+            metrics.close()
+        for e in engines:
+            e.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,71 @@
+"""`asyncrl rollout` as a real process: its own built-in engine, a real buffer on loopback nng."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import trio
+import yaml
+from test_rollout_worker import serve_buffer
+
+from asyncrl.recipe import BufferConfig
+from asyncrl.rollout import main as rollout_main
+
+
+def _recipe(tmp_path, model, **rollout):
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8))
+        + "{broken\n"
+    )
+    r = {
+        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
+        "model": {"path": str(model), "max_seq_len": 256},
+        "data": {"path": str(data)},
+        "rollout": {"group_size": 2, "max_concurrent_groups": 2, "max_new_tokens": 8, **rollout},
+        "generator": {"kind": "builtin", "engines_per_worker": 1},
+        "buffer": {"groups_per_batch": 4, "max_staleness": 0},
+        "logging": {"wandb": False},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(r))
+    return path
+
+
+def test_rollout_process_delivers_groups_with_its_own_engine(tmp_path, tiny_qwen3):
+    recipe = _recipe(tmp_path, tiny_qwen3)
+
+    async def go():
+        async with serve_buffer(BufferConfig(groups_per_batch=4, max_staleness=0)) as buf:
+            argv = [sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe)]
+            argv += ["--buffer", buf.address, "--pub", buf.pub.address, "--worker-id", "worker0"]
+            argv += ["--max-groups", "3", "rollout.temperature=0.5"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+            with trio.fail_after(120):
+                proc = await trio.run_process(argv, capture_stderr=True, check=False, env=env)
+            return proc, buf.stored()
+
+    proc, stored = trio.run(go)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert len(stored) >= 3
+    for g in stored:
+        assert len(g.samples) == 2 and g.metadata["worker_id"] == "worker0"
+    assert f"{tmp_path / 'train.jsonl'}:9: not valid JSON" in err  # the malformed row, reported
+    lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    assert last["process"] == "worker0" and last["rollout/groups_delivered"] >= 3
+    assert "rollout/generator/idle_fraction" in last
+
+
+def test_user_mistakes_are_one_line_errors(tmp_path, tiny_qwen3, capsys):
+    assert rollout_main.main([str(tmp_path / "missing.yaml")]) == 2
+    assert "recipe file not found" in capsys.readouterr().err
+    recipe = _recipe(tmp_path, tiny_qwen3)
+    assert rollout_main.main([str(recipe), "rollout.reward=no_such_reward"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("asyncrl rollout: rollout.reward: 'no_such_reward' is not one of")
+    assert rollout_main.main([str(recipe), "--shard", "3/2"]) == 2
+    assert "--shard '3/2'" in capsys.readouterr().err
