@@ -16,6 +16,7 @@ Per-message overhead under trio is ~250 µs (reference/transport.md): batch wher
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import socket
 import threading
@@ -242,10 +243,8 @@ class RepServer:
                     continue  # the client went away; its request is its own to resend
                 self.stats["replied"] += 1
         finally:
-            try:
+            with contextlib.suppress(pynng.NNGException):
                 ctx.close()
-            except pynng.NNGException:
-                pass
 
     async def _answer(self, handler: Handler, data: bytes) -> bytes:
         try:
@@ -329,7 +328,8 @@ class ReqClient:
                 f"no reply to {type(msg).kind} from {self.address}: {e}"
             ) from None
         finally:
-            ctx.close()
+            with contextlib.suppress(pynng.NNGException):  # the socket may be closed already
+                ctx.close()
         return wire.decode(raw, expect=expect)
 
     def request_sync(
