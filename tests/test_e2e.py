@@ -8,6 +8,10 @@ metrics.jsonl, the W&B offline run read back, plots, and no process left behind.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +83,64 @@ def test_sft_run_leaves_a_complete_run_folder(tmp_path, demo_dir):
     assert (run_dir / "hf/latest/config.json").is_file()
     assert (run_dir / "plots/learning.png").is_file()
     _no_children_left(run_dir)
+
+
+def _checkpoints(run_dir: Path) -> list[int]:
+    """Complete DCP checkpoints (their .metadata is written last)."""
+    return sorted(
+        int(p.parent.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*/.metadata")
+    )
+
+
+def _wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def _ctrl_c_then_resume(tmp_path: Path, recipe: Path, ov: list[str], name: str) -> None:
+    run_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(recipe), *ov, "--no-progress"]
+    # its own session, so SIGINT reaches the launcher alone, as Ctrl-C in a terminal does
+    p = subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(
+            lambda: len(_checkpoints(run_dir)) >= 2 or p.poll() is not None,
+            600,
+            "two checkpoints",
+        )
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "stopped (SIGINT)"
+    _no_children_left(run_dir)
+    saved = _checkpoints(run_dir)[-1]
+    # resume: the learner continues from the last complete checkpoint, not from scratch
+    n_before = len(metrics.read_metrics(run_dir, process="learner"))
+    s = launch.run(recipe, [*ov, "run.resume=true", f"run.steps={saved + 2}"], progress=False)
+    assert s["outcome"] == "completed" and s["steps"] == saved + 2
+    steps = [r["step"] for r in metrics.read_metrics(run_dir, process="learner")]
+    assert steps[n_before:] == [saved + 1, saved + 2]
+    _no_children_left(run_dir)
+
+
+def test_ctrl_c_stops_the_sft_run_and_it_resumes(tmp_path, demo_dir):
+    ov = [
+        *_paths(demo_dir),
+        f"run.output_dir={tmp_path}",
+        "run.steps=100000",
+        "run.eval_prompts=16",
+        "learner.checkpoint_every=2",
+        "learner.checkpoint_async=false",
+    ]
+    _ctrl_c_then_resume(tmp_path, ROOT / "recipes/demo_sft.yaml", ov, "demo_sft")
