@@ -329,19 +329,19 @@ class GeneratorPool:
         g.last_error = ""
 
     def stats(self) -> dict[str, float]:
-        """Load and idle fraction per generator since the pool was made."""
+        """Idle fraction (no request in flight) since the pool was made, load and health; the
+        aggregate first (``generator_idle_fraction``), then one entry per generator (``/i``)."""
         now = trio.current_time()
         elapsed = max(now - self._t0, 1e-9)
-        out: dict[str, float] = {}
-        idle = []
-        for i, g in enumerate(self.generators.values()):
-            frac = 1.0 - min(g.busy_total(now) / elapsed, 1.0)
-            idle.append(frac)
-            out[f"generator/{i}/idle_fraction"] = frac
-            out[f"generator/{i}/in_flight"] = g.in_flight
-            out[f"generator/{i}/up"] = float(g.down_until <= now)
-        out["generator/idle_fraction"] = sum(idle) / len(idle)
-        out["generator/up"] = sum(g.down_until <= now for g in self.generators.values())
+        gens = list(self.generators.values())
+        idle = [1.0 - min(g.busy_total(now) / elapsed, 1.0) for g in gens]
+        out: dict[str, float] = {
+            "generator_idle_fraction": sum(idle) / len(idle),
+            "generators_up": float(sum(g.down_until <= now for g in gens)),
+        }
+        for i, g in enumerate(gens):
+            out[f"generator_idle_fraction/{i}"] = idle[i]
+            out[f"generator_in_flight/{i}"] = float(g.in_flight)
         return out
 
     # -- requests --------------------------------------------------------------------------------

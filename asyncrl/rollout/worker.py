@@ -639,7 +639,7 @@ class RolloutWorker:
             except Exception as e:  # metrics must never stop rollouts
                 log.warning("metrics: %s", e)
         if final:
-            log.info("worker done: %s", {k: v for k, v in snap.items() if "generator/" not in k})
+            log.info("worker done: %s", {k: v for k, v in snap.items() if k.count("/") == 1})
 
     async def _metrics_loop(self) -> None:
         while True:
