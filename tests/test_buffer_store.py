@@ -107,13 +107,15 @@ class StoreMachine(RuleBasedStateMachine):
         self.handed: set[str] = set()
         self.snapshot: tuple | None = None
         self.n = 0
+        self.requests = 0
 
     # -- workers ----------------------------------------------------------------------------------
 
     @rule(n=st.integers(0, 4), hold=st.integers(0, 2))
     def acquire(self, n: int, hold: int) -> None:
         """A worker asks for starts and starts all but ``hold`` of those granted at once."""
-        grant = self.store.acquire("w", n, now=self.now)
+        self.requests += 1
+        grant = self.store.acquire("w", n, now=self.now, request_id=f"r{self.requests}")
         assert grant.version == self.store.version
         assert 0 <= grant.k <= n
         if grant.k:
@@ -447,6 +449,18 @@ def test_restore_keeps_the_bound_and_the_data() -> None:
     # The restored lease's clock restarted from its seconds left, not from another process' time.
     restored.expire(1000.0 + 10.0)
     assert restored.in_flight == 0
+
+
+def test_resent_acquire_gets_the_same_lease() -> None:
+    store = ReplayStore(cfg(groups_per_batch=2, max_staleness=0, lease_seconds=5.0))
+    first = store.acquire("w", 2, now=0, request_id="r1")
+    again = store.acquire("w", 2, now=1, request_id="r1")
+    assert (again.lease_id, again.k, again.request_id) == (first.lease_id, 2, "r1")
+    assert again.lease_seconds == 4.0
+    assert store.acquire("other", 2, now=1, request_id="r1").k == 0  # another worker's id
+    assert store.stats()["granted"] == 2
+    store.expire(5.0)
+    assert store.acquire("w", 2, now=5, request_id="r1").lease_id != first.lease_id
 
 
 def test_put_validation_reasons() -> None:

@@ -56,6 +56,7 @@ class _Lease:
     k: int
     used: int = 0  # starts spent: groups that arrived under this lease, plus released starts
     expires_at: float
+    request_id: str = ""  # the worker's id for the acquire, so a resent acquire gets this lease
 
     @property
     def remaining(self) -> int:
@@ -231,15 +232,25 @@ class ReplayStore:
     # Requests (each returns the wire reply)
     # ---------------------------------------------------------------------------------------------
 
-    def acquire(self, worker_id: str, n: int, *, now: float) -> wire.Grant:
-        """Grant up to ``n`` starts as one lease (k may be 0: at the bound, ask again later)."""
+    def acquire(self, worker_id: str, n: int, *, now: float, request_id: str = "") -> wire.Grant:
+        """Grant up to ``n`` starts as one lease (k may be 0: at the bound, ask again later).
+
+        A resent acquire (same worker and non-empty ``request_id``) whose lease is still live gets
+        the same grant again instead of a second lease.
+        """
         self.expire(now)
+        if request_id:
+            for lease in self._leases.values():
+                if lease.request_id == request_id and lease.worker_id == worker_id:
+                    return self._grant(lease)
         self._c.values["acquires"] += 1
         k = min(max(n, 0), self.capacity)
         if k == 0:
             if n > 0:
                 self._c.values["admission_waits"] += 1
-            return wire.Grant(lease_id="", k=0, version=self._version, lease_seconds=0.0)
+            return wire.Grant(
+                lease_id="", k=0, version=self._version, lease_seconds=0.0, request_id=request_id
+            )
         self._lease_seq += 1
         lease = _Lease(
             id=f"{self._nonce}-{self._lease_seq}",
@@ -247,11 +258,19 @@ class ReplayStore:
             version=self._version,
             k=k,
             expires_at=self._now + self.cfg.lease_seconds,
+            request_id=request_id,
         )
         self._leases[lease.id] = lease
         self._c.values["granted"] += k
+        return self._grant(lease)
+
+    def _grant(self, lease: _Lease) -> wire.Grant:
         return wire.Grant(
-            lease_id=lease.id, k=k, version=self._version, lease_seconds=self.cfg.lease_seconds
+            lease_id=lease.id,
+            k=lease.k,
+            version=lease.version,
+            lease_seconds=max(0.0, lease.expires_at - self._now),
+            request_id=lease.request_id,
         )
 
     def release(self, lease_id: str, n: int, *, now: float) -> wire.Ok | wire.Error:
@@ -457,6 +476,7 @@ class ReplayStore:
                     "k": x.k,
                     "used": x.used,
                     "seconds_left": max(0.0, x.expires_at - now),
+                    "request_id": x.request_id,
                 }
                 for x in self._leases.values()
             ],
@@ -494,6 +514,7 @@ class ReplayStore:
                     k=int(d["k"]),
                     used=int(d["used"]),
                     expires_at=now + float(d["seconds_left"]),
+                    request_id=str(d.get("request_id", "")),
                 )
                 for d in state["leases"]
             }

@@ -1,0 +1,84 @@
+"""A small trio client of the buffer service, for workers, tools and tests.
+
+Each call is one Req/Rep exchange bounded by a timeout. :meth:`BufferClient.put` resends the same
+groups (same ids) after a timeout: the buffer deduplicates by id, so a group is stored once however
+often it is sent. An Error reply raises :class:`BufferError`; it is never retried.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from asyncrl import wire
+from asyncrl.transport import TLS, ReqClient, TransportTimeout
+
+__all__ = ["BufferClient", "BufferError"]
+
+
+class BufferError(RuntimeError):
+    """The buffer answered with ``wire.Error`` (``code`` says which kind of refusal)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class BufferClient:
+    def __init__(
+        self, address: str, *, worker_id: str, tls: TLS | None = None, timeout_s: float = 10.0
+    ) -> None:
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self._req = ReqClient(address, tls=tls, timeout_s=timeout_s)
+
+    async def _call(self, msg: wire.Message, expect: type, timeout_s: float | None = None):
+        reply = await self._req.request(msg, timeout_s=timeout_s)
+        if isinstance(reply, wire.Error):
+            raise BufferError(reply.code, reply.message)
+        if not isinstance(reply, expect):
+            raise BufferError("unexpected_reply", f"expected {expect.kind}, got {reply.kind}")
+        return reply
+
+    async def acquire(self, n: int, *, request_id: str = "") -> wire.Grant:
+        """Ask for up to ``n`` starts; a grant of k = 0 means: at the bound, ask again later."""
+        msg = wire.Acquire(worker_id=self.worker_id, n=n, request_id=request_id)
+        return await self._call(msg, wire.Grant)
+
+    async def put(
+        self,
+        groups: list[wire.Group],
+        *,
+        attempts: int = 5,
+        timeout_s: float | None = None,
+        backoff_s: float = 0.1,
+    ) -> wire.Ack:
+        """Deliver groups; resend on timeout (same ids) up to ``attempts`` times in all."""
+        msg = wire.Put(worker_id=self.worker_id, groups=groups)
+        for attempt in range(attempts):
+            try:
+                return await self._call(msg, wire.Ack, timeout_s)
+            except TransportTimeout:
+                if attempt == attempts - 1:
+                    raise
+                await trio.sleep(min(backoff_s * 2**attempt, 2.0))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def release(self, lease_id: str, n: int) -> wire.Ok:
+        msg = wire.Release(worker_id=self.worker_id, lease_id=lease_id, n=n)
+        return await self._call(msg, wire.Ok)
+
+    async def register(self, generators: list[wire.GeneratorInfo]) -> wire.Ok:
+        msg = wire.Register(worker_id=self.worker_id, generators=generators)
+        return await self._call(msg, wire.Ok)
+
+    async def status(self) -> wire.StatusReply:
+        return await self._call(wire.Status(), wire.StatusReply)
+
+    def close(self) -> None:
+        self._req.close()
+
+    async def __aenter__(self) -> BufferClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,293 @@
+"""The buffer's nng service, run by learner rank 0 (DESIGN §3).
+
+The learner's training loop is synchronous torch code, so the service runs trio in a background
+thread (a Req/Rep server for workers, a Pub/Sub publisher for versions) and offers the learner a
+thread-safe API. Both sides share one :class:`~asyncrl.buffer.store.ReplayStore` under one lock;
+every store call is short (no I/O, no decoding), so neither side waits long on the other.
+
+Workers: Acquire -> Grant, Put -> Ack (with per-group rejection reasons), Release -> Ok,
+Register -> Ok (after the ``on_register`` callbacks ran), Status -> StatusReply; anything else, and
+anything undecodable, gets a ``wire.Error`` and is counted; the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from asyncrl import wire
+from asyncrl.buffer.store import Batch, ReplayStore
+from asyncrl.recipe import BufferConfig
+from asyncrl.transport import TLS, Publisher, RepServer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Batch", "BufferService"]
+
+RegisterCallback = Callable[[str, list[wire.GeneratorInfo]], None]
+
+
+class BufferService:
+    """The replay buffer as a service: ``start()``, then ``next_batch`` / ``set_version`` per step.
+
+    ``state`` (from :meth:`state_dict`, saved with a checkpoint) resumes the buffer where it was:
+    counters, leases, stored groups, ids already seen.
+    """
+
+    def __init__(
+        self,
+        cfg: BufferConfig,
+        *,
+        state: dict[str, Any] | None = None,
+        tls: TLS | None = None,
+        announce_every_s: float = 1.0,
+        register_timeout_s: float = 30.0,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self._tls = tls if tls is not None else TLS.from_config(cfg)
+        self._announce_every_s = announce_every_s
+        self._register_timeout_s = register_timeout_s
+        self._max_message_bytes = max_message_bytes
+        self._clock = clock
+        self._cond = threading.Condition()  # guards the store; notified when groups arrive
+        self._store = ReplayStore(cfg, nonce=secrets.token_hex(4))
+        if state is not None:
+            self._store.load_state_dict(state, now=clock())
+        self._checkpoint = ""
+        self._callbacks: list[RegisterCallback] = []
+        self._rep: RepServer | None = None
+        self._pub: Publisher | None = None
+        self._thread: threading.Thread | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._cancel: trio.CancelScope | None = None
+        self._failure: BaseException | None = None
+        self._idle_s = 0.0
+        self.address = ""
+        self.pub_address = ""
+
+    # ---------------------------------------------------------------------------------------------
+    # Lifecycle
+    # ---------------------------------------------------------------------------------------------
+
+    def on_register(self, callback: RegisterCallback) -> None:
+        """Call ``callback(worker_id, generators)`` on every Register (e.g. the weight broadcaster).
+
+        Callbacks run in a worker thread; one that raises makes the Register reply an Error."""
+        self._callbacks.append(callback)
+
+    def start(self, timeout_s: float = 30.0) -> BufferService:
+        """Bind both addresses and start serving; returns once listening."""
+        if self._thread is not None:
+            raise RuntimeError("buffer service already started")
+        self._rep = RepServer(
+            self.cfg.address, tls=self._tls, max_message_bytes=self._max_message_bytes
+        )
+        self._pub = Publisher(self.cfg.pub_address, tls=self._tls)
+        try:
+            self.address = self._rep.listen()
+            self.pub_address = self._pub.listen()
+        except Exception as e:
+            self._rep.close()
+            self._pub.close()
+            raise RuntimeError(
+                f"buffer service: cannot listen on {self.cfg.address} / {self.cfg.pub_address}: {e}"
+            ) from None
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(ready,), name="buffer-service", daemon=True
+        )
+        self._thread.start()
+        if not ready.wait(timeout_s):
+            raise RuntimeError(f"buffer service did not start within {timeout_s:g} s")
+        if self._failure is not None:
+            raise RuntimeError(f"buffer service failed to start: {self._failure}")
+        log.info("buffer service on %s, versions on %s", self.address, self.pub_address)
+        return self
+
+    def _run(self, ready: threading.Event) -> None:
+        try:
+            trio.run(self._main, ready)
+        except BaseException as e:  # surfaced to the learner by next_batch / start
+            self._failure = e
+            log.exception("buffer service stopped")
+        finally:
+            ready.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    async def _main(self, ready: threading.Event) -> None:
+        assert self._rep is not None
+        self._trio_token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._cancel = nursery.cancel_scope
+            nursery.start_soon(self._rep.serve, self._handle, name="buffer-rep")
+            nursery.start_soon(self._announce, name="buffer-announce")
+            ready.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving and close the sockets (idempotent)."""
+        if self._thread is not None and self._thread.is_alive() and self._trio_token is not None:
+            try:
+                trio.from_thread.run_sync(self._cancel.cancel, trio_token=self._trio_token)
+            except trio.RunFinishedError:
+                pass
+            self._thread.join(timeout_s)
+        for sock in (self._rep, self._pub):
+            if sock is not None:
+                sock.close()
+
+    def __enter__(self) -> BufferService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------------------------------------
+    # Worker requests (trio thread)
+    # ---------------------------------------------------------------------------------------------
+
+    async def _handle(self, msg: wire.Message) -> wire.Message:
+        now = self._clock()
+        if isinstance(msg, wire.Put):
+            with self._cond:
+                ack = self._store.put(msg.groups, now=now)
+                if ack.group_ids:
+                    self._cond.notify_all()
+            return ack
+        if isinstance(msg, wire.Acquire):
+            with self._cond:
+                return self._store.acquire(msg.worker_id, msg.n, now=now, request_id=msg.request_id)
+        if isinstance(msg, wire.Release):
+            with self._cond:
+                reply = self._store.release(msg.lease_id, msg.n, now=now)
+                if isinstance(reply, wire.Error):
+                    self._store.note_bad_message(reply.code)
+            return reply
+        if isinstance(msg, wire.Status):
+            return wire.StatusReply(version=self.version, stats=self.stats())
+        if isinstance(msg, wire.Register):
+            return await self._register(msg)
+        with self._cond:
+            self._store.note_bad_message("unexpected_kind")
+        return wire.Error(
+            code="unexpected_kind",
+            message=f"the buffer does not take {msg.kind!r} requests "
+            "(it takes acquire, put, release, register, status)",
+        )
+
+    async def _register(self, msg: wire.Register) -> wire.Message:
+        for cb in self._callbacks:
+            try:
+                with trio.fail_after(self._register_timeout_s):
+                    await trio.to_thread.run_sync(
+                        cb, msg.worker_id, msg.generators, abandon_on_cancel=True
+                    )
+            except Exception as e:
+                log.warning("register from %s failed: %s", msg.worker_id, e)
+                return wire.Error(code="register_failed", message=f"{type(e).__name__}: {e}")
+        return wire.Ok(version=self.version, message=f"{len(msg.generators)} generator(s)")
+
+    async def _announce(self) -> None:
+        """Repeat the current version: a subscriber only hears what is sent after it connects."""
+        assert self._pub is not None
+        while True:
+            try:
+                await self._pub.publish(self._version_message())
+            except Exception as e:  # a slow network must not stop the service
+                log.warning("version announcement failed: %s", e)
+            await trio.sleep(self._announce_every_s)
+
+    def _version_message(self) -> wire.Version:
+        with self._cond:
+            return wire.Version(
+                version=self._store.version,
+                checkpoint=self._checkpoint,
+                max_staleness=self.cfg.max_staleness,
+            )
+
+    # ---------------------------------------------------------------------------------------------
+    # The learner's API (any thread)
+    # ---------------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        with self._cond:
+            return self._store.version
+
+    def next_batch(self, timeout_s: float | None = None) -> Batch:
+        """The next batch of whole groups, oldest first; waits up to ``timeout_s`` (default: the
+        recipe's ``batch_timeout_s``). With ``min_batch_fill < 1``, after ``partial_batch_after_s``
+        a batch of at least that fraction is taken. Raises TimeoutError saying what is missing."""
+        timeout = self.cfg.batch_timeout_s if timeout_s is None else timeout_s
+        start = self._clock()
+        partial_at = start + self.cfg.partial_batch_after_s if self.cfg.min_batch_fill < 1 else None
+        with self._cond:
+            while True:
+                now = self._clock()
+                if self._failure is not None:
+                    raise RuntimeError(f"buffer service stopped: {self._failure}")
+                allow_partial = partial_at is not None and now >= partial_at
+                batch = self._store.take_batch(now, allow_partial=allow_partial)
+                if batch is not None:
+                    waited = self._clock() - start
+                    self._idle_s += waited
+                    batch.stats["wait_s"] = waited
+                    return batch
+                if now - start >= timeout:
+                    s = self._store.stats()
+                    raise TimeoutError(
+                        f"buffer: no batch of {self.cfg.groups_per_batch} groups within "
+                        f"{timeout:g} s at version {s['version']} ({s['occupancy']} stored, "
+                        f"{s['grants_in_flight']} starts in flight, {s['capacity']} free); "
+                        f"are rollout workers running and connected to {self.address}?"
+                    )
+                wake = start + timeout - now
+                if partial_at is not None and not allow_partial:
+                    wake = min(wake, partial_at - now)
+                # Also wake now and then: leases expire by the clock, not by a message.
+                self._cond.wait(max(0.0, min(wake, 0.5)))
+
+    def set_version(self, v: int, checkpoint: str = "") -> None:
+        """The learner's policy version after an optimizer step (and, if given, an HF export of
+        it); announced to workers at once and repeated every ``announce_every_s``."""
+        with self._cond:
+            changed = self._store.set_version(v)
+            if checkpoint:
+                self._checkpoint = checkpoint
+        if (changed or checkpoint) and self._pub is not None and self._thread is not None:
+            try:
+                self._pub.publish_sync(self._version_message())
+            except Exception as e:
+                log.warning("version announcement failed: %s", e)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state to save with the learner's checkpoint."""
+        with self._cond:
+            return self._store.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._cond:
+            self._store.load_state_dict(state, now=self._clock(), nonce=secrets.token_hex(4))
+            self._cond.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        """The store's counters plus the service's: bad messages, learner idle seconds."""
+        with self._cond:
+            s = self._store.stats()
+        bad = dict(s["bad_messages"])
+        if self._rep is not None:
+            for key, name in (("bad_messages", "undecodable"), ("handler_errors", "internal")):
+                if self._rep.stats[key]:
+                    bad[name] = self._rep.stats[key]
+        s["bad_messages"] = bad
+        s["bad_messages_total"] = sum(bad.values())
+        s["learner_wait_s"] = self._idle_s
+        return s
