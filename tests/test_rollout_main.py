@@ -8,9 +8,8 @@ import sys
 
 import trio
 import yaml
-from test_rollout_worker import serve_buffer
+from test_rollout_worker import serve_buffer, take_batch
 
-from asyncrl.recipe import BufferConfig
 from asyncrl.rollout import main as rollout_main
 
 
@@ -37,20 +36,20 @@ def _recipe(tmp_path, model, **rollout):
 def test_rollout_process_delivers_groups_with_its_own_engine(tmp_path, tiny_qwen3):
     recipe = _recipe(tmp_path, tiny_qwen3)
 
-    async def go():
-        async with serve_buffer(BufferConfig(groups_per_batch=4, max_staleness=0)) as buf:
-            argv = [sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe)]
-            argv += ["--buffer", buf.address, "--pub", buf.pub.address, "--worker-id", "worker0"]
-            argv += ["--max-groups", "3", "rollout.temperature=0.5"]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-            with trio.fail_after(120):
-                proc = await trio.run_process(argv, capture_stderr=True, check=False, env=env)
-            return proc, buf.stored()
+    async def go(svc):
+        argv = [sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe)]
+        argv += ["--buffer", svc.address, "--pub", svc.pub_address, "--worker-id", "worker0"]
+        argv += ["--max-groups", "3", "rollout.temperature=0.5"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+        with trio.fail_after(120):
+            proc = await trio.run_process(argv, capture_stderr=True, check=False, env=env)
+        return proc, await take_batch(svc)
 
-    proc, stored = trio.run(go)
+    with serve_buffer(groups_per_batch=3, max_staleness=0) as svc:
+        proc, stored = trio.run(go, svc)
     err = proc.stderr.decode()
     assert proc.returncode == 0, err[-3000:]
-    assert len(stored) >= 3
+    assert len(stored) == 3
     for g in stored:
         assert len(g.samples) == 2 and g.metadata["worker_id"] == "worker0"
     assert f"{tmp_path / 'train.jsonl'}:9: not valid JSON" in err  # the malformed row, reported

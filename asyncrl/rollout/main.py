@@ -33,7 +33,7 @@ from asyncrl.rollout.data import DataError, PromptSource
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.tools import ToolRegistry, load_tools
-from asyncrl.rollout.worker import BufferLink, RolloutWorker, WorkerConfig, WorkerError
+from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, WorkerError
 from asyncrl.rollout.workflows import load_workflow
 
 log = logging.getLogger("asyncrl.rollout")
@@ -162,7 +162,8 @@ async def run_worker(
     max_groups: int = 0,
 ) -> dict[str, int]:
     """Build the worker from the recipe and run it until cancelled (or ``max_groups``)."""
-    from asyncrl.transport import TLS, ReqClient, Subscriber
+    from asyncrl.buffer.client import BufferClient
+    from asyncrl.transport import TLS, Subscriber
 
     ro = r.rollout
     tls = TLS.from_config(r.buffer)
@@ -181,15 +182,15 @@ async def run_worker(
         max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
         max_groups=max_groups,
     )
-    with (
-        ReqClient(buffer_address, tls=tls) as req,
-        Subscriber(pub_address, tls=tls) as sub,
-    ):
-        async with GeneratorPool(urls, timeout_s=ro.request_timeout_s) as pool:
+    with Subscriber(pub_address, tls=tls) as sub:
+        async with (
+            BufferClient(buffer_address, worker_id=worker_id, tls=tls) as buffer,
+            GeneratorPool(urls, timeout_s=ro.request_timeout_s) as pool,
+        ):
             await pool.wait_ready(r.generator.startup_timeout_s)
             worker = RolloutWorker(
                 cfg,
-                buffer=BufferLink(req, worker_id=worker_id),
+                buffer=buffer,
                 pool=pool,
                 source=source,
                 tokenizer=tokenizer,

@@ -32,67 +32,19 @@ import numpy as np
 import trio
 
 from asyncrl import wire
+from asyncrl.buffer.client import BufferClient, BufferError
 from asyncrl.rollout.client import GeneratorPool, SamplingParams
 from asyncrl.rollout.data import PromptSource, render_prompt
 from asyncrl.rollout.rewards import RewardRunner
 from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
-from asyncrl.transport import ReqClient, Subscriber, TransportTimeout
+from asyncrl.transport import Subscriber, TransportTimeout
 
 log = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
     """The worker cannot go on (e.g. every group fails); the text says why."""
-
-
-# --------------------------------------------------------------------------------------------------
-# The buffer, as the worker sees it
-# --------------------------------------------------------------------------------------------------
-
-
-class BufferLink:
-    """The buffer service's Req/Rep calls, each bounded by ``timeout_s``.
-
-    ``acquire`` carries a request id reused on resend, so a lost reply does not grant twice (when
-    the buffer deduplicates it; otherwise the extra lease expires on its own).
-    """
-
-    def __init__(self, client: ReqClient, *, worker_id: str, timeout_s: float = 10.0):
-        self.client = client
-        self.worker_id = worker_id
-        self.timeout_s = timeout_s
-
-    async def _request(self, msg: wire.Message, expect: type) -> wire.Message:
-        reply = await self.client.request(msg, timeout_s=self.timeout_s)
-        if isinstance(reply, wire.Error):
-            raise BufferRefused(reply.code, reply.message)
-        if not isinstance(reply, expect):
-            raise BufferRefused("unexpected_reply", f"expected {expect.kind}, got {reply.kind}")
-        return reply
-
-    async def acquire(self, n: int, *, request_id: str) -> wire.Grant:
-        msg = wire.Acquire(worker_id=self.worker_id, n=n, request_id=request_id)
-        return await self._request(msg, wire.Grant)
-
-    async def put(self, groups: list[wire.Group]) -> wire.Ack:
-        return await self._request(wire.Put(worker_id=self.worker_id, groups=groups), wire.Ack)
-
-    async def release(self, lease_id: str, n: int) -> wire.Ok:
-        msg = wire.Release(worker_id=self.worker_id, lease_id=lease_id, n=n)
-        return await self._request(msg, wire.Ok)
-
-    async def register(self, generators: list[wire.GeneratorInfo]) -> wire.Ok:
-        msg = wire.Register(worker_id=self.worker_id, generators=generators)
-        return await self._request(msg, wire.Ok)
-
-
-class BufferRefused(RuntimeError):
-    """The buffer answered with ``wire.Error``."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,7 +62,7 @@ class WorkerConfig:
     chat_template: bool = False
     max_prompt_tokens: int = 0  # 0: no limit; longer prompts are reported and skipped
     put_batch: int = 8  # groups per Put message
-    buffer_timeout_s: float = 10.0  # one Req/Rep exchange
+    shutdown_timeout_s: float = 10.0  # bound on giving starts back when stopping
     retry_s: float = 0.2  # first back-off after a failed buffer call (doubles, up to 5 s)
     acquire_idle_s: float = 1.0  # wait before asking again after a grant of 0
     metrics_every_s: float = 10.0
@@ -176,7 +128,7 @@ class RolloutWorker:
         self,
         config: WorkerConfig,
         *,
-        buffer: BufferLink,
+        buffer: BufferClient,
         pool: GeneratorPool,
         source: PromptSource,
         tokenizer: Any,
@@ -244,7 +196,7 @@ class RolloutWorker:
                 await self._done.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.buffer_timeout_s):
+            with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.shutdown_timeout_s):
                 await self._release_all()
             self._log_metrics(final=True)
         return self.stats
@@ -288,7 +240,7 @@ class RolloutWorker:
                 self.registered.set()
                 log.info("registered %d generator(s) with the learner", len(self.generators))
                 return
-            except (TransportTimeout, BufferRefused) as e:
+            except (TransportTimeout, BufferError) as e:
                 log.warning("register: %s; retrying", e)
             await self._retry_sleep(attempt)
             attempt += 1
@@ -327,7 +279,7 @@ class RolloutWorker:
                 self.stats.counters["releases"] += n
                 self._see_version(ok.version)
                 break
-            except BufferRefused as e:  # e.g. the lease already expired: nothing to give back
+            except BufferError as e:  # e.g. the lease already expired: nothing to give back
                 log.info("release %s: %s", lease_id, e)
                 break
             except TransportTimeout:
@@ -346,12 +298,13 @@ class RolloutWorker:
             try:
                 await self.buffer.release(lease_id, n)
                 self.stats.counters["releases"] += n
-            except (TransportTimeout, BufferRefused):
+            except (TransportTimeout, BufferError):
                 pass
             self._granted_open -= n
 
     async def _admission_loop(self) -> None:
         attempt = 0
+        request_id = uuid.uuid4().hex  # kept until answered: a resend is not a second request
         while True:
             now = trio.current_time()
             while self._permits and self._permits[0].expires_at <= now:
@@ -365,12 +318,12 @@ class RolloutWorker:
                 with trio.move_on_after(1.0):
                     await self._changed.wait()
                 continue
-            request_id = uuid.uuid4().hex
             try:
                 self.stats.counters["acquires"] += 1
                 grant = await self.buffer.acquire(want, request_id=request_id)
                 attempt = 0
-            except (TransportTimeout, BufferRefused) as e:
+                request_id = uuid.uuid4().hex
+            except (TransportTimeout, BufferError) as e:
                 log.warning("acquire: %s; retrying", e)
                 await self._retry_sleep(attempt)
                 attempt += 1
@@ -566,13 +519,13 @@ class RolloutWorker:
                 self.stats.counters["put_messages"] += 1
                 if attempt:
                     self.stats.counters["put_resends"] += 1
-                ack = await self.buffer.put(groups)
+                ack = await self.buffer.put(groups, attempts=1)  # resending is ours, below
             except TransportTimeout as e:
                 log.warning("put of %d group(s): %s; resending", len(groups), e)
                 await self._retry_sleep(min(attempt, 3))
                 attempt += 1
                 continue
-            except BufferRefused as e:
+            except BufferError as e:
                 if len(groups) > 1:  # find the one the buffer cannot read: send them one by one
                     log.warning("put refused (%s); resending one group per message", e)
                     self.cfg.put_batch = 1
