@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 from asyncrl.metrics import METRICS_FILE, MetricsSink, read_metrics, read_wandb_offline
 
@@ -16,7 +17,16 @@ from asyncrl.metrics import METRICS_FILE, MetricsSink, read_metrics, read_wandb_
 def test_jsonl_lines_and_histograms_without_wandb(tmp_path):
     with MetricsSink(tmp_path, name="r", group="g", use_wandb=False, process="rollout-0") as sink:
         assert sink.wandb_run is None
-        sink.log({"loss": np.float32(0.25), "lengths": np.array([3, 4]), "note": "x"}, step=3)
+        sink.log(
+            {
+                "loss": np.float32(0.25),
+                "lengths": np.array([3, 4]),
+                "note": "x",
+                "grad_norm": torch.tensor(1.5),
+                "per_rank": torch.tensor([1.0, 2.0]),
+            },
+            step=3,
+        )
         sink.log_histogram("staleness", [0, 1, 1, 2, float("nan")], step=3, bins=2)
         sink.log_histogram("empty", [], step=4)
         with pytest.raises(ValueError, match="reserved"):
@@ -25,6 +35,7 @@ def test_jsonl_lines_and_histograms_without_wandb(tmp_path):
     assert [r["step"] for r in recs] == [3, 3, 4]
     assert all(r["process"] == "rollout-0" and r["time"] > 0 for r in recs)
     assert recs[0]["loss"] == 0.25 and recs[0]["lengths"] == [3, 4] and recs[0]["note"] == "x"
+    assert recs[0]["grad_norm"] == 1.5 and recs[0]["per_rank"] == [1.0, 2.0]
     assert recs[1]["staleness"] == {"hist": [1, 3], "edges": [0.0, 1.0, 2.0]}  # NaN left out
     assert recs[2]["empty"] == {"hist": [], "edges": []}
     assert not (tmp_path / "wandb").exists()
