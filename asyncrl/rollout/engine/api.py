@@ -486,6 +486,7 @@ class Engine:
                 "success": True,
                 "message": "Success",
                 "pause_s": pause,
+                "swap_ts": self.scheduler.stats.last_swap_ts,
                 "weight_version": self.scheduler.version,
             },
         )

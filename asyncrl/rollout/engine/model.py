@@ -108,30 +108,45 @@ class BatchedLM:
         kv_len: int,
         rows: slice,
     ) -> torch.Tensor:
-        """Run the decoder stack; ``write(layer, k, v)`` stores new K/V, attention reads ``[:kv_len]``."""
+        """Run the decoder stack; ``write(layer, k, v)`` stores new K/V, attention reads ``[:kv_len]``.
+
+        ``mask`` is boolean ``[b,1,q,kv_len]`` for prefill (SDPA) or an additive float ``[b,1,1,kv_len]``
+        for decode, where one query per row makes two small matmuls cheaper than SDPA on CPU.
+        Linear layers and norms are called functionally (same ops as the HF modules, less overhead).
+        """
         cos, sin = self.inner.rotary_emb(h, pos)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         b, q = h.shape[:2]
+        d = self.head_dim
+        groups = self.heads // self.kv_heads
         for li, layer in enumerate(self.layers):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
-            qs = a.q_proj(x).view(b, q, -1, self.head_dim)
-            ks = a.k_proj(x).view(b, q, -1, self.head_dim)
+            x = _rms(h, layer.input_layernorm)
+            qs = _lin(x, a.q_proj).view(b, q, -1, d)
+            ks = _lin(x, a.k_proj).view(b, q, -1, d)
             if hasattr(a, "q_norm"):
-                qs, ks = a.q_norm(qs), a.k_norm(ks)
+                qs, ks = _rms(qs, a.q_norm), _rms(ks, a.k_norm)
             qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
-            vs = a.v_proj(x).view(b, q, -1, self.head_dim).transpose(1, 2)
+            vs = _lin(x, a.v_proj).view(b, q, -1, d).transpose(1, 2)
             qs = qs * cos + _rotate_half(qs) * sin
             ks = ks * cos + _rotate_half(ks) * sin
             write(li, ks, vs)
             keys = cache.k[li][rows, :, :kv_len]
             vals = cache.v[li][rows, :, :kv_len]
-            o = F.scaled_dot_product_attention(
-                qs, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=True
-            )
-            h = h + a.o_proj(o.transpose(1, 2).reshape(b, q, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.inner.norm(h)
+            if q == 1:
+                s = torch.matmul(qs.view(b, self.kv_heads, groups, d), keys.transpose(-1, -2))
+                p = torch.softmax(s * self.scaling + mask, dim=-1)
+                o = torch.matmul(p, vals).view(b, 1, -1)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, keys, vals, attn_mask=mask, scale=self.scaling, enable_gqa=True
+                )
+                o = o.transpose(1, 2).reshape(b, q, -1)
+            h = h + _lin(o, a.o_proj)
+            m = layer.mlp
+            x = _rms(h, layer.post_attention_layernorm)
+            h = h + _lin(m.act_fn(_lin(x, m.gate_proj)) * _lin(x, m.up_proj), m.down_proj)
+        return _rms(h, self.inner.norm)
 
     @torch.no_grad()
     def prefill(
@@ -174,7 +189,10 @@ class BatchedLM:
         cache.ensure(n, kv_len)
         ids = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
         pos = lens.unsqueeze(1)
-        mask = (torch.arange(kv_len)[None, :] <= lens[:, None]).view(n, 1, 1, kv_len)
+        mask = torch.zeros(n, 1, 1, kv_len)
+        mask.masked_fill_(
+            torch.arange(kv_len)[None, None, None, :] > lens.view(n, 1, 1, 1), float("-inf")
+        )
         rows = slice(0, n)
         ridx = torch.arange(n)
 
@@ -189,3 +207,14 @@ class BatchedLM:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _lin(x: torch.Tensor, mod: torch.nn.Linear) -> torch.Tensor:
+    return F.linear(x, mod.weight, mod.bias)
+
+
+def _rms(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
+    """HF's Llama/Qwen3 RMSNorm, inlined: x * rsqrt(mean(x^2) + eps) * weight, in fp32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon)
+    return mod.weight * xf.to(x.dtype)

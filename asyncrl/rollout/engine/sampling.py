@@ -220,7 +220,7 @@ def sample(
     banned: list[list[int] | None] | None = None,
     top_logprobs: list[int] | None = None,
 ) -> Sampled:
-    """Sample one token per row of ``logits [n, vocab]``.
+    """Sample one token per row of ``logits [n, vocab]``, vectorised over rows.
 
     ``generators[i]`` is the row's own generator (requests with ``sampling_seed``), else the engine's
     is used. ``banned[i]`` lists token ids masked out (stop tokens before ``min_new_tokens``).
@@ -234,35 +234,31 @@ def sample(
                 logits[i, t] += b
             if banned is not None and banned[i]:
                 logits[i, banned[i]] = float("-inf")
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-    scaled = logits / temps[:, None]
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
     greedy = [p.greedy for p in params]
-    tokens = torch.empty(n, dtype=torch.long)
-    if any(greedy):
-        tokens[:] = logits.argmax(dim=-1)
-    sample_rows = [i for i in range(n) if not greedy[i]]
-    if sample_rows:
-        probs = logp[sample_rows].exp()
-        sub = [params[i] for i in sample_rows]
-        if any(p.truncates for p in sub):
-            probs = _truncate(probs, sub)
-        shared = [j for j, i in enumerate(sample_rows) if generators[i] is None]
-        if shared:
-            picked = torch.multinomial(probs[shared], 1, generator=default_generator)[:, 0]
-            for j, t in zip(shared, picked.tolist(), strict=True):
-                tokens[sample_rows[j]] = t
-        for j, i in enumerate(sample_rows):
-            if generators[i] is not None:
-                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = logp.exp()
+        if any(p.truncates for p in params):
+            probs = _truncate(probs, params)
+        tokens = torch.multinomial(probs, 1, generator=default_generator)[:, 0]
+        for i, g in enumerate(generators):
+            if g is not None and not greedy[i]:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     top: list[list[tuple[float, int]] | None] = [None] * n
     if top_logprobs is not None and any(top_logprobs):
         k = max(top_logprobs)
         vals, idx = logp.topk(min(k, logp.shape[1]), dim=-1)
+        vals_l, idx_l = vals.tolist(), idx.tolist()
         for i, ki in enumerate(top_logprobs):
             if ki:
-                top[i] = list(zip(vals[i, :ki].tolist(), idx[i, :ki].tolist(), strict=True))
+                top[i] = list(zip(vals_l[i][:ki], idx_l[i][:ki], strict=True))
     return Sampled(tokens=tokens.tolist(), logprobs=chosen.tolist(), top=top)
 
 

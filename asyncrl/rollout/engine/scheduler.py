@@ -94,6 +94,7 @@ class StepStats:
     tokens: int = 0
     last_step_end: float | None = None
     last_update_pause_s: float = 0.0
+    last_swap_ts: float | None = None  # wall clock of the last weight swap
     max_update_pause_s: float = 0.0
     updates: int = 0
 
@@ -106,6 +107,7 @@ class StepStats:
             "step_gap_max_s": max(g) if g else None,
             "weight_swaps": self.updates,
             "last_update_pause_s": self.last_update_pause_s,
+            "last_swap_ts": self.last_swap_ts,
             "max_update_pause_s": self.max_update_pause_s,
         }
 
@@ -193,6 +195,7 @@ class Scheduler:
         if new_version is not None:
             self.set_version(new_version)
         pause = time.perf_counter() - t0
+        self.stats.last_swap_ts = time.time()
         self.stats.last_update_pause_s = pause
         self.stats.max_update_pause_s = max(self.stats.max_update_pause_s, pause)
         self.stats.updates += 1
@@ -200,18 +203,15 @@ class Scheduler:
 
     def abort(self, rid: str | None = None, *, message: str = "Aborted") -> int:
         """Abort requests whose rid starts with ``rid`` (all when None); partial output is kept."""
-        n = 0
-        keep = []
+        gone = set()
         for r in self.running:
             if rid is None or r.rid.startswith(rid):
                 self._finish(
                     r, {"type": "abort", "message": message, "status_code": None, "err_type": None}
                 )
-                n += 1
-            else:
-                keep.append(r)
-        if len(keep) != len(self.running):
-            self._compact(keep)
+                gone.add(id(r))
+        self._drop(gone)
+        n = len(gone)
         self._take_incoming()
         still = collections.deque()
         for r in self.waiting:
@@ -392,21 +392,20 @@ class Scheduler:
             top_logprobs=tops,
         )
         finished = []
-        for i, r in enumerate(reqs):
-            tok = out.tokens[i]
+        check = self._check_finished
+        for r, tok, lp, top in zip(reqs, out.tokens, out.logprobs, out.top, strict=True):
             r.output_ids.append(tok)
-            r.output_logprobs.append(out.logprobs[i])
-            r.output_top.append(out.top[i])
-            self.stats.tokens += 1
-            fin = self._check_finished(r, tok)
+            r.output_logprobs.append(lp)
+            r.output_top.append(top)
+            fin = check(r, tok)
             if fin is not None:
                 self._finish(r, fin)
                 finished.append(r)
             elif r.stream and len(r.output_ids) % r.params.stream_interval == 0:
                 r.progress.put((r, len(r.output_ids)))
+        self.stats.tokens += len(reqs)
         if finished:
-            gone = {id(r) for r in finished}
-            self._compact([r for r in self.running if id(r) not in gone])
+            self._drop({id(r) for r in finished})
 
     def _check_finished(self, r: Request, tok: int) -> dict | None:
         p = r.params
@@ -426,14 +425,19 @@ class Scheduler:
             return {"type": "length", "length": n}
         return None
 
-    def _compact(self, keep: list[Request]) -> None:
-        """Make ``keep`` the running list, moving cache rows so row i belongs to ``keep[i]``."""
-        row_of = {id(r): i for i, r in enumerate(self.running)}
-        for i, r in enumerate(keep):
-            src = row_of[id(r)]
-            if src != i:
-                self.cache.move(src, i, r.cache_len)
-        self.running = keep
+    def _drop(self, gone: set[int]) -> None:
+        """Remove requests (by ``id``) from the running rows; the last row fills each hole."""
+        rows = self.running
+        i = 0
+        while i < len(rows):
+            if id(rows[i]) not in gone:
+                i += 1
+                continue
+            last = rows.pop()
+            if i < len(rows) and id(last) not in gone:
+                self.cache.move(len(rows), i, last.cache_len)
+                rows[i] = last
+                i += 1
 
     def _finish(self, r: Request, reason: dict) -> None:
         r.finish = reason

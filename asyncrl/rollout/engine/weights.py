@@ -9,8 +9,12 @@ model size.
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,41 @@ from asyncrl.weights import buckets, rendezvous
 
 class WeightError(ValueError):
     """A weight-update request the engine refuses; the message goes back as ``message``."""
+
+
+class Receiver:
+    """One background thread, at a lower CPU priority than the decode thread, that joins groups and
+    receives broadcasts. On a loaded machine the receive then takes the decode loop's leftovers
+    instead of competing with it; gloo's own I/O threads, created here, inherit the priority."""
+
+    def __init__(self, nice: int = 10):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._nice = nice
+        self._thread = threading.Thread(target=self._loop, name="engine-weights", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:  # Linux: a thread id here sets this thread's niceness only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        except (OSError, AttributeError):
+            pass
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((fn(), None))
+            except BaseException as e:
+                box.append((None, e))
+            done.set()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        done.wait()
+        val, err = box[0]
+        if err is not None:
+            raise err
+        return val
 
 
 class WeightStore:
@@ -38,6 +77,7 @@ class WeightStore:
         self.staged: dict[str, torch.Tensor] = {}
         self.pending_version: str | None = None
         self.lock = threading.Lock()  # one weight operation at a time (HTTP threads)
+        self.receiver = Receiver()
 
     def resolve(self, name: str) -> str | None:
         name = self.aliases.get(name, name)
@@ -59,14 +99,16 @@ class WeightStore:
         """Join as rank ``rank_offset`` (one worker per engine); blocks until the trainer joins."""
         if group_name in self.groups:
             raise WeightError(f"group {group_name!r} already exists; destroy it first")
-        self.groups[group_name] = rendezvous.init_custom_process_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-            timeout_s=timeout_s,
+        self.groups[group_name] = self.receiver.run(
+            lambda: rendezvous.init_custom_process_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
         )
 
     def destroy_group(self, group_name: str) -> None:
@@ -86,8 +128,11 @@ class WeightStore:
         group_name: str,
         load_format: str | None,
     ) -> list[tuple[str, torch.Tensor]]:
-        """Receive one update call's broadcasts from rank 0, in ``names`` order."""
+        """Receive one update call's broadcasts from rank 0, in ``names`` order (receiver thread)."""
         pg = self.groups[group_name]
+        return self.receiver.run(lambda: self._receive(pg, names, dtypes, shapes, load_format))
+
+    def _receive(self, pg, names, dtypes, shapes, load_format) -> list[tuple[str, torch.Tensor]]:
         if load_format == "flattened_bucket":
             _, total = buckets.flat_layout(dtypes, shapes)
             flat = torch.empty(total, dtype=torch.uint8)
