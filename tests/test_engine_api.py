@@ -264,3 +264,40 @@ def test_malformed_json_and_unknown_endpoint(client):
     assert r.status_code == 400
     assert client.get("/no_such_thing").status_code == 404
     assert client.get("/health").status_code == 200
+
+
+def test_openai_completions_and_models_match_recorded_shape(client, tiny_qwen3):
+    probe = _recorded_json("inflight_probe.json")
+    rec_models, rec_comp = probe["v1_models"], probe["v1_completions"][1]
+    models = client.get("/v1/models").json()
+    assert _shape(models) == _shape(rec_models)
+    name = models["data"][0]["id"]
+    assert name == str(tiny_qwen3)
+    body = {"model": name, "prompt": "ab", "max_tokens": 3, "logprobs": 1, "temperature": 0}
+    ours = client.post("/v1/completions", json=body).json()
+    assert set(ours) == set(rec_comp)
+    assert set(ours["choices"][0]) == set(rec_comp["choices"][0])
+    assert set(ours["choices"][0]["logprobs"]) == set(rec_comp["choices"][0]["logprobs"])
+    assert set(ours["metadata"]) == set(rec_comp["metadata"])
+    assert (
+        ours["usage"]["completion_tokens"] == 3 and ours["choices"][0]["finish_reason"] == "length"
+    )
+    gen = client.post(
+        "/generate", json={"text": "ab", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    ).json()
+    assert ours["choices"][0]["text"] == gen["text"]
+
+
+def test_openai_unknown_model_is_404(client):
+    r = client.post("/v1/completions", json={"model": "gpt-nope", "prompt": "ab", "max_tokens": 2})
+    assert r.status_code == 404 and "gpt-nope" in r.json()["message"]
+
+
+def test_return_prompt_token_ids(client):
+    body = {
+        "text": "abc",
+        "sampling_params": {"max_new_tokens": 1},
+        "return_prompt_token_ids": True,
+    }
+    out = client.post("/generate", json=body).json()
+    assert len(out["prompt_token_ids"]) == out["meta_info"]["prompt_tokens"] == 3

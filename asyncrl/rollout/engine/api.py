@@ -134,6 +134,9 @@ class Engine:
         for r in reqs:
             self._wait(r)
         results = [self._result(r, final=True) for r in reqs]
+        if body.get("return_prompt_token_ids"):
+            for res, r in zip(results, reqs, strict=True):
+                res["prompt_token_ids"] = r.prompt_ids
         for res in results:
             res["meta_info"]["response_sent_to_client_ts"] = time.time()
         for r in reqs:
@@ -354,11 +357,130 @@ class Engine:
             meta["e2e_latency"] = time.perf_counter() - r.created
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
+    # ---- OpenAI-compatible (minimal) -------------------------------------------------------------
+
+    @property
+    def served_name(self) -> str:
+        return self.config.served_model_name or self.config.model
+
+    def v1_models(self) -> Reply:
+        created = int(time.time())
+        card = {
+            "id": self.served_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "sglang",
+            "root": self.served_name,
+            "parent": None,
+            "max_model_len": self.context_length,
+        }
+        return Reply(200, {"object": "list", "data": [card]})
+
+    def v1_completions(self, body: dict) -> Reply:
+        """``/v1/completions``, non-streaming: the fields RL clients use, mapped onto /generate."""
+        model = body.get("model")
+        if model is not None and model != self.served_name:
+            return Reply(
+                404,
+                {
+                    "object": "error",
+                    "message": f"The model `{model}` does not exist.",
+                    "type": "NotFoundError",
+                    "param": None,
+                    "code": 404,
+                },
+            )
+        if body.get("stream"):
+            raise BadRequest("stream is not supported on /v1/completions by the built-in engine")
+        prompt = body.get("prompt")
+        gen: dict[str, Any] = {}
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
+        ):
+            gen["text"] = prompt
+        else:
+            gen["input_ids"] = prompt
+        sp: dict[str, Any] = {"max_new_tokens": body.get("max_tokens", 16)}
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "n",
+        ):
+            if body.get(k) is not None:
+                sp[k] = body[k]
+        if body.get("min_tokens") is not None:
+            sp["min_new_tokens"] = body["min_tokens"]
+        if body.get("seed") is not None:
+            sp["sampling_seed"] = body["seed"]
+        gen["sampling_params"] = sp
+        n_lp = body.get("logprobs")
+        gen["return_logprob"] = n_lp is not None
+        if n_lp:
+            gen["top_logprobs_num"] = n_lp
+        gen["return_text_in_logprobs"] = True
+        reply = self.generate(gen)
+        if reply.status != 200:
+            return reply
+        outs = reply.body if isinstance(reply.body, list) else [reply.body]
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, o in enumerate(outs):
+            m = o["meta_info"]
+            fin = m["finish_reason"] or {}
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": o["text"],
+                "logprobs": None,
+                "finish_reason": fin.get("type"),
+                "matched_stop": fin.get("matched"),
+            }
+            if gen["return_logprob"]:
+                lps = m["output_token_logprobs"]
+                tops = m.get("output_top_logprobs") or [None] * len(lps)
+                choice["logprobs"] = {
+                    "text_offset": [-1] * len(lps),
+                    "token_logprobs": [x[0] for x in lps],
+                    "tokens": [x[2] for x in lps],
+                    "top_logprobs": [
+                        {x[2]: x[0]} if t is None else {e[2]: e[0] for e in t}
+                        for x, t in zip(lps, tops, strict=True)
+                    ],
+                }
+            if body.get("return_token_ids"):
+                choice["token_ids"] = o["output_ids"]
+            choices.append(choice)
+            prompt_tokens += m["prompt_tokens"]
+            completion_tokens += m["completion_tokens"]
+        last = outs[-1]["meta_info"]
+        return Reply(
+            200,
+            {
+                "id": last["id"],
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.served_name,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                    "completion_tokens": completion_tokens,
+                },
+                "metadata": {
+                    "weight_version": last["weight_version"],
+                    "weight_versions": last["weight_versions"],
+                },
+            },
+        )
+
     # ---- info ------------------------------------------------------------------------------------
 
     def model_info(self) -> dict:
         cfg = self.hf_model.config
-        name = self.config.served_model_name or self.config.model
+        name = self.served_name
         return {
             "model_path": self.config.model,
             "served_model_name": name,
@@ -386,7 +508,7 @@ class Engine:
         s["waiting"] = len(self.scheduler.waiting)
         s["paused"] = self.scheduler.paused
         if since is not None:
-            s["gaps"] = [[t, g] for t, g in list(self.scheduler.stats.gaps) if t >= since]
+            s["gaps"] = [list(x) for x in list(self.scheduler.stats.gaps) if x[0] >= since]
         s["now"] = time.time()
         return s
 

@@ -93,13 +93,14 @@ class StepStats:
     steps: int = 0
     tokens: int = 0
     last_step_end: float | None = None
+    last_step_cpu: float = 0.0
     last_update_pause_s: float = 0.0
     last_swap_ts: float | None = None  # wall clock of the last weight swap
     max_update_pause_s: float = 0.0
     updates: int = 0
 
     def summary(self) -> dict:
-        g = [x for _, x in self.gaps]
+        g = [x for _, x, _ in self.gaps]
         return {
             "decode_steps": self.steps,
             "generated_tokens": self.tokens,
@@ -364,9 +365,15 @@ class Scheduler:
             r.cache_len += 1
         self._append(list(reqs), logits, rows=range(len(reqs)))
         now = time.perf_counter()
+        cpu = time.thread_time()
         if self.stats.last_step_end is not None:
-            self.stats.gaps.append((time.time(), now - self.stats.last_step_end))
+            # (wall clock, gap, this thread's CPU time in the gap): a long gap with little CPU
+            # means the thread was waiting (for a core or the GIL), not working
+            self.stats.gaps.append(
+                (time.time(), now - self.stats.last_step_end, cpu - self.stats.last_step_cpu)
+            )
         self.stats.last_step_end = now
+        self.stats.last_step_cpu = cpu
         self.stats.steps += 1
 
     def _append(self, reqs: list[Request], logits: torch.Tensor, rows: range) -> None:

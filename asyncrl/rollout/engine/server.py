@@ -49,6 +49,8 @@ def _routes(engine: Engine) -> dict[str, Callable[[dict], Reply]]:
         "/update_weight_version": e.update_weight_version,
         "/get_weights_by_name": e.get_weights_by_name,
         "/weights_checker": e.weights_checker,
+        "/v1/models": lambda b: e.v1_models(),
+        "/v1/completions": e.v1_completions,
     }
 
 
