@@ -7,6 +7,8 @@ See /work/shared/reference/torchtitan-cpu.md §0–§1 for the errors each one a
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 ON_CPU = not torch.cuda.is_available()
@@ -48,4 +50,14 @@ SPMD_BACKEND = "partial_dtensor"
 2.13's ``fully_shard`` refuses ("all parameters must be DTensors"); ``partial_dtensor`` works on CPU
 and GPU. A torch-version gap, not a CPU one."""
 
+
+def quiet_cpu_warnings() -> None:
+    """FSDP's init warns on every run that "DTensor random operators may not have complete support on
+    cpu device mesh". The learner uses no DTensor random operators (weights come from the HF folder),
+    so on CPU the warning is noise in every log."""
+    if ON_CPU:
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+
+
 patch_device()
+quiet_cpu_warnings()

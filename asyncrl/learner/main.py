@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
@@ -32,6 +34,22 @@ def default_source(recipe: Recipe, trainer: object) -> BatchSource:
     raise SystemExit(
         "asyncrl learner: RL needs the buffer service as batch source; start it with `asyncrl run`"
     )
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT ask for a clean stop: finish the step, checkpoint, export, exit 0.
+
+    Rank 0 decides (its decision travels with the next batch broadcast), so all ranks stop together.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
 
 
 def train(
@@ -67,8 +85,15 @@ def train(
             trainer.add_publisher(fn)
         crash_at = int(os.environ.get(CRASH_ENV, "-1"))
         saved_at = -1
+        stop = _StopFlag()
         while trainer.version < recipe.run.steps:
-            batch = broadcast_batch(trainer.source, timeout_s=recipe.buffer.batch_timeout_s)
+            batch = broadcast_batch(
+                trainer.source,
+                timeout_s=recipe.buffer.batch_timeout_s,
+                should_stop=lambda: stop.requested,
+            )
+            if batch is None:  # SIGTERM on rank 0: checkpoint and leave, on every rank
+                break
             result = trainer.step(batch)
             exported = trainer.maybe_export()
             if rank == 0:
@@ -80,7 +105,7 @@ def train(
             if trainer.version == crash_at:
                 trainer.wait_for_checkpoint()
                 os._exit(3)
-        if saved_at != trainer.version:
+        if saved_at != trainer.version and trainer.version > 0:
             trainer.save_checkpoint(force=True)
         final = trainer.run_dir / "hf" / f"v{trainer.version}"
         if trainer.last_export != str(final.resolve()):

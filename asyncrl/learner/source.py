@@ -8,6 +8,8 @@ advantages (which need whole groups) are computed identically everywhere.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import msgpack
@@ -62,41 +64,76 @@ def decode_batch(data: bytes) -> Batch:
     return Batch(groups=groups, version=int(d["version"]), stats=dict(d["stats"]))
 
 
-def broadcast_bytes(data: bytes | None, *, src: int = 0, error: str = "") -> bytes:
-    """Send ``data`` from ``src`` to every rank. ``error`` on ``src`` makes every rank raise it."""
+_DATA, _ERROR, _STOP = 0, 1, 2
+POLL_S = 1.0
+"""Rank 0 asks its source for a batch in slices of this many seconds, so a stop request is heard."""
+
+
+def _broadcast(kind: int, payload: bytes, *, src: int = 0) -> tuple[int, bytes]:
+    """(kind, payload) from ``src`` to every rank: a header tensor, then the bytes as uint8."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        if error:
-            raise SourceError(error)
-        assert data is not None
-        return data
-    rank = dist.get_rank()
-    payload = error.encode() if error else (data or b"")
-    header = torch.tensor([len(payload), 1 if error else 0], dtype=torch.int64)
+        return kind, payload
+    header = torch.tensor([len(payload), kind], dtype=torch.int64)
     dist.broadcast(header, src=src)
-    n, is_error = int(header[0]), bool(header[1])
-    buf = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if rank == src and n
-        else torch.empty(n, dtype=torch.uint8)
-    )
+    n, kind = int(header[0]), int(header[1])
+    if dist.get_rank() == src and n:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
     if n:
         dist.broadcast(buf, src=src)
-    out = buf.numpy().tobytes()
-    if is_error:
+    return kind, buf.numpy().tobytes()
+
+
+def broadcast_bytes(data: bytes | None, *, src: int = 0, error: str = "") -> bytes:
+    """Send ``data`` from ``src`` to every rank. ``error`` on ``src`` makes every rank raise it."""
+    kind, out = _broadcast(
+        _ERROR if error else _DATA, error.encode() if error else data or b"", src=src
+    )
+    if kind == _ERROR:
         raise SourceError(out.decode(errors="replace"))
     return out
 
 
-def broadcast_batch(source: BatchSource | None, *, timeout_s: float) -> Batch:
-    """Rank 0 pulls from ``source``; every rank returns the same decoded batch (collective)."""
+def broadcast_batch(
+    source: BatchSource | None,
+    *,
+    timeout_s: float,
+    should_stop: Callable[[], bool] | None = None,
+) -> Batch | None:
+    """Rank 0 pulls from ``source``; every rank returns the same decoded batch (collective).
+
+    Returns None on every rank when rank 0's ``should_stop()`` turns true while it waits (SIGTERM);
+    raises :class:`SourceError` on every rank when rank 0 gets no batch within ``timeout_s``.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    data, error = None, ""
+    kind, payload = _DATA, b""
     if rank == 0:
-        if source is None:
-            error = "rank 0 has no batch source"
-        else:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if should_stop is not None and should_stop():
+                kind = _STOP
+                break
+            left = deadline - time.monotonic()
+            if source is None or left <= 0:
+                kind = _ERROR
+                payload = (
+                    b"rank 0 has no batch source"
+                    if source is None
+                    else f"no batch within {timeout_s:g} s (buffer.batch_timeout_s)".encode()
+                )
+                break
             try:
-                data = encode_batch(source.next_batch(timeout_s))
+                payload = encode_batch(source.next_batch(min(left, POLL_S)))
+                break
+            except TimeoutError:
+                continue
             except Exception as e:  # every rank must hear of it, or the others wait forever
-                error = f"{type(e).__name__}: {e}"
-    return decode_batch(broadcast_bytes(data, error=error))
+                kind, payload = _ERROR, f"{type(e).__name__}: {e}".encode()
+                break
+    kind, payload = _broadcast(kind, payload)
+    if kind == _ERROR:
+        raise SourceError(payload.decode(errors="replace"))
+    if kind == _STOP:
+        return None
+    return decode_batch(payload)

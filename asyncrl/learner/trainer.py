@@ -259,7 +259,7 @@ class Trainer:
         self.checkpointer.load()  # the latest step-N, else the HF weights of model.path
         if step >= 0:
             state = json.loads(self._state.text)
-            self.version = int(state["version"])
+            self.version = int(state.get("version", step))
             self.source_state = state.get("source")
             if self.source is not None and self.source_state is not None and self.rank == 0:
                 self.source.load_state_dict(self.source_state)

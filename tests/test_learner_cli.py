@@ -1,0 +1,94 @@
+"""`asyncrl learner` as a process: SIGTERM finishes the step, checkpoints, exports and exits 0 (the
+launcher relies on it), and the run resumes from there; user mistakes are one-line errors, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+
+from asyncrl import tasks
+from asyncrl.metrics import read_metrics
+
+
+def write_recipe(path, model_dir, data, out, **learner):
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "r", "output_dir": str(out), "steps": 100_000},
+                "model": {"path": str(model_dir), "max_seq_len": 32},
+                "data": {"path": str(data)},
+                "algorithm": {"loss": "sft"},
+                "learner": {"batch_size": 8, "checkpoint_every": 0, **learner},
+                "logging": {"wandb": False},
+            }
+        )
+    )
+    return path
+
+
+def errors(capsys) -> list[str]:
+    """The learner's error lines (library warnings may precede them); never a traceback."""
+    text = capsys.readouterr().err
+    assert "Traceback" not in text
+    return [line for line in text.splitlines() if line.startswith("asyncrl learner:")]
+
+
+def test_sigterm_checkpoints_and_the_run_resumes(tiny_qwen3, tmp_path, capsys):
+    train, _ = tasks.write_task("reverse", tmp_path / "data", train=64, eval=4)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_qwen3, train, tmp_path / "runs")
+    run = tmp_path / "runs" / "r"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "asyncrl.cli", "learner", str(recipe)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 2):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the learner logged no steps in 180 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    last = read_metrics(run)[-1]["step"]
+    assert (run / "checkpoints" / f"step-{last}" / ".metadata").is_file()
+    assert json.loads((run / "hf" / f"v{last}" / "config.json").read_text())["model_type"]
+
+    from asyncrl.learner.main import main
+
+    # the same run without run.resume is refused (it would silently continue otherwise)
+    assert main([str(recipe), f"run.steps={last + 1}"]) == 2
+    err = errors(capsys)
+    assert len(err) == 1 and "run.resume=true" in err[0]
+    assert main([str(recipe), f"run.steps={last + 1}", "run.resume=true"]) == 0
+    assert [m["step"] for m in read_metrics(run)][-2:] == [last, last + 1]
+
+
+def test_user_mistakes_are_one_line_errors(tiny_qwen3, tmp_path, capsys):
+    from asyncrl.learner.main import main
+
+    assert main([str(tmp_path / "missing.yaml")]) == 2
+    assert "recipe file not found" in capsys.readouterr().err
+
+    bad_model = tmp_path / "gpt2"
+    bad_model.mkdir()
+    (bad_model / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    recipe = write_recipe(tmp_path / "r.yaml", bad_model, data, tmp_path / "runs")
+    assert main([str(recipe)]) == 2
+    err = errors(capsys)
+    assert len(err) == 1 and "model_type 'gpt2' is not supported" in err[0]
+
+    data.write_text(json.dumps({"question": "a", "completion": "b"}) + "\n")
+    recipe = write_recipe(tmp_path / "r2.yaml", tiny_qwen3, data, tmp_path / "runs2")
+    assert main([str(recipe)]) == 2
+    err = errors(capsys)
+    assert len(err) == 1 and "row 1 has no 'prompt'" in err[0]
