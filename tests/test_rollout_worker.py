@@ -276,3 +276,48 @@ def test_multi_turn_groups_through_the_worker(engine, tokenizer):
             assert masked.count("<result>") == 2 and masked.endswith("</result>\n")
             assert (s.behavior_logprobs[mask == 0] == 0).all()
             assert np.isfinite(s.reward) and s.reward == len(s.completion_ids)
+
+
+def test_worker_registers_again_after_a_learner_restart(engine, tokenizer, tmp_path):
+    """The buffer service (the learner's rank 0) goes away and comes back on the same address:
+    the worker notices the silence in version announcements, registers its generators with the new
+    one, and keeps delivering."""
+    from asyncrl.buffer.service import BufferService
+
+    cfg = BufferConfig(
+        address=f"ipc://{tmp_path}/buffer.ipc",
+        pub_address=f"ipc://{tmp_path}/pub.ipc",
+        groups_per_batch=2,
+        max_staleness=0,
+        lease_seconds=60,
+    )
+    registered: list[tuple[int, str]] = []
+
+    def start(n: int) -> BufferService:
+        svc = BufferService(cfg, announce_every_s=0.2)
+        svc.on_register(lambda worker_id, gens: registered.append((n, worker_id)))
+        return svc.start()
+
+    async def go():
+        svc = await trio.to_thread.run_sync(start, 1)
+        async with make_worker(
+            engine, tokenizer, cfg.address, cfg.pub_address, learner_silence_s=1.0
+        ) as w:
+            async with trio.open_nursery() as n:
+                n.start_soon(w.run)
+                await wait_for(lambda: svc.stats()["stored_total"] == 2, "stored by the first")
+                await trio.to_thread.run_sync(svc.stop)
+                await trio.sleep(1.5)  # a learner restart takes a while (> learner_silence_s)
+                svc = await trio.to_thread.run_sync(start, 2)
+                try:
+                    await wait_for(lambda: (2, "w0") in registered, "registered again")
+                    await wait_for(lambda: svc.stats()["stored_total"] == 2, "stored by the second")
+                    w.stop()
+                finally:
+                    await trio.to_thread.run_sync(svc.stop)
+        return w.stats
+
+    ws = trio.run(go)
+    assert registered[0] == (1, "w0") and (2, "w0") in registered
+    assert ws.counters["registrations"] >= 2
+    assert ws.max_in_flight_over_granted <= 0

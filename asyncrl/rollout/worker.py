@@ -68,6 +68,7 @@ class WorkerConfig:
     metrics_every_s: float = 10.0
     max_consecutive_failures: int = 20  # groups failing in a row before the worker gives up
     max_groups: int = 0  # stop after this many groups are delivered (0: run until cancelled)
+    learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
 
 
 @dataclass
@@ -110,6 +111,7 @@ class WorkerStats:
                 "grants_zero",
                 "releases",
                 "resumes",
+                "registrations",
             ],
             0,
         )
@@ -173,6 +175,7 @@ class RolloutWorker:
         self._pending: dict[str, tuple[wire.Group, _Permit]] = {}  # sent, not yet acknowledged
         self._t_last = 0.0
         self._prev = dict(self.stats.counters)
+        self._registering = False
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -232,12 +235,15 @@ class RolloutWorker:
         if not self.generators:
             self.registered.set()
             return
+        self._registering = True
         attempt = 0
         while True:
             try:
                 ok = await self.buffer.register(self.generators)
                 self._see_version(ok.version)
                 self.registered.set()
+                self._registering = False
+                self.stats.counters["registrations"] += 1
                 log.info("registered %d generator(s) with the learner", len(self.generators))
                 return
             except (TransportTimeout, BufferError) as e:
@@ -265,11 +271,29 @@ class RolloutWorker:
             self._nursery.start_soon(self._release, p.lease_id, 1, name="release")
 
     async def _version_loop(self) -> None:
+        """Versions from Pub/Sub. The service repeats the current version every second or so, so
+        a version that goes back, or announcements that resume after a silence, mean the learner
+        restarted (from a checkpoint): the worker registers its generators again."""
         assert self.subscriber is not None
+        last_heard: float | None = None
         while True:
             msg = await self.subscriber.receive(timeout_s=1.0)
-            if isinstance(msg, wire.Version):
-                self._see_version(msg.version)
+            if not isinstance(msg, wire.Version):
+                continue
+            now = trio.current_time()
+            silent = last_heard is not None and now - last_heard > self.cfg.learner_silence_s
+            last_heard = now
+            if msg.version < self.version or silent:
+                log.warning(
+                    "the learner restarted (version %d, was %d); registering again",
+                    msg.version,
+                    self.version,
+                )
+                self.version = msg.version
+                self.pool.version = msg.version
+                if not self._registering:
+                    self._nursery.start_soon(self._register_loop, name="register")
+            self._see_version(msg.version)
 
     async def _release(self, lease_id: str, n: int) -> None:
         """Give ``n`` starts back; retried, since the buffer otherwise waits for the lease to end."""
