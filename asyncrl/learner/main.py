@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -22,18 +23,26 @@ from asyncrl.recipe import Recipe
 CRASH_ENV = "ASYNCRL_LEARNER_CRASH_AFTER_VERSION"
 """Fault injection for tests: exit hard (no cleanup) right after the checkpoint of this version."""
 
-SourceFactory = Callable[[Recipe, "object"], BatchSource]
+SourceFactory = Callable[[Recipe, Any], BatchSource]
+"""``factory(recipe, trainer)`` -> rank 0's batch source, with ``trainer.source_state`` restored."""
 
 
-def default_source(recipe: Recipe, trainer: object) -> BatchSource:
-    """The batch source of rank 0: the sft dataset, or (RL) the buffer service."""
-    if recipe.algorithm.loss == "sft":
-        from asyncrl.learner.data import SFTSource
+def sft_source(recipe: Recipe, trainer: Any) -> BatchSource:
+    from asyncrl.learner.data import SFTSource
 
-        return SFTSource.from_recipe(recipe)
-    raise SystemExit(
-        "asyncrl learner: RL needs the buffer service as batch source; start it with `asyncrl run`"
-    )
+    src = SFTSource.from_recipe(recipe)
+    if trainer.source_state is not None:
+        src.load_state_dict(trainer.source_state)
+    return src
+
+
+def buffer_source(recipe: Recipe, trainer: Any) -> BatchSource:
+    """The replay buffer's nng service (rank 0), resumed from the checkpoint's buffer state."""
+    from asyncrl.buffer.service import BufferService
+
+    svc = BufferService(recipe.buffer, state=trainer.source_state).start()
+    svc.set_version(trainer.version)
+    return svc
 
 
 class _StopFlag:
@@ -55,7 +64,7 @@ class _StopFlag:
 def train(
     recipe: Recipe,
     *,
-    source_factory: SourceFactory = default_source,
+    source_factory: SourceFactory | None = None,
     publishers: Sequence[Callable] = (),
 ) -> int:
     """Run the learner to ``run.steps`` versions. Collective: every rank calls it."""
@@ -65,11 +74,12 @@ def train(
     rank, _ = ensure_distributed()
     trainer = Trainer(recipe)
     sink = None
+    broadcaster = None
+    is_rl = recipe.algorithm.loss != "sft"
+    if source_factory is None:
+        source_factory = buffer_source if is_rl else sft_source
     try:
         if rank == 0:
-            trainer.source = source_factory(recipe, trainer)
-            if trainer.source_state is not None:
-                trainer.source.load_state_dict(trainer.source_state)
             lg = recipe.logging
             sink = MetricsSink(
                 trainer.run_dir,
@@ -81,6 +91,18 @@ def train(
                 project=lg.project,
                 process="learner",
             )
+        if rank == 0:
+            trainer.source = source_factory(recipe, trainer)
+        if is_rl:  # weights to the generators after every step (every rank joins the gather)
+            from asyncrl.weights.broadcaster import WeightBroadcaster
+
+            broadcaster = WeightBroadcaster(
+                recipe.weights, export_dir=trainer.run_dir / "hf", metrics=sink
+            )
+            trainer.add_publisher(broadcaster.on_step)
+            on_register = getattr(trainer.source, "on_register", None)
+            if rank == 0 and on_register is not None:
+                on_register(broadcaster.on_register)
         for fn in publishers:
             trainer.add_publisher(fn)
         crash_at = int(os.environ.get(CRASH_ENV, "-1"))
@@ -114,6 +136,11 @@ def train(
             trainer.source.set_version(trainer.version, str(final.resolve()))
         return 0
     finally:
+        if broadcaster is not None:
+            broadcaster.close()
+        stop_source = getattr(trainer.source, "stop", None)
+        if stop_source is not None:
+            stop_source()
         trainer.close()
         if sink is not None:
             sink.close()
