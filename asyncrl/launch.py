@@ -584,7 +584,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     try:
         summary = run(
             a.recipe, a.overrides, overwrite=a.overwrite, progress=False if a.no_progress else None
