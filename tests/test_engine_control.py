@@ -170,3 +170,21 @@ def test_bad_control_requests(client):
     r = client.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"})
     assert r.status_code == 400 and r.json()["success"] is False
     assert client.get("/health").status_code == 200
+
+
+def test_stream_client_disconnect_aborts_its_request(client, engine):
+    steps0 = _stats(client)["decode_steps"]
+    with (
+        httpx.Client(timeout=60) as c,
+        c.stream("POST", engine.url + "/generate", json={**LONG, "stream": True}) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # leave after the first chunk: the connection closes with the context
+    for _ in range(600):  # the server notices at its next write
+        st = _stats(client)
+        if st["running"] == 0 and st["waiting"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert (st["running"], st["waiting"]) == (0, 0)
+    assert st["decode_steps"] - steps0 < 479  # stopped early: it did not run to max_new_tokens

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from asyncrl.rollout.engine.model import BatchedLM
+from asyncrl.rollout.engine.replies import BadRequest, Reply
 from asyncrl.rollout.engine.sampling import SamplingError, SamplingParams
 from asyncrl.rollout.engine.scheduler import PAUSE_MODES, Request, Scheduler
 from asyncrl.rollout.engine.weights import WeightError, WeightStore
@@ -34,20 +35,6 @@ NOT_FLUSHED = (
 NO_SESSION = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 )
-
-
-@dataclass
-class Reply:
-    status: int = 200
-    body: Any = None  # dict/list -> JSON, str -> text/plain, None -> empty
-    stream: Iterator[bytes] | None = None  # Server-Sent Events
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, body: Any = None):
-        super().__init__(message)
-        self.status = status
-        self.body = body if body is not None else {"error": {"message": message}}
 
 
 @dataclass
@@ -180,8 +167,9 @@ class Engine:
             yield b"data: [DONE]\n\n"
         finally:
             if pending:  # the client went away: stop generating for it
-                rids = [r.rid for r in pending.values()]
-                self.scheduler.call(lambda: [self.scheduler.abort(rid) for rid in rids])
+                gone = list(pending.values())
+                if self.scheduler.alive:
+                    self.scheduler.call(lambda: self.scheduler.abort_requests(gone))
 
     def _parse_generate(self, body: Any) -> tuple[list[Request], bool]:
         if not isinstance(body, dict):

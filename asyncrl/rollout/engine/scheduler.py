@@ -227,6 +227,18 @@ class Scheduler:
         self.waiting = still
         return n
 
+    def abort_requests(self, reqs: list[Request]) -> None:
+        """Abort these exact requests (a streaming client went away); rids may be shared."""
+        ids = {id(r) for r in reqs}
+        reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        gone = {id(r) for r in self.running if id(r) in ids}
+        self._take_incoming()
+        for r in reqs:
+            if r.finish is None:
+                self._finish(r, dict(reason))
+        self._drop(gone)
+        self.waiting = collections.deque(r for r in self.waiting if id(r) not in ids)
+
     def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
