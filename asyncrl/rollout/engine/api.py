@@ -21,6 +21,7 @@ from asyncrl.rollout.engine.replies import BadRequest, Reply
 from asyncrl.rollout.engine.sampling import SamplingError, SamplingParams
 from asyncrl.rollout.engine.scheduler import PAUSE_MODES, Request, Scheduler
 from asyncrl.rollout.engine.weights import WeightError, WeightStore
+from asyncrl.weights import buckets
 from asyncrl.weights.buckets import parse_dtype
 
 FLUSH_OK = (
@@ -740,7 +741,10 @@ class Engine:
                 f'action {action!r} is not supported by the built-in engine (only "checksum")'
             )
         skip = body.get("skip_tensor_list") or []
-        h = self._call(lambda: self.store.checksum(skip))
+        # take the tensor references between two steps (one consistent version), hash them here:
+        # a swap re-points parameters and never writes into a tensor, so these stay intact
+        named = self._call(self.store.named)
+        h = buckets.checksum((n, t) for n, t in named if n not in set(skip))
         return Reply(
             200,
             {

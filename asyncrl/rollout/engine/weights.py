@@ -193,11 +193,6 @@ class WeightStore:
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p.data) for n, p in self.params.items()]
 
-    def checksum(self, skip: list[str] | None = None) -> str:
-        """:func:`asyncrl.weights.buckets.checksum` over the HF-named parameters (tied copies once)."""
-        skip_set = set(skip or ())
-        return buckets.checksum((n, t) for n, t in self.named() if n not in skip_set)
-
     def get(self, name: str, truncate_size: int) -> list:
         key = self.resolve(name)
         if key is None:
