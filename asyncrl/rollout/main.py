@@ -148,6 +148,13 @@ def make_metrics(r: Recipe, worker_id: str) -> Any:
     )
 
 
+def _audit_dir(r: Recipe) -> Path:
+    """run_dir/audit: the ids of acknowledged groups, per worker (see RELIABILITY.md)."""
+    d = r.run_dir / "audit"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 async def run_worker(
     r: Recipe,
     *,
@@ -181,6 +188,7 @@ async def run_worker(
         chat_template=r.data.chat_template,
         max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
         max_groups=max_groups,
+        acked_log=str(_audit_dir(r) / f"{worker_id}.acked.jsonl"),
     )
     with Subscriber(pub_address, tls=tls) as sub:
         async with (

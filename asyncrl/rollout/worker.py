@@ -22,7 +22,9 @@ still generating is cancelled too (the buffer has taken the start back).
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,6 +70,7 @@ class WorkerConfig:
     metrics_every_s: float = 10.0
     max_consecutive_failures: int = 20  # groups failing in a row before the worker gives up
     max_groups: int = 0  # stop after this many groups are delivered (0: run until cancelled)
+    acked_log: str = ""  # JSONL file for the ids of acknowledged groups (exactly-once audits)
     learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
 
 
@@ -558,6 +561,7 @@ class RolloutWorker:
                 ack = wire.Ack(group_ids=[], rejected={groups[0].id: str(e)})
             attempt = 0
             self._see_version(ack.version)
+            self._log_acked([gid for gid in ack.group_ids if gid in pending])
             for gid in ack.group_ids:
                 if gid in pending:
                     g, _ = pending.pop(gid)
@@ -578,6 +582,17 @@ class RolloutWorker:
                 and self.stats.counters["groups_delivered"] >= self.cfg.max_groups
             ):
                 self._done.set()
+
+    def _log_acked(self, ids: list[str]) -> None:
+        """One line per Ack: what the buffer now owns (an audit compares it with what was trained)."""
+        if not (ids and self.cfg.acked_log):
+            return
+        line = json.dumps({"worker_id": self.cfg.worker_id, "acked": ids, "t": time.time()})
+        try:
+            with open(self.cfg.acked_log, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:  # the audit must never stop rollouts
+            log.warning("acked log %s: %s", self.cfg.acked_log, e)
 
     # -- metrics ---------------------------------------------------------------------------------
 
