@@ -2,7 +2,8 @@
 
 Messages are msgpack maps ``{"kind": ..., "v": SCHEMA_VERSION, ...fields}``. Per-token arrays travel as
 raw little-endian ``bin`` (int32 ids and versions, float32 logprobs and masks): packing lists of numbers
-is ~15x slower. Decoding validates every field and raises only :class:`WireError`, so a service can
+is ~15x slower. A group travels as columns (one ``bin`` per array for all its samples, plus per-sample
+lengths), so the codec's Python work is per group, not per sample. Decoding validates every field and raises only :class:`WireError`, so a service can
 answer a bad message with an error reply and keep serving. Nothing is ever pickled.
 """
 
@@ -28,6 +29,7 @@ MAX_STR = 1 << 16
 """Upper bound on one string field."""
 
 _I32 = np.dtype("<i4")
+_F64 = np.dtype("<f8")
 _F32 = np.dtype("<f4")
 
 
@@ -236,7 +238,7 @@ _ARRAYS = {
     "loss_mask": _F32,
 }
 _PER_TOKEN = ("behavior_logprobs", "versions", "loss_mask")
-_MAX_ARRAY_BYTES = MAX_TOKENS * 4  # every per-token dtype is 4 bytes
+_FINISH = ("stop", "length", "abort")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,22 +246,43 @@ _MAX_ARRAY_BYTES = MAX_TOKENS * 4  # every per-token dtype is 4 bytes
 # --------------------------------------------------------------------------------------------------
 
 
-def _sample_plain(s: Sample) -> dict[str, Any]:
-    # The hot path of every Put: no generic recursion for the fixed fields (DESIGN §3 budget).
-    d: dict[str, Any] = {"id": s.id, "group_id": s.group_id}  # dataclass field order, as before
+def _group_plain(g: Group) -> dict[str, Any]:
+    """A group's samples as columns: one ``bin`` per per-token array for the whole group.
+
+    This is the hot path of every Put: building and validating a Python object per field per sample
+    cost ~16 µs a sample; columns make the codec's cost per group, not per sample (DESIGN §3 budget).
+    """
+    ss = g.samples
+    for i, s in enumerate(ss):
+        if s.group_id != g.id:
+            raise WireError(
+                f"group.samples[{i}].group_id: {s.group_id!r} is not the group's {g.id!r}"
+            )
+    cols: dict[str, Any] = {
+        "id": [s.id for s in ss],
+        "reward": np.array([s.reward for s in ss], dtype=_F64).tobytes(),
+        "finish_reason": [s.finish_reason for s in ss],
+        "metadata": [_to_plain(s.metadata) if s.metadata else {} for s in ss],
+        "prompt_len": np.array([len(s.prompt_ids) for s in ss], dtype=_I32).tobytes(),
+        "completion_len": np.array([len(s.completion_ids) for s in ss], dtype=_I32).tobytes(),
+    }
     for k, dt in _ARRAYS.items():
-        d[k] = np.ascontiguousarray(getattr(s, k), dtype=dt).tobytes()
-    d["reward"] = _to_plain(s.reward)
-    d["finish_reason"] = s.finish_reason
-    d["metadata"] = _to_plain(s.metadata) if s.metadata else {}
-    return d
+        parts = [np.asarray(getattr(s, k), dtype=dt).reshape(-1) for s in ss]
+        cols[k] = np.concatenate(parts).data if parts else b""  # msgpack packs the buffer: no copy
+    return {
+        "id": g.id,
+        "lease_id": g.lease_id,
+        "samples": cols,
+        "prompt_index": g.prompt_index,
+        "metadata": _to_plain(g.metadata) if g.metadata else {},
+    }
 
 
 def _to_plain(obj: Any) -> Any:
     if obj is None or type(obj) in (str, int, float, bool, bytes):
         return obj
-    if isinstance(obj, Sample):
-        return _sample_plain(obj)
+    if isinstance(obj, Group):
+        return _group_plain(obj)
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, list | tuple):
@@ -344,92 +367,116 @@ def _metadata(d: dict, where: str) -> dict[str, Any]:
 
 
 def _array(d: dict, key: str, where: str) -> np.ndarray:
+    """A group's concatenated column; its size is bounded by the message size limit."""
     raw = _req(d, key, bytes, where)
     dt = _ARRAYS[key]
     if len(raw) % dt.itemsize:
         raise WireError(f"{where}.{key}: {len(raw)} bytes is not a whole number of {dt.name}")
-    n = len(raw) // dt.itemsize
-    if n > MAX_TOKENS:
-        raise WireError(f"{where}.{key}: {n} tokens, over the {MAX_TOKENS} limit")
     return np.frombuffer(raw, dtype=dt)
 
 
-def _values_ok(logprobs: np.ndarray, versions: np.ndarray, mask: np.ndarray) -> bool:
-    """One check of a whole group's arrays (a NaN makes min and max NaN, which fails)."""
-    if len(logprobs) == 0:
-        return True
+def _column(cols: dict, key: str, dt: np.dtype, n: int, where: str) -> np.ndarray:
+    raw = _req(cols, key, bytes, where)
+    if len(raw) != n * dt.itemsize:
+        raise WireError(f"{where}.{key}: {len(raw)} bytes, expected {n} {dt.name} (one per sample)")
+    return np.frombuffer(raw, dtype=dt)
+
+
+def _values_ok(lp: np.ndarray, ver: np.ndarray, mask: np.ndarray) -> bool:
+    """Whole-group value checks without temporaries (a NaN makes min and max NaN, which fails)."""
+    lo, hi = lp.min(), lp.max()
+    m_lo, m_hi = mask.min(), mask.max()
     return bool(
-        np.isfinite(logprobs.min())
-        and logprobs.max() <= 1e-3
-        and versions.min() >= 0
-        and not ((mask != 0) & (mask != 1)).any()
+        np.isfinite(lo)
+        and hi <= 1e-3
+        and ver.min() >= 0
+        and m_lo >= 0
+        and m_hi <= 1
+        and np.count_nonzero(mask) == np.count_nonzero(mask == 1)
     )
 
 
-def _sample(d: Any, where: str, *, check_values: bool = True) -> Sample:
-    if not isinstance(d, dict):
-        raise WireError(f"{where}: expected a map, got {type(d).__name__}")
-    arrays = {}
-    for k, dt in _ARRAYS.items():
-        raw = d.get(k)
-        if type(raw) is bytes and not len(raw) % dt.itemsize and len(raw) <= _MAX_ARRAY_BYTES:
-            arrays[k] = np.frombuffer(raw, dtype=dt)  # the common case, without _req's overhead
-        else:
-            arrays[k] = _array(d, k, where)  # raises, naming the field
-    n = len(arrays["completion_ids"])
-    for k in _PER_TOKEN:
-        if len(arrays[k]) != n:
-            raise WireError(
-                f"{where}.{k}: {len(arrays[k])} entries, but completion_ids has {n} (one per token)"
-            )
-    if check_values:
-        _check_values(arrays, where)
-    finish = _opt(d, "finish_reason", str, where, "stop")
-    if finish not in ("stop", "length", "abort"):
-        raise WireError(f"{where}.finish_reason: expected stop, length or abort, got {finish!r}")
-    return Sample(
-        id=_req(d, "id", str, where),
-        group_id=_req(d, "group_id", str, where),
-        reward=_finite(d, "reward", where, 0.0),
-        finish_reason=finish,
-        metadata=_metadata(d, where),
-        **arrays,
-    )
-
-
-def _check_values(arrays: dict[str, np.ndarray], where: str) -> None:
-    if not np.isfinite(arrays["behavior_logprobs"]).all():
-        raise WireError(f"{where}.behavior_logprobs: must be finite")
-    if (arrays["behavior_logprobs"] > 1e-3).any():
-        raise WireError(f"{where}.behavior_logprobs: a log-probability cannot be positive")
-    if (arrays["versions"] < 0).any():
-        raise WireError(f"{where}.versions: must be >= 0")
-    if ((arrays["loss_mask"] != 0) & (arrays["loss_mask"] != 1)).any():
-        raise WireError(f"{where}.loss_mask: entries must be 0 or 1")
+def _first_bad(bad: np.ndarray, ends: np.ndarray) -> int:
+    """The index of the sample holding the first flagged token."""
+    return int(np.searchsorted(ends, int(np.argmax(bad)), side="right"))
 
 
 def _group(d: Any, where: str) -> Group:
     if not isinstance(d, dict):
         raise WireError(f"{where}: expected a map, got {type(d).__name__}")
     gid = _req(d, "id", str, where)
-    raw = _req(d, "samples", list, where)
-    if not raw:
-        raise WireError(f"{where}.samples: a group needs at least one sample")
-    samples = [_sample(s, f"{where}.samples[{i}]", check_values=False) for i, s in enumerate(raw)]
-    cat = [np.concatenate([getattr(s, k) for s in samples]) for k in _PER_TOKEN]
-    if not _values_ok(*cat):  # find and name the bad sample
-        for i, s in enumerate(samples):
-            _check_values({k: getattr(s, k) for k in _PER_TOKEN}, f"{where}.samples[{i}]")
-        raise WireError(f"{where}: invalid per-token values")  # pragma: no cover - checks agree
-    ids = set()
-    for i, s in enumerate(samples):
-        if s.group_id != gid:
+    cols = _req(d, "samples", dict, where)
+    w = f"{where}.samples"
+    ids = _str_list(cols, "id", w)
+    n = len(ids)
+    if not n:
+        raise WireError(f"{w}: a group needs at least one sample")
+    if len(set(ids)) != n:
+        dup = next(x for i, x in enumerate(ids) if x in ids[:i])
+        raise WireError(f"{w}.id: duplicate sample id {dup!r}")
+    rewards = _column(cols, "reward", _F64, n, w)
+    if not np.isfinite(rewards).all():
+        raise WireError(f"{w}[{int(np.argmax(~np.isfinite(rewards)))}].reward: must be finite")
+    finish = _str_list(cols, "finish_reason", w)
+    metas = _req(cols, "metadata", list, w)
+    for key, col in (("finish_reason", finish), ("metadata", metas)):
+        if len(col) != n:
+            raise WireError(f"{w}.{key}: {len(col)} entries, but the group has {n} samples")
+    for i, f in enumerate(finish):
+        if f not in _FINISH:
+            raise WireError(f"{w}[{i}].finish_reason: expected stop, length or abort, got {f!r}")
+    for i, m in enumerate(metas):
+        if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
+            raise WireError(f"{w}[{i}].metadata: expected a map with string keys")
+    lens = {}
+    for key in ("prompt_len", "completion_len"):
+        lens[key] = _column(cols, key, _I32, n, w).astype(np.int64)
+        if (lens[key] < 0).any() or (lens[key] > MAX_TOKENS).any():
+            raise WireError(f"{w}.{key}: lengths must be in [0, {MAX_TOKENS}]")
+    arrays = {k: _array(cols, k, w) for k in _ARRAYS}
+    for k, total_of in (("prompt_ids", "prompt_len"), ("completion_ids", "completion_len")):
+        if len(arrays[k]) != lens[total_of].sum():
             raise WireError(
-                f"{where}.samples[{i}].group_id: {s.group_id!r} is not the group's {gid!r}"
+                f"{w}.{k}: {len(arrays[k])} entries, but {total_of} adds up to {lens[total_of].sum()}"
             )
-        if s.id in ids:
-            raise WireError(f"{where}.samples[{i}].id: duplicate sample id {s.id!r}")
-        ids.add(s.id)
+    t = len(arrays["completion_ids"])
+    for k in _PER_TOKEN:
+        if len(arrays[k]) != t:
+            raise WireError(
+                f"{w}.{k}: {len(arrays[k])} entries, but completion_ids has {t} (one per token)"
+            )
+    ends = np.cumsum(lens["completion_len"])
+    lp, ver, mask = arrays["behavior_logprobs"], arrays["versions"], arrays["loss_mask"]
+    if t and not _values_ok(lp, ver, mask):  # reductions only; on failure, name the sample
+        for bad, k, why in (
+            (~np.isfinite(lp), "behavior_logprobs", "must be finite"),
+            (lp > 1e-3, "behavior_logprobs", "a log-probability cannot be positive"),
+            (ver < 0, "versions", "must be >= 0"),
+            ((mask != 0) & (mask != 1), "loss_mask", "entries must be 0 or 1"),
+        ):
+            if bad.any():
+                raise WireError(f"{w}[{_first_bad(bad, ends)}].{k}: {why}")
+    bounds = {}
+    for key in ("prompt_len", "completion_len"):
+        e = np.cumsum(lens[key]).tolist()
+        bounds[key] = list(zip([0, *e[:-1]], e, strict=True))
+    samples = []
+    for i in range(n):
+        (p0, p1), (c0, c1) = bounds["prompt_len"][i], bounds["completion_len"][i]
+        samples.append(
+            Sample(
+                id=ids[i],
+                group_id=gid,
+                prompt_ids=arrays["prompt_ids"][p0:p1],
+                completion_ids=arrays["completion_ids"][c0:c1],
+                behavior_logprobs=lp[c0:c1],
+                versions=ver[c0:c1],
+                loss_mask=mask[c0:c1],
+                reward=float(rewards[i]),
+                finish_reason=finish[i],
+                metadata=metas[i],
+            )
+        )
     return Group(
         id=gid,
         lease_id=_opt(d, "lease_id", str, where, ""),

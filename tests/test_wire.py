@@ -317,7 +317,7 @@ def test_per_token_length_mismatch_names_the_field(field):
     group = wire.Group(id="g", samples=[sample])
     with pytest.raises(wire.WireError) as e:
         wire.decode(wire.encode(wire.Put(worker_id="w", groups=[group])))
-    assert f"put.groups[0].samples[0].{field}:" in str(e.value)
+    assert f"put.groups[0].samples.{field}:" in str(e.value)
     assert "completion_ids" in str(e.value)
 
 
