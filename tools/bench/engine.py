@@ -1,16 +1,19 @@
 """Benchmark the built-in engine against transformers' `generate`, and the stall a weight update causes.
 
-    python tools/bench/engine.py [--requests 64] [--min-new 8] [--max-new 128] [--updates 4]
+    python tools/bench/engine.py [--requests 64] [--min-new 8] [--max-new 128] [--updates 8] [--repeats 3]
 
 One run, side by side, on the same tiny Qwen3 (tools/make_tiny_model.py defaults, ~0.5M params):
 1. Throughput: 64 requests with max_new_tokens spread evenly from 8 to 128 (sampled, temperature 1,
    ignore_eos). Baseline: transformers `generate` on static left-padded batches (one batch of all
    requests, and batches of 16 sorted by length; the faster one counts). Ours: `asyncrl engine` as a
    child process, the same requests sent concurrently over HTTP. Tokens/s counts requested tokens only.
-2. Update stall: while the engine decodes a second wave of requests, this process joins its weight
-   group as rank 0 (gloo) and pushes the full weights `--updates` times (begin/update/end, no pause).
-   We compare the largest gap between two decode steps inside any update window with the median gap
-   of the whole wave.
+2. Update stall: while the engine decodes a second wave (64 requests x 480 tokens), this process
+   joins its weight group as rank 0 (gloo) and pushes the full weights `--updates` times
+   (begin/update/end, no pause). An update's window runs from its begin call to the first decode step
+   that ends after the swap. Per update: largest gap between two decode steps in the window divided by
+   the median gap of the 50 steps before it (same batch, same load). `update_gap_ratio` is the median
+   of that over updates (`_worst`: the max). `control_gap_ratio` does the same for equally many steps
+   just before each window, with no update running: what machine noise alone gives.
 Last line: JSON {"bench": "engine", "throughput_ratio", "update_gap_ratio", ...}.
 """
 
@@ -133,8 +136,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-new", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--updates", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--updates", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
