@@ -106,3 +106,45 @@ def test_prompt_logprobs_equal_transformers(tiny_qwen3):
     assert got[0] == [None, prompt[0], None]
     want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     assert torch.allclose(torch.tensor([lp for lp, _, _ in got[1:]]), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_llama_family_models_decode_exactly(arch):
+    """Qwen2 (q/k/v biases) and Mistral run through the same slot-cache forward, exactly."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.rollout.engine.model import BatchedLM
+
+    cls, cfg_cls = {
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+        "mistral": (MistralForCausalLM, MistralConfig),
+    }[arch]
+    torch.manual_seed(0)
+    cfg = cfg_cls(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=64,
+    )
+    model = cls(cfg).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    lm = BatchedLM(model)
+    assert lm.shape.context == (
+        64 if arch == "mistral" else 128
+    )  # Qwen2's window is off by default
+    cache = lm.new_cache()
+    seqs = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    logits, _ = lm.prefill(cache, 0, seqs)
+    for _ in range(4):
+        for s, row in zip(seqs, logits, strict=True):
+            s.append(int(row.argmax()))
+        logits = lm.decode(cache, [s[-1] for s in seqs], [len(s) - 1 for s in seqs])
+    with torch.no_grad():
+        for s, row in zip(seqs, logits, strict=True):
+            ref = model(torch.tensor([s])).logits[0, -1]
+            assert torch.allclose(ref, row, atol=1e-5, rtol=0)

@@ -84,14 +84,17 @@ class BatchedLM:
         self.scaling = attn.scaling
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
-        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-            raise ValueError("sliding-window attention is not supported by the built-in engine")
+        context = int(cfg.max_position_embeddings)
+        window = getattr(cfg, "sliding_window", None)
+        windowed = getattr(cfg, "use_sliding_window", window is not None)
+        if windowed and window:  # serve up to the window only: there, sliding attention is full
+            context = min(context, int(window))
         self.shape = ModelShape(
             layers=len(self.layers),
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             vocab=cfg.vocab_size,
-            context=int(cfg.max_position_embeddings),
+            context=context,
         )
         self.dtype = next(hf_model.parameters()).dtype
 

@@ -100,6 +100,8 @@ def start_engine_process(
         weight_version,
         "--seed",
         str(seed),
+        "--parent-pid",
+        str(os.getpid()),
     ]
     child_env = {
         **os.environ,

@@ -224,6 +224,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=0,
+        help="stop when this process is gone (a rollout worker killed with SIGKILL leaves no engine)",
+    )
     a = p.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
         print(
@@ -264,6 +270,9 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     code = 0
     while not stop.wait(0.1):
+        if a.parent_pid and os.getppid() != a.parent_pid:  # reparented: our parent died
+            print(f"asyncrl engine: parent {a.parent_pid} is gone; stopping", file=sys.stderr)
+            break
         if not srv.engine.scheduler.alive:
             err = srv.engine.scheduler.error
             print(f"asyncrl engine: decode loop died: {err!r}", file=sys.stderr)
