@@ -57,6 +57,15 @@ def main(argv: list[str]) -> int:
                     {"id": g.id, "min_version": min(int(s.versions.min()) for s in g.samples)}
                     for g in batch.groups
                 ],
+                "reward_failures": sum(
+                    "reward_failure" in s.metadata for g in batch.groups for s in g.samples
+                ),
+                "tool_errors": sum(
+                    not c.get("ok", True)
+                    for g in batch.groups
+                    for s in g.samples
+                    for c in s.metadata.get("tool_calls", [])
+                ),
                 "wait_s": waited,
                 "t": time.time(),
             }
