@@ -97,13 +97,10 @@ def fuzz_cases(rng: random.Random, n: int):
         wire.Version(version=3),
     ]
     g = _plain(wire.Put(worker_id="w", groups=[group("g", "l", 0)]))
-    s0 = g["groups"][0]["samples"][0]
+    cols = g["groups"][0]["samples"]  # per-group columns: 2 samples of 3 completion tokens
 
     def put_with(**fields) -> bytes:
-        d = json.loads(json.dumps({k: v for k, v in s0.items() if not isinstance(v, bytes)}))
-        d.update({k: v for k, v in s0.items() if isinstance(v, bytes)})
-        d.update(fields)
-        body = {**g, "groups": [{**g["groups"][0], "samples": [d]}]}
+        body = {**g, "groups": [{**g["groups"][0], "samples": {**cols, **fields}}]}
         return msgpack.packb(body, use_bin_type=True)
 
     structured = [
@@ -118,17 +115,27 @@ def fuzz_cases(rng: random.Random, n: int):
         (msgpack.packb({"kind": "acquire", "v": 1, "worker_id": "w", "n": "1"}), "bad_message"),
         (msgpack.packb({"kind": "acquire", "v": 1, "worker_id": "w"}), "bad_message"),
         # wrong array lengths and values
-        (put_with(versions=np.zeros(2, "<i4").tobytes()), "bad_message"),
+        (put_with(versions=np.zeros(5, "<i4").tobytes()), "bad_message"),
         (put_with(behavior_logprobs=b"\x00" * 7), "bad_message"),
-        (put_with(completion_ids=[7, 8, 9]), "bad_message"),
-        (put_with(behavior_logprobs=np.full(3, np.nan, "<f4").tobytes()), "bad_message"),
-        (put_with(behavior_logprobs=np.full(3, 2.0, "<f4").tobytes()), "bad_message"),
-        (put_with(versions=np.full(3, -1, "<i4").tobytes()), "bad_message"),
-        (put_with(loss_mask=np.full(3, 0.5, "<f4").tobytes()), "bad_message"),
-        (put_with(finish_reason="exploded"), "bad_message"),
-        (put_with(reward=float("inf")), "bad_message"),
-        (put_with(metadata={1: 2}), "bad_message"),
-        (put_with(prompt_ids=np.zeros((1 << 20) + 1, "<i4").tobytes()), "bad_message"),
+        (put_with(completion_ids=[7, 8, 9, 7, 8, 9]), "bad_message"),
+        (put_with(completion_len=np.array([3, 4], "<i4").tobytes()), "bad_message"),
+        (put_with(completion_len=np.array([-1, 7], "<i4").tobytes()), "bad_message"),
+        (put_with(prompt_len=np.array([2], "<i4").tobytes()), "bad_message"),
+        (put_with(id=["g/0"]), "bad_message"),
+        (put_with(behavior_logprobs=np.full(6, np.nan, "<f4").tobytes()), "bad_message"),
+        (put_with(behavior_logprobs=np.full(6, 2.0, "<f4").tobytes()), "bad_message"),
+        (put_with(versions=np.full(6, -1, "<i4").tobytes()), "bad_message"),
+        (put_with(loss_mask=np.full(6, 0.5, "<f4").tobytes()), "bad_message"),
+        (put_with(finish_reason=["exploded", "stop"]), "bad_message"),
+        (put_with(reward=np.array([np.inf, 0.0]).tobytes()), "bad_message"),
+        (put_with(metadata=[{1: 2}, {}]), "bad_message"),
+        (
+            put_with(
+                prompt_ids=np.zeros(2 * ((1 << 20) + 1), "<i4").tobytes(),
+                prompt_len=np.array([(1 << 20) + 1] * 2, "<i4").tobytes(),
+            ),
+            "bad_message",
+        ),
         # huge declared sizes in tiny messages
         (b"\xdb\xff\xff\xff\xf0abc", "bad_message"),  # str32 claiming 4 GB
         (b"\xc6\xff\xff\xff\xf0abc", "bad_message"),  # bin32 claiming 4 GB
