@@ -24,6 +24,14 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m faults
 
+# The real-SGLang tier (README "Tests against real SGLang"): builds SGLang 0.5.23's own venv once
+# (tools/sglang_cpu/build_env.sh, cached in ~/.cache/asyncrl), serves tiny models with it on CPU and
+# drives them with asyncrl's rollout client and weight broadcaster. ASYNCRL_SKIP_SGLANG=1 skips it.
+test-sglang: $(STAMP)
+	@if [ "$${ASYNCRL_SKIP_SGLANG:-0}" = 1 ]; then echo "sglang tier: skipped (ASYNCRL_SKIP_SGLANG=1)"; exit 0; fi; \
+	bash tools/sglang_cpu/build_env.sh >/dev/null || { echo "error: the SGLang CPU environment cannot be built (tools/sglang_cpu/build_env.sh, output above); ASYNCRL_SKIP_SGLANG=1 switches this tier off" >&2; exit 1; }; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m sglang tests/sglang
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

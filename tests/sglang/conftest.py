@@ -1,0 +1,154 @@
+"""The real-SGLang tier: one real SGLang 0.5.23 server per tiny model per session, on CPU.
+
+``make test-sglang`` runs it (``pytest -m sglang``). Set-up: ``tools/sglang_cpu/build_env.sh`` builds
+SGLang's own venv (cached; 2-4 min from scratch), then a tiny Qwen3 (tied embeddings) and a tiny Llama
+(untied) are written by tools/make_tiny_model.py and served by two servers started side by side
+(``tools/sglang_cpu/server.py``). If the environment cannot be built or a server does not come up,
+every test here FAILS with the cause; the tier is switched off only explicitly, by
+``ASYNCRL_SKIP_SGLANG=1``.
+
+Each server handle carries the weights it serves now (``weights``, HF names) and their ``version``:
+tests that update weights advance them, tests that compare logprobs use them. Tests that kill a
+server (fixture ``doomed``) run after all others.
+
+Fields of SGLang's responses that asyncrl reads, and the tests that check them on the live server:
+
+- ``/generate`` (asyncrl/rollout/client.py): ``output_ids``, ``meta_info.output_token_logprobs``
+  (``[logprob, id, text]``), ``meta_info.finish_reason`` (``type``; ``matched`` for stop;
+  ``message`` for abort), ``meta_info.weight_versions`` (``version``/``start``/``end``),
+  ``meta_info.prompt_tokens``, ``meta_info.num_retractions``: test_generate.py (all),
+  test_abort_resume.py (abort finish + partial output), test_weights.py (spans over two versions,
+  ``num_retractions`` > 0 with ``retract``).
+- ``/health`` (pool.wait_ready, WeightsClient.health): test_generate.py::test_wait_ready,
+  test_failure.py (down after a kill).
+- ``/model_info`` ``weight_version`` (WeightsClient.weight_version): test_weights.py.
+- Control endpoints' ``success``/``message`` and HTTP status (WeightsClient._call):
+  ``/init_weights_update_group``, ``/pause_generation``, ``/begin_weight_update`` (200 on 0.5.23,
+  so sessions are used), ``/update_weights_from_distributed``, ``/end_weight_update``,
+  ``/continue_generation``, ``/destroy_weights_update_group``: test_weights.py (a failure in any
+  would show in ``SyncReport.error``), test_failure.py.
+- ``/weights_checker`` (WeightsClient.checksum reads ``checksum``): SGLang 0.5.23 answers
+  ``{success, message, ranks: [{checksums: {sglang_param: hex16}, per_gpu_checksum, ...}],
+  per_engine_checksum}``, with no ``checksum`` key and per *fused* SGLang parameter
+  (``qkv_proj``, ``gate_up_proj``), so the broadcaster reports "not comparable" (None);
+  test_weights.py recomputes SGLang's own checksums from the learner's tensors and compares them all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from sglang_helpers import Served
+
+from tools.sglang_cpu.server import SGLangServer, SGLangSetupError, build_env
+
+SKIP_ENV = "ASYNCRL_SKIP_SGLANG"
+START_TIMEOUT_S = float(os.environ.get("ASYNCRL_SGLANG_START_TIMEOUT", "360"))
+MAX_POSITIONS = 1024  # context length: room for long in-flight requests
+ARCHS = {  # one tied, one untied model: both ways of sending lm_head are exercised
+    "qwen3": dict(arch="qwen3", tie_embeddings=True),
+    "llama": dict(arch="llama", tie_embeddings=False),
+}
+
+
+TIER_TIMEOUT_S = 1500  # per test, set-up included: the first one builds the env and starts servers
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that kill a server (fixture ``doomed``) go last: the others share that server. The
+    tier's tests get a longer timeout, as the first one carries the whole set-up."""
+    here = Path(__file__).parent
+    for it in items:
+        if here in Path(str(it.path)).parents:
+            it.add_marker(pytest.mark.timeout(TIER_TIMEOUT_S))
+    items.sort(key=lambda it: "doomed" in getattr(it, "fixturenames", ()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{SKIP_ENV}=1: the real-SGLang tier is switched off")
+    try:
+        return build_env()
+    except SGLangSetupError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def _servers(sglang_python, tmp_path_factory):
+    """Both servers, started side by side (start-up is mostly imports); stopped at session end."""
+    from safetensors.torch import load_file
+
+    from tools.make_tiny_model import make_tiny_model
+
+    handles: dict[str, Served] = {}
+    try:
+        for name, kw in ARCHS.items():
+            d = make_tiny_model(
+                tmp_path_factory.mktemp(f"sglang_{name}"), max_positions=MAX_POSITIONS, **kw
+            )
+            weights = load_file(str(d / "model.safetensors"))
+            tied = bool(kw["tie_embeddings"])
+            if tied:
+                weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+            log = tmp_path_factory.getbasetemp() / f"sglang_{name}.log"
+            server = SGLangServer(python=sglang_python, model=d, log=log)
+            server.start()
+            handles[name] = Served(
+                name=name, server=server, model_dir=d, weights=weights, tied=tied
+            )
+        yield handles
+    finally:
+        for h in handles.values():
+            h.server.stop()
+
+
+def _ready(servers: dict[str, Served], name: str) -> Served:
+    h = servers[name]
+    if h.dead:
+        pytest.fail(f"the {name} server was killed by an earlier test", pytrace=False)
+    try:
+        h.server.wait_healthy(START_TIMEOUT_S)
+    except SGLangSetupError as e:
+        pytest.fail(str(e), pytrace=False)
+    return h
+
+
+@pytest.fixture(params=list(ARCHS))
+def served(request, _servers) -> Served:
+    """Each test runs on both servers: Qwen3 (tied embeddings) and Llama (untied)."""
+    return _ready(_servers, request.param)
+
+
+@pytest.fixture
+def qwen3(_servers) -> Served:
+    return _ready(_servers, "qwen3")
+
+
+@pytest.fixture
+def llama(_servers) -> Served:
+    return _ready(_servers, "llama")
+
+
+@pytest.fixture
+def doomed():
+    """Marks a test that kills a server: it runs after all others (see the collection hook).
+    Call it with the handle the test kills."""
+    killed: list[Served] = []
+
+    def kill(h: Served, sig: int = signal.SIGKILL) -> None:
+        h.dead = True
+        killed.append(h)
+        h.server.signal_group(sig)
+
+    yield kill
+    for h in killed:
+        h.server.stop()
