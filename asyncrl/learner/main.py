@@ -17,7 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncrl import recipe as recipe_mod
-from asyncrl.learner.source import BatchSource, SourceError, broadcast_batch
+from asyncrl.learner import source as source_mod
+from asyncrl.learner.source import BatchSource, SourceError
 from asyncrl.recipe import Recipe
 
 CRASH_ENV = "ASYNCRL_LEARNER_CRASH_AFTER_VERSION"
@@ -45,20 +46,34 @@ def buffer_source(recipe: Recipe, trainer: Any) -> BatchSource:
     return svc
 
 
-class _StopFlag:
+def _stop_on_signals() -> None:
     """SIGTERM / SIGINT ask for a clean stop: finish the step, checkpoint, export, exit 0.
 
     Rank 0 decides (its decision travels with the next batch broadcast), so all ranks stop together.
     """
+    source_mod.STOP.clear()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: source_mod.STOP.set())
+
+
+class _Pending:
+    """Collects the weight broadcaster's metrics (logged from its sender thread when a version's
+    sync ends) so they join the learner's next step record: one record per learner step."""
 
     def __init__(self) -> None:
-        self.requested = False
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._handle)
+        self._lock = threading.Lock()
+        self._values: dict[str, Any] = {}
 
-    def _handle(self, signum: int, frame: object) -> None:
-        self.requested = True
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        with self._lock:
+            self._values.update(metrics)
+            self._values["weights/version"] = step
+
+    def take(self) -> dict[str, Any]:
+        with self._lock:
+            out, self._values = self._values, {}
+        return out
 
 
 def train(
@@ -75,6 +90,7 @@ def train(
     trainer = Trainer(recipe)
     sink = None
     broadcaster = None
+    weights_metrics = _Pending()
     is_rl = recipe.algorithm.loss != "sft"
     if source_factory is None:
         source_factory = buffer_source if is_rl else sft_source
@@ -97,7 +113,7 @@ def train(
             from asyncrl.weights.broadcaster import WeightBroadcaster
 
             broadcaster = WeightBroadcaster(
-                recipe.weights, export_dir=trainer.run_dir / "hf", metrics=sink
+                recipe.weights, export_dir=trainer.run_dir / "hf", metrics=weights_metrics
             )
             trainer.add_publisher(broadcaster.on_step)
             on_register = getattr(trainer.source, "on_register", None)
@@ -107,12 +123,10 @@ def train(
             trainer.add_publisher(fn)
         crash_at = int(os.environ.get(CRASH_ENV, "-1"))
         saved_at = -1
-        stop = _StopFlag()
+        _stop_on_signals()
         while trainer.version < recipe.run.steps:
-            batch = broadcast_batch(
-                trainer.source,
-                timeout_s=recipe.buffer.batch_timeout_s,
-                should_stop=lambda: stop.requested,
+            batch = source_mod.broadcast_batch(
+                trainer.source, timeout_s=recipe.buffer.batch_timeout_s
             )
             if batch is None:  # SIGTERM on rank 0: checkpoint and leave, on every rank
                 break
@@ -122,8 +136,10 @@ def train(
                 trainer.source.set_version(trainer.version, exported)
             if trainer.save_checkpoint():
                 saved_at = trainer.version
+            if broadcaster is not None and trainer.version >= recipe.run.steps:
+                broadcaster.wait()  # the last version's sync metrics go in the last record
             if sink is not None and trainer.version % recipe.logging.every == 0:
-                sink.log(result.metrics, step=trainer.version)
+                sink.log(result.metrics | weights_metrics.take(), step=trainer.version)
             if trainer.version == crash_at:
                 trainer.wait_for_checkpoint()
                 os._exit(3)

@@ -8,8 +8,8 @@ advantages (which need whole groups) are computed identically everywhere.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import msgpack
@@ -95,15 +95,15 @@ def broadcast_bytes(data: bytes | None, *, src: int = 0, error: str = "") -> byt
     return out
 
 
-def broadcast_batch(
-    source: BatchSource | None,
-    *,
-    timeout_s: float,
-    should_stop: Callable[[], bool] | None = None,
-) -> Batch | None:
+STOP = threading.Event()
+"""Set (by the learner's SIGTERM handler) to make rank 0 stop waiting for batches: a process-wide
+request, like the signal that sets it."""
+
+
+def broadcast_batch(source: BatchSource | None, *, timeout_s: float) -> Batch | None:
     """Rank 0 pulls from ``source``; every rank returns the same decoded batch (collective).
 
-    Returns None on every rank when rank 0's ``should_stop()`` turns true while it waits (SIGTERM);
+    Returns None on every rank when :data:`STOP` is set on rank 0 while it waits (a clean stop);
     raises :class:`SourceError` on every rank when rank 0 gets no batch within ``timeout_s``.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -111,7 +111,7 @@ def broadcast_batch(
     if rank == 0:
         deadline = time.monotonic() + timeout_s
         while True:
-            if should_stop is not None and should_stop():
+            if STOP.is_set():
                 kind = _STOP
                 break
             left = deadline - time.monotonic()
