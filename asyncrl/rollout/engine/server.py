@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlparse
 
+from asyncrl.rollout.engine import openai
 from asyncrl.rollout.engine.replies import BadRequest, Reply
 
 if TYPE_CHECKING:
@@ -53,8 +54,8 @@ def _routes(engine: Engine) -> dict[str, Callable[[dict], Reply]]:
         "/update_weight_version": e.update_weight_version,
         "/get_weights_by_name": e.get_weights_by_name,
         "/weights_checker": e.weights_checker,
-        "/v1/models": lambda b: e.v1_models(),
-        "/v1/completions": e.v1_completions,
+        "/v1/models": lambda b: openai.v1_models(e),
+        "/v1/completions": lambda b: openai.v1_completions(e, b),
     }
 
 
