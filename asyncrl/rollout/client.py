@@ -155,6 +155,21 @@ def parse_finish_reason(fr: Any) -> tuple[str, int | str | None, str]:
     return kind, fr.get("matched"), ""
 
 
+def _raise_bad_triple(triples: list) -> None:
+    """Name the first entry of ``output_token_logprobs`` that is not ``[logprob, token_id, ...]``."""
+    for i, t in enumerate(triples):
+        if not (isinstance(t, list | tuple) and len(t) >= 2):
+            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: not a triple")
+        lp, tok = t[0], t[1]
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: bad token id")
+        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise GeneratorResponseError(
+                f"meta_info.output_token_logprobs[{i}]: logprob {lp!r} is not a finite number"
+            )
+    raise GeneratorResponseError("meta_info.output_token_logprobs: malformed")  # pragma: no cover
+
+
 def parse_generate_response(body: Any, *, default_version: int) -> Segment:
     """Parse one non-streaming ``/generate`` response (sglang.md §5.2).
 
@@ -174,20 +189,15 @@ def parse_generate_response(body: Any, *, default_version: int) -> Segment:
         raise GeneratorResponseError(
             "meta_info.output_token_logprobs: missing (was return_logprob sent?)"
         )
-    ids: list[int] = []
-    lps: list[float] = []
-    for i, t in enumerate(triples):
-        if not (isinstance(t, list | tuple) and len(t) >= 2):
-            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: not a triple")
-        lp, tok = t[0], t[1]
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: bad token id")
-        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
-            raise GeneratorResponseError(
-                f"meta_info.output_token_logprobs[{i}]: logprob {lp!r} is not a finite number"
-            )
-        ids.append(tok)
-        lps.append(min(float(lp), 0.0))
+    try:  # the fast path: a well-formed response (every one, in practice)
+        ids = [t[1] for t in triples]
+        lps = [float(t[0]) for t in triples]
+        ok = all(type(t) is int and t >= 0 for t in ids) and all(map(math.isfinite, lps))
+    except (TypeError, IndexError, ValueError):
+        ok = False
+    if not ok:
+        _raise_bad_triple(triples)
+    lps = [lp if lp <= 0.0 else 0.0 for lp in lps]
     out_ids = body.get("output_ids")
     if out_ids is not None and list(out_ids) != ids:
         raise GeneratorResponseError(

@@ -13,7 +13,6 @@ killed; it is abandoned and counted (``stats["abandoned"]``) and holds its limit
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
@@ -141,16 +140,39 @@ class RewardRunner:
         self,
         *,
         prompt: str,
-        completion: str,
+        completion: str | None,
         prompt_ids: list[int],
         completion_ids: list[int],
         row: dict[str, Any],
         extra: dict[str, Any] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> RewardResult:
-        """Never raises (except cancellation): a failure is reward 0 with a reason."""
+        """Never raises (except cancellation): a failure is reward 0 with a reason.
+
+        With ``completion=None``, ``decode(completion_ids)`` makes the text in the same thread as
+        the reward (one thread hop per sample instead of two).
+        """
         self.stats["calls"] += 1
         kw = self._kwargs(row, extra or {})
-        call = functools.partial(self.fn, prompt, completion, prompt_ids, completion_ids, **kw)
+        fn = self.fn
+
+        def text() -> str:
+            if completion is not None:
+                return completion
+            if decode is None:
+                raise TypeError("score() needs the completion text or a decode function")
+            return decode(completion_ids)
+
+        if self.is_async:
+
+            async def call() -> Any:
+                t = await trio.to_thread.run_sync(text)
+                return await fn(prompt, t, prompt_ids, completion_ids, **kw)
+        else:
+
+            def call() -> Any:
+                return fn(prompt, text(), prompt_ids, completion_ids, **kw)
+
         t0 = trio.current_time()
         value: Any = None
         failure = ""

@@ -278,13 +278,13 @@ class RolloutWorker:
         a version that goes back, or announcements that resume after a silence, mean the learner
         restarted (from a checkpoint): the worker registers its generators again."""
         assert self.subscriber is not None
-        last_heard: float | None = None
+        last_heard = trio.current_time()  # a learner that dies before we first hear it counts too
         while True:
             msg = await self.subscriber.receive(timeout_s=1.0)
             if not isinstance(msg, wire.Version):
                 continue
             now = trio.current_time()
-            silent = last_heard is not None and now - last_heard > self.cfg.learner_silence_s
+            silent = now - last_heard > self.cfg.learner_silence_s  # at worst one extra Register
             last_heard = now
             if msg.version < self.version or silent:
                 log.warning(
@@ -493,14 +493,15 @@ class RolloutWorker:
         c["episodes"] += 1
         c["tokens_generated"] += sum(ep.loss_mask)
         c["resumes"] += int(ep.metadata.get("resumes", 0))
-        completion = await ctx.decode(ep.completion_ids)
+        tok = self.tokenizer
         r = await self.reward.score(
             prompt=prompt_text,
-            completion=completion,
+            completion=None,  # decoded in the reward's thread
             prompt_ids=list(prompt_ids),
             completion_ids=list(ep.completion_ids),
             row=row,
             extra={"finish_reason": ep.finish_reason},
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
         )
         meta = dict(ep.metadata)
         if r.failure:
