@@ -7,6 +7,7 @@ request never reaches the decode loop.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -440,9 +441,11 @@ class Engine:
         except (BadRequest, ValueError) as e:
             return _fail(f"Failed to initialize custom process group: {e}.")
         if kw["backend"] == "nccl" and not torch.cuda.is_available():
-            kw["backend"] = (
-                "gloo"  # the CPU engine cannot join NCCL; gloo speaks the same rendezvous
+            # the CPU engine cannot join NCCL; gloo speaks the same rendezvous (the trainer must too)
+            print(
+                "asyncrl engine: 'nccl' requested without CUDA; joining with gloo", file=sys.stderr
             )
+            kw["backend"] = "gloo"
         if not 0 < kw["rank_offset"] < kw["world_size"]:
             return _fail(
                 f"Failed to initialize custom process group: rank_offset {kw['rank_offset']} must be in [1, world_size)."
