@@ -12,11 +12,15 @@ anything undecodable, gets a ``wire.Error`` and is counted; the service keeps se
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -38,6 +42,15 @@ class BufferService:
 
     ``state`` (from :meth:`state_dict`, saved with a checkpoint) resumes the buffer where it was:
     counters, leases, stored groups, ids already seen.
+
+    ``journal_dir`` makes an acknowledgement durable across a learner killed between checkpoints:
+    every acknowledged group is appended to a journal segment before the Ack is sent, each
+    :meth:`state_dict` starts a new segment (and names it in the state), and a restore stores again
+    the groups of the segments written since (:meth:`ReplayStore.readmit`). The same folder holds
+    ``trained.jsonl``, the audit: one line per training step (the version it made, the groups it
+    consumed and their oldest token versions) and one per start (the version resumed from).
+    Appends survive the process being killed (the page cache is the kernel's), not a power cut.
+    ``journal_resume=False`` (a new run, not a resumed one) deletes old segments instead.
     """
 
     def __init__(
@@ -50,6 +63,9 @@ class BufferService:
         register_timeout_s: float = 30.0,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        journal_dir: str | os.PathLike | None = None,
+        journal_keep: int = 8,
+        journal_resume: bool = True,
     ) -> None:
         self.cfg = cfg
         self._tls = tls if tls is not None else TLS.from_config(cfg)
@@ -59,8 +75,18 @@ class BufferService:
         self._clock = clock
         self._cond = threading.Condition()  # guards the store; notified when groups arrive
         self._store = ReplayStore(cfg, nonce=secrets.token_hex(4))
+        self._journal = Path(journal_dir) if journal_dir is not None else None
+        self._journal_keep = max(journal_keep, 2)
+        self._segment = 0
+        self._journal_fd = -1
+        self._handed: tuple[int, list[dict[str, Any]]] | None = None  # last batch, not yet trained
         if state is not None:
             self._store.load_state_dict(state, now=clock())
+        if self._journal is not None:
+            if not journal_resume:  # a new run: what an earlier one acknowledged is not ours
+                for old in self._journal.glob("acked-*.bin"):
+                    old.unlink()
+            self._open_journal(state)
         self._checkpoint = ""
         self._callbacks: list[RegisterCallback] = []
         self._rep: RepServer | None = None
@@ -143,12 +169,104 @@ class BufferService:
         for sock in (self._rep, self._pub):
             if sock is not None:
                 sock.close()
+        with self._cond:
+            if self._journal_fd >= 0:
+                self._audit({"stop": self._store.version, "stored": self._store.stored_ids()})
+                os.close(self._journal_fd)
+                self._journal_fd = -1
 
     def __enter__(self) -> BufferService:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    # ---------------------------------------------------------------------------------------------
+    # Journal of acknowledged groups, and the audit of trained ones
+    # ---------------------------------------------------------------------------------------------
+
+    def _segment_path(self, n: int) -> Path:
+        assert self._journal is not None
+        return self._journal / f"acked-{n:08d}.bin"
+
+    def _segments(self) -> list[int]:
+        assert self._journal is not None
+        return sorted(int(p.stem.split("-")[1]) for p in self._journal.glob("acked-*.bin"))
+
+    def _open_journal(self, state: dict[str, Any] | None) -> None:
+        """Store again what was acknowledged since ``state`` was saved; open a fresh segment."""
+        assert self._journal is not None
+        self._journal.mkdir(parents=True, exist_ok=True)
+        existing = self._segments()
+        outcomes = self._replay(state)
+        self._segment = max(existing, default=0) + 1
+        self._journal_fd = os.open(
+            self._segment_path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+        )
+        self._audit({"start": self._store.version, "readmitted": outcomes})
+
+    def _replay(self, state: dict[str, Any] | None) -> dict[str, int]:
+        """Readmit the groups of the segments written since ``state`` (all, without a state)."""
+        existing = self._segments()
+        if state is None:
+            since = 0
+        else:  # a state saved without a journal: nothing after it is known
+            since = int(state.get("journal_segment", max(existing, default=0) + 1))
+        outcomes: dict[str, int] = {}
+        for n in existing:
+            if n >= since:
+                for g in self._read_segment(n):
+                    r = self._store.readmit(g)
+                    outcomes[r] = outcomes.get(r, 0) + 1
+        if outcomes:
+            log.info("journal: %s acknowledged groups since the checkpoint", outcomes)
+        return outcomes
+
+    def _read_segment(self, n: int) -> list[wire.Group]:
+        """The groups of one segment; a torn last record (killed mid-append) ends it."""
+        data = self._segment_path(n).read_bytes()
+        out, pos = [], 0
+        while pos + 4 <= len(data):
+            (size,) = struct.unpack_from("<I", data, pos)
+            if pos + 4 + size > len(data):
+                break
+            try:
+                out.append(wire.decode(data[pos + 4 : pos + 4 + size], expect=wire.Group))
+            except wire.WireError as e:
+                log.warning("journal %s: unreadable record at %d: %s", n, pos, e)
+                break
+            pos += 4 + size
+        return out
+
+    def _journal_groups(self, groups: list[wire.Group]) -> None:
+        """Append acknowledged groups (caller holds the lock; before the Ack leaves)."""
+        if self._journal_fd < 0 or not groups:
+            return
+        records = []
+        for g in groups:
+            b = wire.encode(g)
+            records += [struct.pack("<I", len(b)), b]
+        os.write(self._journal_fd, b"".join(records))
+
+    def _rotate_journal(self) -> int:
+        """A new segment for the groups acknowledged after a state snapshot (caller holds lock)."""
+        assert self._journal is not None
+        os.close(self._journal_fd)
+        self._segment += 1
+        self._journal_fd = os.open(
+            self._segment_path(self._segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+        )
+        for n in self._segments():
+            if n < self._segment - self._journal_keep:
+                self._segment_path(n).unlink(missing_ok=True)
+        return self._segment
+
+    def _audit(self, record: dict[str, Any]) -> None:
+        if self._journal is None:
+            return
+        record["t"] = time.time()
+        with open(self._journal / "trained.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     # ---------------------------------------------------------------------------------------------
     # Worker requests (trio thread)
@@ -160,6 +278,8 @@ class BufferService:
             with self._cond:
                 ack = self._store.put(msg.groups, now=now)
                 if ack.group_ids:
+                    acked = set(ack.group_ids)
+                    self._journal_groups([g for g in msg.groups if g.id in acked])
                     self._cond.notify_all()
             return ack
         if isinstance(msg, wire.Acquire):
@@ -237,6 +357,10 @@ class BufferService:
                 allow_partial = partial_at is not None and now >= partial_at
                 batch = self._store.take_batch(now, allow_partial=allow_partial)
                 if batch is not None:
+                    self._handed = (
+                        batch.version,
+                        [{"id": g.id, "min_version": g.behavior_version} for g in batch.groups],
+                    )
                     waited = self._clock() - start
                     self._idle_s += waited
                     batch.stats["wait_s"] = waited
@@ -259,6 +383,11 @@ class BufferService:
         """The learner's policy version after an optimizer step (and, if given, an HF export of
         it); announced to workers at once and repeated every ``announce_every_s``."""
         with self._cond:
+            if self._handed is not None and v > self._handed[0]:
+                self._audit(
+                    {"version": v, "trained_at": self._handed[0], "groups": self._handed[1]}
+                )
+                self._handed = None
             changed = self._store.set_version(v)
             if checkpoint:
                 self._checkpoint = checkpoint
@@ -271,11 +400,16 @@ class BufferService:
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state to save with the learner's checkpoint."""
         with self._cond:
-            return self._store.state_dict()
+            state = self._store.state_dict()
+            if self._journal is not None:
+                state["journal_segment"] = self._rotate_journal()
+            return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._cond:
             self._store.load_state_dict(state, now=self._clock(), nonce=secrets.token_hex(4))
+            if self._journal is not None:
+                self._audit({"start": self._store.version, "readmitted": self._replay(state)})
             self._cond.notify_all()
 
     def stats(self) -> dict[str, Any]:

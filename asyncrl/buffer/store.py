@@ -85,6 +85,7 @@ def _counter_names() -> list[str]:
         "admission_waits",  # acquires answered with k = 0
         "duplicates",  # resent groups acknowledged and ignored
         "overlong_samples",  # samples whose loss mask the overlong filter zeroed
+        "readmitted",  # acknowledged groups stored again from the journal after a restart
     ]
 
 
@@ -349,6 +350,39 @@ class ReplayStore:
         heapq.heappush(self._heap, (version, self._seq, g.id))
         self._c.values["stored_total"] += 1
         return None
+
+    def readmit(self, g: wire.Group) -> str:
+        """Store again a group this buffer acknowledged after the checkpoint it was restored from
+        (the service's journal). It was admitted once, so no lease is needed; ids already known are
+        skipped, and the bound still holds: a group too old by now is dropped and counted. Returns
+        "stored", "known", "stale" or "equal_rewards"."""
+        if g.id in self._seen or g.id in self._stored:
+            return "known"
+        tokens = _token_version(g)
+        oldest = self._version if tokens is None else tokens[0]
+        lease = self._leases.get(g.lease_id)
+        if lease is not None:  # granted before the checkpoint: the group spent one of its starts
+            lease.used += 1
+            self._c.values["arrived"] += 1
+            if lease.remaining == 0:
+                self._close(lease)
+        lease_version = lease.version if lease is not None else self._old_leases.get(g.lease_id)
+        # Tokens newer than this version come from weights of the lost steps: order them as now.
+        version = min(oldest, self._version if lease_version is None else lease_version)
+        version = min(version, self._version)
+        self._seen[g.id] = oldest
+        if version < self.min_version:
+            _bump(self._c.dropped, "stale")
+            return "stale"
+        if self.cfg.dynamic_sampling and len(g.samples) > 1 and len(set(g.rewards)) == 1:
+            _bump(self._c.dropped, "equal_rewards")
+            return "equal_rewards"
+        self._seq += 1
+        self._stored[g.id] = _Stored(group=g, version=version, seq=self._seq)
+        heapq.heappush(self._heap, (version, self._seq, g.id))
+        self._c.values["stored_total"] += 1
+        self._c.values["readmitted"] += 1
+        return "stored"
 
     def _too_old(self, version: int) -> str:
         return (
