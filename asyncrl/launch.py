@@ -402,12 +402,16 @@ def summarize(
 
     records = _all_records(run_dir)
     _, _, smax = plots.series(records, plots.STALE_MAX)
-    version = status.get("version") if status else None
-    if version is None:
-        _, _, vs = plots.series(records, [r"version", r"learner/version"])
-        steps_from_records = [rec.get("step") for rec in records if rec.get("process") == "learner"]
-        cands = [int(v) for v in vs] + [int(s) for s in steps_from_records if isinstance(s, int)]
-        version = max(cands) if cands else 0
+    # the learner logs every version it reaches (step = version); the buffer's last polled status
+    # may be a second old when the learner finishes
+    learner_steps = [
+        rec["step"]
+        for rec in records
+        if rec.get("process") == "learner" and isinstance(rec.get("step"), int)
+    ]
+    status_version = status.get("version") if status else None
+    cands = learner_steps + ([int(status_version)] if isinstance(status_version, int) else [])
+    version = max(cands) if cands else 0
     trained_tokens = _sum_key(records, [r"learner/tokens", r".*trained_tokens", r"loss/tokens"])
     _, _, tps = plots.series(records, plots.TRAIN_TPS)
     times = [

@@ -8,6 +8,7 @@ metrics.jsonl, the W&B offline run read back, plots, and no process left behind.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,6 +35,11 @@ def _paths(demo: Path, model: Path | None = None) -> list[str]:
         f"data.path={demo / 'data/train.jsonl'}",
         f"data.eval_path={demo / 'data/eval.jsonl'}",
     ]
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    """The learner's per-step records (the learner process also logs weight-sync lines)."""
+    return [r for r in metrics.read_metrics(run_dir, process="learner") if "loss" in r]
 
 
 def _pgroup_alive(pgid: int) -> bool:
@@ -71,7 +77,7 @@ def test_sft_run_leaves_a_complete_run_folder(tmp_path, demo_dir):
         assert key in on_disk
     assert on_disk["trained_tokens_per_s"] > 0
     assert 0.0 <= on_disk["reward_start"] <= 1.0 and 0.0 <= on_disk["reward_end"] <= 1.0
-    learner = metrics.read_metrics(run_dir, process="learner")
+    learner = _steps(run_dir)
     assert [r["step"] for r in learner] == list(range(1, steps + 1))
     assert all(r["loss"] > 0 for r in learner)
     assert learner[-1]["loss"] < learner[0]["loss"]  # the SFT loss goes down
@@ -126,10 +132,10 @@ def _ctrl_c_then_resume(tmp_path: Path, recipe: Path, ov: list[str], name: str) 
     _no_children_left(run_dir)
     saved = _checkpoints(run_dir)[-1]
     # resume: the learner continues from the last complete checkpoint, not from scratch
-    n_before = len(metrics.read_metrics(run_dir, process="learner"))
+    n_before = len(_steps(run_dir))
     s = launch.run(recipe, [*ov, "run.resume=true", f"run.steps={saved + 2}"], progress=False)
     assert s["outcome"] == "completed" and s["steps"] == saved + 2
-    steps = [r["step"] for r in metrics.read_metrics(run_dir, process="learner")]
+    steps = [r["step"] for r in _steps(run_dir)]
     assert steps[n_before:] == [saved + 1, saved + 2]
     _no_children_left(run_dir)
 
@@ -144,3 +150,133 @@ def test_ctrl_c_stops_the_sft_run_and_it_resumes(tmp_path, demo_dir):
         "learner.checkpoint_async=false",
     ]
     _ctrl_c_then_resume(tmp_path, ROOT / "recipes/demo_sft.yaml", ov, "demo_sft")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reinforcement learning: learner + buffer + rollout worker + built-in engine
+# --------------------------------------------------------------------------------------------------
+
+# A reward with signal even for an untrained model: the share of lower-case letters in the completion.
+REWARD_MODULE = """
+def letters(prompt, completion, prompt_ids, completion_ids, **row):
+    return sum(c.islower() for c in completion) / max(len(completion), 1)
+"""
+
+# Records every batch the learner trains on, by wrapping asyncrl.learner.source.broadcast_batch when
+# the learner imports it (a sitecustomize on PYTHONPATH; the learner's code is not changed). The batch
+# is the real one, encoded with the learner's own codec.
+RECORDER = """
+import importlib.abc, importlib.util, os, sys
+
+_DIR = os.environ.get("ASYNCRL_TEST_RECORD_BATCHES")
+
+
+class _Recorder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "asyncrl.learner.source":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real = module.broadcast_batch
+
+            def recording(source, *, timeout_s):
+                batch = real(source, timeout_s=timeout_s)
+                n = len(os.listdir(_DIR))
+                with open(os.path.join(_DIR, "batch-%05d.bin" % n), "wb") as f:
+                    f.write(module.encode_batch(batch))
+                return batch
+
+            module.broadcast_batch = recording
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _DIR:
+    sys.meta_path.insert(0, _Recorder())
+"""
+
+
+@pytest.fixture()
+def plugin_path(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "plugins"
+    d.mkdir()
+    (d / "e2e_reward.py").write_text(REWARD_MODULE)
+    (d / "sitecustomize.py").write_text(RECORDER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(d), os.environ.get("PYTHONPATH", "")]))
+    return d
+
+
+def _rl_overrides(demo: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        *_paths(demo),
+        f"run.output_dir={out}",
+        "run.eval_prompts=16",
+        "rollout.group_size=4",
+        "rollout.max_concurrent_groups=8",
+        "rollout.reward=e2e_reward:letters",
+        "buffer.groups_per_batch=2",
+        "buffer.dynamic_sampling=false",
+        "learner.checkpoint_every=0",
+        "generator.max_batch_size=16",
+        *extra,
+    ]
+
+
+def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
+    eta, steps = 2, 8
+    ov = _rl_overrides(demo_dir, tmp_path, f"run.steps={steps}", f"buffer.max_staleness={eta}")
+    s = launch.run(ROOT / "recipes/demo.yaml", ov, progress=False)
+    run_dir = tmp_path / "demo"
+    assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
+    assert s["steps"] == steps and s["max_staleness_allowed"] == eta
+    assert s["max_staleness_seen"] is not None and s["max_staleness_seen"] <= eta
+    # DESIGN §7 staleness metrics, as W&B shows them (the offline run read back)
+    runs = metrics.read_wandb_offline(run_dir)
+    (learner,) = [w for w in runs if w["job_type"] == "learner"]
+    rows = [h for h in learner["history"] if "buffer/staleness_max" in h]
+    assert [h["step"] for h in rows] == list(range(1, steps + 1))
+    assert all(0 <= h["buffer/staleness_max"] <= eta for h in rows)
+    assert all(h["buffer/staleness_mean"] <= h["buffer/staleness_max"] for h in rows)
+    assert all("drift/tokens/0" in h for h in rows)  # trained tokens per staleness bucket
+    assert any(w["job_type"].startswith("worker") for w in runs)  # the rollout worker's run
+    assert (run_dir / "plots/staleness.png").is_file() and (run_dir / "plots/reward.png").is_file()
+    _no_children_left(run_dir)
+
+
+def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
+    tmp_path, demo_dir, plugin_path, monkeypatch
+):
+    """With max_staleness 0 every batch is generated by the current policy, and training on the
+    recorded batches in a plain synchronous loop (same init) gives the same losses."""
+    from asyncrl import recipe
+    from asyncrl.learner.source import decode_batch
+    from asyncrl.learner.trainer import Trainer
+
+    steps = 4
+    rec = tmp_path / "batches"
+    rec.mkdir()
+    monkeypatch.setenv("ASYNCRL_TEST_RECORD_BATCHES", str(rec))
+    ov = _rl_overrides(demo_dir, tmp_path, f"run.steps={steps}", "buffer.max_staleness=0")
+    s = launch.run(ROOT / "recipes/demo.yaml", ov, progress=False)
+    assert s["outcome"] == "completed"
+    async_losses = [r["loss"] for r in _steps(tmp_path / "demo")]
+    batches = [decode_batch(p.read_bytes()) for p in sorted(rec.glob("batch-*.bin"))]
+    assert len(batches) == len(async_losses) == steps
+
+    r = recipe.load(ROOT / "recipes/demo.yaml", ov)
+    trainer = Trainer(r, run_dir=tmp_path / "sync", checkpointing=False)
+    try:
+        for v, (batch, loss) in enumerate(zip(batches, async_losses, strict=True)):
+            for g in batch.groups:  # on-policy: every token from the weights of version v
+                for smp in g.samples:
+                    assert set(smp.versions.tolist()) == {v}, (v, smp.versions)
+            result = trainer.step(batch)
+            assert result.version == v + 1
+            assert result.loss == pytest.approx(loss, abs=1e-5)
+    finally:
+        trainer.close()
