@@ -110,15 +110,41 @@ class Stream:
                     self.final = json.loads(line[5:])
                     self.first.set()
 
+    @classmethod
+    def frozen(cls, url: str) -> Stream:
+        """A long request paused in place while it decodes (retried if it finished first)."""
+        for _ in range(5):
+            s = cls(url, n=400)
+            assert s.first.wait(60)
+            httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
+            if httpx.get(url + "/engine_stats", timeout=30).json()["running"] == 1:
+                return s
+            httpx.post(url + "/continue_generation", json={}, timeout=30)
+            s.result()
+        pytest.fail("the request finished before it could be paused, 5 times")
+
     def result(self) -> dict:
         self.thread.join(120)
         assert not self.thread.is_alive() and self.final is not None
         return self.final
 
 
-@pytest.fixture
+def start_engines(model_dir, n: int) -> list:
+    """Start ``n`` engines at once (each loads its model in its own process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(
+            pool.map(
+                lambda _: start_engine_process(model_dir, weight_version="0", timeout_s=120),
+                range(n),
+            )
+        )
+
+
+@pytest.fixture(scope="module")
 def engines(tiny_qwen3):
-    eps = [start_engine_process(tiny_qwen3, weight_version="0", timeout_s=120) for _ in range(2)]
+    eps = start_engines(tiny_qwen3, 2)
     yield eps
     for ep in eps:
         ep.stop()
@@ -136,11 +162,7 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
     tr.add_publisher(b.on_step)
     before = greedy(e1.url, PROMPTS[1])
     # a request in flight on each engine, held in place so it is certainly live during the update
-    streams = [Stream(e.url) for e in engines]
-    for s in streams:
-        assert s.first.wait(60)
-    for e in engines:
-        httpx.post(e.url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
+    streams = [Stream.frozen(e.url) for e in engines]
     try:
         for v in (1, 2):
             tr.step(sft_batch(v - 1, vocab, seed=v))
@@ -167,7 +189,7 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
         assert meta["finish_reason"]["type"] == "length"
         spans = meta["weight_versions"]
         assert spans[0]["version"] == "0" and spans[-1]["version"] in ("1", "2")
-        assert spans[0]["start"] == 0 and spans[-1]["end"] == meta["completion_tokens"] == 60
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == meta["completion_tokens"] == 400
     # greedy decoding equals a fresh load of the exported checkpoint
     export = tr.export_hf(tmp_path / "export")
     for p in PROMPTS:
@@ -183,8 +205,8 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
     """SIGKILL one engine in the middle of an update (after the first of several buckets)."""
     tr = make_trainer(tiny_qwen3, tmp_path)
     vocab = tr.spec.model.vocab_size
-    cfg = WeightsConfig(timeout_s=4.0, bucket_mb=0.1, overlap=True)
-    eps = [start_engine_process(tiny_qwen3, weight_version="0", timeout_s=120) for _ in range(2)]
+    cfg = WeightsConfig(timeout_s=8.0, bucket_mb=0.1, overlap=True)
+    eps = start_engines(tiny_qwen3, 2)
     victim, other = eps
     killed = threading.Event()
     rejoined: list[str | None] = []
@@ -202,7 +224,8 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
             b.add_generator(wire.GeneratorInfo(url=ep.url, kind="builtin"))
         tr.add_publisher(b.on_step)
         tr.step(sft_batch(0, vocab, seed=1))
-        assert b.wait(timeout=60) and b.reports[-1].updated == [victim.url, other.url]
+        assert b.wait(timeout=60)
+        assert b.reports[-1].updated == [victim.url, other.url], b.reports[-1]
         tr.step(sft_batch(1, vocab, seed=2))  # version 2: the victim dies after bucket 1
         assert b.wait(timeout=8 * cfg.timeout_s + 30)  # bounded by the timeouts, never a hang
         r = b.reports[-1]
@@ -228,3 +251,32 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
         tr.close()
         for ep in eps:
             ep.stop()
+
+
+def test_two_rank_learner_under_torchrun(engines, tiny_qwen3, tmp_path):
+    """FSDP over 2 ranks: every rank takes the hf_state_dict() collective, rank 0 alone sends."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("weights_ranks_worker.py")
+    urls = ",".join(e.url for e in engines)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(worker), str(tiny_qwen3), str(tmp_path), urls]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["world"] == 2 and [r["version"] for r in res["reports"]] == [1, 2]
+    for r in res["reports"]:
+        assert not r["error"] and sorted(r["updated"]) == sorted(e.url for e in engines)
+        assert set(r["checksum_ok"].values()) == {True}
+        assert set(r["reported"].values()) == {str(r["version"])}
+    for e in engines:
+        assert engine_checksum(e.url) == res["checksum"]
+    for p_ in PROMPTS:
+        assert (
+            greedy(engines[0].url, p_)
+            == greedy(engines[1].url, p_)
+            == hf_greedy(tmp_path / "export", p_)
+        )

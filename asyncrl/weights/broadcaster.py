@@ -61,6 +61,7 @@ class Snapshot:
     buckets: list[buckets.Bucket]
     payloads: list[list[torch.Tensor]]  # per bucket: what rank 0 broadcasts, in order
     nbytes: int
+    snapshot_s: float = 0.0  # time to build it (the copy into buckets)
 
     def named(self) -> Iterable[tuple[str, torch.Tensor]]:
         for b in self.buckets:
@@ -86,8 +87,12 @@ def make_snapshot(
     dtype: torch.dtype,
     bucket_bytes: int,
     load_format: str,
+    copy: bool = True,
 ) -> Snapshot:
-    """Copy ``named`` into wire buckets: floating tensors cast to ``dtype``, tied copies sent once."""
+    """``named`` as wire buckets: floating tensors cast to ``dtype``, tied copies sent once.
+
+    ``copy``: the snapshot must not share memory with ``named`` (the learner will change it). The
+    flattened layout always copies; with ``list`` and ``copy=False`` tensors are sent as they are."""
     named = drop_tied(named)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +128,11 @@ def make_snapshot(
             )
             payloads.append([flat])
         else:
-            tensors = [cast(t).clone(memory_format=torch.contiguous_format) for _, t in g]
+            tensors = [cast(t) for _, t in g]
+            tensors = [
+                t.clone(memory_format=torch.contiguous_format) if copy else t.contiguous()
+                for t in tensors
+            ]
             out_buckets.append(buckets.Bucket(names=names, tensors=tensors))
             payloads.append(tensors)
     total = sum(b.nbytes for b in out_buckets)
@@ -202,7 +211,8 @@ class SyncReport:
     version: int
     updated: list[str] = field(default_factory=list)  # urls that hold this version now
     dropped: list[str] = field(default_factory=list)  # urls dropped during this version
-    sync_s: float = 0.0
+    sync_s: float = 0.0  # pause, transfer, resume: the generators' side of the update
+    snapshot_s: float = 0.0  # building the buckets (on the training thread unless owned)
     nbytes: int = 0
     attempts: int = 0
     group_builds: int = 0
@@ -350,7 +360,7 @@ class WeightBroadcaster:
             raise RuntimeError("weight broadcaster is closed")
         if owned:
             named = dict(named_tensors)
-            job = lambda: self._sync_logged(self._snapshot(version, named))  # noqa: E731
+            job = lambda: self._sync_logged(self._snapshot(version, named, copy=False))  # noqa: E731
         else:
             snap = self._snapshot(version, named_tensors)
             job = lambda: self._sync_logged(snap)  # noqa: E731
@@ -360,14 +370,20 @@ class WeightBroadcaster:
         if not self.cfg.overlap:
             self.wait()
 
-    def _snapshot(self, version: int, named: Mapping[str, torch.Tensor]) -> Snapshot:
-        return make_snapshot(
+    def _snapshot(
+        self, version: int, named: Mapping[str, torch.Tensor], *, copy: bool = True
+    ) -> Snapshot:
+        t0 = time.monotonic()
+        snap = make_snapshot(
             version,
             named,
             dtype=self.dtype,
             bucket_bytes=self.bucket_bytes,
             load_format=self.cfg.load_format,
+            copy=copy,
         )
+        snap.snapshot_s = time.monotonic() - t0
+        return snap
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the in-flight broadcast; False if it is still running after ``timeout`` seconds."""
@@ -425,7 +441,7 @@ class WeightBroadcaster:
 
     def _sync(self, snap: Snapshot) -> SyncReport:
         t0 = time.monotonic()
-        report = SyncReport(version=snap.version, nbytes=snap.nbytes)
+        report = SyncReport(version=snap.version, nbytes=snap.nbytes, snapshot_s=snap.snapshot_s)
         self._preflight(report)
         paused: dict[str, float] = {}
         try:
@@ -491,14 +507,14 @@ class WeightBroadcaster:
         dropped ones that answer again (latest export from disk first)."""
         with self._lock:
             known = [m for m in self._members.values() if m.state != "removed"]
-        quick = min(5.0, self.cfg.timeout_s)
+        quick = min(5.0, self.cfg.timeout_s)  # a dropped one that answers slowly is not back yet
 
         def probe(m: Member) -> str | None:
             if m.state == "dropped":
                 return "up" if m.client.health(timeout_s=quick) else None
-            return m.client.weight_version(timeout_s=quick)
+            return m.client.weight_version()
 
-        ok, bad = self._fan_out(known, probe, timeout=quick + 1)
+        ok, bad = self._fan_out(known, probe, timeout=self.cfg.timeout_s + 1)
         for m in known:
             if m.url in bad:
                 if m.state != "dropped":
@@ -683,8 +699,10 @@ class WeightBroadcaster:
                     timeout_s=http_timeout,
                 )
 
+            t0 = time.monotonic()
             futs = {self._http.submit(update, m): m for m in members}
             bcast_err = self._broadcast(pg, payload)
+            t_bcast = time.monotonic() - t0
             done, pending = cf.wait(
                 futs, timeout=self.cfg.timeout_s if not bcast_err else http_timeout
             )
@@ -701,7 +719,15 @@ class WeightBroadcaster:
                 if not culprits:
                     culprits = self._unhealthy(members)
                 raise _Failed(culprits, f"bucket {i + 1}/{n}: {bcast_err or 'update failed'}")
-            self._event("bucket_sent", version=snap.version, index=i, count=n, nbytes=bucket.nbytes)
+            self._event(
+                "bucket_sent",
+                version=snap.version,
+                index=i,
+                count=n,
+                nbytes=bucket.nbytes,
+                broadcast_s=t_bcast,
+                total_s=time.monotonic() - t0,
+            )
         ended, bad = self._fan_out(
             [m for m in members if m.sessions], lambda m: m.client.end(), self.cfg.timeout_s + 5
         )
@@ -731,13 +757,10 @@ class WeightBroadcaster:
         return None
 
     def _resume(self, paused: dict[str, float], report: SyncReport) -> None:
-        """Continue every generator this version paused that is still alive."""
+        """Continue every generator this version paused, dropped ones too (a generator dropped for
+        refusing an update is alive, and its requests must not stay frozen)."""
         with self._lock:
-            targets = [
-                self._members[u]
-                for u in paused
-                if self._members[u].state not in ("dropped", "removed")
-            ]
+            targets = [self._members[u] for u in paused]
 
         def cont(m: Member) -> None:
             m.client.resume()
@@ -783,6 +806,7 @@ class WeightBroadcaster:
         values: dict[str, Any] = {
             "weights/sync_s": r.sync_s,
             "weights/bytes": r.nbytes,
+            "weights/snapshot_s": r.snapshot_s,
             "weights/generators": sum(m.state == "member" for m in members),
             "weights/dropped": len(r.dropped),
             "weights/dropped_total": sum(m.state == "dropped" for m in members),

@@ -34,8 +34,17 @@ def init_custom_process_group(
     Blocks until all ``world_size`` ranks have joined or ``timeout_s`` passes (then raises).
     """
     timeout = timedelta(seconds=timeout_s)
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    # What c10d.rendezvous("tcp://...") does outside torchrun: rank 0 hosts the store. Called
+    # directly because under torchrun rendezvous() would make every rank a client of the agent's
+    # store (TORCHELASTIC_USE_AGENT_STORE), so a learner rank 0 would wait for a store nobody hosts.
+    store = dist.TCPStore(
+        host_name=master_address,
+        port=master_port,
+        world_size=world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
     pg_options = {}
