@@ -380,6 +380,29 @@ def eval_held_out(r: Recipe, model_dir: Path | None) -> float | None:
     return res.success
 
 
+def summary_version(run_dir: Path) -> int:
+    """The last version the learner logged (0 if none)."""
+    steps = [
+        rec["step"]
+        for rec in _all_records(run_dir)
+        if rec.get("process") == "learner" and isinstance(rec.get("step"), int)
+    ]
+    return max(steps, default=0)
+
+
+def log_eval(run_dir: Path, success: dict[int, float | None]) -> None:
+    """Held-out success at the first and last version, as ``eval/success`` lines of the launcher in
+    metrics.jsonl (the reward plot shows them next to the sampled training reward)."""
+    from asyncrl.metrics import MetricsSink
+
+    values = {v: s for v, s in success.items() if s is not None}
+    if not values:
+        return
+    with MetricsSink(run_dir, name="", group="", use_wandb=False, process="launcher") as sink:
+        for v, s in sorted(values.items()):
+            sink.log({"eval/success": s}, step=v)
+
+
 def _all_records(run_dir: Path) -> list[dict]:
     from asyncrl import plots
 
@@ -565,6 +588,7 @@ def run(
         link_latest_export(run_dir)
     reward_start = eval_held_out(r, start_model)
     reward_end = eval_held_out(r, find_export(run_dir)) if outcome == "completed" else None
+    log_eval(run_dir, {0: reward_start, summary_version(run_dir): reward_end})
     summary = summarize(
         r,
         run_dir=run_dir,

@@ -212,12 +212,41 @@ def plot_staleness(records, out: Path) -> Path | None:
     return _save(fig, out / "staleness.png")
 
 
+WAIT_S = [r"buffer/wait_s", r".*batch_wait_s", r".*wait_for_batch.*"]
+
+
+def learner_idle_series(records: list[dict]) -> tuple[list[float], list[float]]:
+    """Learner idle fraction per step: a logged one if there is, else derived from the learner's
+    step records as (seconds waiting for the batch) / (wall seconds since the previous step)."""
+    key, xs, ys = series(records, LEARNER_IDLE)
+    if xs:
+        return xs, ys
+    learner = [r for r in records if r.get("process") == "learner" and _num(r.get("time"))]
+    wkey = find_key(learner, WAIT_S)
+    if wkey is None:
+        return [], []
+    xs, ys = [], []
+    prev = None
+    for i, r in enumerate(learner):
+        wait = _num(r.get(wkey))
+        if wait is None:
+            continue
+        if prev is not None and r["time"] > prev:
+            xs.append(_x(r, i))
+            ys.append(min(1.0, wait / (r["time"] - prev)))
+        prev = r["time"]
+    return xs, ys
+
+
 def plot_throughput(records, out: Path) -> Path | None:
     plt = _plt()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     d1 = _line(a1, records, GEN_TPS, label="generated tokens/s")
     d1 |= _line(a1, records, TRAIN_TPS, label="trained tokens/s")
-    d2 = _line(a2, records, LEARNER_IDLE, label="learner idle (waiting for data)")
+    xs, ys = learner_idle_series(records)
+    if xs:
+        a2.plot(xs, ys, label="learner idle (waiting for data)")
+    d2 = bool(xs)
     d2 |= _line(a2, records, GEN_IDLE, label="generator idle")
     if not (d1 or d2):
         plt.close(fig)

@@ -91,3 +91,15 @@ def test_staleness_histograms_from_the_metrics_sink(tmp_path):
     hist = next(r["staleness/hist"] for r in recs if "staleness/hist" in r)
     assert plots._hist_buckets(hist) == {0: 2.0, 1: 2.0}
     assert [p.name for p in plots.make_plots(tmp_path / "metrics.jsonl")] == ["staleness.png"]
+
+
+def test_learner_idle_is_derived_from_batch_waits_when_not_logged():
+    recs = [
+        {"step": 1, "time": 100.0, "process": "learner", "buffer/wait_s": 5.0},
+        {"step": 2, "time": 102.0, "process": "learner", "buffer/wait_s": 0.5},
+        {"step": 2, "time": 102.5, "process": "worker0", "rollout/reward_mean": 0.5},
+        {"step": 3, "time": 106.0, "process": "learner", "buffer/wait_s": 3.0},
+    ]
+    assert plots.learner_idle_series(recs) == ([2.0, 3.0], [0.25, 0.75])
+    logged = [{"step": 1, "learner/idle_fraction": 0.1}]
+    assert plots.learner_idle_series(logged) == ([1.0], [0.1])

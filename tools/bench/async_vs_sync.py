@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT))
 from asyncrl import launch, plots  # noqa: E402
 from tools.make_demo import make_demo  # noqa: E402
 
-LEARNER_IDLE = plots.LEARNER_IDLE
 GEN_IDLE = plots.GEN_IDLE
 
 
@@ -41,6 +40,11 @@ def ensure_sft() -> None:
 def _mean(records: list[dict], patterns: list[str], *, skip_first: int = 2) -> float | None:
     """Mean of a metric over the run, leaving out the first records (start-up, compilation)."""
     _, _, ys = plots.series(records, patterns)
+    ys = ys[skip_first:] if len(ys) > skip_first else ys
+    return sum(ys) / len(ys) if ys else None
+
+
+def _mean_of(ys: list[float], *, skip_first: int = 2) -> float | None:
     ys = ys[skip_first:] if len(ys) > skip_first else ys
     return sum(ys) / len(ys) if ys else None
 
@@ -71,7 +75,7 @@ def one_run(eta: int, steps: int, overrides: list[str]) -> dict:
         "train_seconds": train_s,
         "trained_samples": samples,
         "trained_samples_per_s": timed * per_step / train_s if train_s else None,
-        "learner_idle": _mean(records, LEARNER_IDLE),
+        "learner_idle": _mean_of(plots.learner_idle_series(records)[1]),
         "generator_idle": _mean(records, GEN_IDLE),
         "max_staleness_seen": s["max_staleness_seen"],
         "reward_start": s["reward_start"],
