@@ -26,6 +26,7 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.module import Module
 
+from asyncrl.learner import cpu_shims
 from asyncrl.learner.attention import inner_attention_config
 
 
@@ -99,6 +100,11 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
     tie = bool(cfg.get("tie_word_embeddings", False))
     seq = int(max_seq_len or cfg.get("max_position_embeddings", 4096))
     rp = _rope_params(cfg)
+    if cpu_shims.ON_CPU and attention in ("flex", "varlen"):
+        raise ModelConfigError(
+            f"model.attention: {attention} cannot train on CPU (no CPU backward / kernel); "
+            "use auto or sdpa"
+        )
     inner = inner_attention_config(attention)
 
     def norm(n: int) -> RMSNorm.Config:

@@ -10,6 +10,7 @@ Pure logic (numpy in, torch out), no I/O: tested directly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +131,15 @@ class MicroBatch:
     @property
     def is_empty(self) -> bool:
         return not self.seq_index
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (no copy when already there)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:

@@ -87,7 +87,10 @@ def ensure_distributed() -> tuple[int, int]:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             from torchtitan.config.configs import CommConfig
 
-            dist_utils.init_distributed(CommConfig(trace_buf_size=0))
+            # On GPU, also a gloo backend for the CPU tensors (counts, stats, batch bytes).
+            dist_utils.init_distributed(
+                CommConfig(trace_buf_size=0), enable_cpu_backend=not cpu_shims.ON_CPU
+            )
         else:
             torch.autograd.set_multithreading_enabled(False)
             dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
@@ -137,6 +140,10 @@ class Trainer:
     ) -> None:
         r = self.recipe = recipe
         self.rank, self.world = ensure_distributed()
+        self.device = torch.device("cpu")
+        if not cpu_shims.ON_CPU:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
         self.source = source
         self.run_dir = Path(run_dir) if run_dir is not None else r.run_dir
         self.model_dir = r.resolve(r.model.path)
@@ -180,7 +187,7 @@ class Trainer:
             dump_folder=str(self.run_dir),
         )
         cpu_shims.force_sum_reduction(model)
-        model.to_empty(device="cpu" if cpu_shims.ON_CPU else "cuda")
+        model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         model.train()
@@ -387,9 +394,10 @@ class Trainer:
         n = torch.tensor([len(bins)], dtype=torch.int64)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         bins += [[] for _ in range(int(n) - len(bins))]
-        return [pack(b) for b in bins]
+        return [pack(b).to(self.device) for b in bins]
 
     def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        mb = mb.to(self.device)
         return self.model(mb.tokens, mb.positions, attention_masks(self.model, mb.positions))
 
     def _logprobs(
@@ -457,15 +465,16 @@ class Trainer:
                     entropy=ent,
                 )
                 for k, v in st.items():
-                    stats[k] = stats.get(k, 0) + v
+                    stats[k] = stats.get(k, 0) + v.cpu()
                 if alg.loss != "sft":
                     staleness = self.version - mb.versions
                     ref = prox[i] if prox[i] is not None else logp.detach()
                     drift += drift_sums(
-                        mb.behavior_logp, ref, staleness, mb.mask, max_staleness=eta
+                        *(t.cpu() for t in (mb.behavior_logp, ref, staleness, mb.mask)),
+                        max_staleness=eta,
                     )
             loss.backward()
-            loss_sum += loss.detach().to(torch.float64)
+            loss_sum += loss.detach().to(torch.float64).cpu()
             tokens += 0 if mb.is_empty else mb.num_tokens
         clip = self.recipe.learner.grad_clip
         grad_norm = dist_utils.clip_grad_norm_(
