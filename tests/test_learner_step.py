@@ -115,3 +115,19 @@ def test_decoupled_ppo_on_policy_equals_ppo(tiny_qwen3, tmp_path):
     assert dec.metrics["drift/mismatch_kl"] <= 1e-9
     assert abs(ppo.loss - dec.loss) <= 1e-6
     assert max_diff(p_ppo, p_dec) <= 1e-5  # Adam step 1 is g/|g|: float noise on tiny g shows
+
+
+def test_batch_over_the_staleness_bound_is_refused_before_any_update(tiny_qwen3, tmp_path):
+    from asyncrl.learner.trainer import LearnerError
+
+    tr = make_trainer(tiny_qwen3, tmp_path, buffer={"max_staleness": 1}, learner={"lr": 1e-3})
+    before = params(tr)
+    batch = rl_batch(tr.spec.model.vocab_size)
+    tr.version = 2  # the batch's tokens (version 0) are now 2 versions old
+    with pytest.raises(LearnerError, match="staleness 2..2"):
+        tr.step(batch)
+    assert max_diff(params(tr), before) == 0
+    tr.version = 1  # staleness 1 is within the bound
+    res = tr.step(batch)
+    assert res.version == 2 and res.metrics["learner/staleness_max"] == 1.0
+    assert max_diff(params(tr), before) > 0

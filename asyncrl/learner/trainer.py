@@ -156,6 +156,7 @@ class Trainer:
         self.publishers: list[Publisher] = []
         self.source_state: dict | None = None
         self.last_export = ""
+        self._batch_info: dict[str, float] = {}
 
         parallelism = ParallelismConfig(
             spmd_backend=cpu_shims.SPMD_BACKEND, data_parallel_shard_degree=-1
@@ -366,11 +367,25 @@ class Trainer:
         )
         seqs, i = [], 0
         groups = [g for g in batch.groups if g.samples]
+        eta = self.recipe.buffer.max_staleness
+        self._batch_info = {"learner/truncated_samples": 0.0}
+        staleness: list[np.ndarray] = []
         for gi, g in enumerate(groups):
             for si, s in enumerate(g.samples):
                 mask = s.loss_mask
                 if self.recipe.buffer.overlong_filter and s.finish_reason == "length":
                     mask = np.zeros_like(mask)
+                if not is_sft and (mask > 0).any():
+                    k = self.version - np.asarray(s.versions)[mask > 0]
+                    if k.max() > eta or k.min() < 0:
+                        # Every rank sees the whole batch, so every rank refuses it alike.
+                        raise LearnerError(
+                            f"sample {s.id!r} has tokens of staleness {int(k.min())}..{int(k.max())}"
+                            f" at version {self.version}, outside [0, buffer.max_staleness={eta}]"
+                        )
+                    staleness.append(k)
+                if len(s.prompt_ids) + len(s.completion_ids) - 1 > self.max_seq_len:
+                    self._batch_info["learner/truncated_samples"] += 1
                 seqs.append(
                     make_sequence(
                         i,
@@ -384,6 +399,10 @@ class Trainer:
                     )
                 )
                 i += 1
+        if staleness:
+            k = np.concatenate(staleness)
+            self._batch_info["learner/staleness_mean"] = float(k.mean())
+            self._batch_info["learner/staleness_max"] = float(k.max())
         return seqs
 
     def micro_batches(self, seqs: list[Sequence]) -> list[MicroBatch]:
@@ -511,6 +530,7 @@ class Trainer:
             "learner/micro_batches": float(len(mbs)),
             "learner/sequences": counts[1].item(),
         }
+        metrics |= self._batch_info
         if summed:
             metrics |= finalize_stats(summed)
         if alg.loss != "sft":
