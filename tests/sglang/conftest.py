@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,8 @@ ARCHS = {  # one tied, one untied model: both ways of sending lm_head are exerci
 }
 
 
+TIMINGS: dict[str, float] = {}  # set-up times, printed at the end of the session
+
 TIER_TIMEOUT_S = 1500  # per test, set-up included: the first one builds the env and starts servers
 
 
@@ -67,6 +70,13 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: "doomed" in getattr(it, "fixturenames", ()))
 
 
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS:
+        terminalreporter.write_line(
+            "sglang tier set-up: " + ", ".join(f"{k} {v:.0f}" for k, v in TIMINGS.items())
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # Fixtures
 # --------------------------------------------------------------------------------------------------
@@ -76,10 +86,13 @@ def pytest_collection_modifyitems(config, items):
 def sglang_python() -> Path:
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"{SKIP_ENV}=1: the real-SGLang tier is switched off")
+    t0 = time.monotonic()
     try:
-        return build_env()
+        python = build_env()
     except SGLangSetupError as e:
         pytest.fail(str(e), pytrace=False)
+    TIMINGS["SGLang env ready after (s)"] = time.monotonic() - t0
+    return python
 
 
 @pytest.fixture(scope="session")
@@ -115,10 +128,15 @@ def _ready(servers: dict[str, Served], name: str) -> Served:
     h = servers[name]
     if h.dead:
         pytest.fail(f"the {name} server was killed by an earlier test", pytrace=False)
+    if h.ready:  # healthy once: from then on, only check that it still runs
+        if not h.server.alive():
+            pytest.fail(f"the {name} server exited (log {h.server.log})", pytrace=False)
+        return h
     try:
-        h.server.wait_healthy(START_TIMEOUT_S)
+        TIMINGS[f"{name} server healthy after (s)"] = h.server.wait_healthy(START_TIMEOUT_S)
     except SGLangSetupError as e:
         pytest.fail(str(e), pytrace=False)
+    h.ready = True
     return h
 
 

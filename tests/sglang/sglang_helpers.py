@@ -33,7 +33,8 @@ class Served:
     weights: dict[str, torch.Tensor]  # HF names, as served now (tied lm_head included)
     version: int = 0  # 0: the initial weights (SGLang's label "default")
     tied: bool = False
-    dead: bool = False
+    ready: bool = False  # has answered /health
+    dead: bool = False  # killed by a test
     _ref: torch.nn.Module | None = field(default=None, repr=False)
     _ref_version: int = -1
 

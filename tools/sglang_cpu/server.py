@@ -86,6 +86,7 @@ class SGLangServer:
     host: str = "127.0.0.1"
     extra_args: list[str] = field(default_factory=list)
     child: Child | None = None
+    started_at: float = 0.0  # time.monotonic() at start()
 
     @property
     def url(self) -> str:
@@ -121,14 +122,14 @@ class SGLangServer:
         if self.port == 0:
             self.port = free_port(self.host)
         self.child = Child(name=f"sglang:{self.port}", argv=self.argv(), log=self.log)
+        self.started_at = time.monotonic()
         self.child.start(server_env())
 
     def wait_healthy(self, timeout_s: float = 300.0) -> float:
         """Wait until ``/health`` answers 200; returns the seconds since :meth:`start`.
         Raises :class:`SGLangSetupError` (with the log tail) if it exits or times out."""
         assert self.child is not None, "start() first"
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
+        deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=5.0) as http:
             while time.monotonic() < deadline:
                 if self.child.poll() is not None:
@@ -138,7 +139,7 @@ class SGLangServer:
                     )
                 try:
                     if http.get(self.url + "/health").status_code == 200:
-                        return time.monotonic() - t0
+                        return time.monotonic() - self.started_at
                 except httpx.TransportError:
                     pass
                 time.sleep(0.5)
