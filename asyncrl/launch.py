@@ -453,7 +453,7 @@ def summarize(
         if reward_start is None or reward_end is None
         else reward_end - reward_start,
         "max_staleness_seen": max(smax) if smax else None,
-        "max_staleness_allowed": r.buffer.max_staleness,
+        "max_staleness_allowed": None if r.algorithm.loss == "sft" else r.buffer.max_staleness,
         "wall_seconds": round(wall_seconds, 2),
         # from the learner's first logged step to its last: steady-state training time of
         # len(times) - 1 steps, without start-up and evaluation
