@@ -22,7 +22,7 @@ LONG = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3):
-    with serve(EngineConfig(model=str(tiny_qwen3))) as srv:
+    with serve(EngineConfig(model=str(tiny_qwen3), weight_version="w0")) as srv:
         yield srv
 
 
@@ -133,7 +133,8 @@ def test_pause_abort_returns_partial_output_and_holds_new_requests(client, engin
     }
     n = len(res["output_ids"])
     assert 0 < n < 480 and res["output_ids"] == reference[:n]
-    assert len(m["weight_versions"]) == 1 and m["weight_versions"][0]["end"] == n
+    assert m["weight_versions"] == [{"version": "w0", "start": 0, "end": n}]  # --weight-version
+    assert m["weight_version"] == "w0" == client.get("/model_info").json()["weight_version"]
     held = Call(engine.url, {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
     _wait_waiting(client, 1)
     client.post("/continue_generation", json={})

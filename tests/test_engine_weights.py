@@ -65,9 +65,16 @@ class _Stream:
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3):
+    """The engine as a child process (start_engine_process: port 0 + port file, waits on /health)."""
     ep = start_engine_process(tiny_qwen3, port=0, timeout_s=120)
     yield ep
-    ep.stop()
+    assert ep.stop() == 0 and not ep.alive()  # SIGTERM: clean exit
+
+
+def test_engine_process_is_up_on_a_free_port(engine, tiny_qwen3):
+    assert engine.port > 0 and engine.alive()
+    info = httpx.get(engine.url + "/model_info", timeout=30).json()
+    assert info["model_path"] == str(tiny_qwen3) and info["architectures"] == ["Qwen3ForCausalLM"]
 
 
 @pytest.fixture(scope="module")
