@@ -202,7 +202,8 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
 
 @pytest.mark.faults
 def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
-    """SIGKILL one engine in the middle of an update (after the first of several buckets)."""
+    """SIGKILL one engine in the middle of an update (after the first of several buckets); later
+    SIGSTOP the other between updates. Each is dropped within the timeouts and rejoins when back."""
     tr = make_trainer(tiny_qwen3, tmp_path)
     vocab = tr.spec.model.vocab_size
     cfg = WeightsConfig(timeout_s=8.0, bucket_mb=0.1, overlap=True)
@@ -246,6 +247,21 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
         assert rejoined == [str(tr.run_dir / "hf" / "v2")]  # it loaded the export before joining
         assert r.checksum_ok == {victim.url: True, other.url: True}
         assert engine_checksum(back.url) == checksum(drop_tied(tr.hf_state_dict()).items())
+        # a hung (not dead) engine: SIGSTOP. Its calls time out, it is dropped, the other goes on
+        os.kill(other.pid, signal.SIGSTOP)
+        try:
+            tr.step(sft_batch(3, vocab, seed=4))
+            assert b.wait(timeout=8 * cfg.timeout_s + 30)
+            r = b.reports[-1]
+            assert not r.error and r.dropped == [other.url] and r.updated == [back.url], r
+        finally:
+            os.kill(other.pid, signal.SIGCONT)
+        tr.step(sft_batch(4, vocab, seed=5))  # it answers again: it rejoins at version 5
+        assert b.wait(timeout=60)
+        r = b.reports[-1]
+        assert sorted(r.updated) == sorted([back.url, other.url]), r
+        assert r.reported == {back.url: "5", other.url: "5"}
+        assert r.checksum_ok == {back.url: True, other.url: True}
     finally:
         b.close()
         tr.close()

@@ -79,3 +79,44 @@ def test_latest_export(tmp_path):
             (d / VERSION_FILE).write_text(json.dumps({"version": version}))
     path, v = latest_export(tmp_path)
     assert (path.name, v) == ("final", 20)
+
+
+def test_membership_follows_registrations():
+    """A worker's registration replaces its previous list; removal and re-adding take effect."""
+    from asyncrl.recipe import WeightsConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster
+    from asyncrl.wire import GeneratorInfo
+
+    with WeightBroadcaster(WeightsConfig(), rank=0) as b:
+        b.on_register("w1", [GeneratorInfo(url="http://a:1"), GeneratorInfo(url="http://b:2/")])
+        b.on_register("w2", [GeneratorInfo(url="http://c:3", kind="builtin")])
+        assert b.generators() == {u: "joining" for u in ("http://a:1", "http://b:2", "http://c:3")}
+        b.on_register("w1", [GeneratorInfo(url="http://b:2")])  # a:1 is gone from w1's list
+        assert set(b.generators()) == {"http://b:2", "http://c:3"}
+        b.remove_generator("http://c:3/")
+        assert set(b.generators()) == {"http://b:2"}
+        b.add_generator(GeneratorInfo(url="http://c:3"))
+        assert set(b.generators()) == {"http://b:2", "http://c:3"}
+
+
+def test_other_ranks_do_not_send():
+    from asyncrl.recipe import WeightsConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster
+
+    with WeightBroadcaster(WeightsConfig(), rank=1) as b:
+        b.publish(1, _named())
+        assert b.wait(0) and b.reports == []
+
+
+def test_flatten_aligns_each_tensor_and_zeroes_the_gaps():
+    ts = [
+        torch.tensor([1, 2, 3], dtype=torch.int8),
+        torch.tensor([1.5], dtype=torch.float32),
+        torch.tensor([-7], dtype=torch.int64),
+    ]
+    dts, shapes = [t.dtype for t in ts], [list(t.shape) for t in ts]
+    assert buckets.flat_layout(dts, shapes) == ([0, 4, 8], 16)
+    flat = buckets.flatten(ts)
+    assert flat.numel() == 16 and flat[3].item() == 0  # padding is deterministic
+    for a, b in zip(buckets.unflatten(flat, dts, shapes), ts, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

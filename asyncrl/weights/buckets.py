@@ -77,10 +77,15 @@ def flat_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[lis
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Pack tensors into one uint8 tensor in SGLang's flattened-bucket layout."""
     offsets, total = flat_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
-    flat = torch.zeros(total, dtype=torch.uint8)
+    flat = torch.empty(
+        total, dtype=torch.uint8
+    )  # one pass over the bytes: only the gaps are zeroed
+    pos = 0
     for off, t in zip(offsets, tensors, strict=True):
+        flat[pos:off] = 0
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         flat[off : off + raw.numel()] = raw
+        pos = off + raw.numel()
     return flat
 
 
