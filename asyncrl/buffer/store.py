@@ -103,12 +103,19 @@ def _bump(d: dict, key: Any, n: int = 1) -> None:
 
 
 def _token_version(group: wire.Group) -> tuple[int, int] | None:
-    """(oldest, newest) version over the group's tokens; None for a group with no tokens."""
-    versions = [s.versions for s in group.samples if len(s.versions)]
-    if not versions:
+    """(oldest, newest) version over the group's tokens; None for a group with no tokens.
+
+    "Oldest" is the group's behaviour version (``wire.Sample.behavior_version``: the policy's own
+    tokens, or all tokens of a sample that has none); computed group-wide in the common case.
+    """
+    samples = [s for s in group.samples if len(s.versions)]
+    if not samples:
         return None
-    oldest = min(s.behavior_version for s in group.samples if len(s.versions))
-    return oldest, int(max(int(v.max()) for v in versions))
+    versions = np.concatenate([s.versions for s in samples])
+    mask = np.concatenate([s.loss_mask for s in samples])
+    if mask.all():
+        return int(versions.min()), int(versions.max())
+    return min(s.behavior_version for s in samples), int(versions.max())
 
 
 class ReplayStore:
