@@ -16,9 +16,10 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
 - ``/generate`` (asyncrl/rollout/client.py): ``output_ids``, ``meta_info.output_token_logprobs``
   (``[logprob, id, text]``), ``meta_info.finish_reason`` (``type``; ``matched`` for stop;
   ``message`` for abort), ``meta_info.weight_versions`` (``version``/``start``/``end``),
-  ``meta_info.prompt_tokens``, ``meta_info.num_retractions``: test_generate.py (all),
-  test_abort_resume.py (abort finish + partial output), test_weights.py (spans over two versions,
-  ``num_retractions`` > 0 with ``retract``).
+  ``meta_info.prompt_tokens``, ``meta_info.num_retractions``: test_generate.py (all, for stop,
+  length and greedy/sampled), test_abort_resume.py (the abort finish with its ``message``, partial
+  tokens/logprobs/spans, HTTP 200; then the resubmitted sample), test_weights.py (spans over two
+  versions, ``num_retractions`` > 0 with ``retract``).
 - ``/health`` (pool.wait_ready, WeightsClient.health): test_generate.py::test_wait_ready,
   test_failure.py (down after a kill).
 - ``/model_info`` ``weight_version`` (WeightsClient.weight_version): test_weights.py.
@@ -47,7 +48,9 @@ from sglang_helpers import Served
 from tools.sglang_cpu.server import SGLangServer, SGLangSetupError, build_env
 
 SKIP_ENV = "ASYNCRL_SKIP_SGLANG"
-START_TIMEOUT_S = float(os.environ.get("ASYNCRL_SGLANG_START_TIMEOUT", "360"))
+START_TIMEOUT_S = float(
+    os.environ.get("ASYNCRL_SGLANG_START_TIMEOUT", "600")
+)  # loaded 2 cores: ~3 min
 MAX_POSITIONS = 1024  # context length: room for long in-flight requests
 ARCHS = {  # one tied, one untied model: both ways of sending lm_head are exercised
     "qwen3": dict(arch="qwen3", tie_embeddings=True),
