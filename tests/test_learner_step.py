@@ -131,3 +131,19 @@ def test_batch_over_the_staleness_bound_is_refused_before_any_update(tiny_qwen3,
     res = tr.step(batch)
     assert res.version == 2 and res.metrics["learner/staleness_max"] == 1.0
     assert max_diff(params(tr), before) > 0
+
+
+def test_kl_to_the_reference_model(tiny_qwen3, tmp_path):
+    tr = make_trainer(
+        tiny_qwen3, tmp_path, algorithm={"loss": "ppo", "kl_coef": 0.5, "kl_estimator": "k3"}, **RL
+    )
+    assert tr.ref_model is not None
+    batch = rl_batch(tr.spec.model.vocab_size)
+    first = tr.step(batch)  # π = π_ref at the first step: the penalty is exactly 0
+    assert first.metrics["loss/kl_ref"] == 0.0
+    batch.groups = batch.groups[:2]
+    for g in batch.groups:
+        for s in g.samples:
+            s.versions[:] = 1
+    second = tr.step(batch)  # π has moved away from the frozen reference
+    assert second.metrics["loss/kl_ref"] > 0

@@ -5,7 +5,8 @@ Build: ``ParallelDims`` → model spec from the HF folder → meta build → ``p
 loads the HF weights through the state-dict adapter (or resumes the run's latest DCP checkpoint).
 
 Step (all ranks, the same batch): sequences → advantages → this rank's share, packed into micro-batches
-→ (decoupled PPO) proximal logprobs, forward only → loss normalised by GLOBAL counts → backward →
+→ (decoupled PPO) proximal logprobs, forward only → (kl_coef > 0) logprobs of the frozen reference
+model (the initial weights) → loss normalised by GLOBAL counts → backward →
 ``clip_grad_norm_`` → optimizer and scheduler step → version + 1 → publishers.
 """
 
@@ -148,8 +149,6 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else r.run_dir
         self.model_dir = r.resolve(r.model.path)
         self.alg = r.algorithm
-        if self.alg.kl_coef > 0:
-            raise LearnerError("algorithm.kl_coef > 0 needs a reference model (not supported yet)")
         if r.model.dtype == "float16":
             raise LearnerError("model.dtype: float16 training is not supported; use bfloat16")
         self.version = 0
@@ -175,24 +174,10 @@ class Trainer:
 
         _Cfg.parallelism = parallelism
         self.spec.model.update_from_config(config=_Cfg)
-        with torch.device("meta"):
-            model = self.spec.model.build()
-        training = TrainingConfig(mixed_precision_param=r.model.dtype)
-        model = self.spec.parallelize_fn(
-            model,
-            parallel_dims=self.parallel_dims,
-            training=training,
-            parallelism=parallelism,
-            compile_config=CompileConfig(),
-            ac_config=None,
-            dump_folder=str(self.run_dir),
-        )
-        cpu_shims.force_sum_reduction(model)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        model.train()
-        self.model = model
+        self._parallelism = parallelism
+        self.model = self._build_model()
+        self.model.train()
+        self.ref_model: torch.nn.Module | None = None
 
         lr = r.learner
         self.optimizers = OptimizersContainer.Config(
@@ -209,7 +194,7 @@ class Trainer:
                 )
             ],
             implementation="foreach",
-        ).build(model_parts=[model])
+        ).build(model_parts=[self.model])
         total = max(r.run.steps, 1)
         sched = LRSchedulersContainer.Config(
             warmup_steps=lr.warmup_steps,
@@ -235,7 +220,7 @@ class Trainer:
             load_only=not checkpointing,
         ).build(
             dataloader=None,
-            model_parts=[model],
+            model_parts=[self.model],
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"learner": self._state},
@@ -244,6 +229,39 @@ class Trainer:
         )
         self.checkpointing = checkpointing
         self._load()
+        if self.alg.kl_coef > 0:  # π_ref: the initial HF weights, frozen, sharded like the policy
+            self.ref_model = self._build_model()
+            self._load_hf(self.ref_model)
+            self.ref_model.eval().requires_grad_(False)
+
+    def _build_model(self) -> torch.nn.Module:
+        """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights."""
+        with torch.device("meta"):
+            model = self.spec.model.build()
+        model = self.spec.parallelize_fn(
+            model,
+            parallel_dims=self.parallel_dims,
+            training=TrainingConfig(mixed_precision_param=self.recipe.model.dtype),
+            parallelism=self._parallelism,
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder=str(self.run_dir),
+        )
+        cpu_shims.force_sum_reduction(model)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        return model
+
+    def _load_hf(self, model: torch.nn.Module) -> None:
+        """The HF folder's weights into a (sharded) model, as CheckpointManager's HF load does."""
+        import torch.distributed.checkpoint as dcp
+        from torchtitan.components.checkpoint import ModelWrapper
+
+        wrapper = ModelWrapper([model])
+        hf_sd = self.adapter.to_hf(wrapper.state_dict())
+        dcp.load(hf_sd, storage_reader=self.adapter.get_hf_storage_reader(str(self.model_dir)))
+        wrapper.load_state_dict(self.adapter.from_hf(hf_sd))
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
@@ -469,6 +487,13 @@ class Trainer:
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             logits = self._forward(mb)
             logp, ent = self._logprobs(logits, mb, entropy=True)
+            ref_logp = None
+            if self.ref_model is not None and mb.sel.numel():
+                with torch.no_grad():
+                    ref_logits = self.ref_model(
+                        mb.tokens, mb.positions, attention_masks(self.model, mb.positions)
+                    )
+                    ref_logp = self._logprobs(ref_logits, mb, entropy=False)[0]
             if mb.is_empty or mb.sel.numel() == 0:
                 loss = logits.sum() * 0.0  # keeps FSDP's backward collectives in step
             else:
@@ -481,6 +506,7 @@ class Trainer:
                     behavior_logp=mb.behavior_logp,
                     advantages=mb.advantages,
                     prox_logp=prox[i],
+                    ref_logp=ref_logp,
                     entropy=ent,
                 )
                 for k, v in st.items():
