@@ -167,6 +167,8 @@ async def run_worker(
     tokenizer: Any,
     metrics: Any = None,
     max_groups: int = 0,
+    engines: list[Any] = (),
+    resume_data_state: bool = True,
 ) -> dict[str, int]:
     """Build the worker from the recipe and run it until cancelled (or ``max_groups``)."""
     from asyncrl.buffer.client import BufferClient
@@ -211,7 +213,21 @@ async def run_worker(
                 generators=[wire.GeneratorInfo(url=u, kind=kind) for u in urls],
                 metrics=metrics,
             )
+            if resume_data_state:
+                await load_data_state(buffer, source, worker_id, r.run.timeout_s)
             async with trio.open_nursery() as nursery:
+
+                async def watch_engines() -> None:
+                    """A built-in engine that dies ends the worker (exit 1): its launcher restarts
+                    both, rather than the worker waiting on a generator that will not return."""
+                    while True:
+                        await trio.sleep(2.0)
+                        for e in engines:
+                            if not e.alive():
+                                raise WorkerError(
+                                    f"built-in engine {e.url} exited with code "
+                                    f"{e.proc.returncode}; its log ends:\n{e.log_tail(5)}"
+                                )
 
                 async def on_signal() -> None:
                     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
@@ -221,9 +237,43 @@ async def run_worker(
                             return
 
                 nursery.start_soon(on_signal, name="signals")
+                nursery.start_soon(watch_engines, name="engines")
                 stats = await worker.run()
                 nursery.cancel_scope.cancel()
     return stats.counters
+
+
+async def load_data_state(
+    buffer: Any, source: PromptSource, worker_id: str, timeout_s: float
+) -> None:
+    """Resume the data position the learner's checkpoint holds for this worker, if it holds one.
+
+    Contract with the buffer: ``StatusReply.stats["data_states"][worker_id]`` is the
+    ``metadata["data_state"]`` with the highest ``seq`` among this worker's groups that the
+    restored buffer has seen (stored or trained). Waits for the buffer to answer (the learner may
+    still be starting); a buffer without ``data_states`` means a fresh start.
+    """
+    from asyncrl.buffer.client import BufferError
+    from asyncrl.transport import TransportTimeout
+
+    status = None
+    with trio.move_on_after(timeout_s):
+        while status is None:
+            try:
+                status = await buffer.status()
+            except (TransportTimeout, BufferError) as e:
+                log.info("waiting for the buffer service: %s", e)
+                await trio.sleep(1.0)
+    if status is None:
+        return
+    state = (status.stats.get("data_states") or {}).get(worker_id)
+    if not state:
+        return
+    try:
+        source.load_state_dict(state)
+        log.info("resumed the data position from the learner's checkpoint: %s", state)
+    except (DataError, KeyError, TypeError, ValueError) as e:
+        log.warning("cannot resume the data position (%s); starting from the beginning", e)
 
 
 def main(argv: list[str]) -> int:
@@ -271,6 +321,8 @@ def main(argv: list[str]) -> int:
                 tokenizer=tokenizer,
                 metrics=metrics,
                 max_groups=a.max_groups,
+                engines=engines,
+                resume_data_state=not a.data_state,
             )
         )
         log.info("delivered %d groups", counters["groups_delivered"])

@@ -539,6 +539,7 @@ class RolloutWorker:
             batch = list(pending.values())[: self.cfg.put_batch]
             groups = [g for g, _ in batch]
             state = self.source.state_dict()
+            state["seq"] = self.stats.counters["put_messages"]  # later snapshots win
             sent = {g.prompt_index for g in groups}
             state["outstanding"] = [i for i in state["outstanding"] if i not in sent]
             for g in groups:  # the data position as if these were delivered (see data.py)
@@ -625,10 +626,16 @@ class RolloutWorker:
         return out
 
     def _log_metrics(self, *, final: bool = False) -> None:
+        rewards, lengths = list(self.stats.rewards), list(self.stats.lengths)
         snap = self.snapshot()
         if self.metrics is not None:
             try:
                 self.metrics.log(snap, step=self.version)
+                if rewards:
+                    self.metrics.log_histogram("rollout/reward_hist", rewards, step=self.version)
+                    self.metrics.log_histogram(
+                        "rollout/response_length_hist", lengths, step=self.version
+                    )
             except Exception as e:  # metrics must never stop rollouts
                 log.warning("metrics: %s", e)
         if final:
