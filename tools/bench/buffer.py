@@ -81,7 +81,7 @@ def buffer_client(address: str, worker: str, n_groups: int, args, ready, go, res
             await c.status()  # connected
             ready.set()
             go.wait()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             gb = group_bytes(args)
             while done < n_groups:
                 # A worker asks for as many starts as it runs groups at once, and puts as they end.
@@ -105,6 +105,7 @@ def buffer_client(address: str, worker: str, n_groups: int, args, ready, go, res
                     "lat": lat,
                     "bytes": sent_bytes,
                     "s": time.perf_counter() - t0,
+                    "cpu_s": time.process_time() - c0,
                     "rejected": rejected,
                 }
             )
@@ -119,7 +120,7 @@ def raw_client(address: str, worker: str, n_groups: int, args, ready, go, result
     with pynng.Req0(dial=address, recv_timeout=60_000, send_timeout=60_000) as sock:
         ready.set()
         go.wait()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while done < n_groups:
             k = min(args.put_batch, n_groups - done)
             groups = make_groups(worker, done, k, "raw", 0, args)
@@ -130,11 +131,19 @@ def raw_client(address: str, worker: str, n_groups: int, args, ready, go, result
             sock.recv()
             lat.append(time.perf_counter() - t)
             done += k
-    results.put({"lat": lat, "bytes": sent_bytes, "s": time.perf_counter() - t0})
+    results.put(
+        {
+            "lat": lat,
+            "bytes": sent_bytes,
+            "s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0,
+        }
+    )
 
 
-def run_clients(target, address: str, args) -> tuple[float, list[dict]]:
-    """Start the client processes, release them together, return (wall seconds, their results)."""
+def run_clients(target, address: str, args) -> tuple[float, float, list[dict]]:
+    """Start the client processes, release them together; returns wall seconds, this process's
+    CPU seconds meanwhile (the server: service thread and learner thread), the clients' results."""
     ctx = mp.get_context("spawn")
     results, go = ctx.Queue(), ctx.Event()
     per = args.groups // args.clients
@@ -148,20 +157,26 @@ def run_clients(target, address: str, args) -> tuple[float, list[dict]]:
     for r in readies:
         if not r.wait(120):
             raise SystemExit("bench buffer: a client did not connect within 120 s")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     go.set()
     out = [results.get(timeout=600) for _ in procs]
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     for p in procs:
         p.join(30)
-    return wall, out
+    return wall, cpu, out
 
 
-def summary(name: str, wall: float, out: list[dict], groups: int) -> dict:
+def summary(
+    name: str, wall: float, cpu: float, out: list[dict], groups: int, accepted: int | None = None
+) -> dict:
+    """Rates of accepted groups by the wall clock, and CPU per group sent, which a loaded machine
+    does not distort."""
     lat = np.array([x for o in out for x in o["lat"]])
     mb = sum(o["bytes"] for o in out) / 1e6
     return {
-        f"{name}groups_per_s": groups / wall,
+        f"{name}server_cpu_us_per_group": cpu / groups * 1e6,
+        f"{name}client_cpu_us_per_group": sum(o["cpu_s"] for o in out) / groups * 1e6,
+        f"{name}groups_per_s": (groups if accepted is None else accepted) / wall,
         f"{name}mb_per_s": mb / wall,
         f"{name}put_p50_ms": float(np.percentile(lat, 50) * 1e3),
         f"{name}put_p99_ms": float(np.percentile(lat, 99) * 1e3),
@@ -191,7 +206,7 @@ def bench_buffer(args) -> dict:
     t = threading.Thread(target=learner, name="learner")
     t.start()
     try:
-        wall, out = run_clients(buffer_client, svc.address, args)
+        wall, cpu, out = run_clients(buffer_client, svc.address, args)
         clients_done.set()
         t.join(60)
         stats = svc.stats()
@@ -199,7 +214,7 @@ def bench_buffer(args) -> dict:
         clients_done.set()
         svc.stop()
     rejected = sum(o["rejected"] for o in out)
-    res = summary("", wall, out, total - rejected)
+    res = summary("", wall, cpu, out, total, total - rejected)
     res["rejected_groups"] = rejected
     res["staleness_max"] = stats["staleness_max"]
     # The first wait includes the clients' start-up; the rest is the learner starved of data.
@@ -227,12 +242,12 @@ def bench_raw(args) -> dict:
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        wall, out = run_clients(raw_client, address, args)
+        wall, cpu, out = run_clients(raw_client, address, args)
     finally:
         stop.set()
         t.join(5)
         sock.close()
-    return summary("raw_", wall, out, total)
+    return summary("raw_", wall, cpu, out, total)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,20 +271,28 @@ def main(argv: list[str] | None = None) -> int:
     raw = bench_raw(args)
     print(
         f"raw nng Req/Rep: {raw['raw_groups_per_s']:8.0f} groups/s {raw['raw_mb_per_s']:7.0f} MB/s "
-        f"put p50 {raw['raw_put_p50_ms']:.2f} ms p99 {raw['raw_put_p99_ms']:.2f} ms"
+        f"put p50 {raw['raw_put_p50_ms']:.2f} ms p99 {raw['raw_put_p99_ms']:.2f} ms; CPU per group "
+        f"server {raw['raw_server_cpu_us_per_group']:.0f} us, clients "
+        f"{raw['raw_client_cpu_us_per_group']:.0f} us"
     )
     buf = bench_buffer(args)
     print(
         f"buffer service : {buf['groups_per_s']:8.0f} groups/s {buf['mb_per_s']:7.0f} MB/s "
         f"put p50 {buf['put_p50_ms']:.2f} ms p99 {buf['put_p99_ms']:.2f} ms "
         f"(learner waiting {buf['learner_wait_fraction']:.0%}, staleness max "
-        f"{buf['staleness_max']}, {buf['rejected_groups']} groups refused as too late)"
+        f"{buf['staleness_max']}, {buf['rejected_groups']} groups refused as too late); CPU per "
+        f"group server {buf['server_cpu_us_per_group']:.0f} us, clients "
+        f"{buf['client_cpu_us_per_group']:.0f} us"
     )
     res = {
         "bench": "buffer",
         **buf,
         **raw,
         "ratio_vs_raw": buf["groups_per_s"] / raw["raw_groups_per_s"],
+        # What one free core would sustain: the service is one thread, so its CPU per group is
+        # its limit whatever else the machine runs.
+        "server_core_groups_per_s": 1e6 / buf["server_cpu_us_per_group"],
+        "load_average_1min": os.getloadavg()[0],
         "group_kb": gb / 1e3,
         "clients": args.clients,
         "put_batch": args.put_batch,
