@@ -7,6 +7,7 @@ depends on timing: a paused decode loop cannot take steps, whatever the machine'
 from __future__ import annotations
 
 import json
+import random
 import threading
 
 import httpx
@@ -189,3 +190,90 @@ def test_stream_client_disconnect_aborts_its_request(client, engine):
         threading.Event().wait(0.05)
     assert (st["running"], st["waiting"]) == (0, 0)
     assert st["decode_steps"] - steps0 < 479  # stopped early: it did not run to max_new_tokens
+
+
+def test_mixed_load_with_control_actions_keeps_every_response_consistent(engine, tiny_qwen3):
+    """60 requests with random sampling settings, streams and logprobs, while aborts, in-place and
+    retract pauses, version bumps and disk reloads hit the engine: every answer is well formed."""
+    rng = random.Random(0)
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        r = random.Random(i)
+        sp: dict = {"max_new_tokens": r.randint(1, 120)}
+        for key, p, val in (
+            ("temperature", 0.3, lambda: r.choice([0, 0.5, 1.3])),
+            ("top_k", 0.3, lambda: r.randint(1, 50)),
+            ("top_p", 0.3, lambda: r.uniform(0.1, 1.0)),
+            ("stop", 0.3, lambda: [r.choice("abcdefg")]),
+            ("stop_token_ids", 0.3, lambda: [r.randint(3, 90)]),
+            ("ignore_eos", 0.3, lambda: True),
+            ("sampling_seed", 0.2, lambda: r.randint(0, 9)),
+            ("n", 0.2, lambda: 2),
+        ):
+            if r.random() < p:
+                sp[key] = val()
+        body = {
+            "input_ids": [r.randint(3, 90) for _ in range(r.randint(1, 40))],
+            "sampling_params": sp,
+            "return_logprob": r.random() < 0.5,
+            "rid": f"mix{i}",
+        }
+        try:
+            if r.random() < 0.3:
+                with (
+                    httpx.Client(timeout=120) as c,
+                    c.stream(
+                        "POST", engine.url + "/generate", json={**body, "stream": True}
+                    ) as resp,
+                ):
+                    outs = [
+                        json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")
+                    ][-1:]
+            else:
+                resp = httpx.post(engine.url + "/generate", json=body, timeout=120)
+                outs = resp.json() if isinstance(resp.json(), list) else [resp.json()]
+            assert resp.status_code == 200 and outs
+            for o in outs:
+                m, n = o["meta_info"], len(o["output_ids"])
+                assert m["completion_tokens"] == n and m["finish_reason"] is not None
+                if body["return_logprob"]:
+                    assert [t for _, t, _ in m["output_token_logprobs"]] == o["output_ids"]
+                if n:
+                    spans = m["weight_versions"]
+                    assert spans[0]["start"] == 0 and spans[-1]["end"] == n
+                    assert all(
+                        a["end"] == b["start"] for a, b in zip(spans, spans[1:], strict=False)
+                    )
+                if m["finish_reason"]["type"] == "length":
+                    assert n == sp["max_new_tokens"]
+        except Exception as e:  # collected, so one failure names its request
+            errors.append(f"request {i}: {e!r}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(60)]
+    for t in threads:
+        t.start()
+    with httpx.Client(base_url=engine.url, timeout=120) as c:
+        for k in range(10):
+            act = rng.choice(["abort", "in_place", "retract", "disk", "version"])
+            if act == "abort":
+                assert (
+                    c.post("/abort_request", json={"rid": f"mix{rng.randint(0, 59)}"}).status_code
+                    == 200
+                )
+            elif act in ("in_place", "retract"):
+                c.post("/pause_generation", json={"mode": act})
+                c.post("/continue_generation", json={})
+            elif act == "disk":
+                body = {"model_path": str(tiny_qwen3), "weight_version": f"d{k}"}
+                assert c.post("/update_weights_from_disk", json=body).json()["success"]
+            else:
+                c.post(
+                    "/update_weight_version",
+                    json={"new_version": f"u{k}", "abort_all_requests": False},
+                )
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        st = c.get("/engine_stats").json()
+        assert (st["running"], st["waiting"], st["paused"]) == (0, 0, None)
