@@ -182,7 +182,7 @@ class WeightsConfig:
     every: int = _f(1, lo=1, doc="publish weights every k versions")
     backend: Literal["auto", "gloo", "nccl"] = _f("auto")
     bucket_mb: float = _f(512.0, lo=0, lo_open=True, doc="MiB per update call (as slime)")
-    load_format: Literal["flattened_bucket", "list"] = _f("flattened_bucket")
+    load_format: Literal["list", "flattened_bucket"] = _f("list", doc="per tensor (as slime)")
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32")
     timeout_s: float = _f(60.0, lo=0, lo_open=True, doc="a generator slower than this is dropped")
     overlap: bool = _f(True, doc="broadcast version v while the learner computes v+1")
