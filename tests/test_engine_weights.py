@@ -166,6 +166,20 @@ def test_update_requires_a_session_and_consumes_nothing(trainer):
     assert client.post("/end_weight_update", json={}).json()["success"]
 
 
+def test_a_failed_update_discards_the_session_and_keeps_serving(trainer, engine):
+    client, pg = trainer
+    before = client.post("/get_weights_by_name", json={"name": "model.norm.weight"}).json()
+    assert client.post("/begin_weight_update", json={}).json()["success"]
+    good = ("model.norm.weight", torch.zeros(128))
+    r = _send(client, pg, [good], version=None, flattened=False)
+    assert r.status_code == 200
+    r = _send(client, pg, [("model.no_such.weight", torch.zeros(3))], version="bad", flattened=True)
+    assert r.status_code == 400 and "model.no_such.weight" in r.json()["message"]
+    assert client.post("/end_weight_update", json={}).status_code == 400  # session already closed
+    assert client.post("/get_weights_by_name", json={"name": "model.norm.weight"}).json() == before
+    assert client.get("/model_info").json()["weight_version"] == "default"
+
+
 def test_update_while_generating_without_pause(trainer, engine, tiny_qwen3, tmp_path):
     client, pg = trainer
     prompt = [5, 6, 7, 8]

@@ -550,9 +550,14 @@ class Engine:
                 )
                 self.store.stage(named)
             except Exception as e:
+                # unlike SGLang (which is left partially updated), nothing was swapped in yet: drop
+                # the whole session's staging so the engine keeps serving one consistent version
+                self.store.staged.clear()
+                self.store.pending_version = None
+                self.store.session_open = False
                 return _fail(
-                    f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
-                    "partially updated. Please discard the whole weights."
+                    f"Failed to update parameter online: {e}. The staged update was discarded and the "
+                    f"weight-update session closed; still serving version {self.scheduler.version}."
                 )
             if version is not None:
                 self.store.pending_version = version
