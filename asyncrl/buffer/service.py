@@ -205,19 +205,21 @@ class BufferService:
         )
         self._audit({"start": self._store.version, "readmitted": outcomes})
 
-    def _replay(self, state: dict[str, Any] | None) -> dict[str, int]:
+    def _replay(self, state: dict[str, Any] | None) -> dict[str, Any]:
         """Readmit the groups of the segments written since ``state`` (all, without a state)."""
         existing = self._segments()
         if state is None:
             since = 0
         else:  # a state saved without a journal: nothing after it is known
             since = int(state.get("journal_segment", max(existing, default=0) + 1))
-        outcomes: dict[str, int] = {}
+        outcomes: dict[str, Any] = {}
         for n in existing:
             if n >= since:
                 for g in self._read_segment(n):
                     r = self._store.readmit(g)
                     outcomes[r] = outcomes.get(r, 0) + 1
+                    if r not in ("stored", "known"):  # acknowledged, then dropped: named
+                        outcomes.setdefault("dropped_ids", {})[g.id] = r
         if outcomes:
             log.info("journal: %s acknowledged groups since the checkpoint", outcomes)
         return outcomes
@@ -261,6 +263,12 @@ class BufferService:
                 self._segment_path(n).unlink(missing_ok=True)
         return self._segment
 
+    def _audit_drops(self) -> None:
+        """Name the acknowledged groups the store dropped (stale, equal rewards) since last time."""
+        drops, self._store.dropped_ids = self._store.dropped_ids, []
+        if drops:
+            self._audit({"dropped": dict(drops), "at": self._store.version})
+
     def _audit(self, record: dict[str, Any]) -> None:
         if self._journal is None:
             return
@@ -277,6 +285,7 @@ class BufferService:
         if isinstance(msg, wire.Put):
             with self._cond:
                 ack = self._store.put(msg.groups, now=now)
+                self._audit_drops()
                 if ack.group_ids:
                     acked = set(ack.group_ids)
                     self._journal_groups([g for g in msg.groups if g.id in acked])
@@ -356,6 +365,7 @@ class BufferService:
                     raise RuntimeError(f"buffer service stopped: {self._failure}")
                 allow_partial = partial_at is not None and now >= partial_at
                 batch = self._store.take_batch(now, allow_partial=allow_partial)
+                self._audit_drops()
                 if batch is not None:
                     self._handed = (
                         batch.version,
@@ -389,6 +399,7 @@ class BufferService:
                 )
                 self._handed = None
             changed = self._store.set_version(v)
+            self._audit_drops()
             if checkpoint:
                 self._checkpoint = checkpoint
         if (changed or checkpoint) and self._pub is not None and self._thread is not None:

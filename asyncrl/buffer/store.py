@@ -141,6 +141,8 @@ class ReplayStore:
         self._seen: dict[str, int] = {}
         self._rejected: dict[str, tuple[int, str]] = {}
         self._c = _Counters()
+        # Acknowledged groups dropped since the last drain: (id, reason), for the service's audit.
+        self.dropped_ids: list[tuple[str, str]] = []
 
     # ---------------------------------------------------------------------------------------------
     # Derived quantities
@@ -235,6 +237,7 @@ class ReplayStore:
             _, _, gid = heapq.heappop(self._heap)
             del self._stored[gid]
             _bump(self._c.dropped, "stale")
+            self.dropped_ids.append((gid, "stale"))
 
     # ---------------------------------------------------------------------------------------------
     # Requests (each returns the wire reply)
@@ -351,6 +354,7 @@ class ReplayStore:
         self._seen[g.id] = oldest
         if self.cfg.dynamic_sampling and len(g.samples) > 1 and len(set(g.rewards)) == 1:
             _bump(self._c.dropped, "equal_rewards")  # never stored, so its slot is free again
+            self.dropped_ids.append((g.id, "equal_rewards"))
             return None
         self._seq += 1
         self._stored[g.id] = _Stored(group=g, version=version, seq=self._seq)
@@ -361,8 +365,9 @@ class ReplayStore:
     def readmit(self, g: wire.Group) -> str:
         """Store again a group this buffer acknowledged after the checkpoint it was restored from
         (the service's journal). It was admitted once, so no lease is needed; ids already known are
-        skipped, and the bound still holds: a group too old by now is dropped and counted. Returns
-        "stored", "known", "stale" or "equal_rewards"."""
+        skipped, and the bound still holds: a group too old by now, or with tokens newer than this
+        version (from the lost steps' weights), is dropped and counted. Returns "stored", "known",
+        "stale", "future_version" or "equal_rewards"."""
         if g.id in self._seen or g.id in self._stored:
             return "known"
         tokens = _token_version(g)
@@ -374,10 +379,12 @@ class ReplayStore:
             if lease.remaining == 0:
                 self._close(lease)
         lease_version = lease.version if lease is not None else self._old_leases.get(g.lease_id)
-        # Tokens newer than this version come from weights of the lost steps: order them as now.
         version = min(oldest, self._version if lease_version is None else lease_version)
-        version = min(version, self._version)
         self._seen[g.id] = oldest
+        if tokens is not None and tokens[1] > self._version:
+            # Made by weights of steps the restart lost: no policy of this run produced them.
+            _bump(self._c.dropped, "future_version")
+            return "future_version"
         if version < self.min_version:
             _bump(self._c.dropped, "stale")
             return "stale"
@@ -447,6 +454,11 @@ class ReplayStore:
                 "staleness_mean": sum(staleness) / n,
                 "staleness_max": max(staleness),
                 "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+                # The same flat, for sinks that keep only numbers (one key per staleness 0..eta).
+                **{
+                    f"staleness_hist/{k}": hist.get(k, 0)
+                    for k in range(self.cfg.max_staleness + 1)
+                },
                 "overlong_samples": overlong,
             },
         )
