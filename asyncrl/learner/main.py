@@ -41,7 +41,12 @@ def buffer_source(recipe: Recipe, trainer: Any) -> BatchSource:
     """The replay buffer's nng service (rank 0), resumed from the checkpoint's buffer state."""
     from asyncrl.buffer.service import BufferService
 
-    svc = BufferService(recipe.buffer, state=trainer.source_state).start()
+    svc = BufferService(
+        recipe.buffer,
+        state=trainer.source_state,
+        journal_dir=trainer.run_dir / "buffer",  # acked groups survive a kill between checkpoints
+        journal_resume=recipe.run.resume,
+    ).start()
     svc.set_version(trainer.version)
     return svc
 
@@ -126,10 +131,15 @@ def train(
         _stop_on_signals()
         while trainer.version < recipe.run.steps:
             batch = source_mod.broadcast_batch(
-                trainer.source, timeout_s=recipe.buffer.batch_timeout_s
+                trainer.source,
+                timeout_s=recipe.buffer.batch_timeout_s,
+                wants_publish=broadcaster.needs_sync if broadcaster and rank == 0 else None,
             )
             if batch is None:  # SIGTERM on rank 0: checkpoint and leave, on every rank
                 break
+            if batch is source_mod.PUBLISH:  # a generator joined while we wait: weights first
+                broadcaster.on_step(trainer.version, trainer, force=True)
+                continue
             result = trainer.step(batch)
             exported = trainer.maybe_export()
             if rank == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import msgpack
@@ -64,7 +65,7 @@ def decode_batch(data: bytes) -> Batch:
     return Batch(groups=groups, version=int(d["version"]), stats=dict(d["stats"]))
 
 
-_DATA, _ERROR, _STOP = 0, 1, 2
+_DATA, _ERROR, _STOP, _PUBLISH = 0, 1, 2, 3
 POLL_S = 1.0
 """Rank 0 asks its source for a batch in slices of this many seconds, so a stop request is heard."""
 
@@ -95,16 +96,30 @@ def broadcast_bytes(data: bytes | None, *, src: int = 0, error: str = "") -> byt
     return out
 
 
+class PublishRequest:
+    """What :func:`broadcast_batch` returns, on every rank, when rank 0 (idle, waiting for data) was
+    asked to publish the current weights first: see ``wants_publish``."""
+
+
+PUBLISH = PublishRequest()
+
 STOP = threading.Event()
 """Set (by the learner's SIGTERM handler) to make rank 0 stop waiting for batches: a process-wide
 request, like the signal that sets it."""
 
 
-def broadcast_batch(source: BatchSource | None, *, timeout_s: float) -> Batch | None:
+def broadcast_batch(
+    source: BatchSource | None,
+    *,
+    timeout_s: float,
+    wants_publish: Callable[[], bool] | None = None,
+) -> Batch | PublishRequest | None:
     """Rank 0 pulls from ``source``; every rank returns the same decoded batch (collective).
 
     Returns None on every rank when :data:`STOP` is set on rank 0 while it waits (a clean stop);
     raises :class:`SourceError` on every rank when rank 0 gets no batch within ``timeout_s``.
+    Returns :data:`PUBLISH` on every rank when ``wants_publish()`` (rank 0, between polls) is true:
+    a generator waits for the learner's weights, and its data may be what this wait needs.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     kind, payload = _DATA, b""
@@ -127,6 +142,9 @@ def broadcast_batch(source: BatchSource | None, *, timeout_s: float) -> Batch | 
                 payload = encode_batch(source.next_batch(min(left, POLL_S)))
                 break
             except TimeoutError:
+                if wants_publish is not None and wants_publish():
+                    kind = _PUBLISH
+                    break
                 continue
             except Exception as e:  # every rank must hear of it, or the others wait forever
                 kind, payload = _ERROR, f"{type(e).__name__}: {e}".encode()
@@ -136,4 +154,6 @@ def broadcast_batch(source: BatchSource | None, *, timeout_s: float) -> Batch | 
         raise SourceError(payload.decode(errors="replace"))
     if kind == _STOP:
         return None
+    if kind == _PUBLISH:
+        return PUBLISH
     return decode_batch(payload)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -285,6 +286,10 @@ class WeightBroadcaster:
         self._group: GroupSpec | None = None
         self._group_urls: list[str] = []
         self._builds = 0
+        # Group names unique to this broadcaster: a generator may still hold the group of a learner
+        # that was killed (it cannot be told to destroy it), and an init under that name fails.
+        self._nonce = f"{os.getpid():x}{int(time.time()) % 65536:04x}"
+        self._last_forced = -float("inf")
         self._inflight: cf.Future | None = None
         self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-sync")
         self._http = cf.ThreadPoolExecutor(32, thread_name_prefix="weights-http")
@@ -336,10 +341,28 @@ class WeightBroadcaster:
 
     # ---- publishing (training thread) ------------------------------------------------------------
 
-    def on_step(self, version: int, trainer: Any) -> None:
-        """Trainer publisher hook, on every rank: snapshot every ``cfg.every`` versions and send."""
-        if version % self.cfg.every:
+    def needs_sync(self) -> bool:
+        """A registered generator waits to join and no version is in flight (rank 0). A learner
+        idle for want of data then publishes its current version at once: after a learner restart,
+        or with one fresh worker, that generator's tokens are too old to train on until it has the
+        learner's weights, and without a step no next version would come (a deadlock)."""
+        f = self._inflight
+        if f is not None and not f.done():
+            return False
+        with self._lock:
+            states = {m.state for m in self._members.values()}
+        if "joining" in states:
+            return True
+        # A dropped one is probed (and brought back) only when a version goes out: now and then.
+        return "dropped" in states and time.monotonic() - self._last_forced > self.cfg.timeout_s
+
+    def on_step(self, version: int, trainer: Any, *, force: bool = False) -> None:
+        """Trainer publisher hook, on every rank: snapshot every ``cfg.every`` versions and send
+        (``force``: this version whatever ``cfg.every``, e.g. for a generator that just joined)."""
+        if version % self.cfg.every and not force:
             return
+        if force:
+            self._last_forced = time.monotonic()
         named = trainer.hf_state_dict()  # a collective: every rank calls it at the same point
         if self.rank == 0:
             self.publish(version, named, owned=True)  # hf_state_dict() returns fresh copies
@@ -576,7 +599,7 @@ class WeightBroadcaster:
             master_address=host,
             master_port=port,
             world_size=1 + sum(m.info.world_size for m in members),
-            group_name=f"{self.cfg.group_name}-{self._builds}",
+            group_name=f"{self.cfg.group_name}-{self._nonce}-{self._builds}",
             backend=self.backend,
             timeout_s=self.cfg.timeout_s,
         )
