@@ -1,0 +1,157 @@
+"""Faults on the learner's side: `asyncrl learner` (buffer service + weight broadcaster + TorchTitan
+trainer) killed with SIGKILL and started again with the same command, while a real rollout worker
+with its own built-in engine keeps running and reconnects by itself."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import (
+    Proc,
+    acked_ids,
+    read_jsonl,
+    report,
+    rollout_argv,
+    wait_until,
+    write_prompts,
+    write_recipe,
+)
+
+pytestmark = pytest.mark.faults
+
+ETA = 1
+STEPS = 10
+CKPT_EVERY = 3
+
+
+def lineage(audit: list[dict]) -> tuple[list[dict], list[int], list[str], dict[str, str]]:
+    """The steps of the run that survived, in order: a start at version r discards the steps after r
+    (they were lost with the killed process). Returns (steps, versions resumed from, stored ids at
+    the last stop, acknowledged groups dropped by name: id -> reason)."""
+    steps: list[dict] = []
+    starts: list[int] = []
+    stored: list[str] = []
+    drops: list[dict] = []
+    for rec in audit:
+        if "start" in rec:
+            starts.append(rec["start"])
+            steps = [s for s in steps if s["version"] <= rec["start"]]
+            drops = [d for d in drops if d["at"] <= rec["start"]]
+            named = rec.get("readmitted", {}).get("dropped_ids", {})
+            if named:
+                drops.append({"dropped": named, "at": rec["start"]})
+        elif "stop" in rec:
+            stored = rec["stored"]
+        elif "dropped" in rec:
+            drops.append(rec)
+        elif "version" in rec:
+            steps.append(rec)
+    dropped = {gid: why for d in drops for gid, why in d["dropped"].items()}
+    return steps, starts, stored, dropped
+
+
+def test_learner_killed_restarts_from_its_checkpoint_and_loses_nothing(tmp_path: Path, tiny_qwen3):
+    t_start = time.monotonic()
+    data = write_prompts(tmp_path / "train.jsonl", 200)
+    sock = tmp_path / "sock"
+    sock.mkdir()
+    recipe = write_recipe(
+        tmp_path,
+        tiny_qwen3,
+        data,
+        run={"steps": STEPS, "resume": True},
+        buffer={
+            "address": f"ipc://{sock}/buffer.ipc",  # the same address after a restart
+            "pub_address": f"ipc://{sock}/pub.ipc",
+            "max_staleness": ETA,
+            "batch_timeout_s": 120,
+            "lease_seconds": 20,
+        },
+        learner={"lr": 1e-4, "checkpoint_every": CKPT_EVERY, "checkpoint_async": False},
+        weights={"timeout_s": 30, "backend": "gloo"},
+    )
+    run_dir = tmp_path / "runs" / "faults"
+    audit_file = run_dir / "buffer" / "trained.jsonl"
+    learner_argv = [sys.executable, "-m", "asyncrl.cli", "learner", str(recipe)]
+    learner = Proc("learner", learner_argv, tmp_path / "learner.log").start()
+    worker = Proc(
+        "worker0",
+        rollout_argv(recipe, "worker0", f"ipc://{sock}/buffer.ipc", f"ipc://{sock}/pub.ipc"),
+        tmp_path / "worker0.log",
+    ).start()
+    procs = [learner, worker]
+
+    def versions() -> list[int]:
+        return [r["version"] for r in read_jsonl(audit_file) if "groups" in r]
+
+    try:
+        wait_until(
+            lambda: max(versions(), default=0) >= CKPT_EVERY + 2,
+            timeout_s=300,
+            what=f"the learner past version {CKPT_EVERY + 2}",
+            procs=procs,
+        )
+        learner.kill9()
+        v_dead = max(versions())
+        ckpts = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+        assert ckpts and ckpts[-1] <= v_dead
+        # The same command again.
+        t_restart = time.monotonic()
+        n_records = len(read_jsonl(audit_file))
+        learner = Proc("learner-2", learner_argv, tmp_path / "learner-2.log").start()
+        procs = [learner, worker]
+        wait_until(
+            lambda: any("groups" in r for r in read_jsonl(audit_file)[n_records:]),
+            timeout_s=300,
+            what="the restarted learner's first step",
+            procs=procs,
+        )
+        t_recover = time.monotonic() - t_restart
+        wait_until(
+            lambda: learner.proc.poll() is not None,
+            timeout_s=400,
+            what=f"the restarted learner to reach version {STEPS}",
+            procs=[worker],
+        )
+        assert learner.proc.returncode == 0, learner.tail()
+        assert worker.alive(), worker.tail()  # it reconnected by itself, no restart needed
+        assert worker.stop() == 0, worker.tail()
+
+        audit = read_jsonl(audit_file)
+        steps, starts, stored, dropped = lineage(audit)
+        restart = [r for r in audit if "start" in r][-1]
+        assert starts[-1] == ckpts[-1], (starts, ckpts)  # resumed at the saved version
+        assert [s["version"] for s in steps] == list(range(1, STEPS + 1))
+        trained = [g["id"] for s in steps for g in s["groups"]]
+        acked = acked_ids(run_dir / "audit")
+        lost = set(acked) - set(trained) - set(stored) - set(dropped)
+        duplicated = len(trained) - len(set(trained))
+        staleness = [s["trained_at"] - g["min_version"] for s in steps for g in s["groups"]]
+        after_restart = [g["id"] for s in steps if s["version"] > starts[-1] for g in s["groups"]]
+        assert not lost and duplicated == 0, (sorted(lost)[:5], duplicated)
+        assert max(staleness) <= ETA, staleness
+        assert after_restart, "nothing trained after the restart"
+        readmitted = {k: v for k, v in restart.get("readmitted", {}).items() if k != "dropped_ids"}
+        elapsed = time.monotonic() - t_start
+        assert elapsed < 600
+        report(
+            {
+                "scenario": "kill -9 the learner, same command again",
+                "killed_at_version": v_dead,
+                "resumed_at_version": starts[-1],
+                "recover_s": round(t_recover, 1),
+                "readmitted_from_journal": readmitted,
+                "acked": len(set(acked)),
+                "dropped_named": len(dropped),
+                "lost": len(lost),
+                "duplicated": duplicated,
+                "staleness_max": max(staleness),
+                "seconds": round(elapsed, 1),
+            }
+        )
+    finally:
+        for p in (worker, learner):
+            p.stop(timeout_s=20)
