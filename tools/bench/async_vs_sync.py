@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -94,8 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="recipe overrides for both runs")
     a = p.parse_args(argv)
     ensure_sft()
+    load0 = os.getloadavg()[0]
     sync = one_run(0, a.steps, a.overrides)
     asyn = one_run(a.eta, a.steps, a.overrides)
+    load1 = os.getloadavg()[0]
+    # the speedup needs a free core for the generator while the learner trains: on a machine
+    # shared with other jobs (load above the core count) both runs just share the contention
+    print(f"load average (1 min) at start {load0:.1f}, at end {load1:.1f}; cores {os.cpu_count()}")
     print(f"{'':28}{'sync (eta 0)':>16}{f'async (eta {a.eta})':>16}")
     rows = [
         ("outcome", "outcome", "s"),
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 "reward_sync": sync["reward_end"],
                 "reward_async": asyn["reward_end"],
                 "eta": a.eta,
+                "load_avg": [round(load0, 1), round(load1, 1)],
                 "steps": a.steps,
             }
         )
