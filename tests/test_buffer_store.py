@@ -521,6 +521,7 @@ def test_partial_batches_and_fifo_order() -> None:
     batch = store.take_batch(0, allow_partial=True)
     assert [g.id for g in batch.groups] == ["v0", "v1", "v2"]  # oldest behaviour version first
     assert batch.stats["staleness_hist"] == {"0": 1, "1": 1, "2": 1}
+    assert [batch.stats[f"staleness_hist/{k}"] for k in range(3)] == [1, 1, 1]
     store.put([make_group("x", leases[2], versions=[2])], now=0)
     assert store.take_batch(0, allow_partial=True) is None  # 1 < 0.5 * 4
 

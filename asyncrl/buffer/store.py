@@ -456,8 +456,7 @@ class ReplayStore:
                 "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
                 # The same flat, for sinks that keep only numbers (one key per staleness 0..eta).
                 **{
-                    f"staleness_hist/{k}": hist.get(k, 0)
-                    for k in range(self.cfg.max_staleness + 1)
+                    f"staleness_hist/{k}": hist.get(k, 0) for k in range(self.cfg.max_staleness + 1)
                 },
                 "overlong_samples": overlong,
             },
