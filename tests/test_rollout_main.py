@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import sys
+from pathlib import Path
 
+import pytest
 import trio
 import yaml
 from test_rollout_worker import serve_buffer, take_batch
@@ -71,3 +75,35 @@ def test_user_mistakes_are_one_line_errors(tmp_path, tiny_qwen3, capsys):
     assert err[-1].startswith("asyncrl rollout: rollout.reward: 'no_such_reward' is not one of")
     assert rollout_main.main([str(recipe), "--shard", "3/2"]) == 2
     assert "--shard '3/2'" in capsys.readouterr().err
+
+
+@pytest.mark.faults
+def test_worker_exits_when_its_engine_dies(tmp_path, tiny_qwen3):
+    """Kill the worker's built-in engine (SIGKILL): the worker ends with exit code 1 and says why,
+    so the launcher can restart it, instead of waiting on a generator that will not come back."""
+    recipe = _recipe(tmp_path, tiny_qwen3, max_new_tokens=64)
+
+    async def go(svc):
+        argv = [sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe)]
+        argv += ["--buffer", svc.address, "--pub", svc.pub_address, "--worker-id", "worker0"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+        async with trio.open_nursery() as n:
+            run = functools.partial(trio.run_process, argv, stderr=err, check=False, env=env)
+            proc = await n.start(run)
+            with trio.fail_after(120):  # until the worker delivered a group: its engine is up
+                while svc.stats()["stored_total"] < 1:
+                    await trio.sleep(0.1)
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert len(children) == 1  # the engine
+            os.kill(int(children[0]), signal.SIGKILL)
+            with trio.fail_after(60):
+                await proc.wait()
+        return proc
+
+    with (
+        serve_buffer(groups_per_batch=64, max_staleness=0) as svc,
+        open(tmp_path / "err", "wb") as err,
+    ):
+        proc = trio.run(go, svc)
+    assert proc.returncode == 1
+    assert "asyncrl rollout: built-in engine http://127.0.0.1:" in (tmp_path / "err").read_text()

@@ -13,6 +13,7 @@ resumes the data position from a JSON file (a group's ``metadata["data_state"]``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -276,6 +277,14 @@ async def load_data_state(
         log.warning("cannot resume the data position (%s); starting from the beginning", e)
 
 
+def _lone(eg: BaseExceptionGroup) -> BaseException:
+    """The single exception inside nested one-member groups, else the group itself."""
+    e: BaseException = eg
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     a = parse_args(argv)
@@ -309,22 +318,25 @@ def main(argv: list[str]) -> int:
         else:
             urls = list(r.generator.urls)
         metrics = make_metrics(r, worker_id)
-        counters = trio.run(
-            lambda: run_worker(
-                r,
-                worker_id=worker_id,
-                buffer_address=r.buffer.address,
-                pub_address=r.buffer.pub_address,
-                urls=urls,
-                kind=r.generator.kind,
-                source=source,
-                tokenizer=tokenizer,
-                metrics=metrics,
-                max_groups=a.max_groups,
-                engines=engines,
-                resume_data_state=not a.data_state,
-            )
+        run = functools.partial(
+            run_worker,
+            r,
+            worker_id=worker_id,
+            buffer_address=r.buffer.address,
+            pub_address=r.buffer.pub_address,
+            urls=urls,
+            kind=r.generator.kind,
+            source=source,
+            tokenizer=tokenizer,
+            metrics=metrics,
+            max_groups=a.max_groups,
+            engines=engines,
+            resume_data_state=not a.data_state,
         )
+        try:
+            counters = trio.run(run)
+        except BaseExceptionGroup as eg:  # a nursery's lone error: report it as itself
+            raise _lone(eg) from None
         log.info("delivered %d groups", counters["groups_delivered"])
         return 0
     except (RecipeError, UsageError, PluginError, DataError) as e:
