@@ -10,13 +10,14 @@ import numpy as np
 import pynng
 import pytest
 import trio
+import trustme
 from test_buffer_store import make_group
 
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferError
 from asyncrl.buffer.service import BufferService
-from asyncrl.recipe import BufferConfig
-from asyncrl.transport import Subscriber, TransportTimeout, free_tcp_address
+from asyncrl.recipe import BufferConfig, TLSConfig
+from asyncrl.transport import TLS, Subscriber, TransportTimeout, free_tcp_address
 
 
 def config(**kw) -> BufferConfig:
@@ -247,3 +248,38 @@ async def _acquire(address: str, n: int) -> wire.Grant:
 async def _put(address: str, groups: list[wire.Group]) -> wire.Ack:
     async with BufferClient(address, worker_id="w") as c:
         return await c.put(groups, timeout_s=5)
+
+
+def test_tls_from_the_recipe(tmp_path) -> None:
+    """Remote use: tls+tcp:// addresses and the recipe's certificates, on both sockets."""
+    ca = trustme.CA()
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    paths = {}
+    for name, ident in (("server", "127.0.0.1"), ("client", "worker.asyncrl")):
+        cert = ca.issue_cert(ident)
+        (tmp_path / f"{name}.crt").write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
+        (tmp_path / f"{name}.key").write_bytes(cert.private_key_pem.bytes())
+        paths[name] = TLS(
+            cert=str(tmp_path / f"{name}.crt"),
+            key=str(tmp_path / f"{name}.key"),
+            ca=str(tmp_path / "ca.pem"),
+        )
+    s = paths["server"]
+    cfg = config(
+        address="tls+tcp://127.0.0.1:0",
+        pub_address="tls+tcp://127.0.0.1:0",
+        tls=TLSConfig(cert=s.cert, key=s.key, ca=s.ca),
+    )
+    with BufferService(cfg, announce_every_s=0.2) as svc:
+        assert svc.address.startswith("tls+tcp://127.0.0.1:")
+
+        async def worker() -> None:
+            async with BufferClient(svc.address, worker_id="w", tls=paths["client"]) as c:
+                assert (await c.acquire(1)).k == 1
+            with Subscriber(svc.pub_address, tls=paths["client"]) as sub:
+                with trio.fail_after(20):
+                    while not isinstance(msg := await sub.receive(timeout_s=5), wire.Version):
+                        pass
+                assert msg.version == 0
+
+        run(worker)

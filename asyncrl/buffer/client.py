@@ -31,7 +31,9 @@ class BufferClient:
         self.timeout_s = timeout_s
         self._req = ReqClient(address, tls=tls, timeout_s=timeout_s)
 
-    async def _call(self, msg: wire.Message, expect: type, timeout_s: float | None = None):
+    async def _call(
+        self, msg: wire.Message, expect: type, timeout_s: float | None = None
+    ) -> wire.Message:
         reply = await self._req.request(msg, timeout_s=timeout_s)
         if isinstance(reply, wire.Error):
             raise BufferError(reply.code, reply.message)
