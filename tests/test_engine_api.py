@@ -11,9 +11,7 @@ import pytest
 
 from asyncrl.rollout.engine import EngineConfig, serve
 
-RECORDED = Path("/work/shared/reference/sglang-recorded")
-if not RECORDED.is_dir():
-    RECORDED = Path(__file__).parent / "data" / "sglang-recorded"
+RECORDED = Path(__file__).parent / "data" / "sglang-recorded"  # real SGLang 0.5.23 responses
 
 
 @pytest.fixture(scope="module")
