@@ -280,3 +280,15 @@ def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
             assert result.loss == pytest.approx(loss, abs=1e-5)
     finally:
         trainer.close()
+
+
+def test_ctrl_c_stops_the_rl_run_engines_included_and_it_resumes(tmp_path, demo_dir, plugin_path):
+    ov = _rl_overrides(
+        demo_dir,
+        tmp_path,
+        "run.steps=100000",
+        "buffer.max_staleness=2",
+        "learner.checkpoint_every=2",
+        "learner.checkpoint_async=false",
+    )
+    _ctrl_c_then_resume(tmp_path, ROOT / "recipes/demo.yaml", ov, "demo")
