@@ -282,6 +282,7 @@ def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
         trainer.close()
 
 
+@pytest.mark.faults  # ~3 min on 2 cores: in `make test-faults`; the sft variant runs by default
 def test_ctrl_c_stops_the_rl_run_engines_included_and_it_resumes(tmp_path, demo_dir, plugin_path):
     ov = _rl_overrides(
         demo_dir,
@@ -292,3 +293,17 @@ def test_ctrl_c_stops_the_rl_run_engines_included_and_it_resumes(tmp_path, demo_
         "learner.checkpoint_async=false",
     )
     _ctrl_c_then_resume(tmp_path, ROOT / "recipes/demo.yaml", ov, "demo")
+
+
+def test_a_dying_child_stops_the_run_and_shows_its_error(tmp_path, demo_dir, plugin_path, capsys):
+    """The rollout worker exits at once (its reward function does not exist): the launcher stops
+    the learner, prints the worker's last log lines, and reports the run as failed."""
+    ov = _rl_overrides(demo_dir, tmp_path, "run.steps=50", "rollout.reward=e2e_reward:nope")
+    t0 = time.monotonic()
+    s = launch.run(ROOT / "recipes/demo.yaml", ov, progress=False, stop_grace_s=60)
+    assert s["outcome"] == "failed" and s["reward_end"] is None
+    err = capsys.readouterr().err
+    assert "rollout0 exited with code" in err and "nope" in err
+    assert time.monotonic() - t0 < 240  # did not wait for the learner's batch timeout
+    assert json.loads((tmp_path / "demo/summary.json").read_text())["outcome"] == "failed"
+    _no_children_left(tmp_path / "demo")
