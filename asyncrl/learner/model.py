@@ -8,7 +8,6 @@ state-dict adapter (HF names in and out, tied and untied embeddings) are TorchTi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
-from torchtitan.protocols.module import Module
 
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.attention import inner_attention_config
@@ -37,17 +35,6 @@ class ModelConfigError(ValueError):
 # Weights always come from the HF folder; these inits only give ``init_weights`` something to run.
 _LINEAR = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 _NORM = {"weight": nn.init.ones_}
-
-
-@dataclass(kw_only=True)
-class HFModelInfo:
-    """What the learner needs to know about an HF folder besides the TorchTitan config."""
-
-    path: Path
-    arch: str  # qwen3 | llama
-    config: dict[str, Any]
-    vocab_size: int
-    tie_embeddings: bool
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -192,7 +179,3 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
         post_optimizer_build_fn=None,
         state_dict_adapter=adapter,
     )
-
-
-def inner_attention(model: nn.Module) -> Module:
-    return model.layers["0"].attention.inner_attention
