@@ -299,7 +299,7 @@ class Display:
 
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
-                BarColumn(),
+                BarColumn(bar_width=20),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("{task.fields[info]}"),
@@ -324,8 +324,12 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def progress_info(tail: MetricsTail, eta: int) -> str:
+def progress_info(tail: MetricsTail, eta: int, *, sft: bool = False) -> str:
     from asyncrl import plots
+
+    if sft:
+        loss, tps = tail.get(r"loss"), tail.get(*plots.TRAIN_TPS)
+        return f"loss {_fmt(loss, '.3f')}  train {_fmt(tps, ',.0f')} tok/s"
 
     reward = tail.get(*plots.REWARD)
     smean, smax = tail.get(*plots.STALE_MEAN), tail.max_staleness_seen
@@ -566,7 +570,9 @@ def run(
                     )
                 tail.update()
                 version = int(status.get("version", 0)) if status else tail.learner_step
-                display.update(version, progress_info(tail, r.buffer.max_staleness))
+                display.update(
+                    version, progress_info(tail, r.buffer.max_staleness, sft=not uses_buffer)
+                )
             time.sleep(0.1)
     except _Stop as e:
         outcome = f"stopped ({e})"
