@@ -1,6 +1,6 @@
 """metrics.jsonl -> PNG plots of a run: the CLI of :mod:`asyncrl.plots` (`asyncrl run` calls it too).
 
-    python tools/plots.py runs/demo/metrics.jsonl [--out runs/demo/plots]
+python tools/plots.py runs/demo/metrics.jsonl [--out runs/demo/plots]
 """
 
 from __future__ import annotations
