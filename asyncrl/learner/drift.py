@@ -41,7 +41,9 @@ def drift_sums(
     k1 = -log_rho
     k3 = torch.exp(log_rho) - 1 - log_rho
     rows = torch.stack([torch.ones_like(k1), k1, k3], dim=1)
-    return torch.zeros(max_staleness + 1, 3, dtype=torch.float64).index_add_(0, k, rows)
+    return torch.zeros(max_staleness + 1, 3, dtype=torch.float64, device=rows.device).index_add_(
+        0, k, rows
+    )
 
 
 def finalize_drift(sums: Tensor) -> dict[str, float]:

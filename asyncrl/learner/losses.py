@@ -104,8 +104,10 @@ def gspo(
     """
     n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
     m = mask.to(logp.dtype)
-    count = torch.zeros(n, dtype=logp.dtype).index_add_(0, seq_ids, m)
-    total = torch.zeros(n, dtype=logp.dtype).index_add_(0, seq_ids, (logp - behavior_logp) * m)
+    count = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, seq_ids, m)
+    total = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(
+        0, seq_ids, (logp - behavior_logp) * m
+    )
     s = torch.exp(total / count.clamp(min=1))[seq_ids]
     unclipped, clipped = s * adv, torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv
     return -torch.minimum(unclipped, clipped), clipped < unclipped
@@ -170,7 +172,9 @@ def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Norm
         c = m / max(norm.tokens, 1)
     elif aggregation == "seq_mean_token_mean":
         n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
-        length = torch.zeros(n, dtype=torch.float64).index_add_(0, seq_ids, m)[seq_ids]
+        length = torch.zeros(n, dtype=torch.float64, device=m.device).index_add_(0, seq_ids, m)[
+            seq_ids
+        ]
         c = m / (length.clamp(min=1) * max(norm.seqs, 1))
     elif aggregation == "seq_mean_token_sum_norm":
         if norm.seq_len <= 0:
@@ -218,7 +222,7 @@ def policy_loss(
     if name not in LOSSES:
         raise ValueError(f"algorithm.loss: unknown loss {name!r}; one of {LOSSES}")
     valid = mask.bool()
-    zero = torch.zeros((), dtype=logp.dtype)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
 
     def clean(x: Tensor | None, what: str) -> Tensor:
         # Masked positions may hold garbage; zero them so neither loss nor gradient sees NaN/inf.
