@@ -110,7 +110,6 @@ def test_decoupled_ppo_on_policy_equals_ppo(tiny_qwen3, tmp_path):
         res = tr.step(rl_batch(vocab, logp=own_logp))
         out[loss] = (res, params(tr))
     (ppo, p_ppo), (dec, p_dec) = out["ppo"], out["decoupled_ppo"]
-    assert dec.metrics["learner/prox_s"] > 0 and ppo.metrics["learner/prox_s"] == 0
     assert abs(dec.metrics["loss/is_weight_mean"] - 1.0) <= 1e-5  # π_prox / μ = 1
     assert dec.metrics["drift/mismatch_kl"] <= 1e-9
     assert abs(ppo.loss - dec.loss) <= 1e-6

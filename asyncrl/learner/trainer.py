@@ -5,7 +5,8 @@ Build: ``ParallelDims`` → model spec from the HF folder → meta build → ``p
 loads the HF weights through the state-dict adapter (or resumes the run's latest DCP checkpoint).
 
 Step (all ranks, the same batch): sequences → advantages → this rank's share, packed into micro-batches
-→ (decoupled PPO) proximal logprobs, forward only → (kl_coef > 0) logprobs of the frozen reference
+→ (decoupled PPO) proximal logprobs = this forward's own, detached (one optimizer step per batch)
+→ (kl_coef > 0) logprobs of the frozen reference
 model (the initial weights) → loss normalised by GLOBAL counts → backward →
 ``clip_grad_norm_`` → optimizer and scheduler step → version + 1 → publishers.
 """
@@ -470,12 +471,11 @@ class Trainer:
             seqs=float(counts[1]),
             seq_len=float(self.recipe.rollout.max_new_tokens),
         )
-        prox: list[torch.Tensor | None] = [None] * len(mbs)
-        t_prox = 0.0
-        if needs_prox(alg.loss):  # π_prox: this step's starting weights, forward only
-            t_prox = time.perf_counter()
-            prox = list(self.logprobs(mbs))
-            t_prox = time.perf_counter() - t_prox
+        # π_prox is this step's starting weights. The learner takes one optimizer step per batch,
+        # so those are the weights of the forward pass below: logp.detach() *is* the proximal
+        # recompute, exactly, without a second forward (AReaL needs one for several minibatch
+        # steps per batch).
+        use_prox = needs_prox(alg.loss)
 
         self.optimizers.zero_grad()
         eta = self.recipe.buffer.max_staleness
@@ -505,7 +505,7 @@ class Trainer:
                     seq_ids=mb.seq_ids,
                     behavior_logp=mb.behavior_logp,
                     advantages=mb.advantages,
-                    prox_logp=prox[i],
+                    prox_logp=logp.detach() if use_prox else None,
                     ref_logp=ref_logp,
                     entropy=ent,
                 )
@@ -513,9 +513,8 @@ class Trainer:
                     stats[k] = stats.get(k, 0) + v.cpu()
                 if alg.loss != "sft":
                     staleness = self.version - mb.versions
-                    ref = prox[i] if prox[i] is not None else logp.detach()
                     drift += drift_sums(
-                        *(t.cpu() for t in (mb.behavior_logp, ref, staleness, mb.mask)),
+                        *(t.cpu() for t in (mb.behavior_logp, logp.detach(), staleness, mb.mask)),
                         max_staleness=eta,
                     )
             loss.backward()
@@ -550,7 +549,6 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "lr": float(lr),
             "learner/step_s": dt,
-            "learner/prox_s": t_prox,
             "learner/tokens": tokens_total,
             "learner/trained_tokens_per_s": tokens_total / dt if dt > 0 else 0.0,
             "learner/micro_batches": float(len(mbs)),
