@@ -233,10 +233,22 @@ def test_groups_that_became_stale_are_cancelled_and_released(engine, tokenizer):
         ) as w:
             async with trio.open_nursery() as n:
                 n.start_soon(w.run)
-                await wait_for(lambda: w._episodes_in_flight > 0, "episodes running")
+                sched = engine.engine.scheduler
+                old = (f"w0-{w._nonce}-1/", f"w0-{w._nonce}-2/")
+
+                def old_requests():
+                    live = list(sched.running) + list(sched.waiting)
+                    return [r for r in live if r.rid.startswith(old)]
+
+                await wait_for(lambda: len(old_requests()) >= 3, "episodes on the engine")
+                reqs = old_requests()
                 assert w.stats.counters["groups_started"] == 2
                 await trio.to_thread.run_sync(svc.set_version, 1)
                 await wait_for(lambda: w.stats.counters["groups_cancelled_stale"] == 2, "cancelled")
+                # their requests are aborted on the engine, not left to run to the end
+                await wait_for(lambda: all(r.finish for r in reqs), "old requests ended")
+                assert any(r.finish["type"] == "abort" for r in reqs)
+                assert not any(r.finish["type"] == "length" for r in reqs)
                 await wait_for(lambda: w.stats.counters["groups_started"] == 4, "replaced")
                 assert w.stats.counters["groups_delivered"] == 0
                 w.stop()

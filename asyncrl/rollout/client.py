@@ -461,9 +461,10 @@ class GeneratorPool:
                 if not seg.output_ids:  # aborted before any progress: do not spin
                     await trio.sleep(min(0.01 * 2 ** min(resumes, 7), 1.0))
         except trio.Cancelled:
-            if url is not None:  # stop the server's work too (SGLang aborts by rid prefix)
-                with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-                    await self.abort(rid, urls=[url])
+            # stop the server's work too (by rid prefix); a server that does not notice the closed
+            # connection (the built-in engine, non-streaming) would otherwise finish it for nothing
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await self.abort(rid, urls=[url] if url else None)
             raise
         if len(ids) > budget:
             raise GeneratorResponseError(

@@ -318,6 +318,11 @@ class RolloutWorker:
         by_lease: dict[str, int] = {}
         permits = list(self._permits) + [r.permit for r in self._runs.values()]
         permits += [p for _, p in self._pending.values()]
+        while True:  # finished groups the sender had not taken yet
+            try:
+                permits.append(self._receive.receive_nowait()[1])
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
         self._permits.clear()
         for p in permits:
             by_lease[p.lease_id] = by_lease.get(p.lease_id, 0) + 1
@@ -363,7 +368,8 @@ class RolloutWorker:
                 continue
             if grant.k > want:
                 raise WorkerError(f"the buffer granted {grant.k} starts for {want} asked")
-            expires = trio.current_time() + grant.lease_seconds
+            # the buffer's clock started the lease before our reply arrived: keep a margin
+            expires = trio.current_time() + 0.95 * grant.lease_seconds
             self._granted_open += grant.k
             for _ in range(grant.k):
                 self._permits.append(_Permit(grant.lease_id, grant.version, expires))
