@@ -1,0 +1,11 @@
+"""Rollout workers (DESIGN §5): prompts → workflows → generators → rewards → whole groups to the buffer.
+
+- :mod:`asyncrl.rollout.client`: SGLang ``/generate`` client (logprobs, per-token versions, abort
+  resume, load spreading) for SGLang servers and the built-in engine alike.
+- :mod:`asyncrl.rollout.workflows` and :mod:`asyncrl.rollout.tools`: single-turn and multi-turn
+  (tool-calling) episodes; user workflows and tools by import path.
+- :mod:`asyncrl.rollout.rewards`: exact match, math-verify, user rewards, run with timeouts.
+- :mod:`asyncrl.rollout.data`: local datasets with a resumable position.
+- :mod:`asyncrl.rollout.worker`: the trio worker; :mod:`asyncrl.rollout.main`: ``asyncrl rollout``.
+- :mod:`asyncrl.rollout.engine`: the built-in generator.
+"""
