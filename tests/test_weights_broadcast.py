@@ -153,7 +153,7 @@ def engines(tiny_qwen3):
 def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path)
     vocab = tr.spec.model.vocab_size
-    cfg = WeightsConfig(timeout_s=30.0, bucket_mb=0.1, overlap=True)
+    cfg = WeightsConfig(timeout_s=30.0, bucket_mb=0.1, overlap=True, load_format="flattened_bucket")
     b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf")
     e1, e2 = engines
     # e1 as the built-in engine (staged swap, no pause); e2 driven with SGLang's pause protocol

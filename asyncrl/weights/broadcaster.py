@@ -174,6 +174,16 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _background_priority() -> None:
+    """Run this thread at a lower CPU priority than the training thread (Linux nice is per thread,
+    and the gloo threads of a group built from here inherit it): where the learner and the transfer
+    share CPU cores, the overlapped broadcast then takes less from the learner's step."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (OSError, AttributeError):  # not Linux, or not allowed: run at normal priority
+        pass
+
+
 def _parse_version(v: str | None) -> int | None:
     try:
         return int(v) if v is not None else None
@@ -291,8 +301,10 @@ class WeightBroadcaster:
         self._nonce = f"{os.getpid():x}{int(time.time()) % 65536:04x}"
         self._last_forced = -float("inf")
         self._inflight: cf.Future | None = None
-        self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-sync")
-        self._http = cf.ThreadPoolExecutor(32, thread_name_prefix="weights-http")
+        # with overlap the transfer runs beside the learner's step: at a lower priority
+        init = _background_priority if cfg.overlap else None
+        self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-sync", initializer=init)
+        self._http = cf.ThreadPoolExecutor(32, thread_name_prefix="weights-http", initializer=init)
         self._closed = False
 
     # ---- membership (any thread) -----------------------------------------------------------------
