@@ -45,7 +45,11 @@ fi
 base="$(command -v python3.11 || command -v python3)"
 
 start=$(date +%s)
-echo "sglang env: building at $venv (2-4 minutes, 6.3 GB)" >&2
+echo "sglang env: building at $venv (2-7 minutes, 6.3 GB)" >&2
+if [ -e "$venv" ] && [ ! -f "$venv/pyvenv.cfg" ] && [ -n "$(ls -A "$venv" 2>/dev/null)" ]; then
+  echo "sglang env: $venv exists and is not a venv; not deleting it (set ASYNCRL_SGLANG_VENV)" >&2
+  exit 1
+fi
 rm -rf "$venv"
 "$base" -m venv "$venv"
 "$venv/bin/pip" install -q --upgrade pip
