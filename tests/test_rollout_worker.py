@@ -262,15 +262,25 @@ def test_groups_that_became_stale_are_cancelled_and_released(engine, tokenizer):
 
 
 def test_multi_turn_groups_through_the_worker(engine, tokenizer):
+    import copy
+
+    chat = copy.deepcopy(tokenizer)  # a chat template that shows the tools' schemas
+    chat.chat_template = (
+        "{% for t in tools or [] %}tool {{ t['function']['name'] }}: "
+        "{{ t['function']['description'] }}\n{% endfor %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    )
+
     async def go(svc):
         async with make_worker(
             engine,
-            tokenizer,
+            chat,
             svc.address,
             workflow=load_workflow("rollout_plugins:tool_workflow"),
             reward="rollout_plugins:length_reward",
             max_new_tokens=80,
             max_groups=2,
+            chat_template=True,
         ) as w:
             await w.run()
         return await take_batch(svc)
@@ -280,6 +290,9 @@ def test_multi_turn_groups_through_the_worker(engine, tokenizer):
     assert len(groups) == 2
     for g in groups:
         check_group(g, 3)
+        prompt = tokenizer.decode(g.samples[0].prompt_ids.tolist())
+        assert prompt.startswith("tool char_code_sum: Sum of the character codes of ``text``.\n")
+        assert prompt.endswith("\nassistant: ")
         for s in g.samples:
             assert len(s.metadata["tool_calls"]) == 2
             mask = s.loss_mask.astype(int)

@@ -38,7 +38,7 @@ from asyncrl.buffer.client import BufferClient, BufferError
 from asyncrl.rollout.client import GeneratorPool, SamplingParams
 from asyncrl.rollout.data import PromptSource, render_prompt
 from asyncrl.rollout.rewards import RewardRunner
-from asyncrl.rollout.tools import ToolRegistry
+from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
 from asyncrl.transport import Subscriber, TransportTimeout
 
@@ -422,6 +422,13 @@ class RolloutWorker:
             else:
                 await self._release(run.permit.lease_id, 1)
 
+    def _tool_schemas(self) -> list[dict]:
+        """What the chat template shows the model: the workflow's own tools, else the recipe's."""
+        own = getattr(self.workflow, "tools", None)
+        if isinstance(own, list) and own and all(isinstance(t, Tool) for t in own):
+            return [t.schema() for t in own]
+        return self.tools.schemas()
+
     async def _take_prompt(self, run: _GroupRun) -> tuple[Any, str, list[int]]:
         """The next usable prompt; rows that cannot be rendered are reported and skipped."""
         for _ in range(1000):
@@ -433,7 +440,7 @@ class RolloutWorker:
                     self.tokenizer,
                     prompt_key=self.cfg.prompt_key,
                     chat_template=self.cfg.chat_template,
-                    tools=self.tools.schemas() or None,
+                    tools=self._tool_schemas() or None,
                 )
                 text, ids = await trio.to_thread.run_sync(render)
                 if self.cfg.max_prompt_tokens and len(ids) > self.cfg.max_prompt_tokens:
