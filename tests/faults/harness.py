@@ -215,11 +215,20 @@ def rollout_argv(recipe: Path, worker_id: str, buffer: str, pub: str, *extra: st
     ]
 
 
-def exactly_once(acked: list[str], trained: list[str], stored: list[str]) -> dict[str, int]:
-    """The audit: every acknowledged group trained or still stored, none trained twice."""
+def exactly_once(
+    acked: list[str], trained: list[str], stored: list[str], dropped: Iterable[str] = ()
+) -> dict[str, int]:
+    """The audit: every acknowledged group trained, still stored, or dropped by name with a reason
+    (stale, equal rewards: counted waste); none trained twice."""
+    dropped = set(dropped)
     seen_twice = len(trained) - len(set(trained))
-    lost = set(acked) - set(trained) - set(stored)
-    return {"acked": len(set(acked)), "lost": len(lost), "duplicated": seen_twice}
+    lost = set(acked) - set(trained) - set(stored) - dropped
+    return {
+        "acked": len(set(acked)),
+        "dropped_named": len(dropped & set(acked)),
+        "lost": len(lost),
+        "duplicated": seen_twice,
+    }
 
 
 def report(record: dict[str, Any]) -> None:
@@ -231,3 +240,29 @@ def report(record: dict[str, Any]) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def lineage(audit: list[dict]) -> tuple[list[dict], list[int], list[str], dict[str, str]]:
+    """The steps of the run that survived, in order: a start at version r discards the steps after r
+    (they were lost with the killed process). Returns (steps, versions resumed from, stored ids at
+    the last stop, acknowledged groups dropped by name: id -> reason)."""
+    steps: list[dict] = []
+    starts: list[int] = []
+    stored: list[str] = []
+    drops: list[dict] = []
+    for rec in audit:
+        if "start" in rec:
+            starts.append(rec["start"])
+            steps = [s for s in steps if s["version"] <= rec["start"]]
+            drops = [d for d in drops if d["at"] <= rec["start"]]
+            named = rec.get("readmitted", {}).get("dropped_ids", {})
+            if named:
+                drops.append({"dropped": named, "at": rec["start"]})
+        elif "stop" in rec:
+            stored = rec["stored"]
+        elif "dropped" in rec:
+            drops.append(rec)
+        elif "version" in rec:
+            steps.append(rec)
+    dropped = {gid: why for d in drops for gid, why in d["dropped"].items()}
+    return steps, starts, stored, dropped

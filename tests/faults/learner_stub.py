@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_term)
-    svc = BufferService(cfg, tls=tls, announce_every_s=0.2).start()
+    # The journal folder also holds the service's own audit (groups dropped by name).
+    svc = BufferService(cfg, tls=tls, announce_every_s=0.2, journal_dir=out / "buffer").start()
     tmp = out / "addresses.json.tmp"
     tmp.write_text(json.dumps({"address": svc.address, "pub_address": svc.pub_address}))
     tmp.rename(out / "addresses.json")

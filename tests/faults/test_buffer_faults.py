@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import pynng
 import pytest
-from harness import FAULTS, Proc, exactly_once, read_jsonl, report, wait_until
+from harness import FAULTS, Proc, exactly_once, lineage, read_jsonl, report, wait_until
 
 from asyncrl import wire
 from asyncrl.transport import TLS, ReqClient, TransportTimeout
@@ -333,7 +333,8 @@ def test_malformed_flood_and_strangers_are_refused_and_good_clients_served(tmp_p
         assert stats["duplicates"] + stats["rejected"].get("stale", 0) >= len(good.acked)
         trained = read_jsonl(out / "trained.jsonl")
         ids = [g["id"] for b in trained for g in b["groups"]]
-        audit = exactly_once(good.acked, ids, final["stored"])
+        dropped = lineage(read_jsonl(out / "buffer" / "trained.jsonl"))[3]
+        audit = exactly_once(good.acked, ids, final["stored"], dropped)
         assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
         assert not any(i.startswith("evil") for i in ids + final["stored"])
         staleness = [b["version"] - g["min_version"] for b in trained for g in b["groups"]]

@@ -12,6 +12,7 @@ import pytest
 from harness import (
     Proc,
     acked_ids,
+    lineage,
     read_jsonl,
     report,
     rollout_argv,
@@ -25,32 +26,6 @@ pytestmark = pytest.mark.faults
 ETA = 1
 STEPS = 10
 CKPT_EVERY = 3
-
-
-def lineage(audit: list[dict]) -> tuple[list[dict], list[int], list[str], dict[str, str]]:
-    """The steps of the run that survived, in order: a start at version r discards the steps after r
-    (they were lost with the killed process). Returns (steps, versions resumed from, stored ids at
-    the last stop, acknowledged groups dropped by name: id -> reason)."""
-    steps: list[dict] = []
-    starts: list[int] = []
-    stored: list[str] = []
-    drops: list[dict] = []
-    for rec in audit:
-        if "start" in rec:
-            starts.append(rec["start"])
-            steps = [s for s in steps if s["version"] <= rec["start"]]
-            drops = [d for d in drops if d["at"] <= rec["start"]]
-            named = rec.get("readmitted", {}).get("dropped_ids", {})
-            if named:
-                drops.append({"dropped": named, "at": rec["start"]})
-        elif "stop" in rec:
-            stored = rec["stored"]
-        elif "dropped" in rec:
-            drops.append(rec)
-        elif "version" in rec:
-            steps.append(rec)
-    dropped = {gid: why for d in drops for gid, why in d["dropped"].items()}
-    return steps, starts, stored, dropped
 
 
 def test_learner_killed_restarts_from_its_checkpoint_and_loses_nothing(tmp_path: Path, tiny_qwen3):

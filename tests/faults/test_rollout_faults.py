@@ -18,6 +18,7 @@ from harness import (
     acked_ids,
     children_of,
     exactly_once,
+    lineage,
     pid_alive,
     read_jsonl,
     report,
@@ -64,7 +65,8 @@ def trained_ids(out: Path, prefix: str = "") -> list[str]:
 def audit(out: Path, run_dir: Path, max_staleness: int) -> dict:
     final = json.loads((out / "final.json").read_text())
     batches = trained(out)
-    result = exactly_once(acked_ids(run_dir / "audit"), trained_ids(out), final["stored"])
+    dropped = lineage(read_jsonl(out / "buffer" / "trained.jsonl"))[3]
+    result = exactly_once(acked_ids(run_dir / "audit"), trained_ids(out), final["stored"], dropped)
     staleness = [b["version"] - g["min_version"] for b in batches for g in b["groups"]]
     result["staleness_max"] = max(staleness)
     result["learner_wait_max_s"] = round(max(b["wait_s"] for b in batches), 2)
@@ -220,7 +222,9 @@ def test_hanging_reward_raising_tool_and_malformed_rows_are_recorded_and_skipped
         for line in (6, 7, 8):  # the malformed rows, reported by file:line
             assert f"{data}:{line}:" in log, log[-3000:]
         metrics = read_jsonl(tmp_path / "runs" / "faults" / "metrics.jsonl")
-        last = [m for m in metrics if m.get("process") == "worker0"][-1]
+        last = [
+            m for m in metrics if m.get("process") == "worker0" and "rollout/groups_failed" in m
+        ][-1]
         assert last["rollout/reward_failures"] > 0 and last["rollout/groups_failed"] == 0
         assert last["rollout/groups_delivered"] >= n_groups
         batches = trained(out)
