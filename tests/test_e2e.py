@@ -183,8 +183,10 @@ class _Recorder(importlib.abc.MetaPathFinder):
             run(module)
             real = module.broadcast_batch
 
-            def recording(source, *, timeout_s):
-                batch = real(source, timeout_s=timeout_s)
+            def recording(source, **kw):
+                batch = real(source, **kw)
+                if not isinstance(batch, module.Batch):  # a stop or publish signal, not data
+                    return batch
                 n = len(os.listdir(_DIR))
                 with open(os.path.join(_DIR, "batch-%05d.bin" % n), "wb") as f:
                     f.write(module.encode_batch(batch))
