@@ -27,7 +27,11 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   ``/init_weights_update_group``, ``/pause_generation``, ``/begin_weight_update`` (200 on 0.5.23,
   so sessions are used), ``/update_weights_from_distributed``, ``/end_weight_update``,
   ``/continue_generation``, ``/destroy_weights_update_group``: test_weights.py (a failure in any
-  would show in ``SyncReport.error``), test_failure.py.
+  would show in ``SyncReport.error``), test_failure.py; ``/update_weights_from_disk`` (a rejoining
+  generator loads the latest export): test_weights.py::test_update_from_disk.
+- ``/flush_cache`` is not called by asyncrl, only by the tests: after an in-place update SGLang's
+  radix cache still serves prefix KV computed by the old weights to new requests (measured: logprob
+  errors up to ~1 nat for a repeated prompt), and a retracted request re-prefills from it too.
 - ``/weights_checker`` (WeightsClient.checksum reads ``checksum``): SGLang 0.5.23 answers
   ``{success, message, ranks: [{checksums: {sglang_param: hex16}, per_gpu_checksum, ...}],
   per_engine_checksum}``, with no ``checksum`` key and per *fused* SGLang parameter

@@ -29,6 +29,7 @@ from sglang_helpers import (
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.client import Completion, GeneratorPool, SamplingParams
 from asyncrl.weights.broadcaster import SyncReport, WeightBroadcaster
+from asyncrl.weights.client import WeightsClient
 from asyncrl.wire import GeneratorInfo
 
 pytestmark = pytest.mark.sglang
@@ -48,12 +49,13 @@ def broadcaster(served: Served, on_event=None, **cfg) -> WeightBroadcaster:
     return b
 
 
-def check_served_weights(served: Served, report: SyncReport) -> None:
+def check_served_weights(served: Served, report: SyncReport | None) -> None:
     """The server holds ``served.weights`` as version ``served.version`` (after set_weights)."""
     url, v = served.url, str(served.version)
-    assert report.error == "" and report.dropped == [], report
-    assert report.updated == [url] and report.reported == {url: v}
-    assert report.checksum_ok[url] is not False  # None: SGLang's checksum is not in our format
+    if report is not None:
+        assert report.error == "" and report.dropped == [], report
+        assert report.updated == [url] and report.reported == {url: v}
+        assert report.checksum_ok[url] is not False  # None: SGLang's checksum is not ours
     with httpx.Client(base_url=url, timeout=120) as http:
         assert http.get("/model_info").json()["weight_version"] == v
         chk = http.post("/weights_checker", json={"action": "checksum"}).json()
@@ -155,3 +157,27 @@ def test_consecutive_versions_reuse_the_group(served: Served):
             check_served_weights(served, report)
     finally:
         b.close()
+
+
+def test_update_from_disk(served: Served, tmp_path):
+    """What a rejoining generator gets: the latest exported HF checkpoint, loaded from disk with its
+    version and without aborting anything (WeightsClient.update_from_disk)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    v = served.version + 1
+    new = perturbed(served.weights, seed=4000 + v, tied=served.tied)
+    export = tmp_path / f"step-{v}"
+    shutil.copytree(served.model_dir, export)
+    sent = {
+        k: t.contiguous() for k, t in new.items() if not (served.tied and k == "lm_head.weight")
+    }
+    save_file(sent, str(export / "model.safetensors"))
+    client = WeightsClient(GeneratorInfo(url=served.url), timeout_s=120)
+    try:
+        client.update_from_disk(str(export), weight_version=str(v))
+    finally:
+        client.close()
+    served.set_weights(v, new)
+    check_served_weights(served, None)
