@@ -533,3 +533,23 @@ def test_version_cannot_go_back_and_state_errors_are_clear() -> None:
         store.set_version(2)
     with pytest.raises(ValueError, match="buffer state: cannot restore"):
         ReplayStore.from_state(cfg(), {"format": 1, "version": 0}, now=0)
+
+
+def test_data_positions_survive_a_restore():
+    """The newest data position per worker rides along with the checkpoint (DESIGN §5: a restart
+    neither repeats nor skips prompts), and a duplicate resend does not move it back."""
+    cfg = BufferConfig(groups_per_batch=2, max_staleness=1)
+    store = ReplayStore(cfg)
+    grant = store.acquire("w0", 3, now=0.0)
+
+    def group(i: int, pos: int) -> wire.Group:
+        g = make_group(f"g{i}", grant.lease_id, versions=[0, 0])
+        g.metadata = {"worker_id": "w0", "data_state": {"next": pos}}
+        return g
+
+    store.put([group(0, 1)], now=0.0)
+    store.put([group(1, 2)], now=0.0)
+    store.put([group(0, 1)], now=0.0)  # a resend of an older group
+    assert store.stats()["data_states"] == {"w0": {"next": 2}}
+    restored = ReplayStore.from_state(cfg, store.state_dict(), now=5.0)
+    assert restored.stats()["data_states"] == {"w0": {"next": 2}}

@@ -139,6 +139,7 @@ class ReplayStore:
         # Group ids already answered, so a resend gets the same answer: acknowledged id -> oldest
         # token version; rejected id -> (oldest token version, reason). Trimmed as versions pass.
         self._seen: dict[str, int] = {}
+        self._data_states: dict[str, dict[str, Any]] = {}  # worker id -> its data position
         self._rejected: dict[str, tuple[int, str]] = {}
         self._c = _Counters()
         # Acknowledged groups dropped since the last drain: (id, reason), for the service's audit.
@@ -307,12 +308,22 @@ class ReplayStore:
         acked: list[str] = []
         rejected: dict[str, str] = {}
         for g in groups:
+            new = g.id not in self._seen and g.id not in self._stored
             reason = self._put_one(g)
             if reason is None:
                 acked.append(g.id)
+                if new:
+                    self._note_data_state(g)
             else:
                 rejected[g.id] = reason
         return wire.Ack(group_ids=acked, rejected=rejected, version=self._version)
+
+    def _note_data_state(self, g: wire.Group) -> None:
+        """Keep the newest data position each worker attached to an acknowledged group, so it is
+        checkpointed with the learner and a restarted worker neither repeats nor skips prompts."""
+        worker, state = g.metadata.get("worker_id"), g.metadata.get("data_state")
+        if isinstance(worker, str) and isinstance(state, dict):
+            self._data_states[worker] = state
 
     def _put_one(self, g: wire.Group) -> str | None:
         """None if acknowledged, else the reason for the rejection ("code: explanation")."""
@@ -370,6 +381,7 @@ class ReplayStore:
         "stale", "future_version" or "equal_rewards"."""
         if g.id in self._seen or g.id in self._stored:
             return "known"
+        self._note_data_state(g)  # acknowledged once: the worker's position moved past it
         tokens = _token_version(g)
         oldest = self._version if tokens is None else tokens[0]
         lease = self._leases.get(g.lease_id)
@@ -499,6 +511,7 @@ class ReplayStore:
             "dropped": dict(c.dropped),
             "rejected": dict(c.rejected),
             "bad_messages": dict(c.bad_messages),
+            "data_states": dict(self._data_states),
         }
 
     # ---------------------------------------------------------------------------------------------
@@ -548,6 +561,7 @@ class ReplayStore:
             "rejected": dict(c.rejected),
             "bad_messages": dict(c.bad_messages),
             "staleness_hist": {str(k): v for k, v in c.staleness_hist.items()},
+            "data_states": dict(self._data_states),
         }
 
     def load_state_dict(
@@ -586,11 +600,13 @@ class ReplayStore:
             old_leases = {str(k): int(v) for k, v in state["old_leases"].items()}
             seen = {str(k): int(v) for k, v in state["seen"].items()}
             rejected_ids = {str(k): (int(v), str(r)) for k, (v, r) in state["rejected_ids"].items()}
+            data_states = {str(k): dict(v) for k, v in state.get("data_states", {}).items()}
         except (KeyError, TypeError, ValueError, wire.WireError) as e:
             raise ValueError(f"buffer state: cannot restore: {type(e).__name__}: {e}") from None
         self._version, self._lease_seq, self._seq = version, lease_seq, seq
         self._leases, self._old_leases, self._seen = leases, old_leases, seen
         self._rejected = rejected_ids
+        self._data_states = data_states
         self._stored = stored
         self._heap = [(s.version, s.seq, gid) for gid, s in stored.items()]
         heapq.heapify(self._heap)
