@@ -250,8 +250,8 @@ async def load_data_state(
     """Resume the data position the learner's checkpoint holds for this worker, if it holds one.
 
     Contract with the buffer: ``StatusReply.stats["data_states"][worker_id]`` is the
-    ``metadata["data_state"]`` with the highest ``seq`` among this worker's groups that the
-    restored buffer has seen (stored or trained). Waits for the buffer to answer (the learner may
+    ``metadata["data_state"]`` of this worker's newest group that the restored buffer
+    acknowledged (it is kept in the buffer state, so in the learner's checkpoint). Waits for the buffer to answer (the learner may
     still be starting); a buffer without ``data_states`` means a fresh start.
     """
     from asyncrl.buffer.client import BufferError
