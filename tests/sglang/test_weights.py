@@ -110,7 +110,7 @@ def test_update_while_a_request_decodes(served: Served, pause_mode: str):
             flushed.append(httpx.post(served.url + "/flush_cache", timeout=60).status_code)
 
     hook = flush_while_retracted if pause_mode == "retract" else None
-    b = broadcaster(served, on_event=hook, pause_mode=pause_mode)
+    b = broadcaster(served, on_event=hook, pause_mode=pause_mode, load_format="flattened_bucket")
     try:
         for _ in range(4):  # a random tiny model may emit EOS before the update: try again
             old, old_weights = served.version, served.weights
@@ -144,7 +144,8 @@ def test_update_while_a_request_decodes(served: Served, pause_mode: str):
 
 
 def test_consecutive_versions_reuse_the_group(served: Served):
-    """Two versions through one broadcaster, ``list`` load format: the group is built once."""
+    """Two versions through one broadcaster, ``list`` load format (the in-flight test sends
+    ``flattened_bucket``): the group is built once."""
     b = broadcaster(served, load_format="list", bucket_mb=0.25)
     try:
         for i in range(2):
