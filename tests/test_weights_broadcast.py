@@ -19,6 +19,7 @@ import torch
 from asyncrl import recipe as recipe_mod
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
+from asyncrl.metrics import MetricsSink, read_metrics
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.engine import start_engine_process
 from asyncrl.weights.broadcaster import WeightBroadcaster, drop_tied
@@ -154,7 +155,8 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path)
     vocab = tr.spec.model.vocab_size
     cfg = WeightsConfig(timeout_s=30.0, bucket_mb=0.1, overlap=True, load_format="flattened_bucket")
-    b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf")
+    sink = MetricsSink(tmp_path / "metrics", name="w", group="w", use_wandb=False)
+    b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf", metrics=sink)
     e1, e2 = engines
     # e1 as the built-in engine (staged swap, no pause); e2 driven with SGLang's pause protocol
     b.add_generator(wire.GeneratorInfo(url=e1.url, kind="builtin"))
@@ -198,6 +200,15 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
     assert greedy(e1.url, PROMPTS[1]) != before  # the weights really moved
     b.close()
     tr.close()
+    sink.close()
+    recs = [r for r in read_metrics(tmp_path / "metrics") if "weights/sync_s" in r]
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert r["weights/sync_s"] > 0 and r["weights/bytes"] == b.reports[0].nbytes
+        assert r["weights/dropped"] == r["weights/checksum_mismatch"] == 0
+        assert r["weights/version_lag/max"] == 0 and r["weights/generators"] == 2
+    hosts = {u.split("://")[1] for u in (e1.url, e2.url)}
+    assert {k.rsplit("/", 1)[1] for k in recs[-1] if k.startswith("weights/pause_s/")} >= hosts
 
 
 @pytest.mark.faults
