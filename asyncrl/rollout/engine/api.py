@@ -454,6 +454,16 @@ class Engine:
             self.store.init_group(**kw)
         except Exception as e:
             return _fail(f"Failed to initialize custom process group: {e}.")
+        with self.store.lock:
+            if self.store.session_open:
+                # A new group is a new (or restarted) learner: a session the old one left open (it
+                # was killed mid-update) is abandoned, or every begin would fail from now on.
+                print(
+                    "asyncrl engine: new group; abandoning an open update session", file=sys.stderr
+                )
+                self.store.session_open = False
+                self.store.staged.clear()
+                self.store.pending_version = None
         return _ok("Succeeded to initialize custom process group.")
 
     def destroy_weights_update_group(self, body: dict) -> Reply:
