@@ -12,6 +12,7 @@ anything undecodable, gets a ``wire.Error`` and is counted; the service keeps se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -80,6 +81,12 @@ class BufferService:
         self._segment = 0
         self._journal_fd = -1
         self._handed: tuple[int, list[dict[str, Any]]] | None = None  # last batch, not yet trained
+        self._registered: dict[str, list[wire.GeneratorInfo]] = {}  # worker id -> its generators
+        if state is not None:
+            self._registered = {
+                str(w): [wire.GeneratorInfo(**g) for g in gens]
+                for w, gens in state.get("registered", {}).items()
+            }
         if state is not None:
             self._store.load_state_dict(state, now=clock())
         if self._journal is not None:
@@ -106,8 +113,15 @@ class BufferService:
     def on_register(self, callback: RegisterCallback) -> None:
         """Call ``callback(worker_id, generators)`` on every Register (e.g. the weight broadcaster).
 
-        Callbacks run in a worker thread; one that raises makes the Register reply an Error."""
+        Callbacks run in a worker thread; one that raises makes the Register reply an Error.
+        Registrations restored from a checkpoint's state are replayed to it at once: after a learner
+        restart, the generators that were registered are known before their workers notice it."""
         self._callbacks.append(callback)
+        for worker_id, gens in list(self._registered.items()):
+            try:
+                callback(worker_id, gens)
+            except Exception as e:
+                log.warning("restored registration of %s: %s", worker_id, e)
 
     def start(self, timeout_s: float = 30.0) -> BufferService:
         """Bind both addresses and start serving; returns once listening."""
@@ -322,6 +336,8 @@ class BufferService:
             except Exception as e:
                 log.warning("register from %s failed: %s", msg.worker_id, e)
                 return wire.Error(code="register_failed", message=f"{type(e).__name__}: {e}")
+        with self._cond:
+            self._registered[msg.worker_id] = list(msg.generators)
         return wire.Ok(version=self.version, message=f"{len(msg.generators)} generator(s)")
 
     async def _announce(self) -> None:
@@ -412,6 +428,9 @@ class BufferService:
         """JSON-able state to save with the learner's checkpoint."""
         with self._cond:
             state = self._store.state_dict()
+            state["registered"] = {
+                w: [dataclasses.asdict(g) for g in gens] for w, gens in self._registered.items()
+            }
             if self._journal is not None:
                 state["journal_segment"] = self._rotate_journal()
             return state
