@@ -21,8 +21,10 @@ venv: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
+# The faults tier (RELIABILITY.md): tests/faults (SIGKILLed workers, learner, engines; hostile
+# input to the buffer; broken rewards, tools, data) and the weights' SIGKILL-mid-update test.
 test-faults: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m faults
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m faults tests
 
 # The real-SGLang tier (README "Tests against real SGLang"): builds SGLang 0.5.23's own venv once
 # (tools/sglang_cpu/build_env.sh, cached in ~/.cache/asyncrl), serves tiny models with it on CPU and

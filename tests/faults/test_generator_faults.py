@@ -35,6 +35,7 @@ ETA = 1
 STEPS = 10_000  # far more than needed: the test stops the learner (SIGTERM) once it has seen enough
 
 
+@pytest.mark.timeout(600)  # its waits are bounded below; the loaded machine needs more than 300 s
 def test_generator_killed_mid_generation_is_dropped_and_rejoins(tmp_path: Path, tiny_qwen3):
     from asyncrl.rollout.engine import start_engine_process
     from asyncrl.weights.client import WeightsClient

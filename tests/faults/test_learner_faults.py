@@ -28,6 +28,7 @@ STEPS = 10
 CKPT_EVERY = 3
 
 
+@pytest.mark.timeout(600)  # its waits are bounded below; the loaded machine needs more than 300 s
 def test_learner_killed_restarts_from_its_checkpoint_and_loses_nothing(tmp_path: Path, tiny_qwen3):
     t_start = time.monotonic()
     data = write_prompts(tmp_path / "train.jsonl", 200)
