@@ -437,7 +437,12 @@ class Engine:
                 world_size=_field(body, "world_size", int),
                 group_name=_field(body, "group_name", str, "weight_update_group"),
                 backend=_field(body, "backend", str, "nccl"),
+                # asyncrl's extension (SGLang ignores unknown keys): the group's collective timeout,
+                # so a peer that dies mid-broadcast frees this engine within the trainer's bound
+                timeout_s=float(_field(body, "timeout_s", (int, float), 300.0)),
             )
+            if not kw["timeout_s"] > 0:
+                raise ValueError(f"timeout_s must be > 0, got {kw['timeout_s']}")
         except (BadRequest, ValueError) as e:
             return _fail(f"Failed to initialize custom process group: {e}.")
         if kw["backend"] == "nccl" and not torch.cuda.is_available():

@@ -138,11 +138,14 @@ class WeightStore:
             flat = torch.empty(total, dtype=torch.uint8)
             dist.broadcast(flat, src=0, group=pg)
             return list(zip(names, buckets.unflatten(flat, dtypes, shapes), strict=True))
-        out = []
-        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
-            t = torch.empty(shape, dtype=dt)
-            dist.broadcast(t, src=0, group=pg)
-            out.append((name, t))
+        # Post every receive before waiting on any (as SGLang does): one round trip per call, not
+        # one per tensor.
+        out = [
+            (n, torch.empty(s, dtype=dt)) for n, dt, s in zip(names, dtypes, shapes, strict=True)
+        ]
+        works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
+        for w in works:
+            w.wait()
         return out
 
     def stage(self, named: list[tuple[str, torch.Tensor]]) -> None:
