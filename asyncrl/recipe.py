@@ -186,7 +186,12 @@ class WeightsConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32")
     timeout_s: float = _f(60.0, lo=0, lo_open=True, doc="a generator slower than this is dropped")
     overlap: bool = _f(True, doc="broadcast version v while the learner computes v+1")
-    pause_mode: Literal["in_place", "retract"] = _f("in_place")
+    pause_mode: Literal["in_place", "retract"] = _f(
+        "in_place",
+        doc="SGLang pause during an update. in_place: requests keep their KV (run SGLang with "
+        "--disable-radix-cache, or new requests may reuse prefixes the old weights computed); "
+        "retract: KV recomputed on continue and the prefix cache flushed",
+    )
     master_addr: str = _f("127.0.0.1")
     master_port: int = _f(0, lo=0, hi=65535, doc="0: pick a free port")
     group_name: str = _f("asyncrl_weights")

@@ -726,11 +726,20 @@ class WeightBroadcaster:
             version = str(snap.version) if i == n - 1 else None
 
             def update(m: Member, meta=meta, version=version) -> None:
+                # SGLang's radix cache still holds prefixes computed by the old weights, and new
+                # requests would reuse them under the new version's label. After a retract pause
+                # nothing is resident, so the last bucket flushes it (the built-in engine has none).
+                flush = (
+                    version is not None
+                    and self.cfg.pause_mode == "retract"
+                    and m.info.kind != "builtin"
+                )
                 m.client.update_from_distributed(
                     meta,
                     group_name=spec.group_name,
                     load_format=self.cfg.load_format,
                     weight_version=version,
+                    flush_cache=flush,
                     timeout_s=http_timeout,
                 )
 

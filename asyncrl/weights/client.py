@@ -150,13 +150,17 @@ class WeightsClient:
         group_name: str,
         load_format: str,
         weight_version: str | None,
+        flush_cache: bool = False,
         timeout_s: float | None = None,
     ) -> None:
-        """Receive one bucket; returns after the broadcast has been received and loaded."""
+        """Receive one bucket; returns after the broadcast has been received and loaded.
+
+        ``flush_cache`` only after a ``retract`` pause (requests hold no KV then): with ``in_place``
+        they stay resident and SGLang answers a flush with 400."""
         body: dict[str, Any] = {
             **meta,
             "group_name": group_name,
-            "flush_cache": False,  # in-place pause keeps requests resident: a flush would fail
+            "flush_cache": flush_cache,
             "abort_all_requests": False,
         }
         if load_format == "flattened_bucket":
