@@ -109,6 +109,22 @@ class MetricsSink:
             self._run.define_metric("*", step_metric="step")
 
     @property
+    @classmethod
+    def from_recipe(cls, recipe: Any, *, process: str) -> MetricsSink:
+        """The sink of one process of a run: the run folder, name, group and W&B settings of the
+        recipe (so every process of a run joins one W&B group)."""
+        lg = recipe.logging
+        return cls(
+            recipe.run_dir,
+            name=recipe.run.name,
+            group=lg.group or recipe.run.name,
+            config=recipe.to_dict(),
+            use_wandb=lg.wandb,
+            wandb_mode=lg.wandb_mode,
+            project=lg.project,
+            process=process,
+        )
+
     def wandb_run(self) -> Any:
         """The W&B run, or None when W&B is off."""
         return self._run

@@ -101,17 +101,7 @@ def train(
         source_factory = buffer_source if is_rl else sft_source
     try:
         if rank == 0:
-            lg = recipe.logging
-            sink = MetricsSink(
-                trainer.run_dir,
-                name=recipe.run.name,
-                group=lg.group or recipe.run.name,
-                config=recipe.to_dict(),
-                use_wandb=lg.wandb,
-                wandb_mode=lg.wandb_mode,
-                project=lg.project,
-                process="learner",
-            )
+            sink = MetricsSink.from_recipe(recipe, process="learner")
         if rank == 0:
             trainer.source = source_factory(recipe, trainer)
         if is_rl:  # weights to the generators after every step (every rank joins the gather)

@@ -136,17 +136,7 @@ def start_engines(r: Recipe, run_dir: Path, worker_id: str) -> list[Any]:
 def make_metrics(r: Recipe, worker_id: str) -> Any:
     from asyncrl.metrics import MetricsSink
 
-    lg = r.logging
-    return MetricsSink(
-        r.run_dir,
-        name=r.run.name,
-        group=lg.group or r.run.name,
-        config=r.to_dict(),
-        use_wandb=lg.wandb,
-        wandb_mode=lg.wandb_mode,
-        project=lg.project,
-        process=worker_id,
-    )
+    return MetricsSink.from_recipe(r, process=worker_id)
 
 
 def _audit_dir(r: Recipe) -> Path:
