@@ -108,7 +108,6 @@ class MetricsSink:
             self._run.define_metric("step")
             self._run.define_metric("*", step_metric="step")
 
-    @property
     @classmethod
     def from_recipe(cls, recipe: Any, *, process: str) -> MetricsSink:
         """The sink of one process of a run: the run folder, name, group and W&B settings of the
@@ -125,6 +124,7 @@ class MetricsSink:
             process=process,
         )
 
+    @property
     def wandb_run(self) -> Any:
         """The W&B run, or None when W&B is off."""
         return self._run
