@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+_SHARDS = 16  # httpx clients per pool; see GeneratorPool.__init__
+_SHARD = 32  # keep-alive connections per client
+
+
 class GeneratorError(RuntimeError):
     """A request the generators refused (HTTP 4xx, a malformed response) or could not serve in time."""
 
@@ -294,10 +298,14 @@ class GeneratorPool:
         self.version = version
         self._rr = itertools.count()
         self._t0 = trio.current_time()  # made inside trio.run
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        # httpcore's pool rescans every (request, connection) pair on each event, O(R x C): with
+        # hundreds of episodes in flight that scan cost more CPU than the engine's decoding. Shards
+        # of at most _SHARD concurrent requests keep each scan small.
+        timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=_SHARD)
+        self._shards = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(_SHARDS)]
+        self._shard_rr = itertools.count()
+        self._http = self._shards[0]  # control calls (health, abort): few, never concurrent
 
     async def __aenter__(self) -> GeneratorPool:
         return self
@@ -307,7 +315,8 @@ class GeneratorPool:
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
-            await self._http.aclose()
+            for h in self._shards:
+                await h.aclose()
 
     # -- choosing a generator --------------------------------------------------------------------
 
@@ -389,7 +398,8 @@ class GeneratorPool:
             g.enter(trio.current_time())
             g.requests += 1
             try:
-                r = await self._http.post(g.url + "/generate", json=payload)
+                http = self._shards[next(self._shard_rr) % _SHARDS]
+                r = await http.post(g.url + "/generate", json=payload)
             except httpx.TransportError as e:
                 self._mark_down(g, f"{type(e).__name__}: {e}")
                 prefer = None
