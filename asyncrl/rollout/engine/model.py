@@ -218,6 +218,8 @@ def _lin(x: torch.Tensor, mod: torch.nn.Linear) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
     """HF's Llama/Qwen3 RMSNorm, inlined: x * rsqrt(mean(x^2) + eps) * weight, in fp32."""
+    if x.dtype == torch.float32:  # one fused kernel instead of five (a tenth of a decode step)
+        return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon)
     return mod.weight * xf.to(x.dtype)
