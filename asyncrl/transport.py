@@ -61,11 +61,17 @@ class TransportTimeout(TimeoutError):
 # --------------------------------------------------------------------------------------------------
 
 
-def free_tcp_address(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` whose port was free a moment ago (prefer port 0 + ``.address``)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (for peers that cannot bind port 0 and
+    report it, such as a process-group rendezvous or a server started by command line)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
+        return s.getsockname()[1]
+
+
+def free_tcp_address(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` whose port was free a moment ago (prefer port 0 + ``.address``)."""
+    return f"tcp://{host}:{free_port(host)}"
 
 
 def _host(address: str) -> str:

@@ -4,7 +4,6 @@ engine (a child process) is rank 1, joined over HTTP with SGLang's rendezvous.""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import httpx
@@ -14,15 +13,10 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.rollout.engine import EngineConfig, serve, start_engine_process
+from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 
 GROUP = "weight_update_group"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Async:
@@ -81,7 +75,7 @@ def test_engine_process_is_up_on_a_free_port(engine, tiny_qwen3):
 def trainer(engine):
     """Join the engine's weight group as rank 0; yields (client, process group)."""
     client = httpx.Client(base_url=engine.url, timeout=120)
-    port = _free_port()
+    port = free_port()
     body = {
         "master_address": "127.0.0.1",
         "master_port": port,

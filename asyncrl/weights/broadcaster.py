@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.recipe import WeightsConfig
+from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.client import GeneratorError, GroupSpec, WeightsClient
 from asyncrl.wire import GeneratorInfo
@@ -166,12 +166,6 @@ def _export_version(d: Path) -> int | None:
             return None
     m = re.search(r"(\d+)$", d.name)
     return int(m.group(1)) if m else None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _background_priority() -> None:
@@ -605,7 +599,7 @@ class WeightBroadcaster:
         port = (
             self.cfg.master_port + (self._builds - 1) % 16
             if self.cfg.master_port
-            else _free_port(host)
+            else free_port(host)
         )
         spec = GroupSpec(
             master_address=host,

@@ -23,7 +23,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from asyncrl.rollout.engine import start_engine_process  # noqa: E402
+from asyncrl.transport import free_port  # noqa: E402
 from asyncrl.weights import buckets, rendezvous  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
@@ -123,12 +123,6 @@ class Post:
         self._t.join()
         assert self.resp is not None
         return self.resp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.launch import Child, stop_children  # noqa: E402
+from asyncrl.transport import free_port  # noqa: E402
 
 BUILD_ENV = HERE / "build_env.sh"
 STUB = HERE / "stub"
@@ -54,12 +54,6 @@ def build_env(timeout_s: float = 1800.0) -> Path:
             f"built on this machine\n{tail}"
         )
     return Path(lines[-1])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict[str, str]:
