@@ -12,6 +12,7 @@ import threading
 
 import httpx
 import pytest
+from engine_streams import GenerateStream
 
 from asyncrl.rollout.engine import EngineConfig, serve
 
@@ -34,28 +35,11 @@ def client(engine):
         c.post("/continue_generation", json={})
 
 
-class Stream:
-    def __init__(self, url: str, body: dict):
-        self.first = threading.Event()
-        self.chunks: list[dict] = []
-        self.status = None
-        self._t = threading.Thread(
-            target=self._run, args=(url, {**body, "stream": True}), daemon=True
-        )
-        self._t.start()
-        assert self.first.wait(60)
-
-    def _run(self, url, body):
-        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/generate", json=body) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    self.chunks.append(json.loads(line[6:]))
-                    self.first.set()
-
-    def result(self) -> dict:
-        self._t.join(120)
-        return self.chunks[-1]
+def started_stream(url: str, body: dict) -> GenerateStream:
+    """A streaming request that has produced its first token."""
+    s = GenerateStream(url, body)
+    assert s.first.wait(60)
+    return s
 
 
 class Call:
@@ -92,7 +76,7 @@ def reference(engine):
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_keeps_requests_and_continue_finishes_them_unchanged(client, engine, reference, mode):
-    s = Stream(engine.url, LONG)
+    s = started_stream(engine.url, LONG)
     r = client.post("/pause_generation", json={"mode": mode})
     assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
     st = _stats(client)
@@ -121,7 +105,7 @@ def test_pause_keeps_requests_and_continue_finishes_them_unchanged(client, engin
 
 
 def test_pause_abort_returns_partial_output_and_holds_new_requests(client, engine, reference):
-    s = Stream(engine.url, LONG)
+    s = started_stream(engine.url, LONG)
     assert client.post("/pause_generation", json={}).status_code == 200  # default mode: abort
     res = s.result()
     m = res["meta_info"]
@@ -143,9 +127,9 @@ def test_pause_abort_returns_partial_output_and_holds_new_requests(client, engin
 
 
 def test_abort_request_by_rid_prefix_and_abort_all(client, engine):
-    a = Stream(engine.url, {**LONG, "rid": "grp-1"})
-    b = Stream(engine.url, {**LONG, "rid": "grp-2"})
-    other = Stream(engine.url, {**LONG, "rid": "other"})
+    a = started_stream(engine.url, {**LONG, "rid": "grp-1"})
+    b = started_stream(engine.url, {**LONG, "rid": "grp-2"})
+    other = started_stream(engine.url, {**LONG, "rid": "other"})
     r = client.post("/abort_request", json={"rid": "grp-"})
     assert r.status_code == 200 and r.content == b""
     assert a.result()["meta_info"]["finish_reason"]["type"] == "abort"

@@ -3,13 +3,13 @@ engine (a child process) is rank 1, joined over HTTP with SGLang's rendezvous.""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from engine_streams import GenerateStream
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.rollout.engine import EngineConfig, serve, start_engine_process
@@ -34,27 +34,6 @@ class _Async:
         self._t.join(120)
         assert self.resp is not None, "HTTP call did not return"
         return self.resp
-
-
-class _Stream:
-    """A streaming /generate consumed in a thread; ``first`` is set once a token has arrived."""
-
-    def __init__(self, url: str, body: dict):
-        self.first = threading.Event()
-        self.chunks: list[dict] = []
-        self._t = threading.Thread(target=self._run, args=(url, {**body, "stream": True}))
-        self._t.start()
-
-    def _run(self, url, body):
-        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/generate", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    self.chunks.append(json.loads(line[6:]))
-                    self.first.set()
-
-    def result(self) -> dict:
-        self._t.join(120)
-        return self.chunks[-1]
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +162,9 @@ def test_update_while_generating_without_pause(trainer, engine, tiny_qwen3, tmp_
         "input_ids": [9, 10, 11],
         "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
     }
-    a = _Stream(engine.url, {**long_body, "rid": "inflight-a"})  # decoding during the receive
+    a = GenerateStream(
+        engine.url, {**long_body, "rid": "inflight-a"}
+    )  # decoding during the receive
     assert a.first.wait(60)
     assert client.post("/begin_weight_update", json={}).json()["success"]
     half = len(new) // 2
@@ -197,7 +178,9 @@ def test_update_while_generating_without_pause(trainer, engine, tiny_qwen3, tmp_
         "success": True,
         "message": "Succeeded to update parameter online. Weight version updated to v1.",
     }
-    b = _Stream(engine.url, {**long_body, "rid": "inflight-b"})  # certainly in flight at the swap
+    b = GenerateStream(
+        engine.url, {**long_body, "rid": "inflight-b"}
+    )  # certainly in flight at the swap
     assert b.first.wait(60)
     end = client.post("/end_weight_update", json={}).json()
     assert end["success"] and end["weight_version"] == "v1" and end["pause_s"] < 1.0
@@ -251,7 +234,7 @@ def test_flush_cache_true_with_requests_resident_is_400_after_loading(trainer, e
     client, pg = trainer
     new = _new_weights(tiny_qwen3, seed=2)
     body = {"input_ids": [9, 10], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
-    s = _Stream(engine.url, body)
+    s = GenerateStream(engine.url, body)
     assert s.first.wait(60)
     # SGLang's verified case: paused in place, so the request is certainly resident during the update
     assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
@@ -277,13 +260,13 @@ def test_flush_cache_true_with_requests_resident_is_400_after_loading(trainer, e
 def test_update_weight_version_aborts_by_default(trainer, engine):
     client, _ = trainer
     body = {"input_ids": [9, 10], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
-    s = _Stream(engine.url, body)
+    s = GenerateStream(engine.url, body)
     assert s.first.wait(60)
     r = client.post("/update_weight_version", json={"new_version": "v5"}).json()
     assert r == {"success": True, "message": "Weight version updated to v5", "new_version": "v5"}
     m = s.result()["meta_info"]
     assert m["finish_reason"]["type"] == "abort"
-    s = _Stream(engine.url, body)
+    s = GenerateStream(engine.url, body)
     assert s.first.wait(60)
     client.post("/update_weight_version", json={"new_version": "v6", "abort_all_requests": False})
     m = s.result()["meta_info"]

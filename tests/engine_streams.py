@@ -1,0 +1,33 @@
+"""A streaming ``/generate`` consumed in a thread, for engine tests that act while a request decodes."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+
+
+class GenerateStream:
+    """Consumes the SSE stream in a thread; ``first`` is set once a token has arrived."""
+
+    def __init__(self, url: str, body: dict):
+        self.first = threading.Event()
+        self.chunks: list[dict] = []
+        self.status: int | None = None
+        self._t = threading.Thread(
+            target=self._run, args=(url, {**body, "stream": True}), daemon=True
+        )
+        self._t.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/generate", json=body) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.chunks.append(json.loads(line[6:]))
+                    self.first.set()
+
+    def result(self) -> dict:
+        self._t.join(120)
+        return self.chunks[-1]
