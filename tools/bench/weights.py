@@ -46,8 +46,9 @@ import torch.distributed as dist  # noqa: E402
 
 from asyncrl import wire  # noqa: E402
 from asyncrl.recipe import WeightsConfig  # noqa: E402
+from asyncrl.transport import free_port  # noqa: E402
 from asyncrl.weights import rendezvous  # noqa: E402
-from asyncrl.weights.broadcaster import WeightBroadcaster, _free_port  # noqa: E402
+from asyncrl.weights.broadcaster import WeightBroadcaster  # noqa: E402
 
 
 def _raw_receiver(port: int, nbytes: int, rounds: int, nice: int) -> None:
@@ -64,7 +65,7 @@ class RawPeer:
     """A plain process in a 2-rank gloo group that receives ``rounds`` flat broadcasts."""
 
     def __init__(self, nbytes: int, rounds: int, nice: int):
-        port = _free_port("127.0.0.1")
+        port = free_port("127.0.0.1")
         ctx = mp.get_context("spawn")
         self.proc = ctx.Process(
             target=_raw_receiver, args=(port, nbytes, rounds, nice), daemon=True
