@@ -148,3 +148,53 @@ def test_other_llama_family_models_decode_exactly(arch):
         for s, row in zip(seqs, logits, strict=True):
             ref = model(torch.tensor([s])).logits[0, -1]
             assert torch.allclose(ref, row, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_swapped_weights_reach_the_fused_projections(tiny_qwen3):
+    """The engine runs q/k/v and gate/up as one matmul each and the q/k norms per head. A swap
+    re-points parameters: prepared (the engine's path) or not, the forward must follow it."""
+    import copy
+
+    from asyncrl.rollout.engine.model import BatchedLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    ref = copy.deepcopy(model)
+    lm = BatchedLM(model)
+    params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+    g = torch.Generator().manual_seed(3)
+
+    def fresh(name: str) -> torch.Tensor:
+        return torch.randn(params[name].shape, generator=g) * 0.2
+
+    def check() -> None:
+        cache = lm.new_cache()
+        seq = [5, 6, 7, 8]
+        logits, _ = lm.prefill(cache, 0, [seq])
+        seq.append(int(logits[0].argmax()))
+        logits = lm.decode(cache, [seq[-1]], [len(seq) - 1])
+        want = ref(torch.tensor([seq])).logits[0, -1]
+        assert torch.allclose(want, logits[0], atol=1e-5, rtol=0)
+
+    prepared = {
+        n: fresh(n)
+        for n in (
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.mlp.up_proj.weight",
+            "model.layers.0.self_attn.k_norm.weight",
+        )
+    }
+    staged = lm.prepare(prepared)
+    assert "model.layers.0.self_attn.q_proj.weight" in staged  # the group moves together
+    for n, t in staged.items():
+        params[n].data = t
+    lm.refresh()
+    for n, t in prepared.items():
+        ref_params[n].data.copy_(t)
+    check()
+
+    name = "model.layers.0.mlp.gate_proj.weight"  # not prepared: refresh fuses it itself
+    params[name].data = fresh(name)
+    ref_params[name].data.copy_(params[name].data)
+    lm.refresh()
+    check()

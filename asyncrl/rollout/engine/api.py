@@ -508,9 +508,14 @@ class Engine:
     def _swap(self, staged: dict, version: str | None) -> float:
         if not staged and version is None:
             return 0.0
-        return self._call(
-            lambda: self.scheduler.swap_weights(lambda: self.store.apply(staged), version)
-        )
+        lm = self.scheduler.lm
+        staged = lm.prepare(staged)  # the fused projections' copy, here rather than in the swap
+
+        def apply() -> None:
+            self.store.apply(staged)
+            lm.refresh()
+
+        return self._call(lambda: self.scheduler.swap_weights(apply, version))
 
     def update_weights_from_distributed(self, body: dict) -> Reply:
         try:

@@ -6,6 +6,12 @@ So the engine runs the HF modules itself: the same weights and the same ops (RMS
 Qwen3, rotary embedding, SDPA, MLP), but the KV cache is one preallocated tensor per layer with one row
 ("slot") per running request. Rows are kept compact (0..n-1): a finished request's row is overwritten
 by the last one, so a decode step is a slice, never a gather.
+
+At these sizes a decode step is mostly per-op overhead, so q/k/v and gate/up run as one matmul each
+(the parameters become views into the fused tensors, so no memory is duplicated) and rotary cos/sin
+come from a table. A weight swap re-points parameters; :meth:`BatchedLM.prepare` fuses the incoming
+tensors off the decode thread and :meth:`BatchedLM.refresh` adopts them, so the swap stays a pointer
+swap.
 """
 
 from __future__ import annotations
@@ -16,6 +22,17 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
+
+
+@dataclass
+class Fused:
+    """One matmul standing for several linear layers; their parameters are views into it."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    ptrs: tuple[int, ...]  # the members' data pointers when fused: a swap changes them
 
 
 @dataclass
@@ -97,6 +114,123 @@ class BatchedLM:
             context=context,
         )
         self.dtype = next(hf_model.parameters()).dtype
+        rope = self.inner.rotary_emb
+        self._rope_table = getattr(rope, "rope_type", "default") in STATIC_ROPE
+        self._cos = self._sin = torch.empty(0)
+        self.fused: dict[tuple[int, str], Fused] = {}
+        self._prepared: dict[tuple[int, ...], Fused] = {}
+        self._names = {id(p): n for n, p in hf_model.named_parameters()}
+        act = getattr(cfg, "hidden_act", None)
+        self._act = F.silu if act in ("silu", "swish") else self.layers[0].mlp.act_fn
+        self.qk_norm: dict[int, torch.Tensor] = {}  # Qwen3: q_norm and k_norm weights, per head
+        self._qk_ptrs: dict[int, tuple[int, int]] = {}
+        with torch.no_grad():
+            self.refresh()
+
+    # ---- fused projections -----------------------------------------------------------------------
+
+    def _members(self) -> list[tuple[tuple[int, str], list[torch.nn.Linear]]]:
+        out = []
+        for li, layer in enumerate(self.layers):
+            for block, names in FUSED:
+                mods = [getattr(getattr(layer, block), n) for n in names]
+                out.append(((li, block), mods))
+        return out
+
+    @staticmethod
+    def _ptrs(mods: list[torch.nn.Linear]) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for m in mods for t in (m.weight, m.bias) if t is not None)
+
+    @staticmethod
+    def _fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Fused:
+        w = torch.cat(weights)
+        b = torch.cat(biases) if all(x is not None for x in biases) else None  # type: ignore[arg-type]
+        return Fused(weight=w, bias=b, ptrs=())
+
+    @staticmethod
+    def _views(f: Fused, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        ws = f.weight.split(rows)
+        bs = f.bias.split(rows) if f.bias is not None else [None] * len(rows)
+        return list(zip(ws, bs, strict=True))
+
+    def prepare(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fuse incoming weights ahead of a swap (any thread, not the decode one): every fused
+        group ``staged`` touches is rebuilt from the staged and current tensors, and its members are
+        staged as views into it, so that :meth:`refresh` after the swap only re-points."""
+        out = dict(staged)
+        names = self._names
+        for _, mods in self._members():
+            keys = [
+                [names[id(t)] if t is not None else None for t in (m.weight, m.bias)] for m in mods
+            ]
+            if not any(k in staged for pair in keys for k in pair if k is not None):
+                continue
+            weights = [staged.get(kw, m.weight.data) for m, (kw, _) in zip(mods, keys, strict=True)]
+            biases = [
+                None if kb is None else staged.get(kb, m.bias.data)
+                for m, (_, kb) in zip(mods, keys, strict=True)
+            ]
+            f = self._fuse(weights, biases)
+            views = self._views(f, [w.shape[0] for w in weights])
+            for (kw, kb), (w, b) in zip(keys, views, strict=True):
+                out[kw] = w
+                if kb is not None:
+                    out[kb] = b
+            f.ptrs = tuple(t.data_ptr() for w, b in views for t in (w, b) if t is not None)
+            self._prepared[f.ptrs] = f
+        return out
+
+    def refresh(self) -> None:
+        """Bring the fused tensors in line with the parameters (at load and after every swap).
+        Prepared groups are adopted as they are; any other change is fused here (a copy)."""
+        for key, mods in self._members():
+            ptrs = self._ptrs(mods)
+            f = self.fused.get(key)
+            if f is not None and f.ptrs == ptrs:
+                continue
+            f = self._prepared.get(ptrs)
+            if f is None:
+                f = self._fuse(
+                    [m.weight.data for m in mods],
+                    [None if m.bias is None else m.bias.data for m in mods],
+                )
+                rows = [m.weight.shape[0] for m in mods]
+                for m, (w, b) in zip(mods, self._views(f, rows), strict=True):
+                    m.weight.data = w
+                    if b is not None:
+                        m.bias.data = b
+                f.ptrs = self._ptrs(mods)
+            self.fused[key] = f
+        self._prepared.clear()
+        for li, layer in enumerate(self.layers):
+            a = layer.self_attn
+            if not hasattr(a, "q_norm"):
+                continue
+            ptrs = (a.q_norm.weight.data_ptr(), a.k_norm.weight.data_ptr())
+            if self._qk_ptrs.get(li) != ptrs:  # a few KB per layer: cheap even in the swap
+                qw, kw = a.q_norm.weight.detach(), a.k_norm.weight.detach()
+                self.qk_norm[li] = torch.cat(
+                    (qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1))
+                )
+                self._qk_ptrs[li] = ptrs
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def _rope(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[b, 1, q, head_dim]`` for positions ``pos [b, q]``: the sin's first
+        half is negated, so that ``rotate_half(x) * sin == x.roll(d / 2) * signed``, one op."""
+        if not self._rope_table:
+            cos, sin = self.inner.rotary_emb(h, pos)
+            return cos.unsqueeze(1), _signed(sin).unsqueeze(1)
+        need = int(pos.max()) + 1
+        if need > self._cos.shape[0] or self._cos.dtype != h.dtype:
+            n = min(max(need, 2 * self._cos.shape[0], 256), max(need, self.shape.context))
+            cos, sin = self.inner.rotary_emb(h, torch.arange(n).unsqueeze(0))
+            self._cos, self._sin = cos[0], _signed(sin[0])
+        return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.inner.embed_tokens.weight)
 
     def new_cache(self, slots: int = 8) -> SlotCache:
         return SlotCache(self.shape, self.dtype, slots=slots)
@@ -117,27 +251,28 @@ class BatchedLM:
         for decode, where one query per row makes two small matmuls cheaper than SDPA on CPU.
         Linear layers and norms are called functionally (same ops as the HF modules, less overhead).
         """
-        cos, sin = self.inner.rotary_emb(h, pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = self._rope(h, pos)
         b, q = h.shape[:2]
-        d = self.head_dim
-        groups = self.heads // self.kv_heads
+        d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
+        groups = heads // kv_heads
         for li, layer in enumerate(self.layers):
             a = layer.self_attn
             x = _rms(h, layer.input_layernorm)
-            qs = _lin(x, a.q_proj).view(b, q, -1, d)
-            ks = _lin(x, a.k_proj).view(b, q, -1, d)
-            if hasattr(a, "q_norm"):
-                qs, ks = _rms(qs, a.q_norm), _rms(ks, a.k_norm)
-            qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
-            vs = _lin(x, a.v_proj).view(b, q, -1, d).transpose(1, 2)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
+            qkv = self.fused[li, "self_attn"]
+            out = F.linear(x, qkv.weight, qkv.bias)
+            # q and k side by side: their norms and rotary run once for both
+            qk = out[..., : (heads + kv_heads) * d].view(b, q, heads + kv_heads, d)
+            vs = out[..., (heads + kv_heads) * d :].view(b, q, kv_heads, d).transpose(1, 2)
+            if li in self.qk_norm:
+                qk = F.rms_norm(qk, (d,), None, a.q_norm.variance_epsilon) * self.qk_norm[li]
+            qk = qk.transpose(1, 2)
+            qk = qk * cos + qk.roll(d // 2, -1) * sin
+            qs, ks = qk[:, :heads], qk[:, heads:]
             write(li, ks, vs)
             keys = cache.k[li][rows, :, :kv_len]
             vals = cache.v[li][rows, :, :kv_len]
             if q == 1:
-                s = torch.matmul(qs.view(b, self.kv_heads, groups, d), keys.transpose(-1, -2))
+                s = torch.matmul(qs.reshape(b, kv_heads, groups, d), keys.transpose(-1, -2))
                 p = torch.softmax(s * self.scaling + mask, dim=-1)
                 o = torch.matmul(p, vals).view(b, 1, -1)
             else:
@@ -146,19 +281,20 @@ class BatchedLM:
                 )
                 o = o.transpose(1, 2).reshape(b, q, -1)
             h = h + _lin(o, a.o_proj)
-            m = layer.mlp
             x = _rms(h, layer.post_attention_layernorm)
-            h = h + _lin(m.act_fn(_lin(x, m.gate_proj)) * _lin(x, m.up_proj), m.down_proj)
+            gu = self.fused[li, "mlp"]
+            gate, up = F.linear(x, gu.weight, gu.bias).chunk(2, dim=-1)
+            h = h + _lin(self._act(gate) * up, layer.mlp.down_proj)
         return _rms(h, self.inner.norm)
 
-    @torch.no_grad()
     def prefill(
         self, cache: SlotCache, first_row: int, seqs: list[list[int]], *, all_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Fill rows ``first_row..`` with ``seqs`` from position 0.
 
         Returns the last position's logits ``[m, vocab]`` and, if ``all_logits``, every position's
-        logits ``[m, L, vocab]`` (for prompt logprobs).
+        logits ``[m, L, vocab]`` (for prompt logprobs). Callers turn autograd off (the decode
+        thread runs under ``torch.no_grad``: a decorator here costs a few % of a step).
         """
         m = len(seqs)
         lens = torch.tensor([len(s) for s in seqs])
@@ -177,13 +313,12 @@ class BatchedLM:
             cache.k[li][rows, :, :L] = k
             cache.v[li][rows, :, :L] = v
 
-        h = self._layers(self.inner.embed_tokens(ids), pos, mask, cache, write, L, rows)
+        h = self._layers(self._embed(ids), pos, mask, cache, write, L, rows)
         last = h[torch.arange(m), lens - 1]
-        logits = self.hf.lm_head(last)
-        full = self.hf.lm_head(h) if all_logits else None
+        logits = _lin(last, self.hf.lm_head)
+        full = _lin(h, self.hf.lm_head) if all_logits else None
         return logits, full
 
-    @torch.no_grad()
     def decode(self, cache: SlotCache, tokens: list[int], lengths: list[int]) -> torch.Tensor:
         """One step for rows ``0..n-1``: row i feeds ``tokens[i]`` at position ``lengths[i]``."""
         n = len(tokens)
@@ -203,13 +338,13 @@ class BatchedLM:
             cache.k[li][ridx, :, lens] = k[:, :, 0]
             cache.v[li][ridx, :, lens] = v[:, :, 0]
 
-        h = self._layers(self.inner.embed_tokens(ids), pos, mask, cache, write, kv_len, rows)
-        return self.hf.lm_head(h[:, 0])
+        h = self._layers(self._embed(ids), pos, mask, cache, write, kv_len, rows)
+        return _lin(h[:, 0], self.hf.lm_head)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _lin(x: torch.Tensor, mod: torch.nn.Linear) -> torch.Tensor:

@@ -274,6 +274,10 @@ class Scheduler:
                     self.waiting.append(r)
 
     def _run(self) -> None:
+        with torch.no_grad():  # once for the thread: the model's methods carry no decorator
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while True:
                 with self._wake:
