@@ -1,23 +1,36 @@
 """Every message a process can send another, and the one codec for them (DESIGN §3).
 
-Messages are msgpack maps ``{"kind": ..., "v": SCHEMA_VERSION, ...fields}``. Per-token arrays travel as
-raw little-endian ``bin`` (int32 ids and versions, float32 logprobs and masks): packing lists of numbers
-is ~15x slower. A group travels as columns (one ``bin`` per array for all its samples, plus per-sample
-lengths), so the codec's Python work is per group, not per sample. Decoding validates every field and raises only :class:`WireError`, so a service can
-answer a bad message with an error reply and keep serving. Nothing is ever pickled.
+Messages are msgpack maps ``{"kind": ..., "v": SCHEMA_VERSION, ...fields}``. Nothing is ever pickled.
+
+Groups (a ``group`` message, or the groups of a ``put``) travel as columns for the whole message, so
+the codec's Python work is per message, not per sample: ``groups`` holds each group's own fields and
+its sample count ``n``; ``samples`` holds the per-sample columns (ids, finish reasons and metadata as
+lists; rewards and prompt/completion lengths as raw little-endian ``bin``); and ``tokens``, the map's
+last entry, is one ``bin`` with every sample's per-token arrays, array by array: prompt_ids (int32),
+completion_ids (int32), behavior_logprobs (float32), versions (int32), loss_mask (float32), each in
+sample order. Any msgpack reader can read the message; ours finds ``tokens`` at the end and reads
+the arrays straight out of the received bytes (no copy), and builds a group's :class:`Sample`
+objects only when someone looks at them. Decoding validates every field and raises only
+:class:`WireError`, so a service can answer a bad message with an error reply and keep serving.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
+import io
+import itertools
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Upper bound on one encoded message; transports refuse larger ones before reading them fully."""
@@ -77,7 +90,7 @@ class Group:
     kind: ClassVar[str] = "group"
     id: str
     lease_id: str = ""
-    samples: list[Sample]
+    samples: Sequence[Sample]  # a list, or a decoded group's SampleList
     prompt_index: int = -1  # position in the dataset, for the resumable data position
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -87,7 +100,10 @@ class Group:
 
     @property
     def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
+        ss = self.samples
+        if isinstance(ss, SampleList) and ss._items is None:
+            return ss._cols.rewards[ss._lo : ss._hi]
+        return [s.reward for s in ss]
 
 
 @dataclass(kw_only=True)
@@ -230,7 +246,7 @@ Message = (
     | Version
 )
 
-_ARRAYS = {
+_ARRAYS = {  # the per-token arrays, in the order they sit in ``tokens``
     "prompt_ids": _I32,
     "completion_ids": _I32,
     "behavior_logprobs": _F32,
@@ -239,50 +255,254 @@ _ARRAYS = {
 }
 _PER_TOKEN = ("behavior_logprobs", "versions", "loss_mask")
 _FINISH = ("stop", "length", "abort")
+_GROUPED = ("group", "put")  # the kinds that carry groups
+_LIMITS = dict(
+    raw=False,
+    strict_map_key=True,
+    max_bin_len=MAX_MESSAGE_BYTES,
+    max_str_len=MAX_STR,
+    max_array_len=MAX_ITEMS,
+    max_map_len=MAX_ITEMS,
+    max_ext_len=0,
+)
 
 
-# --------------------------------------------------------------------------------------------------
-# Encoding
-# --------------------------------------------------------------------------------------------------
+class SampleList(Sequence):
+    """A decoded group's samples, built on first access.
+
+    Building ten Python objects per sample was most of the decoding time, and the buffer checks and
+    stores a group without them (:func:`group_tokens`, ``Group.rewards``); the learner builds them
+    when it trains. Until then the group is re-encoded straight from the columns it arrived in."""
+
+    __slots__ = ("_cols", "_lo", "_hi", "_group_id", "_items")
+
+    def __init__(self, cols: _Columns, lo: int, hi: int, group_id: str):
+        self._cols, self._lo, self._hi, self._group_id = cols, lo, hi, group_id
+        self._items: list[Sample] | None = None
+
+    def _load(self) -> list[Sample]:
+        if self._items is None:
+            c, gid = self._cols, self._group_id
+            a = c.arrays
+            p, q = c.prompt_ends, c.completion_ends
+            self._items = [
+                Sample(
+                    id=c.ids[i],
+                    group_id=gid,
+                    prompt_ids=a["prompt_ids"][p[i] : p[i + 1]],
+                    completion_ids=a["completion_ids"][q[i] : q[i + 1]],
+                    behavior_logprobs=a["behavior_logprobs"][q[i] : q[i + 1]],
+                    versions=a["versions"][q[i] : q[i + 1]],
+                    loss_mask=a["loss_mask"][q[i] : q[i + 1]],
+                    reward=c.rewards[i],
+                    finish_reason=c.finish[i],
+                    metadata=c.metadata[i],
+                )
+                for i in range(self._lo, self._hi)
+            ]
+        return self._items
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._load()[i]
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self._load())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"SampleList({len(self)} samples of group {self._group_id!r})"
 
 
-def _group_plain(g: Group) -> dict[str, Any]:
-    """A group's samples as columns: one ``bin`` per per-token array for the whole group.
-
-    This is the hot path of every Put: building and validating a Python object per field per sample
-    cost ~16 µs a sample; columns make the codec's cost per group, not per sample (DESIGN §3 budget).
-    """
+def group_tokens(g: Group, name: str) -> np.ndarray:
+    """One per-token array (``versions``, ``loss_mask``...) over all a group's samples, in order:
+    a view into the message a decoded group arrived in, else a concatenation."""
     ss = g.samples
-    for i, s in enumerate(ss):
-        if s.group_id != g.id:
-            raise WireError(
-                f"group.samples[{i}].group_id: {s.group_id!r} is not the group's {g.id!r}"
-            )
-    cols: dict[str, Any] = {
-        "id": [s.id for s in ss],
-        "reward": np.array([s.reward for s in ss], dtype=_F64).tobytes(),
-        "finish_reason": [s.finish_reason for s in ss],
-        "metadata": [_to_plain(s.metadata) if s.metadata else {} for s in ss],
-        "prompt_len": np.array([len(s.prompt_ids) for s in ss], dtype=_I32).tobytes(),
-        "completion_len": np.array([len(s.completion_ids) for s in ss], dtype=_I32).tobytes(),
-    }
+    if isinstance(ss, SampleList) and ss._items is None:
+        c = ss._cols
+        ends = c.prompt_ends if name == "prompt_ids" else c.completion_ends
+        return c.arrays[name][ends[ss._lo] : ends[ss._hi]]
+    dt = _ARRAYS[name]
+    return np.concatenate(
+        [np.asarray(getattr(s, name), dtype=dt).reshape(-1) for s in ss] or [np.empty(0, dt)]
+    )
+
+
+@dataclass
+class _Columns:
+    """Samples of one or more groups as columns: what ``samples`` and ``tokens`` carry."""
+
+    ids: list[str]
+    rewards: list[float]
+    finish: list[str]
+    metadata: list[Any]
+    prompt_lens: list[int]
+    completion_lens: list[int]
+    arrays: dict[str, Any]  # name -> one array (decoded), or a list of pieces to join (encoding)
+
+    @functools.cached_property
+    def prompt_ends(self) -> list[int]:  # n + 1 offsets into prompt_ids
+        return [0, *itertools.accumulate(self.prompt_lens)]
+
+    @functools.cached_property
+    def completion_ends(self) -> list[int]:  # n + 1 offsets into the per-token arrays
+        return [0, *itertools.accumulate(self.completion_lens)]
+
+
+_DTYPE, _SIZE, _GROUP_ID = attrgetter("dtype"), attrgetter("size"), attrgetter("group_id")
+_ID, _REWARD, _META = attrgetter("id"), attrgetter("reward"), attrgetter("metadata")
+_FINISH_REASON = attrgetter("finish_reason")
+
+
+def _decoded_columns(ss: SampleList) -> _Columns:
+    """A decoded group's columns, sliced from the message it arrived in (no sample is built)."""
+    c, lo, hi = ss._cols, ss._lo, ss._hi
+    p0, p1 = c.prompt_ends[lo], c.prompt_ends[hi]
+    q0, q1 = c.completion_ends[lo], c.completion_ends[hi]
+    return _Columns(
+        ids=c.ids[lo:hi],
+        rewards=c.rewards[lo:hi],
+        finish=c.finish[lo:hi],
+        metadata=c.metadata[lo:hi],
+        prompt_lens=c.prompt_lens[lo:hi],
+        completion_lens=c.completion_lens[lo:hi],
+        arrays={k: [v[p0:p1] if k == "prompt_ids" else v[q0:q1]] for k, v in c.arrays.items()},
+    )
+
+
+def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
+    """Samples as columns, each column gathered in one C-level pass (``map``), however many groups
+    they come from; the arrays as the pieces to join. ``at(i)`` names sample ``i`` in errors."""
+    arrays: dict[str, list] = {}
+    sizes: dict[str, list[int]] = {}
     for k, dt in _ARRAYS.items():
-        parts = [np.asarray(getattr(s, k), dtype=dt).reshape(-1) for s in ss]
-        cols[k] = np.concatenate(parts).data if parts else b""  # msgpack packs the buffer: no copy
-    return {
-        "id": g.id,
-        "lease_id": g.lease_id,
-        "samples": cols,
-        "prompt_index": g.prompt_index,
-        "metadata": _to_plain(g.metadata) if g.metadata else {},
+        parts = list(map(attrgetter(k), ss))
+        try:
+            ok = set(map(_DTYPE, parts)) <= {dt}
+        except AttributeError:  # a list, not an array
+            ok = False
+        if not ok:
+            for i, x in enumerate(parts):
+                try:
+                    parts[i] = np.asarray(x, dtype=dt).reshape(-1)
+                except (TypeError, ValueError, OverflowError) as e:
+                    raise WireError(f"{at(i)}.{k}: not convertible to {dt.name}: {e}") from None
+        arrays[k] = parts
+        sizes[k] = list(map(_SIZE, parts))
+    done = sizes["completion_ids"]
+    for k in _PER_TOKEN:
+        if sizes[k] != done:
+            i = next(i for i, (a, b) in enumerate(zip(sizes[k], done, strict=True)) if a != b)
+            raise WireError(
+                f"{at(i)}.{k}: {sizes[k][i]} entries, but completion_ids has {done[i]} (one per token)"
+            )
+    return _Columns(
+        ids=list(map(_ID, ss)),
+        rewards=list(map(_REWARD, ss)),
+        finish=list(map(_FINISH_REASON, ss)),
+        metadata=list(map(_META, ss)),
+        prompt_lens=sizes["prompt_ids"],
+        completion_lens=done,
+        arrays=arrays,
+    )
+
+
+def _plain_default(obj: Any) -> Any:
+    """msgpack's hook for what it cannot pack itself: numpy scalars and nested dataclasses."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    raise TypeError(f"cannot pack {type(obj).__name__}")
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, default=_plain_default)
+
+
+def _encode_groups(kind: str, fields: dict[str, Any], groups: Sequence[Group]) -> bytes:
+    """A message carrying groups: the map's fields, then ``tokens`` last, built in one join."""
+    heads: list[dict] = []
+    cols: list[_Columns] = []
+    run: list[Sample] = []  # built samples of consecutive groups, gathered together
+    starts: list[tuple[int, int]] = []  # (index in run, group index) where each group begins
+
+    def at(i: int) -> str:
+        j = bisect.bisect_right(starts, (i, len(groups))) - 1
+        first, gi = starts[j]
+        return (
+            f"{kind}.samples[{i}]"
+            if kind == "group"
+            else f"{kind}.groups[{gi}].samples[{i - first}]"
+        )
+
+    def flush() -> None:
+        if run:
+            cols.append(_sample_columns(run, at))
+            run.clear()
+            starts.clear()
+
+    for gi, g in enumerate(groups):
+        ss = g.samples
+        if isinstance(ss, SampleList) and ss._items is None:  # untouched since decoding
+            flush()
+            cols.append(_decoded_columns(ss))
+        else:
+            if set(map(_GROUP_ID, ss)) - {g.id}:
+                i = next(i for i, s in enumerate(ss) if s.group_id != g.id)
+                where = kind if kind == "group" else f"{kind}.groups[{gi}]"
+                raise WireError(
+                    f"{where}.samples[{i}].group_id: {ss[i].group_id!r} is not the group's {g.id!r}"
+                )
+            starts.append((len(run), gi))
+            run.extend(ss)
+        heads.append(
+            {
+                "id": g.id,
+                "lease_id": g.lease_id,
+                "prompt_index": g.prompt_index,
+                "metadata": g.metadata,
+                "n": len(ss),
+            }
+        )
+    flush()
+    plens = [x for c in cols for x in c.prompt_lens]
+    clens = [x for c in cols for x in c.completion_lens]
+    body = {
+        "kind": kind,
+        "v": SCHEMA_VERSION,
+        **fields,
+        "groups": heads,
+        "samples": {
+            "id": [x for c in cols for x in c.ids],
+            "reward": np.array([x for c in cols for x in c.rewards], dtype=_F64).tobytes(),
+            "finish_reason": [x for c in cols for x in c.finish],
+            "metadata": [x for c in cols for x in c.metadata],
+            "prompt_len": np.array(plens, dtype=_I32).tobytes(),
+            "completion_len": np.array(clens, dtype=_I32).tobytes(),
+        },
     }
+    pieces = [p for k in _ARRAYS for c in cols for p in c.arrays[k]]
+    nbytes = 4 * (sum(plens) + 4 * sum(clens))  # every per-token dtype is 4 bytes
+    head = _pack(body)
+    if not 0x80 <= head[0] < 0x8F:  # pragma: no cover - the body has 4 or 5 keys
+        raise WireError(f"{kind}: unexpected map header {head[0]:#x}")
+    prefix = bytes([head[0] + 1]) + head[1:] + _pack("tokens") + b"\xc6" + nbytes.to_bytes(4, "big")
+    try:
+        return b"".join([prefix, *pieces])
+    except (BufferError, ValueError, TypeError):  # a non-contiguous array: copy it first
+        return b"".join([prefix, *(np.ascontiguousarray(p) for p in pieces)])
 
 
 def _to_plain(obj: Any) -> Any:
     if obj is None or type(obj) in (str, int, float, bool, bytes):
         return obj
-    if isinstance(obj, Group):
-        return _group_plain(obj)
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, list | tuple):
@@ -299,9 +519,15 @@ def encode(msg: Message) -> bytes:
     kind = getattr(type(msg), "kind", None)
     if kind not in MESSAGES:
         raise WireError(f"cannot encode {type(msg).__name__}: not a wire message")
-    body = {"kind": kind, "v": SCHEMA_VERSION, **_to_plain(msg)}
     try:
-        data = msgpack.packb(body, use_bin_type=True)
+        if isinstance(msg, Group):
+            data = _encode_groups(kind, {}, [msg])
+        elif isinstance(msg, Put):
+            data = _encode_groups(kind, {"worker_id": msg.worker_id}, msg.groups)
+        else:
+            data = _pack({"kind": kind, "v": SCHEMA_VERSION, **_to_plain(msg)})
+    except WireError:
+        raise
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"cannot encode {kind}: {e}") from None
     if len(data) > MAX_MESSAGE_BYTES:
@@ -314,10 +540,18 @@ def encode(msg: Message) -> bytes:
 # --------------------------------------------------------------------------------------------------
 
 
+_MISSING = object()
+
+
 def _req(d: dict, key: str, types: type | tuple, where: str) -> Any:
-    if key not in d:
+    v = d.get(key, _MISSING)
+    if v is _MISSING:
         raise WireError(f"{where}: missing field '{key}'")
-    v = d[key]
+    t = type(v)
+    if t is types and not (
+        (t is str and len(v) > MAX_STR) or (t is list and len(v) > MAX_ITEMS)
+    ):  # the common case, checked first: it runs for every field of every message
+        return v
     if isinstance(v, bool) and types in (int, float, (int, float)):
         raise WireError(f"{where}.{key}: expected {_tname(types)}, got bool")
     if not isinstance(v, types):
@@ -366,15 +600,6 @@ def _metadata(d: dict, where: str) -> dict[str, Any]:
     return m
 
 
-def _array(d: dict, key: str, where: str) -> np.ndarray:
-    """A group's concatenated column; its size is bounded by the message size limit."""
-    raw = _req(d, key, bytes, where)
-    dt = _ARRAYS[key]
-    if len(raw) % dt.itemsize:
-        raise WireError(f"{where}.{key}: {len(raw)} bytes is not a whole number of {dt.name}")
-    return np.frombuffer(raw, dtype=dt)
-
-
 def _column(cols: dict, key: str, dt: np.dtype, n: int, where: str) -> np.ndarray:
     raw = _req(cols, key, bytes, where)
     if len(raw) != n * dt.itemsize:
@@ -383,71 +608,85 @@ def _column(cols: dict, key: str, dt: np.dtype, n: int, where: str) -> np.ndarra
 
 
 def _values_ok(lp: np.ndarray, ver: np.ndarray, mask: np.ndarray) -> bool:
-    """Whole-group value checks without temporaries (a NaN makes min and max NaN, which fails)."""
-    lo, hi = lp.min(), lp.max()
-    m_lo, m_hi = mask.min(), mask.max()
+    """Whole-message value checks, a few passes (a NaN makes min and max NaN, which fails)."""
     return bool(
-        np.isfinite(lo)
-        and hi <= 1e-3
+        np.isfinite(lp.min())
+        and lp.max() <= 1e-3
         and ver.min() >= 0
-        and m_lo >= 0
-        and m_hi <= 1
-        and np.count_nonzero(mask) == np.count_nonzero(mask == 1)
+        and np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) == len(mask)
     )
 
 
-def _first_bad(bad: np.ndarray, ends: np.ndarray) -> int:
-    """The index of the sample holding the first flagged token."""
-    return int(np.searchsorted(ends, int(np.argmax(bad)), side="right"))
-
-
-def _group(d: Any, where: str) -> Group:
-    if not isinstance(d, dict):
-        raise WireError(f"{where}: expected a map, got {type(d).__name__}")
-    gid = _req(d, "id", str, where)
+def _groups(d: dict, tokens: Any, where: str) -> list[Group]:
+    """The groups of a ``group`` or ``put`` message, validated; samples are built lazily."""
+    heads = _req(d, "groups", list, where)
     cols = _req(d, "samples", dict, where)
     w = f"{where}.samples"
     ids = _str_list(cols, "id", w)
     n = len(ids)
-    if not n:
-        raise WireError(f"{w}: a group needs at least one sample")
-    if len(set(ids)) != n:
-        dup = next(x for i, x in enumerate(ids) if x in ids[:i])
-        raise WireError(f"{w}.id: duplicate sample id {dup!r}")
+    sizes = []
+    for i, h in enumerate(heads):
+        if not isinstance(h, dict):
+            raise WireError(f"{where}.groups[{i}]: expected a map, got {type(h).__name__}")
+        sizes.append(_count(h, "n", f"{where}.groups[{i}]", lo=1))
+    if sum(sizes) != n:
+        raise WireError(f"{w}.id: {n} samples, but the groups' n add up to {sum(sizes)}")
+    starts = [0, *itertools.accumulate(sizes)]
+
+    def at(i: int) -> str:  # sample i of the message, named by its group
+        if where == "group":
+            return f"group.samples[{i}]"
+        g = bisect.bisect_right(starts, i) - 1
+        return f"{where}.groups[{g}].samples[{i - starts[g]}]"
+
     rewards = _column(cols, "reward", _F64, n, w)
     if not np.isfinite(rewards).all():
-        raise WireError(f"{w}[{int(np.argmax(~np.isfinite(rewards)))}].reward: must be finite")
+        raise WireError(f"{at(int(np.argmax(~np.isfinite(rewards))))}.reward: must be finite")
     finish = _str_list(cols, "finish_reason", w)
     metas = _req(cols, "metadata", list, w)
     for key, col in (("finish_reason", finish), ("metadata", metas)):
         if len(col) != n:
-            raise WireError(f"{w}.{key}: {len(col)} entries, but the group has {n} samples")
-    for i, f in enumerate(finish):
-        if f not in _FINISH:
-            raise WireError(f"{w}[{i}].finish_reason: expected stop, length or abort, got {f!r}")
-    for i, m in enumerate(metas):
-        if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
-            raise WireError(f"{w}[{i}].metadata: expected a map with string keys")
+            raise WireError(f"{w}.{key}: {len(col)} entries, but there are {n} samples")
+    if not set(finish) <= set(_FINISH):
+        i = next(i for i, f in enumerate(finish) if f not in _FINISH)
+        raise WireError(f"{at(i)}.finish_reason: expected stop, length or abort, got {finish[i]!r}")
+    if set(map(type, metas)) - {dict} or set(map(type, itertools.chain.from_iterable(metas))) - {
+        str
+    }:
+        for i, m in enumerate(metas):  # msgpack already refused keys that are not str or bytes
+            if type(m) is not dict or not all(type(k) is str for k in m):
+                raise WireError(f"{at(i)}.metadata: expected a map with string keys")
     lens = {}
     for key in ("prompt_len", "completion_len"):
-        lens[key] = _column(cols, key, _I32, n, w).astype(np.int64)
-        if (lens[key] < 0).any() or (lens[key] > MAX_TOKENS).any():
+        x = _column(cols, key, _I32, n, w)
+        if n and (x.min() < 0 or x.max() > MAX_TOKENS):
             raise WireError(f"{w}.{key}: lengths must be in [0, {MAX_TOKENS}]")
-    arrays = {k: _array(cols, k, w) for k in _ARRAYS}
-    for k, total_of in (("prompt_ids", "prompt_len"), ("completion_ids", "completion_len")):
-        if len(arrays[k]) != lens[total_of].sum():
-            raise WireError(
-                f"{w}.{k}: {len(arrays[k])} entries, but {total_of} adds up to {lens[total_of].sum()}"
-            )
-    t = len(arrays["completion_ids"])
-    for k in _PER_TOKEN:
-        if len(arrays[k]) != t:
-            raise WireError(
-                f"{w}.{k}: {len(arrays[k])} entries, but completion_ids has {t} (one per token)"
-            )
-    ends = np.cumsum(lens["completion_len"])
+        lens[key] = x.tolist()
+    prompt_total, total = sum(lens["prompt_len"]), sum(lens["completion_len"])
+    if tokens is None:
+        tokens = _req(d, "tokens", bytes, where)
+    need = 4 * (prompt_total + 4 * total)
+    if len(tokens) != need:
+        raise WireError(
+            f"{where}.tokens: {len(tokens)} bytes, but prompt_len and completion_len call for "
+            f"{need} ({prompt_total} prompt and {total} completion tokens)"
+        )
+    arrays, pos = {}, 0
+    for k, dt in _ARRAYS.items():
+        count = prompt_total if k == "prompt_ids" else total
+        arrays[k] = np.frombuffer(tokens, dtype=dt, count=count, offset=pos)
+        pos += count * 4
     lp, ver, mask = arrays["behavior_logprobs"], arrays["versions"], arrays["loss_mask"]
-    if t and not _values_ok(lp, ver, mask):  # reductions only; on failure, name the sample
+    c = _Columns(
+        ids=ids,
+        rewards=rewards.tolist(),
+        finish=finish,
+        metadata=metas,
+        prompt_lens=lens["prompt_len"],
+        completion_lens=lens["completion_len"],
+        arrays=arrays,
+    )
+    if total and not _values_ok(lp, ver, mask):  # reductions only; on failure, name the sample
         for bad, k, why in (
             (~np.isfinite(lp), "behavior_logprobs", "must be finite"),
             (lp > 1e-3, "behavior_logprobs", "a log-probability cannot be positive"),
@@ -455,35 +694,28 @@ def _group(d: Any, where: str) -> Group:
             ((mask != 0) & (mask != 1), "loss_mask", "entries must be 0 or 1"),
         ):
             if bad.any():
-                raise WireError(f"{w}[{_first_bad(bad, ends)}].{k}: {why}")
-    bounds = {}
-    for key in ("prompt_len", "completion_len"):
-        e = np.cumsum(lens[key]).tolist()
-        bounds[key] = list(zip([0, *e[:-1]], e, strict=True))
-    samples = []
-    for i in range(n):
-        (p0, p1), (c0, c1) = bounds["prompt_len"][i], bounds["completion_len"][i]
-        samples.append(
-            Sample(
-                id=ids[i],
-                group_id=gid,
-                prompt_ids=arrays["prompt_ids"][p0:p1],
-                completion_ids=arrays["completion_ids"][c0:c1],
-                behavior_logprobs=lp[c0:c1],
-                versions=ver[c0:c1],
-                loss_mask=mask[c0:c1],
-                reward=float(rewards[i]),
-                finish_reason=finish[i],
-                metadata=metas[i],
+                ends = c.completion_ends[1:]
+                i = int(np.searchsorted(ends, int(np.argmax(bad)), side="right"))
+                raise WireError(f"{at(i)}.{k}: {why}")
+    out, lo = [], 0
+    for i, (h, size) in enumerate(zip(heads, sizes, strict=True)):
+        gw = where if where == "group" else f"{where}.groups[{i}]"
+        gid = _req(h, "id", str, gw)
+        if len(set(ids[lo : lo + size])) != size:
+            mine = ids[lo : lo + size]
+            dup = next(x for j, x in enumerate(mine) if x in mine[:j])
+            raise WireError(f"{gw}.samples.id: duplicate sample id {dup!r}")
+        out.append(
+            Group(
+                id=gid,
+                lease_id=_opt(h, "lease_id", str, gw, ""),
+                samples=SampleList(c, lo, lo + size, gid),
+                prompt_index=_opt(h, "prompt_index", int, gw, -1),
+                metadata=_metadata(h, gw),
             )
         )
-    return Group(
-        id=gid,
-        lease_id=_opt(d, "lease_id", str, where, ""),
-        samples=samples,
-        prompt_index=_opt(d, "prompt_index", int, where, -1),
-        metadata=_metadata(d, where),
-    )
+        lo += size
+    return out
 
 
 def _generator(d: Any, where: str) -> GeneratorInfo:
@@ -498,6 +730,8 @@ def _generator(d: Any, where: str) -> GeneratorInfo:
 
 def _str_list(d: dict, key: str, where: str) -> list[str]:
     v = _req(d, key, list, where)
+    if set(map(type, v)) <= {str}:
+        return v
     for i, x in enumerate(v):
         if not isinstance(x, str):
             raise WireError(f"{where}.{key}[{i}]: expected str, got {type(x).__name__}")
@@ -512,10 +746,13 @@ def _str_map(d: dict, key: str, where: str) -> dict[str, str]:
     return v
 
 
-def _build(kind: str, d: dict) -> Message:
+def _build(kind: str, d: dict, tokens: memoryview | None) -> Message:
     w = kind
     if kind == "group":
-        return _group(d, w)
+        groups = _groups(d, tokens, w)
+        if len(groups) != 1:
+            raise WireError(f"group: carries {len(groups)} groups, expected 1")
+        return groups[0]
     if kind == "acquire":
         return Acquire(
             worker_id=_req(d, "worker_id", str, w),
@@ -531,11 +768,7 @@ def _build(kind: str, d: dict) -> Message:
             request_id=_opt(d, "request_id", str, w, ""),
         )
     if kind == "put":
-        groups = _req(d, "groups", list, w)
-        return Put(
-            worker_id=_req(d, "worker_id", str, w),
-            groups=[_group(g, f"{w}.groups[{i}]") for i, g in enumerate(groups)],
-        )
+        return Put(worker_id=_req(d, "worker_id", str, w), groups=_groups(d, tokens, w))
     if kind == "ack":
         return Ack(
             group_ids=_str_list(d, "group_ids", w),
@@ -576,23 +809,39 @@ def _build(kind: str, d: dict) -> Message:
     raise WireError(f"unknown message kind {kind!r}")  # pragma: no cover - guarded by MESSAGES
 
 
+def _unpack(data: bytes) -> tuple[Any, memoryview | None]:
+    """The message map, and ``tokens`` as a view into ``data`` when it is the map's last entry (as
+    :func:`encode` puts it): the arrays are then read in place, never copied."""
+    if not data or not 0x80 <= data[0] <= 0x8F:  # not a small map: no tokens to find
+        return msgpack.unpackb(data, **_LIMITS), None
+    up = msgpack.Unpacker(io.BytesIO(data), read_size=1 << 16, **_LIMITS)
+    n = up.read_map_header()
+    d: dict = {}
+    for i in range(n):
+        key = up.unpack()
+        if key == "tokens" and i == n - 1:
+            pos = up.tell()
+            if data[pos] == 0xC6:  # bin32: the arrays run to the end of the message
+                size = int.from_bytes(data[pos + 1 : pos + 5], "big")
+                if pos + 5 + size != len(data):
+                    raise ValueError(f"tokens: {size} bytes declared, {len(data) - pos - 5} follow")
+                return d, memoryview(data)[pos + 5 :]
+        d[key] = up.unpack()
+    if up.tell() != len(data):
+        raise ValueError(f"{len(data) - up.tell()} bytes after the message")
+    return d, None
+
+
 def decode(data: bytes, *, expect: type | tuple[type, ...] | None = None) -> Message:
     """Unpack and validate one message. Raises only :class:`WireError`."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(f"message is {len(data)} bytes, over the {MAX_MESSAGE_BYTES} limit")
+    if not isinstance(data, bytes):  # decoded arrays are views: they must not see later writes
+        data = bytes(data)
     try:
-        d = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=MAX_MESSAGE_BYTES,
-            max_str_len=MAX_STR,
-            max_array_len=MAX_ITEMS,
-            max_map_len=MAX_ITEMS,
-            max_ext_len=0,
-        )
+        d, tokens = _unpack(data)
     except Exception as e:  # msgpack raises many types on garbage; all mean "not a message"
         raise WireError(f"not a msgpack message: {type(e).__name__}: {e}") from None
     if not isinstance(d, dict):
@@ -603,8 +852,10 @@ def decode(data: bytes, *, expect: type | tuple[type, ...] | None = None) -> Mes
     v = d.get("v")
     if v != SCHEMA_VERSION:
         raise WireError(f"{kind}: schema version {v!r}, this build speaks {SCHEMA_VERSION}")
+    if tokens is not None and kind not in _GROUPED:
+        raise WireError(f"{kind}: unexpected field 'tokens'")
     try:
-        msg = _build(kind, d)
+        msg = _build(kind, d, tokens)
     except WireError:
         raise
     except Exception as e:  # any surprise in validation is still a bad message, never a crash

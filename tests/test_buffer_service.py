@@ -117,7 +117,7 @@ def test_register_runs_callbacks(service: BufferService) -> None:
 
 def _bad_messages(lease_id: str) -> list[tuple[bytes, str]]:
     """Malformed, oversized and out-of-order requests, with the error code each must get."""
-    body = lambda kind, **kw: msgpack.packb({"kind": kind, "v": 1, **kw})  # noqa: E731
+    body = lambda kind, **kw: msgpack.packb({"kind": kind, "v": wire.SCHEMA_VERSION, **kw})  # noqa: E731
     ack = wire.encode(wire.Ack(group_ids=["x"]))
     grant = wire.encode(wire.Grant(lease_id="l", k=1, version=0, lease_seconds=1.0))
     huge = make_group("huge", lease_id, versions=[0])

@@ -117,8 +117,8 @@ def assert_same(a, b, where: str = "msg") -> None:
         for f in dataclasses.fields(a):
             assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
         return
-    if isinstance(a, list | tuple):
-        assert isinstance(b, list) and len(a) == len(b), where
+    if isinstance(a, list | tuple | wire.SampleList):
+        assert isinstance(b, list | wire.SampleList) and len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{i}]")
         return
@@ -146,8 +146,9 @@ def test_round_trip(kind):
     def check(msg):
         data = wire.encode(msg)
         back = wire.decode(data, expect=wire.MESSAGES[kind])
-        assert_same(msg, back)
-        assert wire.encode(back) == data
+        assert wire.encode(back) == data  # straight from the columns it arrived in
+        assert_same(msg, back)  # (builds the samples)
+        assert wire.encode(back) == data  # from the built samples
 
     check()
 
@@ -307,7 +308,7 @@ def test_decode_fuzz_raises_only_wire_error():
 
 
 @pytest.mark.parametrize("field", ["behavior_logprobs", "versions", "loss_mask"])
-def test_per_token_length_mismatch_names_the_field(field):
+def test_per_token_length_mismatch_is_refused_when_encoding(field):
     sample = _valid_messages(random.Random(1))[0].samples[0]
     n = len(sample.completion_ids) + 2
     sample.completion_ids = np.arange(n, dtype=np.int32)
@@ -316,9 +317,38 @@ def test_per_token_length_mismatch_names_the_field(field):
             setattr(sample, f, np.zeros(n, dtype=getattr(sample, f).dtype))
     group = wire.Group(id="g", samples=[sample])
     with pytest.raises(wire.WireError) as e:
-        wire.decode(wire.encode(wire.Put(worker_id="w", groups=[group])))
-    assert f"put.groups[0].samples.{field}:" in str(e.value)
+        wire.encode(wire.Put(worker_id="w", groups=[group]))
+    assert f"put.groups[0].samples[0].{field}:" in str(e.value)
     assert "completion_ids" in str(e.value)
+
+
+def test_decode_checks_tokens_and_names_the_group_and_sample():
+    put = _valid_messages(random.Random(1))[1]
+    tree = msgpack.unpackb(wire.encode(put), raw=False)
+    tree["tokens"] = tree["tokens"][:-4]  # the arrays no longer match the lengths
+    with pytest.raises(wire.WireError, match=r"put\.tokens: \d+ bytes, but prompt_len and"):
+        wire.decode(msgpack.packb(tree, use_bin_type=True))
+
+    groups = [_valid_messages(random.Random(s))[0] for s in (1, 2)]
+    groups[1].id = "h"
+    for s in groups[1].samples:
+        s.group_id = "h"
+    bad = groups[1].samples[1]
+    bad.completion_ids = np.arange(2, dtype=np.int32)
+    bad.behavior_logprobs = np.array([-1.0, np.nan], dtype=np.float32)
+    bad.versions, bad.loss_mask = np.zeros(2, np.int32), np.ones(2, np.float32)
+    with pytest.raises(wire.WireError, match=r"put\.groups\[1\]\.samples\[1\]\.behavior_logprobs"):
+        wire.decode(wire.encode(wire.Put(worker_id="w", groups=groups)))
+
+
+def test_decoded_arrays_are_views_of_the_message_and_read_only():
+    put = _valid_messages(random.Random(3))[1]
+    data = wire.encode(put)
+    back = wire.decode(data)
+    s = back.groups[0].samples[0]
+    assert np.shares_memory(s.completion_ids, np.frombuffer(data, np.uint8))
+    with pytest.raises(ValueError):
+        s.loss_mask[:] = 0
 
 
 @pytest.mark.parametrize(
@@ -352,3 +382,16 @@ def test_decode_rejects_bad_sample_values_and_unexpected_kinds():
         wire.decode(wire.encode(wire.Status()), expect=wire.Put)
     with pytest.raises(wire.WireError, match="not a wire message"):
         wire.encode(s)
+
+
+def test_group_columns_without_building_samples():
+    put = _valid_messages(random.Random(4))[1]
+    back = wire.decode(wire.encode(put))
+    g, want = back.groups[1], put.groups[1]
+    for name in wire._ARRAYS:
+        got = wire.group_tokens(g, name)  # a view, read before any sample exists
+        assert g.samples._items is None
+        concat = np.concatenate([getattr(s, name) for s in want.samples])
+        assert got.dtype == concat.dtype and got.tolist() == concat.tolist()
+        assert wire.group_tokens(want, name).tolist() == concat.tolist()  # built samples
+    assert g.rewards == want.rewards and g.samples._items is None

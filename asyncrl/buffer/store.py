@@ -108,13 +108,13 @@ def _token_version(group: wire.Group) -> tuple[int, int] | None:
     "Oldest" is the group's behaviour version (``wire.Sample.behavior_version``: the policy's own
     tokens, or all tokens of a sample that has none); computed group-wide in the common case.
     """
-    samples = [s for s in group.samples if len(s.versions)]
-    if not samples:
+    versions = wire.group_tokens(group, "versions")  # no sample is built for this
+    if not len(versions):
         return None
-    versions = np.concatenate([s.versions for s in samples])
-    mask = np.concatenate([s.loss_mask for s in samples])
+    mask = wire.group_tokens(group, "loss_mask")
     if mask.all():
         return int(versions.min()), int(versions.max())
+    samples = [s for s in group.samples if len(s.versions)]
     return min(s.behavior_version for s in samples), int(versions.max())
 
 

@@ -96,24 +96,38 @@ def fuzz_cases(rng: random.Random, n: int):
         wire.StatusReply(version=0, stats={}),
         wire.Version(version=3),
     ]
+    V = wire.SCHEMA_VERSION
     g = _plain(wire.Put(worker_id="w", groups=[group("g", "l", 0)]))
-    cols = g["groups"][0]["samples"]  # per-group columns: 2 samples of 3 completion tokens
+    cols = g["samples"]  # the message's sample columns: 2 samples of 3 completion tokens
+    sizes = {  # bytes of each per-token array in ``tokens``, in order
+        k: 4
+        * sum(np.frombuffer(cols["prompt_len" if k == "prompt_ids" else "completion_len"], "<i4"))
+        for k in ("prompt_ids", "completion_ids", "behavior_logprobs", "versions", "loss_mask")
+    }
+    ends = np.cumsum([0, *sizes.values()])
+    sections = {k: g["tokens"][a:b] for k, a, b in zip(sizes, ends[:-1], ends[1:], strict=True)}
 
     def put_with(**fields) -> bytes:
-        body = {**g, "groups": [{**g["groups"][0], "samples": {**cols, **fields}}]}
+        """The put with some sample columns or per-token arrays replaced."""
+        arrays = {k: fields.pop(k, v) for k, v in sections.items()}
+        tokens = (
+            b"".join(arrays.values()) if all(type(v) is bytes for v in arrays.values()) else [1]
+        )
+        body = {**g, "samples": {**cols, **fields}, "tokens": tokens}
         return msgpack.packb(body, use_bin_type=True)
 
+    assert isinstance(wire.decode(put_with()), wire.Put)  # valid as is: each case breaks one thing
     structured = [
         # wrong kinds: replies and non-request messages sent as requests
         *[(wire.encode(r), "unexpected_kind") for r in replies],
         (wire.encode(group("g", "l", 0)), "unexpected_kind"),
         (msgpack.packb({"kind": "steal_weights", "v": 1}), "bad_message"),
-        (msgpack.packb({"kind": "acquire", "v": 2, "worker_id": "w", "n": 1}), "bad_message"),
-        (msgpack.packb({"kind": "acquire", "v": 1, "worker_id": 5, "n": 1}), "bad_message"),
-        (msgpack.packb({"kind": "acquire", "v": 1, "worker_id": "w", "n": -1}), "bad_message"),
-        (msgpack.packb({"kind": "acquire", "v": 1, "worker_id": "w", "n": 1 << 40}), "bad_message"),
-        (msgpack.packb({"kind": "acquire", "v": 1, "worker_id": "w", "n": "1"}), "bad_message"),
-        (msgpack.packb({"kind": "acquire", "v": 1, "worker_id": "w"}), "bad_message"),
+        (msgpack.packb({"kind": "acquire", "v": V + 1, "worker_id": "w", "n": 1}), "bad_message"),
+        (msgpack.packb({"kind": "acquire", "v": V, "worker_id": 5, "n": 1}), "bad_message"),
+        (msgpack.packb({"kind": "acquire", "v": V, "worker_id": "w", "n": -1}), "bad_message"),
+        (msgpack.packb({"kind": "acquire", "v": V, "worker_id": "w", "n": 1 << 40}), "bad_message"),
+        (msgpack.packb({"kind": "acquire", "v": V, "worker_id": "w", "n": "1"}), "bad_message"),
+        (msgpack.packb({"kind": "acquire", "v": V, "worker_id": "w"}), "bad_message"),
         # wrong array lengths and values
         (put_with(versions=np.zeros(5, "<i4").tobytes()), "bad_message"),
         (put_with(behavior_logprobs=b"\x00" * 7), "bad_message"),
@@ -143,7 +157,7 @@ def fuzz_cases(rng: random.Random, n: int):
         (b"\xdf\x7f\xff\xff\xff", "bad_message"),  # map32 claiming 2^31 pairs
         (b"\x91" * 200_000, "bad_message"),  # nested 200,000 deep
         (
-            msgpack.packb({"kind": "put", "v": 1, "worker_id": "w", "groups": [{}] * 70_000}),
+            msgpack.packb({"kind": "put", "v": V, "worker_id": "w", "groups": [{}] * 70_000}),
             "bad_message",
         ),
         # not messages at all
