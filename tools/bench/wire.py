@@ -15,9 +15,11 @@ tcp://127.0.0.1:
 
 ``codec_share`` = 1 - raw time / full time: the fraction of the full path's time that moving the
 same bytes raw does not pay (encoding, decoding and validating, and the Python around them).
-Phases alternate for ``--repeat`` rounds and each keeps its best time, as the machine is shared.
+The four servers start once and are warmed up; then the phases run back to back for ``--repeat``
+rounds, and each figure is the median over rounds of the paired (same round) ratio, since the
+machine is shared and one phase is a fraction of a second.
 
-Run: ``.venv/bin/python tools/bench/wire.py [--messages 200]``. The last line is JSON.
+Run: ``.venv/bin/python tools/bench/wire.py [--messages 500] [--repeat 7]``. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import socket
+import statistics
 import time
 
 import numpy as np
@@ -204,11 +207,11 @@ def bench_trio(puts: list[wire.Put], n: int, address: str, *, full: bool, in_fli
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--messages", type=int, default=200, help="Put messages per phase")
+    p.add_argument("--messages", type=int, default=500, help="Put messages per phase")
     p.add_argument("--groups", type=int, default=4, help="groups per Put")
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
     p.add_argument("--in-flight", type=int, default=4, help="outstanding requests under trio")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of all phases; best time kept")
+    p.add_argument("--repeat", type=int, default=7, help="rounds of all phases (medians)")
     a = p.parse_args()
 
     puts = make_puts(4, a.groups, a.group_size)
@@ -219,24 +222,33 @@ def main() -> None:
         f"{n} Put messages x {spm} samples ({PROMPT_TOKENS} prompt + {COMPLETION_TOKENS} completion "
         f"tokens each), {msg_bytes / 1e6:.2f} MB per message, tcp://127.0.0.1"
     )
-    # Phases alternate and repeat; each keeps its best time (the machine is shared and loaded).
     codec = {"encode_s_per_msg": float("inf"), "decode_s_per_msg": float("inf")}
-    times = dict.fromkeys(MODES, float("inf"))
-    for _ in range(a.repeat):
-        c = bench_codec(puts, n)
-        codec = {k: min(codec[k], c[k]) for k in codec}
-        for name in times:
-            kind, loop = name.split("-")
-            with server_process(name, a) as address:
-                if loop == "thread":
-                    t = bench_thread(puts, n, address, full=kind == "full")
-                else:
-                    t = bench_trio(puts, n, address, full=kind == "full", in_flight=a.in_flight)
-            times[name] = min(times[name], t)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+
+    def phase(name: str, address: str, count: int) -> float:
+        kind, loop = name.split("-")
+        if loop == "thread":
+            return bench_thread(puts, count, address, full=kind == "full")
+        return bench_trio(puts, count, address, full=kind == "full", in_flight=a.in_flight)
+
+    with contextlib.ExitStack() as stack:
+        addresses = {m: stack.enter_context(server_process(m, a)) for m in MODES}
+        for m in MODES:  # warm-up: connections, allocator and caches in a steady state
+            phase(m, addresses[m], max(20, n // 5))
+        for _ in range(a.repeat):
+            c = bench_codec(puts, n)
+            codec = {k: min(codec[k], c[k]) for k in codec}
+            for m in MODES:
+                times[m].append(phase(m, addresses[m], n))
     codec_s = codec["encode_s_per_msg"] + codec["decode_s_per_msg"]
 
+    def share(loop: str) -> float:
+        """Median over rounds of 1 - raw / full, each pair measured back to back."""
+        pairs = zip(times[f"raw-{loop}"], times[f"full-{loop}"], strict=True)
+        return statistics.median(1 - r / f for r, f in pairs)
+
     def rate(name: str) -> tuple[float, float]:
-        s = times[name]
+        s = statistics.median(times[name])
         return n * spm / s, n * msg_bytes / s / 1e6
 
     print(
@@ -248,8 +260,7 @@ def main() -> None:
         sps, mbs = rate(name)
         extra = ""
         if name.startswith("full"):
-            ratio = times[name] / times["raw" + name[4:]]
-            extra = f"   {ratio:.2f}x raw time, codec_share {1 - 1 / ratio:.0%}"
+            extra = f"   codec_share {share(name[5:]):.0%} (median of {a.repeat} paired rounds)"
         print(f"{name:<12} {sps:>10,.0f} samples/s {mbs:>8.0f} MB/s{extra}")
 
     result = {
@@ -258,10 +269,10 @@ def main() -> None:
         "message_mb": round(msg_bytes / 1e6, 3),
         "samples_per_s": round(rate("full-trio")[0]),
         "mb_per_s": round(rate("full-trio")[1], 1),
-        "codec_share": round(1 - times["raw-trio"] / times["full-trio"], 3),
+        "codec_share": round(share("trio"), 3),
         "raw_nng_mb_per_s": round(rate("raw-trio")[1], 1),
         "thread_samples_per_s": round(rate("full-thread")[0]),
-        "thread_codec_share": round(1 - times["raw-thread"] / times["full-thread"], 3),
+        "thread_codec_share": round(share("thread"), 3),
         "raw_nng_thread_mb_per_s": round(rate("raw-thread")[1], 1),
         "codec_only_samples_per_s": round(spm / codec_s),
         "encode_ms_per_msg": round(codec["encode_s_per_msg"] * 1e3, 3),
