@@ -395,3 +395,21 @@ def test_group_columns_without_building_samples():
         assert got.dtype == concat.dtype and got.tolist() == concat.tolist()
         assert wire.group_tokens(want, name).tolist() == concat.tolist()  # built samples
     assert g.rewards == want.rewards and g.samples._items is None
+
+
+def test_encode_takes_lists_other_dtypes_and_strided_arrays():
+    """The fast path joins arrays as they are; anything else is converted, never misread."""
+    s = wire.Sample(
+        id="s",
+        group_id="g",
+        prompt_ids=np.arange(10, dtype=np.int32)[::2],  # strided: not joinable as is
+        completion_ids=[3, 4, 5],  # a list
+        behavior_logprobs=np.array([-1.0, -2.0, -0.5]),  # float64
+        versions=np.array([1, 1, 2], dtype=np.int64),
+        loss_mask=np.ones(3, dtype=np.float32),
+    )
+    back = wire.decode(wire.encode(wire.Group(id="g", samples=[s]))).samples[0]
+    assert back.prompt_ids.tolist() == [0, 2, 4, 6, 8] and back.prompt_ids.dtype == np.int32
+    assert back.completion_ids.tolist() == [3, 4, 5]
+    assert back.behavior_logprobs.tolist() == [-1.0, -2.0, -0.5]
+    assert back.versions.tolist() == [1, 1, 2] and back.versions.dtype == np.int32
