@@ -59,6 +59,7 @@ def _raw_receiver(port: int, nbytes: int, rounds: int, nice: int) -> None:
     )
     for _ in range(rounds):  # a fresh buffer each time, as every real receiver allocates one
         dist.broadcast(torch.empty(nbytes, dtype=torch.uint8), src=0, group=pg)
+    rendezvous.destroy_process_group(pg)  # else gloo's threads abort the exit
 
 
 class RawPeer:
