@@ -228,3 +228,48 @@ def test_requests_spread_by_load():
 
     picks = trio.run(go)
     assert sorted(picks) == sorted(["http://a", "http://b", "http://c"] * 2)
+
+
+def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
+    """Episodes of one group share a Batcher: their concurrent requests are one HTTP call to the
+    engine (SGLang's list form), and each gets exactly what it gets when sent alone."""
+    import trio
+
+    from asyncrl.rollout.client import Batcher, GeneratorError, GeneratorPool
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    too_long = [7] * 100_000  # refused by the engine (HTTP 400): it must fail alone
+
+    async def go():
+        async with GeneratorPool([engine.url]) as pool:
+            alone = [await pool.generate(p, params) for p in prompts]
+            g = pool.generators[engine.url]
+            before = g.requests
+            batcher, got, errors = Batcher(), {}, {}
+
+            async def one(i, p):
+                try:
+                    got[i] = await pool.generate(p, params, rid=f"b{i}", batcher=batcher)
+                except GeneratorError as e:
+                    errors[i] = str(e)
+
+            async with trio.open_nursery() as n:
+                for i, p in enumerate(prompts):
+                    n.start_soon(one, i, p)
+            one_call = g.requests - before
+
+            before = g.requests
+            async with trio.open_nursery() as n:
+                for i, p in enumerate([*prompts[:2], too_long]):
+                    n.start_soon(one, 10 + i, p)
+            return alone, got, errors, one_call, g.requests - before
+
+    alone, got, errors, one_call, with_bad = trio.run(go)
+    assert one_call == 1
+    for i, ref in enumerate(alone):
+        assert got[i].output_ids == ref.output_ids
+        assert got[i].logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert set(errors) == {12} and "HTTP 400" in errors[12]
+    assert got[10].output_ids == alone[0].output_ids and got[11].output_ids == alone[1].output_ids
+    assert with_bad == 1 + 3  # the refused batch, then each request on its own

@@ -9,7 +9,10 @@ One :class:`GeneratorPool` drives any number of SGLang servers or built-in engin
   request is re-sent as prompt + partial output with the remaining token budget, keeping the tokens,
   logprobs and versions already received (AReaL's interruptible generation, sglang.md §3.3 and §6.6);
 - requests go to the least-loaded generator that is up; an unreachable one is marked down and tried
-  again after a back-off, and the request moves to another generator.
+  again after a back-off, and the request moves to another generator;
+- the requests one group's episodes make in the same scheduling tick (all n first turns, typically)
+  travel as one batched ``/generate`` (SGLang's list form, :class:`Batcher`): per request, httpx cost
+  the worker as much CPU as the engine spent decoding a short completion.
 
 Parsing is pure (:func:`parse_generate_response`) so it is tested on recorded SGLang responses.
 """
@@ -42,6 +45,28 @@ class GeneratorError(RuntimeError):
 
 class GeneratorResponseError(GeneratorError):
     """A ``/generate`` response that does not follow SGLang's schema; the text says which field."""
+
+
+class GeneratorRefused(GeneratorError):
+    """A generator answered with HTTP 4xx: the request itself is bad (e.g. a prompt too long)."""
+
+
+@dataclass(eq=False)
+class _Batch:
+    payloads: list[dict[str, Any]] = field(default_factory=list)
+    outcomes: list[Any] = field(default_factory=list)  # per payload: (Segment, url) or an error
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+_ALONE = object()  # the batch could not be sent as one: the request goes again on its own
+
+
+class Batcher:
+    """Coalesces one group's ``/generate`` calls made in the same scheduling tick into one batched
+    request. One per group: a group is cancelled as a whole, so one cancellation covers its batch."""
+
+    def __init__(self) -> None:
+        self.open: _Batch | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,10 +406,11 @@ class GeneratorPool:
         down = [g.url for g in self.generators.values()]
         raise GeneratorError(f"generators not ready after {timeout_s:.0f}s: {', '.join(down)}")
 
-    async def _post(
+    async def _request(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
-    ) -> tuple[Segment, str]:
-        """One ``/generate`` request, moved to another generator while transport errors last."""
+    ) -> tuple[Any, GeneratorState, int]:
+        """One ``/generate`` call, moved to another generator while transport errors last: the
+        JSON body, the generator, and the policy version the worker knew when it sent it."""
         while True:
             g = self._pick(prefer)
             if g is None:
@@ -411,15 +437,93 @@ class GeneratorPool:
                 prefer = None
                 continue
             if r.status_code != 200:
-                raise GeneratorError(f"{g.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
+                raise GeneratorRefused(f"{g.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
             self._mark_up(g)
             try:
-                body = r.json()
+                return r.json(), g, version_at_request
             except ValueError:
                 raise GeneratorResponseError(f"{g.url}/generate: response is not JSON") from None
-            seg = parse_generate_response(body, default_version=version_at_request)
-            g.tokens += len(seg.output_ids)
-            return seg, g.url
+
+    async def _post(
+        self, payload: dict[str, Any], prefer: str | None, deadline: float
+    ) -> tuple[Segment, str]:
+        """One request on its own: its parsed segment and the generator that served it."""
+        body, g, version = await self._request(payload, prefer, deadline)
+        seg = parse_generate_response(body, default_version=version)
+        g.tokens += len(seg.output_ids)
+        return seg, g.url
+
+    async def _post_batched(
+        self, payload: dict[str, Any], prefer: str | None, deadline: float, batcher: Batcher
+    ) -> tuple[Segment, str]:
+        """Join the group's open batch; its first member sends it after one scheduling tick."""
+        batch = batcher.open
+        leader = batch is None
+        if batch is None:
+            batch = batcher.open = _Batch()
+        i = len(batch.payloads)
+        batch.payloads.append(payload)
+        if leader:
+            try:
+                await trio.sleep(0)  # the group's other episodes add their requests meanwhile
+            finally:
+                batcher.open = None
+            await self._send_batch(batch, prefer, deadline)
+        else:
+            await batch.done.wait()
+        out = batch.outcomes[i]
+        if out is _ALONE:
+            return await self._post(payload, prefer, deadline)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def _send_batch(self, batch: _Batch, prefer: str | None, deadline: float) -> None:
+        """Send a batch as one request and hand each member its outcome (set even if cancelled)."""
+        ps = batch.payloads
+        try:
+            if len(ps) == 1:
+                batch.outcomes = [_ALONE]
+                return
+            merged = {
+                "input_ids": [p["input_ids"] for p in ps],
+                "sampling_params": [p["sampling_params"] for p in ps],
+                "return_logprob": True,
+                "stream": False,
+                "rid": [p["rid"] for p in ps],
+            }
+            try:
+                body, g, version = await self._request(merged, prefer, deadline)
+            except GeneratorRefused:  # find the bad one: each goes again on its own
+                batch.outcomes = [_ALONE] * len(ps)
+                return
+            except GeneratorError as e:
+                batch.outcomes = [e] * len(ps)
+                return
+            if not isinstance(body, list) or len(body) != len(ps):
+                got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+                err = GeneratorResponseError(
+                    f"{g.url}/generate: {len(ps)} responses expected, got {got}"
+                )
+                batch.outcomes = [err] * len(ps)
+                return
+            outcomes: list[Any] = []
+            for b in body:
+                try:
+                    seg = parse_generate_response(b, default_version=version)
+                    g.tokens += len(seg.output_ids)
+                    outcomes.append((seg, g.url))
+                except GeneratorError as e:
+                    outcomes.append(e)
+            batch.outcomes = outcomes
+        except BaseException:  # cancelled while sending: stop the members' work, let them redo it
+            batch.outcomes = [_ALONE] * len(ps)
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                for p in ps[1:]:  # the sender's own request is aborted by its generate()
+                    await self.abort(p["rid"])
+            raise
+        finally:
+            batch.done.set()
 
     async def generate(
         self,
@@ -428,10 +532,12 @@ class GeneratorPool:
         *,
         max_new_tokens: int | None = None,
         rid: str | None = None,
+        batcher: Batcher | None = None,
     ) -> Completion:
         """Generate one completion of ``input_ids``; resumes across aborts (see module doc).
 
         ``rid`` prefixes the SGLang request ids (``{rid}.{n}``), so ``abort(rid)`` stops them all.
+        With a ``batcher``, requests made in the same tick by other calls with it share one HTTP call.
         Raises :class:`GeneratorError` on a refused request or when no generator answers within
         ``timeout_s``.
         """
@@ -456,7 +562,10 @@ class GeneratorPool:
                     "stream": False,
                     "rid": f"{rid}.{n}",
                 }
-                seg, url = await self._post(payload, url, deadline)
+                if batcher is None:
+                    seg, url = await self._post(payload, url, deadline)
+                else:
+                    seg, url = await self._post_batched(payload, url, deadline, batcher)
                 ids += seg.output_ids
                 lps += seg.logprobs
                 vers += seg.versions

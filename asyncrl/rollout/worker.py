@@ -35,7 +35,7 @@ import trio
 
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferError
-from asyncrl.rollout.client import GeneratorPool, SamplingParams
+from asyncrl.rollout.client import Batcher, GeneratorPool, SamplingParams
 from asyncrl.rollout.data import PromptSource, render_prompt
 from asyncrl.rollout.rewards import RewardRunner
 from asyncrl.rollout.tools import Tool, ToolRegistry
@@ -460,10 +460,11 @@ class RolloutWorker:
         item, prompt_text, prompt_ids = await self._take_prompt(run)
         n = self.cfg.group_size
         samples: list[wire.Sample | None] = [None] * n
+        batcher = Batcher()  # the n episodes' first requests go to the generator as one
         async with trio.open_nursery() as nursery:
             for i in range(n):
                 nursery.start_soon(
-                    self._episode, run, i, item.row, prompt_text, prompt_ids, samples
+                    self._episode, run, i, item.row, prompt_text, prompt_ids, samples, batcher
                 )
         return wire.Group(
             id=run.gid,
@@ -481,6 +482,7 @@ class RolloutWorker:
         prompt_text: str,
         prompt_ids: list[int],
         out: list[wire.Sample | None],
+        batcher: Batcher,
     ) -> None:
         ctx = EpisodeContext(
             prompt_ids=list(prompt_ids),
@@ -492,6 +494,7 @@ class RolloutWorker:
             tools=self.tools,
             max_turns=self.max_turns,
             rid=f"{run.gid}/{i}",
+            batcher=batcher,
         )
         self._episodes_in_flight += 1
         self._check_invariant()

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import trio
 
-from asyncrl.rollout.client import Completion, GeneratorPool, SamplingParams
+from asyncrl.rollout.client import Batcher, Completion, GeneratorPool, SamplingParams
 from asyncrl.rollout.plugins import PluginError, load_object
 from asyncrl.rollout.tools import Tool, ToolCall, ToolRegistry, parse_tagged_tool_call
 
@@ -76,6 +76,7 @@ class EpisodeContext:
     max_turns: int
     rid: str  # prefix of this episode's SGLang request ids (its group's id comes first)
     requests: int = 0  # generate calls so far
+    batcher: Batcher | None = None  # shared by the group's episodes: same-tick calls go as one
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -85,7 +86,11 @@ class EpisodeContext:
         params = dataclasses.replace(self.params, **overrides) if overrides else self.params
         self.requests += 1
         return await self.pool.generate(
-            input_ids, params, max_new_tokens=max_new_tokens, rid=f"{self.rid}.{self.requests}"
+            input_ids,
+            params,
+            max_new_tokens=max_new_tokens,
+            rid=f"{self.rid}.{self.requests}",
+            batcher=self.batcher,
         )
 
     async def encode(self, text: str) -> list[int]:

@@ -97,3 +97,33 @@ def test_client_wait_ready(served: Served):
             await pool.wait_ready(30)
 
     trio.run(run)
+
+
+def test_client_batched_group_matches_single_requests(served: Served):
+    """A group's same-tick requests go to SGLang as one batched call (lists of input_ids,
+    sampling_params and rids); each sample equals the same request sent alone (greedy)."""
+    from asyncrl.rollout.client import Batcher
+
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    prompts = [PROMPT, PROMPT[:-1], PROMPT[1:]]
+
+    async def run():
+        async with GeneratorPool([served.url], timeout_s=300) as pool:
+            alone = [await pool.generate(p, params) for p in prompts]
+            g = pool.generators[served.url]
+            before, batcher, got = g.requests, Batcher(), {}
+
+            async def one(i):
+                got[i] = await pool.generate(prompts[i], params, batcher=batcher)
+
+            async with trio.open_nursery() as n:
+                for i in range(len(prompts)):
+                    n.start_soon(one, i)
+            return alone, got, g.requests - before
+
+    alone, got, calls = trio.run(run)
+    assert calls == 1
+    for i, ref in enumerate(alone):
+        assert got[i].output_ids == ref.output_ids
+        assert got[i].versions == ref.versions
+        assert got[i].logprobs == pytest.approx(ref.logprobs, abs=TOL)
