@@ -124,6 +124,12 @@ class BufferConfig:
     max_staleness: int = _f(
         1, lo=0, doc="eta: no token older than this many versions is trained on"
     )
+    max_batches_ahead: int = _f(
+        0,
+        lo=0,
+        doc="pipeline depth: groups stored or running <= this x groups_per_batch; 0 = "
+        "max_staleness + 1 (AReaL). A bound of eta, not a target: fewer batches ahead, fresher data",
+    )
     lease_seconds: float = _f(120.0, lo=0, lo_open=True)
     dynamic_sampling: bool = _f(False, doc="DAPO: drop groups whose rewards are all equal")
     min_batch_fill: float = _f(

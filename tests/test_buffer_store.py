@@ -78,6 +78,19 @@ def roundtrip(store: ReplayStore, now: float, nonce: str) -> ReplayStore:
     return ReplayStore.from_state(store.cfg, state, now=now, nonce=nonce)
 
 
+def test_max_batches_ahead_caps_the_pipeline_not_the_bound():
+    """eta 4 admits 5 batches ahead (AReaL); max_batches_ahead 2 admits 2, and its groups are
+    still accepted at any staleness up to 4."""
+    assert ReplayStore(cfg(max_staleness=4), nonce="a").capacity == 5 * 2
+    store = ReplayStore(cfg(max_staleness=4, max_batches_ahead=2), nonce="b")
+    grant = store.acquire("w", 10, now=0.0, request_id="r1")
+    assert grant.k == 2 * 2 and store.capacity == 0
+    for v in range(1, 4):  # the learner moves on without these groups' batch
+        store.set_version(v)
+    g = make_group("g0", grant.lease_id, versions=[0, 0])
+    assert store.put([g], now=1.0).group_ids == ["g0"]  # staleness 3 <= 4: kept
+
+
 # --------------------------------------------------------------------------------------------------
 # Property tests
 # --------------------------------------------------------------------------------------------------
@@ -91,10 +104,15 @@ class StoreMachine(RuleBasedStateMachine):
         eta=st.integers(0, 2),
         dynamic=st.booleans(),
         fill=st.sampled_from([1.0, 0.5]),
+        ahead=st.integers(0, 2),
     )
-    def setup(self, b: int, eta: int, dynamic: bool, fill: float) -> None:
+    def setup(self, b: int, eta: int, dynamic: bool, fill: float, ahead: int) -> None:
         self.cfg = cfg(
-            groups_per_batch=b, max_staleness=eta, dynamic_sampling=dynamic, min_batch_fill=fill
+            groups_per_batch=b,
+            max_staleness=eta,
+            dynamic_sampling=dynamic,
+            min_batch_fill=fill,
+            max_batches_ahead=ahead,
         )
         self.store = ReplayStore(self.cfg, nonce="n0")
         self.now = 0.0
@@ -308,7 +326,10 @@ class StoreMachine(RuleBasedStateMachine):
         s.expire(self.now + self.cfg.lease_seconds + 1)
         assert s.in_flight == 0
         assert s.started == len(self.handed) + len(s.stored_ids())
-        depth = (self.cfg.max_staleness + 1) * self.cfg.groups_per_batch - len(s.stored_ids())
+        batches = self.cfg.max_staleness + 1
+        if self.cfg.max_batches_ahead:
+            batches = min(batches, self.cfg.max_batches_ahead)
+        depth = batches * self.cfg.groups_per_batch - len(s.stored_ids())
         assert s.capacity == max(0, min(s.bound - s.started, depth))
 
 
@@ -329,7 +350,11 @@ def test_long_random_schedules(seed: int) -> None:
     rng = random.Random(seed)
     m = StoreMachine()
     m.setup(
-        b=rng.randint(1, 4), eta=seed % 3, dynamic=seed % 2 == 0, fill=[1.0, 0.5][seed % 4 // 2]
+        b=rng.randint(1, 4),
+        eta=seed % 3,
+        dynamic=seed % 2 == 0,
+        fill=[1.0, 0.5][seed % 4 // 2],
+        ahead=seed // 8,  # 0 (eta + 1), 1, 2
     )
     rules = [
         (lambda: m.acquire(rng.randint(1, 4), rng.choice([0, 0, 0, 1])), 6),

@@ -6,7 +6,9 @@ Admission control keeps the bound without waste. Every group the buffer lets a w
     started = consumed + stored + in_flight        (in_flight: unused starts of live leases)
 
 and a worker may start another group only while ``started < (version + max_staleness + 1) * B``
-(AReaL's rule, B = groups_per_batch) and at most ``(max_staleness + 1) * B`` groups wait or run.
+(AReaL's rule, B = groups_per_batch) and at most ``depth * B`` groups wait or run, where the depth
+is ``max_staleness + 1`` batches unless ``max_batches_ahead`` asks for fewer (the bound stays a
+bound, the data gets fresher; one batch ahead is enough to overlap generation with training).
 With max_staleness 0 this admits exactly B groups per version, which is synchronous RL: batch k
 holds only groups started at version k.
 
@@ -176,7 +178,10 @@ class ReplayStore:
         full batch (a partial batch, a weight reload), AReaL's rule alone would admit extra groups
         that the next batches cannot all take before they go stale, to be dropped as waste.
         """
-        depth = (self.cfg.max_staleness + 1) * self.cfg.groups_per_batch
+        batches = self.cfg.max_staleness + 1
+        if self.cfg.max_batches_ahead:
+            batches = min(batches, self.cfg.max_batches_ahead)
+        depth = batches * self.cfg.groups_per_batch
         return max(0, min(self.bound - self.started, depth - len(self._stored) - self.in_flight))
 
     @property
