@@ -342,13 +342,22 @@ def test_decode_checks_tokens_and_names_the_group_and_sample():
 
 
 def test_decoded_arrays_are_views_of_the_message_and_read_only():
-    put = _valid_messages(random.Random(3))[1]
-    data = wire.encode(put)
-    back = wire.decode(data)
-    s = back.groups[0].samples[0]
-    assert np.shares_memory(s.completion_ids, np.frombuffer(data, np.uint8))
+    n = 5000  # a message big enough to be read in place (small ones are simply unpacked)
+    s = wire.Sample(
+        id="s",
+        group_id="g",
+        prompt_ids=np.arange(7, dtype=np.int32),
+        completion_ids=np.arange(n, dtype=np.int32),
+        behavior_logprobs=np.full(n, -1.0, dtype=np.float32),
+        versions=np.zeros(n, dtype=np.int32),
+        loss_mask=np.ones(n, dtype=np.float32),
+    )
+    data = wire.encode(wire.Put(worker_id="w", groups=[wire.Group(id="g", samples=[s])]))
+    back = wire.decode(data).groups[0].samples[0]
+    assert np.shares_memory(back.completion_ids, np.frombuffer(data, np.uint8))
+    assert back.completion_ids.flags.aligned and back.loss_mask.flags.aligned  # fast loops
     with pytest.raises(ValueError):
-        s.loss_mask[:] = 0
+        back.loss_mask[:] = 0
 
 
 @pytest.mark.parametrize(
