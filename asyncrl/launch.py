@@ -131,17 +131,18 @@ def stop_children(children: Sequence[Child], *, grace_s: float = STOP_GRACE_S) -
             c.proc.wait(timeout=5)  # type: ignore[union-attr]
 
 
+CHILD_ENV = {  # one thread per process (two in one process run many times slower), offline hub
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
 def child_env(r: Recipe) -> dict[str, str]:
     """The environment of every child: one thread each, offline hub, W&B mode from the recipe."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        WANDB_SILENT="true",
-    )
+    env = {**os.environ, **CHILD_ENV, "WANDB_SILENT": "true"}
     env.setdefault("WANDB_MODE", r.logging.wandb_mode if r.logging.wandb else "disabled")
     return env
 

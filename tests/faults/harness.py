@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from asyncrl.launch import CHILD_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 FAULTS = Path(__file__).resolve().parent
@@ -27,19 +29,14 @@ FAULTS = Path(__file__).resolve().parent
 
 def child_env(**extra: str) -> dict[str, str]:
     """One thread per child, no hub, no W&B; tests/ and tests/faults/ importable (user plug-ins)."""
-    env = dict(os.environ)
-    path = [str(FAULTS), str(TESTS), env.get("PYTHONPATH", "")]
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        WANDB_MODE="disabled",
-        PYTHONPATH=os.pathsep.join(p for p in path if p),
+    path = [str(FAULTS), str(TESTS), os.environ.get("PYTHONPATH", "")]
+    return {
+        **os.environ,
+        **CHILD_ENV,
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join(p for p in path if p),
         **extra,
-    )
-    return env
+    }
 
 
 @dataclass
