@@ -198,3 +198,40 @@ def test_swapped_weights_reach_the_fused_projections(tiny_qwen3):
     ref_params[name].data.copy_(params[name].data)
     lm.refresh()
     check()
+
+
+@torch.no_grad()
+def test_a_prepared_swap_carries_qkv_biases():
+    """Qwen2's q/k/v biases are fused with their weights; a prepared swap of a bias reaches the
+    forward pass."""
+    import copy
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.rollout.engine.model import BatchedLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    lm = BatchedLM(model)
+    params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+    before, _ = lm.prefill(lm.new_cache(), 0, [[5, 6, 7, 8]])
+    name = "model.layers.1.self_attn.k_proj.bias"
+    new = {name: torch.randn(32)}
+    for n, t in lm.prepare(new).items():
+        params[n].data = t
+    lm.refresh()
+    ref_params[name].data.copy_(new[name])
+    logits, _ = lm.prefill(lm.new_cache(), 0, [[5, 6, 7, 8]])
+    want = ref(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
+    assert torch.allclose(want, logits[0], atol=1e-5, rtol=0)
+    assert not torch.allclose(before, logits, atol=1e-3)  # the swap did change the output

@@ -142,41 +142,38 @@ class BatchedLM:
         return tuple(t.data_ptr() for m in mods for t in (m.weight, m.bias) if t is not None)
 
     @staticmethod
-    def _fuse(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Fused:
+    def _fuse(
+        weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+    ) -> tuple[Fused, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """One tensor for the members (a copy), and each member's (weight, bias) view into it."""
+        rows = [w.shape[0] for w in weights]
         w = torch.cat(weights)
         b = torch.cat(biases) if all(x is not None for x in biases) else None  # type: ignore[arg-type]
-        return Fused(weight=w, bias=b, ptrs=())
-
-    @staticmethod
-    def _views(f: Fused, rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        ws = f.weight.split(rows)
-        bs = f.bias.split(rows) if f.bias is not None else [None] * len(rows)
-        return list(zip(ws, bs, strict=True))
+        bs = b.split(rows) if b is not None else [None] * len(rows)
+        views = list(zip(w.split(rows), bs, strict=True))
+        ptrs = tuple(t.data_ptr() for v in views for t in v if t is not None)
+        return Fused(weight=w, bias=b, ptrs=ptrs), views
 
     def prepare(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fuse incoming weights ahead of a swap (any thread, not the decode one): every fused
         group ``staged`` touches is rebuilt from the staged and current tensors, and its members are
         staged as views into it, so that :meth:`refresh` after the swap only re-points."""
         out = dict(staged)
-        names = self._names
         for _, mods in self._members():
             keys = [
-                [names[id(t)] if t is not None else None for t in (m.weight, m.bias)] for m in mods
+                (self._names[id(m.weight)], None if m.bias is None else self._names[id(m.bias)])
+                for m in mods
             ]
-            if not any(k in staged for pair in keys for k in pair if k is not None):
+            if not any(k in staged for pair in keys for k in pair if k):
                 continue
-            weights = [staged.get(kw, m.weight.data) for m, (kw, _) in zip(mods, keys, strict=True)]
-            biases = [
-                None if kb is None else staged.get(kb, m.bias.data)
-                for m, (_, kb) in zip(mods, keys, strict=True)
-            ]
-            f = self._fuse(weights, biases)
-            views = self._views(f, [w.shape[0] for w in weights])
+            f, views = self._fuse(
+                [staged.get(kw, m.weight.data) for m, (kw, _) in zip(mods, keys, strict=True)],
+                [kb and staged.get(kb, m.bias.data) for m, (_, kb) in zip(mods, keys, strict=True)],
+            )
             for (kw, kb), (w, b) in zip(keys, views, strict=True):
                 out[kw] = w
-                if kb is not None:
+                if kb:
                     out[kb] = b
-            f.ptrs = tuple(t.data_ptr() for w, b in views for t in (w, b) if t is not None)
             self._prepared[f.ptrs] = f
         return out
 
@@ -190,16 +187,14 @@ class BatchedLM:
                 continue
             f = self._prepared.get(ptrs)
             if f is None:
-                f = self._fuse(
+                f, views = self._fuse(
                     [m.weight.data for m in mods],
                     [None if m.bias is None else m.bias.data for m in mods],
                 )
-                rows = [m.weight.shape[0] for m in mods]
-                for m, (w, b) in zip(mods, self._views(f, rows), strict=True):
+                for m, (w, b) in zip(mods, views, strict=True):
                     m.weight.data = w
                     if b is not None:
                         m.bias.data = b
-                f.ptrs = self._ptrs(mods)
             self.fused[key] = f
         self._prepared.clear()
         for li, layer in enumerate(self.layers):
