@@ -485,13 +485,8 @@ class GeneratorPool:
             if len(ps) == 1:
                 batch.outcomes = [_ALONE]
                 return
-            merged = {
-                "input_ids": [p["input_ids"] for p in ps],
-                "sampling_params": [p["sampling_params"] for p in ps],
-                "return_logprob": True,
-                "stream": False,
-                "rid": [p["rid"] for p in ps],
-            }
+            per_item = ("input_ids", "sampling_params", "rid")  # the rest is the same for all
+            merged = {**ps[0], **{k: [p[k] for p in ps] for k in per_item}}
             try:
                 body, g, version = await self._request(merged, prefer, deadline)
             except GeneratorRefused:  # find the bad one: each goes again on its own
