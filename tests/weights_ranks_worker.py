@@ -41,7 +41,7 @@ def main() -> None:
     vocab = tr.spec.model.vocab_size
     for v in (1, 2):
         tr.step(sft_batch(v - 1, vocab, seed=v))
-    b.wait()
+    assert b.wait(timeout=120), "the broadcaster did not finish its versions in 120 s"
     tr.export_hf(out / "export")
     want = checksum(drop_tied(tr.hf_state_dict()).items())
     if tr.rank == 0:
