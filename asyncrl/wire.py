@@ -621,14 +621,14 @@ def _column(cols: dict, key: str, dt: np.dtype, n: int, where: str) -> np.ndarra
 
 
 def _values_ok(lp: np.ndarray, ver: np.ndarray, mask: np.ndarray) -> bool:
-    """Whole-message value checks in four passes when the mask is all ones (no tool tokens), the
+    """Whole-message value checks in five passes when the mask is all ones (no tool tokens), the
     common case; a NaN makes min and max NaN, which fails every comparison."""
     return bool(
         np.isfinite(lp.min())
         and lp.max() <= 1e-3
         and ver.min() >= 0
         and (
-            mask.min() == 1
+            mask.min() == 1 == mask.max()
             or np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) == len(mask)
         )
     )

@@ -387,6 +387,11 @@ def test_decode_rejects_bad_sample_values_and_unexpected_kinds():
         s.behavior_logprobs = np.asarray(logprobs, dtype=np.float32)
         with pytest.raises(wire.WireError, match=needle):
             wire.decode(wire.encode(good))
+    s.behavior_logprobs = np.array([-1.0, -1.0], dtype=np.float32)
+    for mask in ([1.0, 2.0], [1.0, 0.5], [0.0, -1.0]):  # all-ones is the fast path: 2 is not one
+        s.loss_mask = np.asarray(mask, dtype=np.float32)
+        with pytest.raises(wire.WireError, match="loss_mask: entries must be 0 or 1"):
+            wire.decode(wire.encode(good))
     with pytest.raises(wire.WireError, match="unexpected message kind 'status'"):
         wire.decode(wire.encode(wire.Status()), expect=wire.Put)
     with pytest.raises(wire.WireError, match="not a wire message"):
