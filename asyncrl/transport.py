@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import pynng
 import trio
+from pynng._nng import ffi, lib  # to read received messages in place
 
 from asyncrl import wire
 
@@ -38,6 +39,7 @@ __all__ = [
     "ReqClient",
     "Subscriber",
     "TransportTimeout",
+    "decode_message",
     "free_tcp_address",
 ]
 
@@ -180,6 +182,20 @@ def _listen(sock: pynng.Socket, address: str, tls: TLS | None) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+_IN_PLACE_FROM = 64 * 1024  # bytes: a smaller message costs less to copy than to keep alive
+
+
+def decode_message(m: pynng.Message, expect: type | tuple[type, ...] | None = None) -> wire.Message:
+    """Decode a received nng message in place: its arrays are read-only views into nng's buffer,
+    which a reference to ``m`` keeps alive for as long as any of them is (no copy of the body)."""
+    n = lib.nng_msg_len(m._nng_msg)
+    if n < _IN_PLACE_FROM:
+        return wire.decode(m.bytes, expect=expect)
+    body = ffi.gc(ffi.cast("char *", lib.nng_msg_body(m._nng_msg)), lambda _, keep=m: None)
+    data = memoryview(ffi.buffer(body, n)).toreadonly()
+    return wire.decode(data, expect=expect, in_place=True)
+
+
 class RepServer:
     """Answers wire requests with ``handler(msg) -> reply`` (sync or async) until closed.
 
@@ -234,12 +250,12 @@ class RepServer:
         ctx = self._sock.new_context()
         try:
             while True:
-                try:
-                    data = await ctx.arecv()  # waiting for work is unbounded; close() ends it
+                try:  # waiting for work is unbounded; close() ends it
+                    request = await ctx.arecv_msg()
                 except pynng.Closed:
                     return
                 self.stats["received"] += 1
-                reply = await self._answer(handler, data)
+                reply = await self._answer(handler, request)
                 try:
                     with trio.fail_after(self._send_timeout_s):
                         await ctx.asend(reply)
@@ -252,9 +268,9 @@ class RepServer:
             with contextlib.suppress(pynng.NNGException):
                 ctx.close()
 
-    async def _answer(self, handler: Handler, data: bytes) -> bytes:
+    async def _answer(self, handler: Handler, request: pynng.Message) -> bytes:
         try:
-            msg = wire.decode(data)
+            msg = decode_message(request)
         except wire.WireError as e:
             self.stats["bad_messages"] += 1
             return wire.encode(wire.Error(code="bad_message", message=str(e)[:4096]))
@@ -322,7 +338,7 @@ class ReqClient:
         try:
             with trio.fail_after(timeout):
                 await ctx.asend(data)
-                raw = await ctx.arecv()
+                reply = await ctx.arecv_msg()
         except trio.TooSlowError:
             raise TransportTimeout(
                 f"no reply to {type(msg).kind} from {self.address} within {timeout:g} s"
@@ -336,7 +352,7 @@ class ReqClient:
         finally:
             with contextlib.suppress(pynng.NNGException):  # the socket may be closed already
                 ctx.close()
-        return wire.decode(raw, expect=expect)
+        return decode_message(reply, expect)
 
     def request_sync(
         self,
@@ -354,7 +370,7 @@ class ReqClient:
             self._sock.recv_timeout = ms
             try:
                 self._sock.send(data)
-                raw = self._sock.recv()
+                reply = self._sock.recv_msg()
             except pynng.Timeout:
                 raise TransportTimeout(
                     f"no reply to {type(msg).kind} from {self.address} within {timeout:g} s"
@@ -365,7 +381,7 @@ class ReqClient:
                 raise TransportTimeout(
                     f"no reply to {type(msg).kind} from {self.address}: {e}"
                 ) from None
-        return wire.decode(raw, expect=expect)
+        return decode_message(reply, expect)
 
     def close(self) -> None:
         if not self._closed:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import io
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -826,12 +825,25 @@ def _build(kind: str, d: dict, tokens: memoryview | None) -> Message:
     raise WireError(f"unknown message kind {kind!r}")  # pragma: no cover - guarded by MESSAGES
 
 
-def _unpack(data: bytes) -> tuple[Any, memoryview | None]:
+class _Reader:
+    """A file over a buffer for msgpack's Unpacker, which then copies only what it reads (the
+    header): ``io.BytesIO`` would copy a whole memoryview first."""
+
+    def __init__(self, data: bytes | memoryview):
+        self._data, self._pos = data, 0
+
+    def read(self, n: int) -> bytes:
+        chunk = self._data[self._pos : self._pos + n]
+        self._pos += len(chunk)
+        return bytes(chunk)
+
+
+def _unpack(data: bytes | memoryview) -> tuple[Any, memoryview | None]:
     """The message map, and ``tokens`` as a view into ``data`` when it is the map's last entry (as
     :func:`encode` puts it): the arrays are then read in place, never copied."""
     if len(data) < _STREAM_FROM or not 0x80 <= data[0] <= 0x8F:  # small, or not our layout
         return msgpack.unpackb(data, **_LIMITS), None
-    up = msgpack.Unpacker(io.BytesIO(data), read_size=4096, **_LIMITS)  # the header is small
+    up = msgpack.Unpacker(_Reader(data), read_size=4096, **_LIMITS)  # the header is small
     n = up.read_map_header()
     d: dict = {}
     for i in range(n):
@@ -849,13 +861,22 @@ def _unpack(data: bytes) -> tuple[Any, memoryview | None]:
     return d, None
 
 
-def decode(data: bytes, *, expect: type | tuple[type, ...] | None = None) -> Message:
-    """Unpack and validate one message. Raises only :class:`WireError`."""
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    expect: type | tuple[type, ...] | None = None,
+    in_place: bool = False,
+) -> Message:
+    """Unpack and validate one message. Raises only :class:`WireError`.
+
+    Decoded arrays are views into the message, so a buffer that is not ``bytes`` is copied first,
+    unless ``in_place``: the caller hands over a buffer nothing will write to again (the transport's
+    received nng messages)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(f"message is {len(data)} bytes, over the {MAX_MESSAGE_BYTES} limit")
-    if not isinstance(data, bytes):  # decoded arrays are views: they must not see later writes
+    if not isinstance(data, bytes) and not in_place:
         data = bytes(data)
     try:
         d, tokens = _unpack(data)

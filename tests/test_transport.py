@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +137,79 @@ def test_req_rep_round_trip_and_concurrency(endpoint):
             server.close()
 
     trio.run(main)
+
+
+def _large_samples() -> list[wire.Sample]:
+    """Five samples of 4,000 tokens: an ~400 KB message, over transport._IN_PLACE_FROM."""
+    rng = np.random.default_rng(0)
+    n = 4000
+    return [
+        wire.Sample(
+            id=f"s{i}",
+            group_id="big",
+            prompt_ids=rng.integers(0, 1000, 50, dtype=np.int32),
+            completion_ids=rng.integers(0, 1000, n, dtype=np.int32),
+            behavior_logprobs=-rng.random(n, dtype=np.float32),
+            versions=np.full(n, i, dtype=np.int32),
+            loss_mask=np.ones(n, dtype=np.float32),
+        )
+        for i in range(5)
+    ]
+
+
+def test_large_messages_are_read_in_place_and_outlive_their_sockets():
+    """Over 64 KB, a received message is decoded as views into nng's buffer (server and client
+    side): the views must stay valid, and read-only, after the sockets are long gone."""
+    sent = _large_samples()
+    put = wire.Put(worker_id="w", groups=[wire.Group(id="big", samples=sent)])
+    assert len(wire.encode(put)) > transport._IN_PLACE_FROM
+    kept: list[wire.Group] = []
+
+    def keep(msg: wire.Message) -> wire.Message:
+        if isinstance(msg, wire.Put):
+            kept.extend(msg.groups)
+            return wire.Ack(group_ids=[g.id for g in msg.groups])
+        return wire.Group(id="big", samples=sent)  # the Status request gets a large reply
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            server = await _serving(nursery, RepServer("tcp://127.0.0.1:0"), keep)
+            async with ReqClient(server.address, timeout_s=WAIT_S) as client:
+                assert await client.request(put) == wire.Ack(group_ids=["big"])
+                echoed = await trio.to_thread.run_sync(
+                    lambda: client.request_sync(wire.Status(), expect=wire.Group)
+                )
+            server.close()
+        return echoed
+
+    echoed = trio.run(main)
+    gc.collect()
+    for got in (kept[0], echoed):
+        for a, b in zip(got.samples, sent, strict=True):
+            for name in wire._ARRAYS:
+                x = getattr(a, name)
+                assert np.array_equal(x, getattr(b, name)), name
+                assert not x.flags.writeable
+
+
+def test_decoded_views_keep_the_received_nng_message_alive():
+    """The views hold the nng message (not a copy): it lives exactly as long as they do."""
+    put = wire.Put(worker_id="w", groups=[wire.Group(id="big", samples=_large_samples())])
+    with pynng.Pair0(listen="inproc://keepalive") as a, pynng.Pair0(dial="inproc://keepalive") as b:
+        a.send(wire.encode(put))
+        m = b.recv_msg()
+    alive = weakref.ref(m)
+    start = int(transport.ffi.cast("uintptr_t", transport.lib.nng_msg_body(m._nng_msg)))
+    got = transport.decode_message(m, wire.Put)
+    del m
+    gc.collect()
+    assert alive() is not None
+    view = wire.group_tokens(got.groups[0], "versions")
+    assert 0 < view.__array_interface__["data"][0] - start < len(wire.encode(put))  # in place
+    assert view.tolist() == np.repeat(np.arange(5), 4000).tolist()
+    del got, view
+    gc.collect()
+    assert alive() is None
 
 
 def test_bad_bytes_and_handler_errors_get_error_replies_and_service_continues():

@@ -11,7 +11,9 @@ tcp://127.0.0.1:
   server replies with pre-encoded ack bytes; full encodes each Put from its sample objects
   (``ReqClient.request_sync``) and the server decodes it (validating every field) and encodes an Ack;
 - ``raw-trio`` / ``full-trio``: the same under trio with ``--in-flight`` requests outstanding; full
-  uses asyncrl's own ``ReqClient.request`` and ``RepServer``.
+  uses asyncrl's own ``ReqClient.request`` and ``RepServer``;
+- ``receive``: the server's CPU per Put, from arrival to decoded groups, one request at a time:
+  copied out of nng's message into ``bytes`` first, against read in place (asyncrl's transport).
 
 ``codec_share`` = 1 - raw time / full time: the fraction of the full path's time that moving the
 same bytes raw does not pay (encoding, decoding and validating, and the Python around them).
@@ -37,7 +39,7 @@ import pynng
 import trio
 
 from asyncrl import wire
-from asyncrl.transport import RepServer, ReqClient
+from asyncrl.transport import RepServer, ReqClient, decode_message
 
 PROMPT_TOKENS = 200
 COMPLETION_TOKENS = 1000
@@ -94,7 +96,8 @@ def _serve(mode: str, groups: int, group_size: int, in_flight: int, out) -> None
     """The learner's side, in its own process: answer Puts until terminated.
 
     raw: reply with pre-encoded ack bytes, never looking at the request; full: decode the Put
-    (validating every field) and encode an Ack, through asyncrl's RepServer under trio.
+    (validating every field, reading it in place from nng's message as asyncrl's transport does) and
+    encode an Ack, through asyncrl's RepServer under trio.
     """
     kind, loop = mode.split("-")
     ack = wire.encode(ack_for(make_puts(1, groups, group_size)[0]))
@@ -102,8 +105,12 @@ def _serve(mode: str, groups: int, group_size: int, in_flight: int, out) -> None
         rep = pynng.Rep0()
         out.put(_bound(rep.listen("tcp://127.0.0.1:0")))
         while True:
-            data = rep.recv()
-            rep.send(wire.encode(ack_for(wire.decode(data))) if kind == "full" else ack)
+            if kind == "raw":
+                data = rep.recv()  # noqa: F841 - held like the full server holds its message
+                rep.send(ack)
+            else:
+                msg = decode_message(rep.recv_msg())
+                rep.send(wire.encode(ack_for(msg)))
 
     async def main() -> None:
         if kind == "full":
@@ -125,6 +132,43 @@ def _serve(mode: str, groups: int, group_size: int, in_flight: int, out) -> None
                 nursery.start_soon(worker)
 
     trio.run(main)
+
+
+def _serve_receive(in_place: bool, n: int, out) -> None:
+    """A blocking Rep server that reports its CPU time per received Put, from the message's arrival
+    to its decoded groups: copied out of nng's message first, or read in place (asyncrl's way)."""
+    rep = pynng.Rep0()
+    out.put(_bound(rep.listen("tcp://127.0.0.1:0")))
+    cpu, kept = [], None
+    while len(cpu) < n:
+        m = rep.recv_msg()
+        t0 = time.thread_time()
+        kept = decode_message(m) if in_place else wire.decode(m.bytes)
+        del m
+        cpu.append(time.thread_time() - t0)
+        rep.send(wire.encode(ack_for(kept)))
+    out.put(statistics.mean(cpu[n // 10 :]))  # past the warm-up
+
+
+def bench_receive(puts: list[wire.Put], n: int) -> dict[str, float]:
+    """Server CPU per received Put, one request at a time: copy-then-decode against in place."""
+    encoded = [wire.encode(p) for p in puts]
+    ctx = mp.get_context("spawn")
+    result = {}
+    for name, in_place in (("copy", False), ("in_place", True)):
+        out = ctx.Queue()
+        proc = ctx.Process(target=_serve_receive, args=(in_place, n, out), daemon=True)
+        proc.start()
+        try:
+            with pynng.Req0(dial=out.get(timeout=120), recv_timeout=60_000) as req:
+                for i in range(n):
+                    req.send(encoded[i % len(encoded)])
+                    req.recv()
+            result[name] = out.get(timeout=60)
+        finally:
+            proc.terminate()
+            proc.join(timeout=30)
+    return result
 
 
 def _bound(listener: pynng.Listener) -> str:
@@ -241,6 +285,9 @@ def main() -> None:
             for m in MODES:
                 times[m].append(phase(m, addresses[m], n))
     codec_s = codec["encode_s_per_msg"] + codec["decode_s_per_msg"]
+    rounds = [bench_receive(puts, max(200, 2 * n)) for _ in range(3)]
+    receive = {k: statistics.median(r[k] for r in rounds) for k in ("copy", "in_place")}
+    receive["ratio"] = statistics.median(r["in_place"] / r["copy"] for r in rounds)
 
     def share(loop: str) -> float:
         """Median over rounds of 1 - raw / full, each pair measured back to back."""
@@ -263,6 +310,11 @@ def main() -> None:
             extra = f"   codec_share {share(name[5:]):.0%} (median of {a.repeat} paired rounds)"
         print(f"{name:<12} {sps:>10,.0f} samples/s {mbs:>8.0f} MB/s{extra}")
 
+    print(
+        f"{'receive':<12} server CPU per Put, arrival to decoded: copied out of nng "
+        f"{receive['copy'] * 1e6:.0f} µs, read in place {receive['in_place'] * 1e6:.0f} µs "
+        f"(ratio {receive['ratio']:.2f}, median of 3 paired rounds)"
+    )
     result = {
         "bench": "wire",
         "samples_per_message": spm,
@@ -277,6 +329,9 @@ def main() -> None:
         "codec_only_samples_per_s": round(spm / codec_s),
         "encode_ms_per_msg": round(codec["encode_s_per_msg"] * 1e3, 3),
         "decode_ms_per_msg": round(codec["decode_s_per_msg"] * 1e3, 3),
+        "receive_cpu_us_copy": round(receive["copy"] * 1e6, 1),
+        "receive_cpu_us_in_place": round(receive["in_place"] * 1e6, 1),
+        "receive_in_place_ratio": round(receive["ratio"], 3),
     }
     print(json.dumps(result))
 
