@@ -1,7 +1,8 @@
 """`asyncrl`: one console script, one subcommand per process kind (DESIGN §1).
 
 Each subcommand lives in its own module and is imported only when run, so `asyncrl check` starts
-fast and a part that is not built yet is reported, not crashed on.
+fast and a part that is not built yet is reported, not crashed on. Every process starts with
+asyncrl's malloc settings (:mod:`asyncrl.malloc`): its messages are a megabyte or so.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from asyncrl import malloc
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "learner": (
@@ -27,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    malloc.keep_freed_memory()
     parser = argparse.ArgumentParser(
         prog="asyncrl",
         description="Asynchronous off-policy RL for LLMs.",

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import pynng  # noqa: E402
 import trio  # noqa: E402
 
-from asyncrl import wire  # noqa: E402
+from asyncrl import malloc, wire  # noqa: E402
 from asyncrl.buffer.client import BufferClient  # noqa: E402
 from asyncrl.buffer.service import BufferService  # noqa: E402
 from asyncrl.recipe import BufferConfig  # noqa: E402
@@ -73,6 +73,7 @@ def group_bytes(args: argparse.Namespace) -> int:
 
 def buffer_client(address: str, worker: str, n_groups: int, args, ready, go, results) -> None:
     """One worker process: acquire, build, put with ack, until ``n_groups`` are acknowledged."""
+    _malloc(args)
 
     async def main() -> None:
         lat: list[float] = []
@@ -115,6 +116,7 @@ def buffer_client(address: str, worker: str, n_groups: int, args, ready, go, res
 
 def raw_client(address: str, worker: str, n_groups: int, args, ready, go, results) -> None:
     """The same bytes over a plain Req socket: encode once, send, wait for the reply."""
+    _malloc(args)
     lat: list[float] = []
     sent_bytes = done = 0
     with pynng.Req0(dial=address, recv_timeout=60_000, send_timeout=60_000) as sock:
@@ -139,6 +141,13 @@ def raw_client(address: str, worker: str, n_groups: int, args, ready, go, result
             "cpu_s": time.process_time() - c0,
         }
     )
+
+
+def _malloc(args) -> None:
+    """Every process of the bench, raw and ours alike, runs with asyncrl's malloc settings (as
+    ``asyncrl`` sets them at start) unless ``--malloc-defaults``."""
+    if not args.malloc_defaults:
+        malloc.keep_freed_memory()
 
 
 def run_clients(target, address: str, args) -> tuple[float, float, list[dict]]:
@@ -261,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=1024, help="completion tokens per sample")
     p.add_argument("--batch", type=int, default=64, help="groups_per_batch of the learner")
     p.add_argument("--eta", type=int, default=2, help="max_staleness")
+    p.add_argument(
+        "--malloc-defaults",
+        action="store_true",
+        help="keep glibc's malloc defaults (asyncrl.malloc explains what asyncrl changes)",
+    )
     args = p.parse_args(argv)
+    _malloc(args)
     gb = group_bytes(args)
     print(
         f"{args.clients} clients, {args.groups} groups of {args.samples} x "
@@ -296,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "group_kb": gb / 1e3,
         "clients": args.clients,
         "put_batch": args.put_batch,
+        "malloc": "glibc defaults" if args.malloc_defaults else "asyncrl.malloc",
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}))
     return 0

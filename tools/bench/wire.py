@@ -38,7 +38,7 @@ import numpy as np
 import pynng
 import trio
 
-from asyncrl import wire
+from asyncrl import malloc, wire
 from asyncrl.transport import RepServer, ReqClient, decode_message
 
 PROMPT_TOKENS = 200
@@ -92,15 +92,16 @@ def bench_codec(puts: list[wire.Put], n: int) -> dict[str, float]:
 MODES = ("raw-thread", "full-thread", "raw-trio", "full-trio")
 
 
-def _serve(mode: str, groups: int, group_size: int, in_flight: int, out) -> None:
+def _serve(mode: str, a: argparse.Namespace, out) -> None:
     """The learner's side, in its own process: answer Puts until terminated.
 
     raw: reply with pre-encoded ack bytes, never looking at the request; full: decode the Put
     (validating every field, reading it in place from nng's message as asyncrl's transport does) and
     encode an Ack, through asyncrl's RepServer under trio.
     """
+    _malloc(a)
     kind, loop = mode.split("-")
-    ack = wire.encode(ack_for(make_puts(1, groups, group_size)[0]))
+    ack = wire.encode(ack_for(make_puts(1, a.groups, a.group_size)[0]))
     if loop == "thread":
         rep = pynng.Rep0()
         out.put(_bound(rep.listen("tcp://127.0.0.1:0")))
@@ -114,7 +115,7 @@ def _serve(mode: str, groups: int, group_size: int, in_flight: int, out) -> None
 
     async def main() -> None:
         if kind == "full":
-            server = RepServer("tcp://127.0.0.1:0", concurrency=in_flight)
+            server = RepServer("tcp://127.0.0.1:0", concurrency=a.in_flight)
             out.put(server.listen())
             await server.serve(ack_for)
             return
@@ -128,15 +129,16 @@ def _serve(mode: str, groups: int, group_size: int, in_flight: int, out) -> None
                 await ctx.asend(ack)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(in_flight):
+            for _ in range(a.in_flight):
                 nursery.start_soon(worker)
 
     trio.run(main)
 
 
-def _serve_receive(in_place: bool, n: int, out) -> None:
+def _serve_receive(in_place: bool, n: int, a: argparse.Namespace, out) -> None:
     """A blocking Rep server that reports its CPU time per received Put, from the message's arrival
     to its decoded groups: copied out of nng's message first, or read in place (asyncrl's way)."""
+    _malloc(a)
     rep = pynng.Rep0()
     out.put(_bound(rep.listen("tcp://127.0.0.1:0")))
     cpu, kept = [], None
@@ -150,14 +152,14 @@ def _serve_receive(in_place: bool, n: int, out) -> None:
     out.put(statistics.mean(cpu[n // 10 :]))  # past the warm-up
 
 
-def bench_receive(puts: list[wire.Put], n: int) -> dict[str, float]:
+def bench_receive(puts: list[wire.Put], n: int, a: argparse.Namespace) -> dict[str, float]:
     """Server CPU per received Put, one request at a time: copy-then-decode against in place."""
     encoded = [wire.encode(p) for p in puts]
     ctx = mp.get_context("spawn")
     result = {}
     for name, in_place in (("copy", False), ("in_place", True)):
         out = ctx.Queue()
-        proc = ctx.Process(target=_serve_receive, args=(in_place, n, out), daemon=True)
+        proc = ctx.Process(target=_serve_receive, args=(in_place, n, a, out), daemon=True)
         proc.start()
         try:
             with pynng.Req0(dial=out.get(timeout=120), recv_timeout=60_000) as req:
@@ -171,6 +173,13 @@ def bench_receive(puts: list[wire.Put], n: int) -> dict[str, float]:
     return result
 
 
+def _malloc(a: argparse.Namespace) -> None:
+    """Every process of the bench, raw and ours alike, runs with asyncrl's malloc settings (as
+    ``asyncrl`` sets them at start) unless ``--malloc-defaults``."""
+    if not a.malloc_defaults:
+        malloc.keep_freed_memory()
+
+
 def _bound(listener: pynng.Listener) -> str:
     return f"tcp://127.0.0.1:{socket.ntohs(listener.local_address.port)}"
 
@@ -179,9 +188,7 @@ def _bound(listener: pynng.Listener) -> str:
 def server_process(mode: str, a: argparse.Namespace):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(
-        target=_serve, args=(mode, a.groups, a.group_size, a.in_flight, out), daemon=True
-    )
+    proc = ctx.Process(target=_serve, args=(mode, a, out), daemon=True)
     proc.start()
     try:
         yield out.get(timeout=120)
@@ -256,7 +263,13 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
     p.add_argument("--in-flight", type=int, default=4, help="outstanding requests under trio")
     p.add_argument("--repeat", type=int, default=7, help="rounds of all phases (medians)")
+    p.add_argument(
+        "--malloc-defaults",
+        action="store_true",
+        help="keep glibc's malloc defaults (asyncrl.malloc explains what asyncrl changes)",
+    )
     a = p.parse_args()
+    _malloc(a)
 
     puts = make_puts(4, a.groups, a.group_size)
     spm = a.groups * a.group_size
@@ -285,7 +298,7 @@ def main() -> None:
             for m in MODES:
                 times[m].append(phase(m, addresses[m], n))
     codec_s = codec["encode_s_per_msg"] + codec["decode_s_per_msg"]
-    rounds = [bench_receive(puts, max(200, 2 * n)) for _ in range(3)]
+    rounds = [bench_receive(puts, max(200, 2 * n), a) for _ in range(3)]
     receive = {k: statistics.median(r[k] for r in rounds) for k in ("copy", "in_place")}
     receive["ratio"] = statistics.median(r["in_place"] / r["copy"] for r in rounds)
 
@@ -332,6 +345,7 @@ def main() -> None:
         "receive_cpu_us_copy": round(receive["copy"] * 1e6, 1),
         "receive_cpu_us_in_place": round(receive["in_place"] * 1e6, 1),
         "receive_in_place_ratio": round(receive["ratio"], 3),
+        "malloc": "glibc defaults" if a.malloc_defaults else "asyncrl.malloc",
     }
     print(json.dumps(result))
 
