@@ -19,7 +19,9 @@ tcp://127.0.0.1:
 same bytes raw does not pay (encoding, decoding and validating, and the Python around them).
 The four servers start once and are warmed up; then the phases run back to back for ``--repeat``
 rounds, and each figure is the median over rounds of the paired (same round) ratio, since the
-machine is shared and one phase is a fraction of a second.
+machine is shared and one phase is a fraction of a second. The worker side runs on one core and
+the buffer side on the other (``--no-pin`` to let the OS place them), all processes with asyncrl's
+malloc settings (``--malloc-defaults`` for glibc's).
 
 Run: ``.venv/bin/python tools/bench/wire.py [--messages 500] [--repeat 7]``. The last line is JSON.
 """
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import time
@@ -99,7 +102,7 @@ def _serve(mode: str, a: argparse.Namespace, out) -> None:
     (validating every field, reading it in place from nng's message as asyncrl's transport does) and
     encode an Ack, through asyncrl's RepServer under trio.
     """
-    _malloc(a)
+    _setup(a, 1)
     kind, loop = mode.split("-")
     ack = wire.encode(ack_for(make_puts(1, a.groups, a.group_size)[0]))
     if loop == "thread":
@@ -138,7 +141,7 @@ def _serve(mode: str, a: argparse.Namespace, out) -> None:
 def _serve_receive(in_place: bool, n: int, a: argparse.Namespace, out) -> None:
     """A blocking Rep server that reports its CPU time per received Put, from the message's arrival
     to its decoded groups: copied out of nng's message first, or read in place (asyncrl's way)."""
-    _malloc(a)
+    _setup(a, 1)
     rep = pynng.Rep0()
     out.put(_bound(rep.listen("tcp://127.0.0.1:0")))
     cpu, kept = [], None
@@ -173,11 +176,15 @@ def bench_receive(puts: list[wire.Put], n: int, a: argparse.Namespace) -> dict[s
     return result
 
 
-def _malloc(a: argparse.Namespace) -> None:
-    """Every process of the bench, raw and ours alike, runs with asyncrl's malloc settings (as
-    ``asyncrl`` sets them at start) unless ``--malloc-defaults``."""
+def _setup(a: argparse.Namespace, cpu: int) -> None:
+    """Every process of the bench, raw and ours alike: asyncrl's malloc settings (as ``asyncrl``
+    sets them at start) unless ``--malloc-defaults``; and its own core (the worker side on CPU 0,
+    the buffer side on CPU 1, nng's threads with them) unless ``--no-pin``. Unpinned, the same code
+    measured codec_share 0.10-0.39 from run to run as the scheduler moved the threads around."""
     if not a.malloc_defaults:
         malloc.keep_freed_memory()
+    if a.pin and len(a.cpus) >= 2:
+        os.sched_setaffinity(0, {a.cpus[cpu]})
 
 
 def _bound(listener: pynng.Listener) -> str:
@@ -268,8 +275,10 @@ def main() -> None:
         action="store_true",
         help="keep glibc's malloc defaults (asyncrl.malloc explains what asyncrl changes)",
     )
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="let the OS place processes")
     a = p.parse_args()
-    _malloc(a)
+    a.cpus = sorted(os.sched_getaffinity(0))  # before this process is pinned: its children inherit
+    _setup(a, 0)
 
     puts = make_puts(4, a.groups, a.group_size)
     spm = a.groups * a.group_size
@@ -346,6 +355,7 @@ def main() -> None:
         "receive_cpu_us_in_place": round(receive["in_place"] * 1e6, 1),
         "receive_in_place_ratio": round(receive["ratio"], 3),
         "malloc": "glibc defaults" if a.malloc_defaults else "asyncrl.malloc",
+        "pinned": a.pin,
     }
     print(json.dumps(result))
 
