@@ -102,7 +102,7 @@ def _serve(mode: str, a: argparse.Namespace, out) -> None:
     (validating every field, reading it in place from nng's message as asyncrl's transport does) and
     encode an Ack, through asyncrl's RepServer under trio.
     """
-    _setup(a, 1)
+    setup_process(a, 1)
     kind, loop = mode.split("-")
     ack = wire.encode(ack_for(make_puts(1, a.groups, a.group_size)[0]))
     if loop == "thread":
@@ -141,7 +141,7 @@ def _serve(mode: str, a: argparse.Namespace, out) -> None:
 def _serve_receive(in_place: bool, n: int, a: argparse.Namespace, out) -> None:
     """A blocking Rep server that reports its CPU time per received Put, from the message's arrival
     to its decoded groups: copied out of nng's message first, or read in place (asyncrl's way)."""
-    _setup(a, 1)
+    setup_process(a, 1)
     rep = pynng.Rep0()
     out.put(_bound(rep.listen("tcp://127.0.0.1:0")))
     cpu, kept = [], None
@@ -176,7 +176,7 @@ def bench_receive(puts: list[wire.Put], n: int, a: argparse.Namespace) -> dict[s
     return result
 
 
-def _setup(a: argparse.Namespace, cpu: int) -> None:
+def setup_process(a: argparse.Namespace, cpu: int) -> None:
     """Every process of the bench, raw and ours alike: asyncrl's malloc settings (as ``asyncrl``
     sets them at start) unless ``--malloc-defaults``; and its own core (the worker side on CPU 0,
     the buffer side on CPU 1, nng's threads with them) unless ``--no-pin``. Unpinned, the same code
@@ -263,13 +263,14 @@ def bench_trio(puts: list[wire.Put], n: int, address: str, *, full: bool, in_fli
     return trio.run(main)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--messages", type=int, default=500, help="Put messages per phase")
+def parse_options(doc: str, *, messages: int, repeat: int) -> argparse.Namespace:
+    """The options of this bench and of ``wire_breakdown.py``; sets this process up (CPU 0)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--messages", type=int, default=messages, help="Put messages per phase")
     p.add_argument("--groups", type=int, default=4, help="groups per Put")
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
     p.add_argument("--in-flight", type=int, default=4, help="outstanding requests under trio")
-    p.add_argument("--repeat", type=int, default=7, help="rounds of all phases (medians)")
+    p.add_argument("--repeat", type=int, default=repeat, help="rounds of all phases (medians)")
     p.add_argument(
         "--malloc-defaults",
         action="store_true",
@@ -278,7 +279,12 @@ def main() -> None:
     p.add_argument("--no-pin", dest="pin", action="store_false", help="let the OS place processes")
     a = p.parse_args()
     a.cpus = sorted(os.sched_getaffinity(0))  # before this process is pinned: its children inherit
-    _setup(a, 0)
+    setup_process(a, 0)
+    return a
+
+
+def main() -> None:
+    a = parse_options(__doc__, messages=500, repeat=7)
 
     puts = make_puts(4, a.groups, a.group_size)
     spm = a.groups * a.group_size

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -30,14 +29,21 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wire import _setup, ack_for, bench_trio, make_puts, server_process  # noqa: E402
+from wire import (  # noqa: E402
+    ack_for,
+    bench_trio,
+    make_puts,
+    parse_options,
+    server_process,
+    setup_process,
+)
 
 from asyncrl import transport, wire  # noqa: E402
 
 
 def _serve_cached(a: argparse.Namespace, out) -> None:
     """A RepServer whose decoding is replaced by the first Put it decoded."""
-    _setup(a, 1)
+    setup_process(a, 1)
     first: list[wire.Message] = []
     decode = transport.decode_message
 
@@ -57,15 +63,7 @@ def _serve_cached(a: argparse.Namespace, out) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--messages", type=int, default=800, help="Put messages per phase")
-    p.add_argument("--groups", type=int, default=4, help="groups per Put")
-    p.add_argument("--group-size", type=int, default=8, help="samples per group")
-    p.add_argument("--in-flight", type=int, default=4, help="outstanding requests")
-    p.add_argument("--repeat", type=int, default=5, help="rounds of all phases (medians)")
-    a = p.parse_args()
-    a.malloc_defaults, a.pin, a.cpus = False, True, sorted(os.sched_getaffinity(0))
-    _setup(a, 0)
+    a = parse_options(__doc__, messages=800, repeat=5)
 
     puts = make_puts(4, a.groups, a.group_size)
     encoded = {id(m): wire.encode(m) for m in puts}
