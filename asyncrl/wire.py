@@ -99,10 +99,9 @@ class Group:
 
     @property
     def rewards(self) -> list[float]:
-        ss = self.samples
-        if isinstance(ss, SampleList) and ss._items is None:
-            return ss._cols.rewards[ss._lo : ss._hi]
-        return [s.reward for s in ss]
+        if (cols := _unbuilt(self.samples)) is not None:
+            return cols._cols.rewards[cols._lo : cols._hi]
+        return [s.reward for s in self.samples]
 
 
 @dataclass(kw_only=True)
@@ -321,14 +320,19 @@ class SampleList(Sequence):
         return f"SampleList({len(self)} samples of group {self._group_id!r})"
 
 
+def _unbuilt(ss: Sequence[Sample]) -> SampleList | None:
+    """``ss`` if it is a decoded group's samples that nobody has looked at: still columns."""
+    return ss if isinstance(ss, SampleList) and ss._items is None else None
+
+
 def group_tokens(g: Group, name: str) -> np.ndarray:
     """One per-token array (``versions``, ``loss_mask``...) over all a group's samples, in order:
     a view into the message a decoded group arrived in, else a concatenation."""
     ss = g.samples
-    if isinstance(ss, SampleList) and ss._items is None:
-        c = ss._cols
+    if (cols := _unbuilt(ss)) is not None:
+        c = cols._cols
         ends = c.prompt_ends if name == "prompt_ids" else c.completion_ends
-        return c.arrays[name][ends[ss._lo] : ends[ss._hi]]
+        return c.arrays[name][ends[cols._lo] : ends[cols._hi]]
     dt = _ARRAYS[name]
     return np.concatenate(
         [np.asarray(getattr(s, name), dtype=dt).reshape(-1) for s in ss] or [np.empty(0, dt)]
@@ -451,9 +455,9 @@ def _encode_groups(kind: str, fields: dict[str, Any], groups: Sequence[Group]) -
 
     for gi, g in enumerate(groups):
         ss = g.samples
-        if isinstance(ss, SampleList) and ss._items is None:  # untouched since decoding
+        if (unbuilt := _unbuilt(ss)) is not None:
             flush()
-            cols.append(_decoded_columns(ss))
+            cols.append(_decoded_columns(unbuilt))
         else:
             if set(map(_GROUP_ID, ss)) - {g.id}:
                 i = next(i for i, s in enumerate(ss) if s.group_id != g.id)
@@ -512,20 +516,6 @@ def _encode_groups(kind: str, fields: dict[str, Any], groups: Sequence[Group]) -
         return b"".join([prefix, *(np.ascontiguousarray(p) for p in pieces)])
 
 
-def _to_plain(obj: Any) -> Any:
-    if obj is None or type(obj) in (str, int, float, bool, bytes):
-        return obj
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, list | tuple):
-        return [_to_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
 def encode(msg: Message) -> bytes:
     """Pack a message. Raises :class:`WireError` if it does not fit the limits."""
     kind = getattr(type(msg), "kind", None)
@@ -537,7 +527,7 @@ def encode(msg: Message) -> bytes:
         elif isinstance(msg, Put):
             data = _encode_groups(kind, {"worker_id": msg.worker_id}, msg.groups)
         else:
-            data = _pack({"kind": kind, "v": SCHEMA_VERSION, **_to_plain(msg)})
+            data = _pack({"kind": kind, "v": SCHEMA_VERSION, **_plain_default(msg)})
     except WireError:
         raise
     except (TypeError, ValueError, OverflowError) as e:
