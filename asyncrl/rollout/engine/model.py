@@ -16,6 +16,7 @@ swap.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +139,9 @@ class BatchedLM:
         return out
 
     @staticmethod
-    def _ptrs(mods: list[torch.nn.Linear]) -> tuple[int, ...]:
-        return tuple(t.data_ptr() for m in mods for t in (m.weight, m.bias) if t is not None)
+    def _ptrs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[int, ...]:
+        """The data pointers of (weight, bias) pairs: what identifies a fused group's members."""
+        return tuple(t.data_ptr() for pair in pairs for t in pair if t is not None)
 
     @staticmethod
     def _fuse(
@@ -151,8 +153,7 @@ class BatchedLM:
         b = torch.cat(biases) if all(x is not None for x in biases) else None  # type: ignore[arg-type]
         bs = b.split(rows) if b is not None else [None] * len(rows)
         views = list(zip(w.split(rows), bs, strict=True))
-        ptrs = tuple(t.data_ptr() for v in views for t in v if t is not None)
-        return Fused(weight=w, bias=b, ptrs=ptrs), views
+        return Fused(weight=w, bias=b, ptrs=BatchedLM._ptrs(views)), views
 
     def prepare(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fuse incoming weights ahead of a swap (any thread, not the decode one): every fused
@@ -181,7 +182,7 @@ class BatchedLM:
         """Bring the fused tensors in line with the parameters (at load and after every swap).
         Prepared groups are adopted as they are; any other change is fused here (a copy)."""
         for key, mods in self._members():
-            ptrs = self._ptrs(mods)
+            ptrs = self._ptrs((m.weight, m.bias) for m in mods)
             f = self.fused.get(key)
             if f is not None and f.ptrs == ptrs:
                 continue
