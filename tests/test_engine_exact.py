@@ -108,6 +108,20 @@ def test_prompt_logprobs_equal_transformers(tiny_qwen3):
     assert torch.allclose(torch.tensor([lp for lp, _, _ in got[1:]]), want, atol=1e-5, rtol=0)
 
 
+def _tiny_config(cfg_cls, **kw):
+    """A 2-layer, hidden-64 config of ``cfg_cls`` with grouped-query attention (4 heads, 2 KV)."""
+    return cfg_cls(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_other_llama_family_models_decode_exactly(arch):
     """Qwen2 (q/k/v biases) and Mistral run through the same slot-cache forward, exactly."""
@@ -120,16 +134,7 @@ def test_other_llama_family_models_decode_exactly(arch):
         "mistral": (MistralForCausalLM, MistralConfig),
     }[arch]
     torch.manual_seed(0)
-    cfg = cfg_cls(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        sliding_window=64,
-    )
+    cfg = _tiny_config(cfg_cls, sliding_window=64)
     model = cls(cfg).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.1)
@@ -211,15 +216,7 @@ def test_a_prepared_swap_carries_qkv_biases():
     from asyncrl.rollout.engine.model import BatchedLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    cfg = _tiny_config(Qwen2Config)
     model = Qwen2ForCausalLM(cfg).eval()
     ref = copy.deepcopy(model)
     lm = BatchedLM(model)
