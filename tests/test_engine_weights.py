@@ -162,9 +162,8 @@ def test_update_while_generating_without_pause(trainer, engine, tiny_qwen3, tmp_
         "input_ids": [9, 10, 11],
         "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
     }
-    a = GenerateStream(
-        engine.url, {**long_body, "rid": "inflight-a"}
-    )  # decoding during the receive
+    # decoding during the receive
+    a = GenerateStream(engine.url, {**long_body, "rid": "inflight-a"})
     assert a.first.wait(60)
     assert client.post("/begin_weight_update", json={}).json()["success"]
     half = len(new) // 2
@@ -178,9 +177,8 @@ def test_update_while_generating_without_pause(trainer, engine, tiny_qwen3, tmp_
         "success": True,
         "message": "Succeeded to update parameter online. Weight version updated to v1.",
     }
-    b = GenerateStream(
-        engine.url, {**long_body, "rid": "inflight-b"}
-    )  # certainly in flight at the swap
+    # certainly in flight at the swap
+    b = GenerateStream(engine.url, {**long_body, "rid": "inflight-b"})
     assert b.first.wait(60)
     end = client.post("/end_weight_update", json={}).json()
     assert end["success"] and end["weight_version"] == "v1" and end["pause_s"] < 1.0
