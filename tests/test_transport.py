@@ -249,6 +249,44 @@ def test_async_handler():
     trio.run(main)
 
 
+def test_timed_out_and_cancelled_requests_end_promptly_and_leave_the_client_usable():
+    """nng enforces each request's timeout, trio cancellation cancels the nng operation, and a
+    context whose request failed is never reused, so a late reply cannot answer a later request."""
+    late = trio.Event()
+
+    async def handler(msg):
+        if isinstance(msg, wire.Acquire) and msg.worker_id == "slow":
+            await late.wait()
+        return _echo(msg)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            server = await _serving(n, RepServer("tcp://127.0.0.1:0"), handler)
+            async with ReqClient(server.address, timeout_s=WAIT_S) as client:
+                for _ in range(5):  # sequential requests take the one context in turn
+                    assert (await client.request(wire.Status())).version == 7
+                assert len(client._idle) == 1
+
+                start = trio.current_time()
+                with pytest.raises(TransportTimeout, match="acquire"):
+                    await client.request(wire.Acquire(worker_id="slow", n=1), timeout_s=0.3)
+                assert 0.25 <= trio.current_time() - start < REFUSED_S
+                with trio.move_on_after(0.3) as scope:
+                    await client.request(wire.Acquire(worker_id="slow", n=2))
+                assert scope.cancelled_caught and trio.current_time() - start < 2 * REFUSED_S
+                assert client._idle == []  # both failed contexts were closed
+
+                late.set()  # the server now answers both abandoned requests
+                await _until(lambda: server.stats["replied"] == 7)
+                for i in range(3):
+                    grant = await client.request(wire.Acquire(worker_id=f"w{i}", n=i))
+                    assert (grant.lease_id, grant.k) == (f"w{i}", i)
+                assert (await client.request(wire.Status())).version == 7
+            server.close()
+
+    trio.run(main)
+
+
 def test_oversized_request_is_refused_and_server_keeps_serving():
     async def main():
         async with trio.open_nursery() as n:
