@@ -361,8 +361,7 @@ class _Columns:
 
 
 _DTYPE, _SIZE, _GROUP_ID = attrgetter("dtype"), attrgetter("size"), attrgetter("group_id")
-_ID, _REWARD, _META = attrgetter("id"), attrgetter("reward"), attrgetter("metadata")
-_FINISH_REASON = attrgetter("finish_reason")
+_FIELDS = attrgetter("id", "reward", "finish_reason", "metadata", *_ARRAYS)  # a sample's columns
 
 
 def _decoded_columns(ss: SampleList) -> _Columns:
@@ -382,12 +381,16 @@ def _decoded_columns(ss: SampleList) -> _Columns:
 
 
 def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
-    """Samples as columns, each column gathered in one C-level pass (``map``), however many groups
-    they come from; the arrays as the pieces to join. ``at(i)`` names sample ``i`` in errors."""
+    """Samples as columns, gathered in one C-level pass (``map``, then ``zip`` to transpose)
+    however many groups they come from; the arrays as the pieces to join. ``at(i)`` names sample
+    ``i`` in errors."""
+    ids, rewards, finish, metadata, *columns = (
+        zip(*map(_FIELDS, ss), strict=True) if ss else [()] * 9
+    )
     arrays: dict[str, list] = {}
     sizes: dict[str, list[int]] = {}
-    for k, dt in _ARRAYS.items():
-        parts = list(map(attrgetter(k), ss))
+    for (k, dt), column in zip(_ARRAYS.items(), columns, strict=True):
+        parts = list(column)
         try:
             ok = set(map(_DTYPE, parts)) <= {dt}
         except AttributeError:  # a list, not an array
@@ -408,13 +411,29 @@ def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
                 f"{at(i)}.{k}: {sizes[k][i]} entries, but completion_ids has {done[i]} (one per token)"
             )
     return _Columns(
-        ids=list(map(_ID, ss)),
-        rewards=list(map(_REWARD, ss)),
-        finish=list(map(_FINISH_REASON, ss)),
-        metadata=list(map(_META, ss)),
+        ids=list(ids),
+        rewards=list(rewards),
+        finish=list(finish),
+        metadata=list(metadata),
         prompt_lens=sizes["prompt_ids"],
         completion_lens=done,
         arrays=arrays,
+    )
+
+
+def _concat(cols: list[_Columns]) -> _Columns:
+    """One set of columns from several (a message mixing built and decoded groups); most
+    messages have one, which is returned as it is."""
+    if len(cols) == 1:
+        return cols[0]
+    return _Columns(
+        ids=[x for c in cols for x in c.ids],
+        rewards=[x for c in cols for x in c.rewards],
+        finish=[x for c in cols for x in c.finish],
+        metadata=[x for c in cols for x in c.metadata],
+        prompt_lens=[x for c in cols for x in c.prompt_lens],
+        completion_lens=[x for c in cols for x in c.completion_lens],
+        arrays={k: [p for c in cols for p in c.arrays[k]] for k in _ARRAYS},
     )
 
 
@@ -477,24 +496,23 @@ def _encode_groups(kind: str, fields: dict[str, Any], groups: Sequence[Group]) -
             }
         )
     flush()
-    plens = [x for c in cols for x in c.prompt_lens]
-    clens = [x for c in cols for x in c.completion_lens]
+    c = _concat(cols)
     body = {
         "kind": kind,
         "v": SCHEMA_VERSION,
         **fields,
         "groups": heads,
         "samples": {
-            "id": [x for c in cols for x in c.ids],
-            "reward": np.array([x for c in cols for x in c.rewards], dtype=_F64).tobytes(),
-            "finish_reason": [x for c in cols for x in c.finish],
-            "metadata": [x for c in cols for x in c.metadata],
-            "prompt_len": np.array(plens, dtype=_I32).tobytes(),
-            "completion_len": np.array(clens, dtype=_I32).tobytes(),
+            "id": c.ids,
+            "reward": np.array(c.rewards, dtype=_F64).tobytes(),
+            "finish_reason": c.finish,
+            "metadata": c.metadata,
+            "prompt_len": np.array(c.prompt_lens, dtype=_I32).tobytes(),
+            "completion_len": np.array(c.completion_lens, dtype=_I32).tobytes(),
         },
     }
-    pieces = [p for k in _ARRAYS for c in cols for p in c.arrays[k]]
-    nbytes = 4 * (sum(plens) + 4 * sum(clens))  # every per-token dtype is 4 bytes
+    pieces = list(itertools.chain.from_iterable(c.arrays[k] for k in _ARRAYS))
+    nbytes = 4 * (sum(c.prompt_lens) + 4 * sum(c.completion_lens))  # every dtype is 4 bytes
     head = _pack(body)
     if not 0x80 <= head[0] < 0x8E:  # pragma: no cover - the body has 4 or 5 keys
         raise WireError(f"{kind}: unexpected map header {head[0]:#x}")
@@ -630,24 +648,28 @@ def _groups(d: dict, tokens: Any, where: str) -> list[Group]:
     w = f"{where}.samples"
     ids = _str_list(cols, "id", w)
     n = len(ids)
-    sizes = []
-    for i, h in enumerate(heads):
-        if not isinstance(h, dict):
-            raise WireError(f"{where}.groups[{i}]: expected a map, got {type(h).__name__}")
-        sizes.append(_count(h, "n", f"{where}.groups[{i}]", lo=1))
+
+    def group_at(i: int) -> str:  # group i of the message, for errors
+        return where if where == "group" else f"{where}.groups[{i}]"
+
+    sizes = [h.get("n") if type(h) is dict else None for h in heads]
+    if not all(type(x) is int and 1 <= x <= MAX_ITEMS for x in sizes):  # name the first bad one
+        for i, h in enumerate(heads):
+            if not isinstance(h, dict):
+                raise WireError(f"{group_at(i)}: expected a map, got {type(h).__name__}")
+            _count(h, "n", group_at(i), lo=1)
     if sum(sizes) != n:
         raise WireError(f"{w}.id: {n} samples, but the groups' n add up to {sum(sizes)}")
     starts = [0, *itertools.accumulate(sizes)]
 
     def at(i: int) -> str:  # sample i of the message, named by its group
-        if where == "group":
-            return f"group.samples[{i}]"
         g = bisect.bisect_right(starts, i) - 1
-        return f"{where}.groups[{g}].samples[{i - starts[g]}]"
+        return f"{group_at(g)}.samples[{i - starts[g]}]"
 
-    rewards = _column(cols, "reward", _F64, n, w)
-    if not np.isfinite(rewards).all():
-        raise WireError(f"{at(int(np.argmax(~np.isfinite(rewards))))}.reward: must be finite")
+    rewards = _column(cols, "reward", _F64, n, w).tolist()
+    if not all(map(math.isfinite, rewards)):
+        i = next(i for i, r in enumerate(rewards) if not math.isfinite(r))
+        raise WireError(f"{at(i)}.reward: must be finite")
     finish = _str_list(cols, "finish_reason", w)
     metas = _req(cols, "metadata", list, w)
     for key, col in (("finish_reason", finish), ("metadata", metas)):
@@ -664,10 +686,10 @@ def _groups(d: dict, tokens: Any, where: str) -> list[Group]:
                 raise WireError(f"{at(i)}.metadata: expected a map with string keys")
     lens = {}
     for key in ("prompt_len", "completion_len"):
-        x = _column(cols, key, _I32, n, w)
-        if n and (x.min() < 0 or x.max() > MAX_TOKENS):
+        x = _column(cols, key, _I32, n, w).tolist()
+        if n and (min(x) < 0 or max(x) > MAX_TOKENS):
             raise WireError(f"{w}.{key}: lengths must be in [0, {MAX_TOKENS}]")
-        lens[key] = x.tolist()
+        lens[key] = x
     prompt_total, total = sum(lens["prompt_len"]), sum(lens["completion_len"])
     if tokens is None:
         tokens = _req(d, "tokens", bytes, where)
@@ -685,7 +707,7 @@ def _groups(d: dict, tokens: Any, where: str) -> list[Group]:
     lp, ver, mask = arrays["behavior_logprobs"], arrays["versions"], arrays["loss_mask"]
     c = _Columns(
         ids=ids,
-        rewards=rewards.tolist(),
+        rewards=rewards,
         finish=finish,
         metadata=metas,
         prompt_lens=lens["prompt_len"],
@@ -703,21 +725,38 @@ def _groups(d: dict, tokens: Any, where: str) -> list[Group]:
                 ends = c.completion_ends[1:]
                 i = int(np.searchsorted(ends, int(np.argmax(bad)), side="right"))
                 raise WireError(f"{at(i)}.{k}: {why}")
+    unique = len(set(ids)) == n  # then no group repeats a sample id: one check for all
     out, lo = [], 0
     for i, (h, size) in enumerate(zip(heads, sizes, strict=True)):
-        gw = where if where == "group" else f"{where}.groups[{i}]"
-        gid = _req(h, "id", str, gw)
-        if len(set(ids[lo : lo + size])) != size:
+        gid, lease = h.get("id"), h.get("lease_id", "")
+        index, meta = h.get("prompt_index", -1), h.get("metadata", _MISSING)
+        if meta is _MISSING:
+            meta = {}
+        if not (  # the common case in one test; otherwise the checks below name the field
+            type(gid) is str
+            and type(lease) is str
+            and type(index) is int
+            and type(meta) is dict
+            and len(gid) <= MAX_STR
+            and len(lease) <= MAX_STR
+            and all(type(k) is str for k in meta)
+        ):
+            gw = group_at(i)
+            gid = _req(h, "id", str, gw)
+            lease = _opt(h, "lease_id", str, gw, "")
+            index = _opt(h, "prompt_index", int, gw, -1)
+            meta = _metadata(h, gw)
+        if not unique and len(set(ids[lo : lo + size])) != size:
             mine = ids[lo : lo + size]
             dup = next(x for j, x in enumerate(mine) if x in mine[:j])
-            raise WireError(f"{gw}.samples.id: duplicate sample id {dup!r}")
+            raise WireError(f"{group_at(i)}.samples.id: duplicate sample id {dup!r}")
         out.append(
             Group(
                 id=gid,
-                lease_id=_opt(h, "lease_id", str, gw, ""),
+                lease_id=lease,
                 samples=SampleList(c, lo, lo + size, gid),
-                prompt_index=_opt(h, "prompt_index", int, gw, -1),
-                metadata=_metadata(h, gw),
+                prompt_index=index,
+                metadata=meta,
             )
         )
         lo += size

@@ -322,6 +322,26 @@ def test_per_token_length_mismatch_is_refused_when_encoding(field):
     assert "completion_ids" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("id", 7, "put.groups[1].id: expected str, got int"),
+        ("lease_id", None, "put.groups[1].lease_id: expected str, got NoneType"),
+        ("prompt_index", True, "put.groups[1].prompt_index: expected int, got bool"),
+        ("metadata", [], "put.groups[1].metadata: expected dict, got list"),
+        ("metadata", {b"k": 1}, "put.groups[1].metadata: keys must be strings"),
+        ("n", 0, "put.groups[1].n: 0 is outside"),
+    ],
+)
+def test_decode_names_the_group_field_at_fault(field, value, needle):
+    put = _valid_messages(random.Random(1))[1]
+    tree = msgpack.unpackb(wire.encode(put), raw=False)
+    tree["groups"][1][field] = value
+    with pytest.raises(wire.WireError) as e:
+        wire.decode(msgpack.packb(tree, use_bin_type=True))
+    assert needle in str(e.value)
+
+
 def test_decode_checks_tokens_and_names_the_group_and_sample():
     put = _valid_messages(random.Random(1))[1]
     tree = msgpack.unpackb(wire.encode(put), raw=False)
