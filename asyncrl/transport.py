@@ -11,7 +11,8 @@ Four roles, each a thin shell around one pynng socket and :mod:`asyncrl.wire`:
 
 Addresses are ``tcp://``, ``ipc://``, ``inproc://`` or ``tls+tcp://`` (mutual TLS, :class:`TLS`).
 Port 0 is allowed for listeners: ``.address`` holds the real address after ``listen()``.
-Per-message overhead under trio is ~250 µs (reference/transport.md): batch where throughput matters.
+A small request's round trip under trio takes ~220 µs here, the same as raw pynng's (thread wake-ups,
+not Python: reference/transport.md); batch where throughput matters.
 """
 
 from __future__ import annotations
