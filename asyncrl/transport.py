@@ -255,7 +255,10 @@ class _Context:
         return pynng.Message(lib.nng_aio_get_msg(self._aio))
 
     def close(self) -> None:
-        """Close the context, then free the aio (no operation may be in flight: each awaits its end)."""
+        """Close the context, then free the aio (no operation may be in flight: each awaits its end).
+
+        Owners call this; there is no ``__del__``: the garbage collector can run a finalizer on one of
+        nng's own threads (pynng runs Python there), where freeing an aio deadlocks nng."""
         lib.nng_ctx_close(self._ctx)  # ECLOSED when the socket went first: nothing left to do
         lib.nng_aio_free(self._aio)
         _aio_map.pop(id(self), None)
