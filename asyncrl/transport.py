@@ -196,7 +196,7 @@ _FOREVER = -1  # NNG_DURATION_INFINITE
 
 def _ms(seconds: float) -> int:
     """An nng timeout: whole milliseconds, at least 1 (0 would mean "now or never")."""
-    return max(1, min(int(seconds * 1000), 2**31 - 1))
+    return max(1, int(min(seconds * 1000, 2**31 - 1)))  # inf: the longest nng can wait, ~25 days
 
 
 class _Context:
