@@ -361,7 +361,8 @@ class _Columns:
 
 
 _DTYPE, _SIZE, _GROUP_ID = attrgetter("dtype"), attrgetter("size"), attrgetter("group_id")
-_FIELDS = attrgetter("id", "reward", "finish_reason", "metadata", *_ARRAYS)  # a sample's columns
+_COLUMNS = ("id", "reward", "finish_reason", "metadata", *_ARRAYS)  # a sample's fields, as columns
+_FIELDS = attrgetter(*_COLUMNS)
 
 
 def _decoded_columns(ss: SampleList) -> _Columns:
@@ -385,7 +386,7 @@ def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
     however many groups they come from; the arrays as the pieces to join. ``at(i)`` names sample
     ``i`` in errors."""
     ids, rewards, finish, metadata, *columns = (
-        zip(*map(_FIELDS, ss), strict=True) if ss else [()] * 9
+        zip(*map(_FIELDS, ss), strict=True) if ss else [()] * len(_COLUMNS)
     )
     arrays: dict[str, list] = {}
     sizes: dict[str, list[int]] = {}
