@@ -361,8 +361,7 @@ class _Columns:
 
 
 _DTYPE, _SIZE, _GROUP_ID = attrgetter("dtype"), attrgetter("size"), attrgetter("group_id")
-_COLUMNS = ("id", "reward", "finish_reason", "metadata", *_ARRAYS)  # a sample's fields, as columns
-_FIELDS = attrgetter(*_COLUMNS)
+_FIELDS = attrgetter("id", "reward", "finish_reason", "metadata", *_ARRAYS)  # a sample's columns
 
 
 def _decoded_columns(ss: SampleList) -> _Columns:
@@ -382,12 +381,10 @@ def _decoded_columns(ss: SampleList) -> _Columns:
 
 
 def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
-    """Samples as columns, gathered in one C-level pass (``map``, then ``zip`` to transpose)
-    however many groups they come from; the arrays as the pieces to join. ``at(i)`` names sample
-    ``i`` in errors."""
-    ids, rewards, finish, metadata, *columns = (
-        zip(*map(_FIELDS, ss), strict=True) if ss else [()] * len(_COLUMNS)
-    )
+    """Samples (at least one) as columns, gathered in one C-level pass (``map``, then ``zip`` to
+    transpose) however many groups they come from; the arrays as the pieces to join. ``at(i)``
+    names sample ``i`` in errors."""
+    ids, rewards, finish, metadata, *columns = zip(*map(_FIELDS, ss), strict=True)
     arrays: dict[str, list] = {}
     sizes: dict[str, list[int]] = {}
     for (k, dt), column in zip(_ARRAYS.items(), columns, strict=True):
