@@ -453,7 +453,7 @@ class ReqClient:
         """Blocking :meth:`request` for code that is not under trio."""
         data = wire.encode(msg)
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        ms = max(1, int(timeout * 1000))
+        ms = _ms(timeout)
         with self._lock:
             self._sock.send_timeout = ms
             self._sock.recv_timeout = ms
@@ -506,7 +506,7 @@ class Publisher:
         self.address = address
         self.timeout_s = timeout_s
         self._tls = tls
-        self._sock = pynng.Pub0(send_timeout=max(1, int(timeout_s * 1000)))
+        self._sock = pynng.Pub0(send_timeout=_ms(timeout_s))
         self._listening = False
         self._closed = False
         self._lock = threading.Lock()

@@ -283,6 +283,10 @@ def test_timed_out_and_cancelled_requests_end_promptly_and_leave_the_client_usab
                     grant = await client.request(wire.Acquire(worker_id=f"w{i}", n=i))
                     assert (grant.lease_id, grant.k) == (f"w{i}", i)
                 assert (await client.request(wire.Status(), timeout_s=math.inf)).version == 7
+                forever = await trio.to_thread.run_sync(
+                    lambda: client.request_sync(wire.Status(), timeout_s=math.inf)
+                )
+                assert forever.version == 7
             server.close()
 
     trio.run(main)
@@ -383,6 +387,20 @@ def test_request_sync_times_out_without_server(ipc_dir):
         pytest.raises(TransportTimeout, match="status"),
     ):
         client.request_sync(wire.Status())
+
+
+def test_a_publisher_takes_an_infinite_timeout():
+    with Publisher("inproc://forever", timeout_s=math.inf) as pub:
+        pub.listen()
+        with Subscriber(pub.address) as sub:
+
+            async def main():
+                with trio.fail_after(WAIT_S):  # heard once the subscription is up
+                    while (got := await sub.receive(timeout_s=0.05)) is None:
+                        pub.publish_sync(wire.Version(version=3))
+                return got
+
+            assert trio.run(main) == wire.Version(version=3)
 
 
 def test_pub_sub_skips_bad_messages(endpoint):
