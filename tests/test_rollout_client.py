@@ -109,9 +109,11 @@ def test_output_ids_must_agree_with_logprobs():
 
 def test_sampling_params_send_only_sglang_keys():
     d = SamplingParams(max_new_tokens=7, stop=["</tool>"]).to_json(max_new_tokens=3)
-    assert d["max_new_tokens"] == 3 and d["stop"] == ["</tool>"]
+    assert d["max_new_tokens"] == 3 and d["stop"] == ["</tool>"] and "ignore_eos" not in d
     allowed = set(_recorded_allowed_keys())
     assert set(d) <= allowed
+    every = SamplingParams(stop=["x"], stop_token_ids=[2], ignore_eos=True).to_json()
+    assert every["ignore_eos"] is True and set(every) <= allowed
 
 
 def _recorded_allowed_keys() -> list[str]:

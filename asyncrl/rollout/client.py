@@ -86,6 +86,7 @@ class SamplingParams:
     min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # fixed-length generation: benchmarks, and tests that must not stop
 
     def to_json(self, *, max_new_tokens: int | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -99,6 +100,8 @@ class SamplingParams:
             d["stop"] = list(self.stop)
         if self.stop_token_ids:
             d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            d["ignore_eos"] = True
         return d
 
     @classmethod

@@ -68,7 +68,7 @@ class Served:
     ) -> bool:
         """Wait until one request is running with at least ``min_tokens`` in its KV (prompt plus
         generated), read from SGLang's ``/v1/loads`` (only the tests read it). False if the request
-        ``finished()`` first (a random tiny model may stop early at EOS: the caller retries)."""
+        ``finished()`` first (callers send ``ignore_eos`` so that a random model cannot stop early)."""
         async with httpx.AsyncClient(timeout=10) as http:
             with trio.fail_after(timeout_s):
                 while not finished():

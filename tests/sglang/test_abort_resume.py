@@ -26,7 +26,9 @@ async def _abort_mid_request(served: Served) -> Completion:
     done: list[Completion] = []
 
     async def gen(pool: GeneratorPool) -> None:
-        done.append(await pool.generate(PROMPT, SamplingParams(max_new_tokens=BUDGET)))
+        # ignore_eos: a random tiny model may pick EOS early, and the request must outlive the pause
+        params = SamplingParams(max_new_tokens=BUDGET, ignore_eos=True)
+        done.append(await pool.generate(PROMPT, params))
 
     async with (
         GeneratorPool([served.url], timeout_s=300) as pool,
@@ -34,24 +36,19 @@ async def _abort_mid_request(served: Served) -> Completion:
     ):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gen, pool)
-            if await served.wait_generating(len(PROMPT) + 16, lambda: bool(done)):
-                r = await http.post("/pause_generation", json={"mode": "abort"})
-                assert r.status_code == 200, r.text
-                r = await http.post("/continue_generation", json={})
-                assert r.status_code == 200, r.text
+            assert await served.wait_generating(len(PROMPT) + 16, lambda: bool(done))
+            r = await http.post("/pause_generation", json={"mode": "abort"})
+            assert r.status_code == 200, r.text
+            r = await http.post("/continue_generation", json={})
+            assert r.status_code == 200, r.text
     return done[0]
 
 
 def test_abort_pause_resubmits_to_a_complete_sample(served: Served):
-    for _ in range(5):  # a random tiny model may emit EOS before the pause: try again
-        c = trio.run(_abort_mid_request, served)
-        if c.num_resumes >= 1:
-            break
-    else:
-        pytest.fail("the request ended before the abort pause in 5 tries")
+    c = trio.run(_abort_mid_request, served)
     n = len(c.output_ids)
-    assert c.finish_reason in ("stop", "length")
-    assert n >= 8 and (c.finish_reason == "stop" or n == BUDGET)
+    assert c.num_resumes >= 1
+    assert c.finish_reason == "length" and n == BUDGET
     assert len(c.logprobs) == len(c.versions) == n
     assert c.versions == [served.version] * n
     ref = reference_logprobs(served.reference(), PROMPT, c.output_ids)
