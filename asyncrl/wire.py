@@ -169,6 +169,9 @@ class Register:
     kind: ClassVar[str] = "register"
     worker_id: str
     generators: list[GeneratorInfo]
+    # The worker process has just started and holds no lease: any lease still open under this
+    # worker id is a dead process's, and its starts return now instead of after lease_seconds.
+    fresh: bool = False
 
 
 @dataclass(kw_only=True)
@@ -829,6 +832,7 @@ def _build(kind: str, d: dict, tokens: memoryview | None) -> Message:
         return Register(
             worker_id=_req(d, "worker_id", str, w),
             generators=[_generator(g, f"{w}.generators[{i}]") for i, g in enumerate(gens)],
+            fresh=_opt(d, "fresh", bool, w, False),
         )
     if kind == "ok":
         return Ok(

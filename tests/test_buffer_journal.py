@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import trio
@@ -69,3 +70,38 @@ def test_groups_acked_after_the_checkpoint_are_readmitted_once(tmp_path) -> None
     # a new run in the same folder does not inherit the old run's acknowledgements
     fresh = BufferService(config(), journal_dir=journal, journal_resume=False)
     assert fresh.stats()["occupancy"] == 0
+
+
+def test_generators_registered_after_the_checkpoint_are_known_after_a_restart(tmp_path) -> None:
+    """A worker restarted (new engine, new URL) after the checkpoint: the restored service tells
+    the broadcaster of the new generator, not only of the one the checkpoint saw."""
+    from asyncrl import wire
+
+    journal = tmp_path / "buffer"
+    old, new = (
+        wire.GeneratorInfo(url="http://127.0.0.1:1001"),
+        wire.GeneratorInfo(url="http://127.0.0.1:1002"),
+    )
+
+    async def register(address: str, gen: wire.GeneratorInfo) -> None:
+        async with BufferClient(address, worker_id="w") as c:
+            await c.register([gen])
+
+    first = BufferService(config(), journal_dir=journal).start()
+    try:
+        trio.run(register, first.address, old)
+        state = json.loads(json.dumps(first.state_dict()))  # the checkpoint
+        trio.run(register, first.address, new)  # then the crash
+    finally:
+        first.stop()
+    assert state["registered"] == {"w": [dataclasses.asdict(old)]}
+    seen: list = []
+    with BufferService(config(), state=state, journal_dir=journal) as second:
+        second.on_register(lambda wid, gens: seen.append((wid, [g.url for g in gens])))
+        assert seen == [("w", [new.url])]
+        assert second.state_dict()["registered"] == {"w": [dataclasses.asdict(new)]}
+    # a new run (not resumed) does not inherit them
+    seen.clear()
+    with BufferService(config(), journal_dir=journal, journal_resume=False) as fresh:
+        fresh.on_register(lambda wid, gens: seen.append(wid))
+        assert seen == [] and not (journal / "registered.json").exists()

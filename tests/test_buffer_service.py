@@ -115,6 +115,29 @@ def test_register_runs_callbacks(service: BufferService) -> None:
     assert calls[0] == ("w7", ["http://127.0.0.1:1234"])
 
 
+def test_a_fresh_register_takes_back_the_leases_of_the_dead_process(service: BufferService):
+    """A worker restarted after kill -9: its first (fresh) register ends the leases its old process
+    held, so their starts come back now rather than after lease_seconds; another worker's stay."""
+
+    async def go() -> None:
+        gen = [wire.GeneratorInfo(url="http://127.0.0.1:1234")]
+        async with (
+            BufferClient(service.address, worker_id="w1") as dead,
+            BufferClient(service.address, worker_id="w2") as other,
+        ):
+            assert (await dead.acquire(1)).k == 1 and (await other.acquire(1)).k == 1
+            assert (await other.acquire(1)).k == 0  # B = 2 at max_staleness 0: all given
+            await dead.register(gen)  # not fresh (e.g. after a learner restart): leases kept
+            assert (await other.acquire(1)).k == 0
+        async with BufferClient(service.address, worker_id="w1") as restarted:
+            await restarted.register(gen, fresh=True)
+            stats = (await restarted.status()).stats
+            assert stats["abandoned"] == 1 and stats["leases_live"] == 1  # w2's is kept
+            assert (await restarted.acquire(2)).k == 1  # the start came back
+
+    run(go)
+
+
 def _bad_messages(lease_id: str) -> list[tuple[bytes, str]]:
     """Malformed, oversized and out-of-order requests, with the error code each must get."""
     body = lambda kind, **kw: msgpack.packb({"kind": kind, "v": wire.SCHEMA_VERSION, **kw})  # noqa: E731

@@ -94,6 +94,7 @@ STRATEGIES: dict[str, st.SearchStrategy] = {
             st.builds(wire.GeneratorInfo, url=text, world_size=st.integers(1, 4096), kind=text),
             max_size=3,
         ),
+        fresh=st.booleans(),
     ),
     "ok": st.builds(wire.Ok, version=version, message=text),
     "error": st.builds(wire.Error, code=text, message=text),

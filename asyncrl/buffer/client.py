@@ -69,8 +69,10 @@ class BufferClient:
         msg = wire.Release(worker_id=self.worker_id, lease_id=lease_id, n=n)
         return await self._call(msg, wire.Ok)
 
-    async def register(self, generators: list[wire.GeneratorInfo]) -> wire.Ok:
-        msg = wire.Register(worker_id=self.worker_id, generators=generators)
+    async def register(
+        self, generators: list[wire.GeneratorInfo], *, fresh: bool = False
+    ) -> wire.Ok:
+        msg = wire.Register(worker_id=self.worker_id, generators=generators, fresh=fresh)
         return await self._call(msg, wire.Ok)
 
     async def status(self) -> wire.StatusReply:

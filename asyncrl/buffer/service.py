@@ -49,7 +49,9 @@ class BufferService:
     :meth:`state_dict` starts a new segment (and names it in the state), and a restore stores again
     the groups of the segments written since (:meth:`ReplayStore.readmit`). The same folder holds
     ``trained.jsonl``, the audit: one line per training step (the version it made, the groups it
-    consumed and their oldest token versions) and one per start (the version resumed from).
+    consumed and their oldest token versions) and one per start (the version resumed from), and
+    ``registered.json``, the workers' latest generator lists: a restore knows the generators
+    registered after the checkpoint too (before their workers notice the restart, if they do).
     Appends survive the process being killed (the page cache is the kernel's), not a power cut.
     ``journal_resume=False`` (a new run, not a resumed one) deletes old segments instead.
     """
@@ -83,16 +85,13 @@ class BufferService:
         self._handed: tuple[int, list[dict[str, Any]]] | None = None  # last batch, not yet trained
         self._registered: dict[str, list[wire.GeneratorInfo]] = {}  # worker id -> its generators
         if state is not None:
-            self._registered = {
-                str(w): [wire.GeneratorInfo(**g) for g in gens]
-                for w, gens in state.get("registered", {}).items()
-            }
-        if state is not None:
+            self._registered = _registrations(state.get("registered", {}))
             self._store.load_state_dict(state, now=clock())
         if self._journal is not None:
             if not journal_resume:  # a new run: what an earlier one acknowledged is not ours
-                for old in self._journal.glob("acked-*.bin"):
-                    old.unlink()
+                for old in [*self._journal.glob("acked-*.bin"), self._registered_path]:
+                    old.unlink(missing_ok=True)
+            self._load_registered()
             self._open_journal(state)
         self._checkpoint = ""
         self._callbacks: list[RegisterCallback] = []
@@ -277,6 +276,32 @@ class BufferService:
                 self._segment_path(n).unlink(missing_ok=True)
         return self._segment
 
+    @property
+    def _registered_path(self) -> Path:
+        assert self._journal is not None
+        return self._journal / "registered.json"
+
+    def _registrations_json(self) -> dict[str, list[dict[str, Any]]]:
+        return {w: [dataclasses.asdict(g) for g in gens] for w, gens in self._registered.items()}
+
+    def _save_registered(self) -> None:
+        """Replace registered.json whole (caller holds the lock): a kill leaves the old or the new."""
+        if self._journal is None:
+            return
+        tmp = self._registered_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._registrations_json()))
+        os.replace(tmp, self._registered_path)
+
+    def _load_registered(self) -> None:
+        """registered.json is never older than the checkpoint's state: it wins."""
+        try:
+            saved = json.loads(self._registered_path.read_text())
+            self._registered = _registrations(saved)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            log.warning("%s: unreadable (%s); using the checkpoint's", self._registered_path, e)
+
     def _audit_drops(self) -> None:
         """Name the acknowledged groups the store dropped (stale, equal rewards) since last time."""
         drops, self._store.dropped_ids = self._store.dropped_ids, []
@@ -338,6 +363,12 @@ class BufferService:
                 return wire.Error(code="register_failed", message=f"{type(e).__name__}: {e}")
         with self._cond:
             self._registered[msg.worker_id] = list(msg.generators)
+            self._save_registered()
+            returned = self._store.abandon(msg.worker_id) if msg.fresh else 0
+            if returned:
+                self._cond.notify_all()
+        if returned:
+            log.info("%s restarted: its old leases gave back %d starts", msg.worker_id, returned)
         return wire.Ok(version=self.version, message=f"{len(msg.generators)} generator(s)")
 
     async def _announce(self) -> None:
@@ -428,9 +459,7 @@ class BufferService:
         """JSON-able state to save with the learner's checkpoint."""
         with self._cond:
             state = self._store.state_dict()
-            state["registered"] = {
-                w: [dataclasses.asdict(g) for g in gens] for w, gens in self._registered.items()
-            }
+            state["registered"] = self._registrations_json()
             if self._journal is not None:
                 state["journal_segment"] = self._rotate_journal()
             return state
@@ -455,3 +484,8 @@ class BufferService:
         s["bad_messages_total"] = sum(bad.values())
         s["learner_wait_s"] = self._idle_s
         return s
+
+
+def _registrations(saved: dict[str, Any]) -> dict[str, list[wire.GeneratorInfo]]:
+    """Worker id -> its generators, from the JSON of a state or of registered.json."""
+    return {str(w): [wire.GeneratorInfo(**g) for g in gens] for w, gens in saved.items()}

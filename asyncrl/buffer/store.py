@@ -78,6 +78,7 @@ def _counter_names() -> list[str]:
         "arrived",  # starts spent by a group arriving under its live lease
         "released",  # starts given back by workers
         "expired",  # starts returned because their lease expired unused
+        "abandoned",  # starts returned because the worker holding them restarted
         "closed_stale",  # starts returned because their lease became too old to train on
         "late_accepted",  # groups stored without a live lease (it expired), within capacity
         "stored_total",  # groups ever stored
@@ -204,6 +205,16 @@ class ReplayStore:
         for lease in [x for x in self._leases.values() if x.expires_at <= self._now]:
             returned += lease.remaining
             self._c.values["expired"] += lease.remaining
+            self._close(lease)
+        return returned
+
+    def abandon(self, worker_id: str) -> int:
+        """Close the leases of a worker that restarted (its old process died holding them);
+        returns the number of starts they gave back."""
+        returned = 0
+        for lease in [x for x in self._leases.values() if x.worker_id == worker_id]:
+            returned += lease.remaining
+            self._c.values["abandoned"] += lease.remaining
             self._close(lease)
         return returned
 

@@ -235,14 +235,18 @@ class RolloutWorker:
         await trio.sleep(min(self.cfg.retry_s * 2**attempt, 5.0))
 
     async def _register_loop(self) -> None:
+        """Register the generators. The first registration of this process is ``fresh``: leases
+        still open under this worker id are a dead process's, and the buffer takes them back (so
+        admission waits for it: none of this process's own leases may exist yet)."""
         if not self.generators:
             self.registered.set()
             return
         self._registering = True
+        fresh = not self.registered.is_set()
         attempt = 0
         while True:
             try:
-                ok = await self.buffer.register(self.generators)
+                ok = await self.buffer.register(self.generators, fresh=fresh)
                 self._see_version(ok.version)
                 self.registered.set()
                 self._registering = False
@@ -335,6 +339,7 @@ class RolloutWorker:
             self._granted_open -= n
 
     async def _admission_loop(self) -> None:
+        await self.registered.wait()  # see _register_loop
         attempt = 0
         request_id = uuid.uuid4().hex  # kept until answered: a resend is not a second request
         while True:
