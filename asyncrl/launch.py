@@ -3,7 +3,11 @@
 Starts the learner (alone, or under torchrun when ``learner.ranks > 1``) and ``rollout.workers``
 rollout workers (each starts its built-in engines) as child processes, each in its own process group
 with one thread, waits until the learner's buffer answers, shows progress, and stops everything when
-the learner finishes, on Ctrl-C / SIGTERM, or when a child dies (printing its log's tail). It then
+the learner finishes, on Ctrl-C / SIGTERM, or when a child dies for good (printing its log's tail).
+A child that dies is first restarted, up to ``run.max_restarts`` times: a rollout worker with the same
+command (it resumes its data position from the buffer), the learner with ``run.resume=true`` (from its
+last checkpoint; the workers reconnect by themselves). Exit code 2 (a user's mistake: a bad recipe,
+plugin or data file) is never restarted: the same command would fail the same way. It then
 evaluates the first and the last model on held-out prompts and leaves in ``runs/<name>/``:
 ``metrics.jsonl``, ``wandb/``, checkpoints, ``plots/*.png``, ``logs/*.log`` and ``summary.json``.
 
@@ -35,6 +39,8 @@ from asyncrl.recipe import Recipe
 STOP_GRACE_S = 60.0
 """How long a child may take to exit after SIGTERM (the learner saves a checkpoint) before SIGKILL."""
 LOG_TAIL_LINES = 30
+USAGE_EXIT = 2
+"""Every asyncrl command exits 2 on a user's mistake; restarting it would fail the same way."""
 
 
 class LaunchError(RuntimeError):
@@ -59,8 +65,10 @@ class Child:
     name: str
     argv: list[str]
     log: Path
+    restart_args: list[str] = field(default_factory=list)  # added to argv when it is restarted
     proc: subprocess.Popen | None = None
     stopping: bool = False
+    restarts: int = 0
 
     def start(self, env: dict[str, str]) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -74,6 +82,20 @@ class Child:
                 start_new_session=True,  # own process group: pgid == pid
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
+
+    def restart(self, env: dict[str, str], code: int) -> None:
+        """Start again once nothing of the dead child's process group is left (a worker's engines
+        hold ports and memory), marking the restart in its log."""
+        self.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + 30.0
+        while _group_alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.restarts += 1
+        with self.log.open("a") as out:
+            out.write(f"\n--- asyncrl run: exited with code {code}; restart {self.restarts} ---\n")
+        self.argv = [*self.argv, *self.restart_args]
+        self.restart_args = []
+        self.start(env)
 
     @property
     def pid(self) -> int:
@@ -200,7 +222,14 @@ def make_plan(r: Recipe, recipe_path: Path, overrides: list[str], sock_dir: Path
         buffer_address=buffer,
         pub_address=pub,
     )
-    plan.children.append(Child(name="learner", argv=learner_argv, log=logs / "learner.log"))
+    plan.children.append(
+        Child(
+            name="learner",
+            argv=learner_argv,
+            log=logs / "learner.log",
+            restart_args=[] if r.run.resume else ["run.resume=true"],  # from its last checkpoint
+        )
+    )
     workers = r.rollout.workers if r.algorithm.loss != "sft" else 0
     for i in range(workers):
         argv = [py, "-m", "asyncrl.cli", "rollout", str(recipe_path), "--buffer", buffer]
@@ -424,6 +453,7 @@ def summarize(
     reward_end: float | None,
     status: dict[str, Any] | None,
     outcome: str,
+    restarts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """summary.json: what the run did, read from the metrics file and the buffer's last status."""
     from asyncrl import plots
@@ -469,6 +499,7 @@ def summarize(
         if trained_tokens and wall_seconds > 0
         else (sum(tps) / len(tps) if tps else None),
         "algorithm": r.algorithm.loss,
+        "restarts": restarts or {},
         "buffer_status": status or {},
     }
     return summary
@@ -486,6 +517,35 @@ def _sum_key(records: list[dict], patterns: list[str]) -> float | None:
 # --------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------
+
+
+def write_pids(children: Sequence[Child], run_dir: Path) -> None:
+    """logs/pids.json: each child's pid, which is also its process group id."""
+    pids = {c.name: c.pid for c in children}
+    (run_dir / "logs" / "pids.json").write_text(json.dumps(pids) + "\n")
+
+
+def restart_the_dead(
+    children: Sequence[Child], max_restarts: int, env: dict[str, str], run_dir: Path
+) -> Child | None:
+    """Restart each child that died, if it may be restarted; the first that may not, or None.
+
+    A child that exited 0 is dead too unless it is the learner (the caller's check): a worker
+    does not finish before the learner does."""
+    for c in children:
+        code = c.poll()
+        if code is None:
+            continue
+        if code in (0, USAGE_EXIT) or c.restarts >= max_restarts:
+            return c
+        print(
+            f"asyncrl run: {c.name} exited with code {code}; restarting it "
+            f"({c.restarts + 1} of run.max_restarts={max_restarts}); its log: {c.log}",
+            file=sys.stderr,
+        )
+        c.restart(env, code)
+        write_pids(children, run_dir)
+    return None
 
 
 class _Stop(Exception):
@@ -537,23 +597,18 @@ def run(
         start_model = r.resolve(r.model.path) if r.model.path else None
         for child in plan.children:
             child.start(env)
-        pids = {c.name: c.pid for c in plan.children}  # each is also its process group id
-        (run_dir / "logs" / "pids.json").write_text(json.dumps(pids) + "\n")
+        write_pids(plan.children, run_dir)
         deadline = t0 + r.run.timeout_s
         healthy = False
         uses_buffer = r.algorithm.loss != "sft"
         last_poll = 0.0
         while True:
-            done = plan.children[0].poll()
-            dead = [c for c in plan.children[1:] if c.poll() is not None]
-            if done is not None:
-                if done != 0:
-                    failed, outcome = plan.children[0], "failed"
-                else:
-                    outcome = "completed"
+            if plan.children[0].poll() == 0:
+                outcome = "completed"
                 break
-            if dead:
-                failed, outcome = dead[0], "failed"
+            failed = restart_the_dead(plan.children, r.run.max_restarts, env, run_dir)
+            if failed is not None:
+                outcome = "failed"
                 break
             if time.monotonic() > deadline:
                 outcome = "timeout"
@@ -604,6 +659,7 @@ def run(
         reward_end=reward_end,
         status=status,
         outcome=outcome,
+        restarts={c.name: c.restarts for c in plan.children if c.restarts},
     )
     from asyncrl import plots
 

@@ -56,6 +56,12 @@ class RunConfig:
     )
     eval_prompts: int = _f(128, lo=0)
     timeout_s: float = _f(3600.0, lo=0, lo_open=True, doc="whole-run wall clock bound")
+    max_restarts: int = _f(
+        3,
+        lo=0,
+        doc="`asyncrl run` restarts a child that dies this many times (the learner from its "
+        "last checkpoint); 0: the first death ends the run",
+    )
 
 
 @dataclass(kw_only=True)

@@ -93,6 +93,8 @@ def train(
 
     rank, _ = ensure_distributed()
     trainer = Trainer(recipe)
+    if rank == 0 and trainer.version > 0:
+        print(f"asyncrl learner: resumed at version {trainer.version}", file=sys.stderr, flush=True)
     sink = None
     broadcaster = None
     weights_metrics = _Pending()
