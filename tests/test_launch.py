@@ -116,6 +116,56 @@ def test_a_killed_launcher_leaves_no_child(tmp_path):
     assert _wait_gone(grandchild)
 
 
+def _exited(child: launch.Child, timeout_s: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (code := child.poll()) is None:
+        assert time.monotonic() < deadline, f"{child.name} did not exit"
+        time.sleep(0.02)
+    return code
+
+
+def test_a_dead_child_is_restarted_until_its_restarts_run_out(tmp_path, capsys):
+    """A crash (exit 1, or a signal) is restarted with the restart arguments, its grandchildren
+    killed first; exit 2 (a user's mistake) and a child out of restarts end the run."""
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(g.pid, sys.argv[1:], flush=True)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    (tmp_path / "logs").mkdir()
+    crash = launch.Child(
+        name="crash",
+        argv=[sys.executable, str(script), "1"],
+        log=tmp_path / "c.log",
+        restart_args=["run.resume=true"],
+    )
+    usage = launch.Child(
+        name="usage", argv=[sys.executable, str(script), "2"], log=tmp_path / "u.log"
+    )
+    crash.start(dict(os.environ))
+    grandchild = _grandchild_pid(crash.log)
+    assert _exited(crash) == 1
+    assert launch.restart_the_dead([crash], 1, dict(os.environ), tmp_path) is None
+    assert crash.restarts == 1 and _wait_gone(grandchild)  # its group was cleaned up first
+    assert json.loads((tmp_path / "logs/pids.json").read_text()) == {"crash": crash.pid}
+    assert _exited(crash) == 1
+    log = crash.log.read_text()
+    assert "exited with code 1; restart 1 ---" in log and "['1', 'run.resume=true']" in log
+    assert launch.restart_the_dead([crash], 1, dict(os.environ), tmp_path) is crash  # out of them
+    assert (
+        "crash exited with code 1; restarting it (1 of run.max_restarts=1)"
+        in capsys.readouterr().err
+    )
+    usage.start(dict(os.environ))
+    assert _exited(usage) == 2
+    assert launch.restart_the_dead([usage], 3, dict(os.environ), tmp_path) is usage
+    assert usage.restarts == 0
+    for c in (crash, usage):
+        c.signal_group(signal.SIGKILL)
+
+
 def _recipe(tmp_path, tiny_qwen3, *extra):
     return recipe.load(
         ROOT / "recipes/demo.yaml",
