@@ -66,6 +66,7 @@ class Child:
     argv: list[str]
     log: Path
     restart_args: list[str] = field(default_factory=list)  # added to argv when it is restarted
+    finishes_run: bool = False  # the learner: its exit 0 is the run's end, not a death
     proc: subprocess.Popen | None = None
     stopping: bool = False
     restarts: int = 0
@@ -227,6 +228,7 @@ def make_plan(r: Recipe, recipe_path: Path, overrides: list[str], sock_dir: Path
             name="learner",
             argv=learner_argv,
             log=logs / "learner.log",
+            finishes_run=True,
             restart_args=[] if r.run.resume else ["run.resume=true"],  # from its last checkpoint
         )
     )
@@ -530,11 +532,11 @@ def restart_the_dead(
 ) -> Child | None:
     """Restart each child that died, if it may be restarted; the first that may not, or None.
 
-    A child that exited 0 is dead too unless it is the learner (the caller's check): a worker
-    does not finish before the learner does."""
+    A worker that exited 0 is dead too: it does not finish before the learner does. The learner's
+    exit 0 is left to the caller (the run is complete)."""
     for c in children:
         code = c.poll()
-        if code is None:
+        if code is None or (code == 0 and c.finishes_run):
             continue
         if code in (0, USAGE_EXIT) or c.restarts >= max_restarts:
             return c

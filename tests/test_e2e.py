@@ -345,13 +345,17 @@ def test_killed_children_are_restarted_and_the_run_completes(tmp_path, demo_dir,
 
     try:
         kill("rollout0", lambda: trained() >= 2, "step 2")
-        first = trained_processes()
+        t_kill, first = time.monotonic(), trained_processes()
         # the restarted worker's groups are trained, well within the dead one's lease_seconds
         # (120): whether those leases would have blocked it depends on timing here; the fresh
         # registration that takes them back is checked exactly in test_buffer_service
         _wait_for(lambda: p.poll() is not None or trained_processes() - first, 90, "new groups")
+        worker_recover_s = time.monotonic() - t_kill
         at = trained()
         kill("learner", lambda: trained() > at and _checkpoints(run_dir), "a checkpoint")
+        t_kill, killed_at = time.monotonic(), trained()
+        _wait_for(lambda: p.poll() is not None or trained() > killed_at, 120, "a step after it")
+        learner_recover_s = time.monotonic() - t_kill
         out, err = p.communicate(timeout=600)
     finally:
         if p.poll() is None:
@@ -370,6 +374,20 @@ def test_killed_children_are_restarted_and_the_run_completes(tmp_path, demo_dir,
     first_after = len(done) - done[::-1].index(resumed + 1) - 1  # the resumed run's first step
     assert done[first_after:] == list(range(resumed + 1, steps + 1))
     _no_children_left(run_dir)
+    sys.path.insert(0, str(ROOT / "tests/faults"))
+    from harness import report
+
+    report(
+        {
+            "scenario": "asyncrl run: kill -9 the rollout worker, then the learner",
+            "worker_recover_s": round(worker_recover_s, 1),
+            "learner_recover_s": round(learner_recover_s, 1),
+            "learner_killed_after": killed_at,
+            "resumed_at": resumed,
+            "steps": steps,
+            "seconds": summary["wall_seconds"],
+        }
+    )
 
 
 def test_a_dying_child_stops_the_run_and_shows_its_error(tmp_path, demo_dir, plugin_path, capsys):

@@ -162,7 +162,19 @@ def test_a_dead_child_is_restarted_until_its_restarts_run_out(tmp_path, capsys):
     assert _exited(usage) == 2
     assert launch.restart_the_dead([usage], 3, dict(os.environ), tmp_path) is usage
     assert usage.restarts == 0
-    for c in (crash, usage):
+    # exit 0: the learner's ends the run (the caller's business), a worker's is a death
+    done = [
+        launch.Child(name=n, argv=[sys.executable, str(script), "0"], log=tmp_path / f"{n}.log")
+        for n in ("learner", "worker")
+    ]
+    done[0].finishes_run = True
+    for c in done:
+        c.start(dict(os.environ))
+        assert _exited(c) == 0
+    assert launch.restart_the_dead(done[:1], 3, dict(os.environ), tmp_path) is None
+    assert launch.restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
+    assert done[0].restarts == done[1].restarts == 0
+    for c in (crash, usage, *done):
         c.signal_group(signal.SIGKILL)
 
 
