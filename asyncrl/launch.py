@@ -522,9 +522,11 @@ def _sum_key(records: list[dict], patterns: list[str]) -> float | None:
 
 
 def write_pids(children: Sequence[Child], run_dir: Path) -> None:
-    """logs/pids.json: each child's pid, which is also its process group id."""
-    pids = {c.name: c.pid for c in children}
-    (run_dir / "logs" / "pids.json").write_text(json.dumps(pids) + "\n")
+    """logs/pids.json: each child's pid, which is also its process group id (replaced whole: a
+    reader never sees half of it)."""
+    path = run_dir / "logs" / "pids.json"
+    path.with_suffix(".tmp").write_text(json.dumps({c.name: c.pid for c in children}) + "\n")
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def restart_the_dead(
