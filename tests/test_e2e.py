@@ -375,8 +375,16 @@ def test_killed_children_are_restarted_and_the_run_completes(tmp_path, demo_dir,
     assert done[first_after:] == list(range(resumed + 1, steps + 1))
     _no_children_left(run_dir)
     sys.path.insert(0, str(ROOT / "tests/faults"))
-    from harness import report
+    from harness import acked_ids, exactly_once, lineage, read_jsonl, report
 
+    # lose nothing across both deaths: every acknowledged group trained once, stored, or named
+    survived, _, stored, dropped = lineage(read_jsonl(run_dir / "buffer/trained.jsonl"))
+    assert [s["version"] for s in survived] == list(range(1, steps + 1))
+    trained_ids = [g["id"] for s in survived for g in s["groups"]]
+    audit = exactly_once(acked_ids(run_dir / "audit"), trained_ids, stored, dropped)
+    assert audit["lost"] == 0 and audit["duplicated"] == 0, audit
+    staleness = [s["trained_at"] - g["min_version"] for s in survived for g in s["groups"]]
+    assert max(staleness) <= 2
     report(
         {
             "scenario": "asyncrl run: kill -9 the rollout worker, then the learner",
@@ -384,6 +392,8 @@ def test_killed_children_are_restarted_and_the_run_completes(tmp_path, demo_dir,
             "learner_recover_s": round(learner_recover_s, 1),
             "learner_killed_after": killed_at,
             "resumed_at": resumed,
+            **audit,
+            "staleness_max": max(staleness),
             "steps": steps,
             "seconds": summary["wall_seconds"],
         }
