@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,9 @@ def test_learner_nodes_run_torchrun_and_generator_nodes_run_servers_and_a_worker
     subprocess.run(["bash", "-n", "-c", inner], check=True)
     assert "sglang.launch_server" in inner and "--tp 2" in inner
     assert "rollout" in inner and "--buffer tls+tcp://n0:29600" in inner
+    # one worker id and one prompt shard per generator node: no prompt generated twice
+    ids = sorted(re.search(r"--worker-id (\S+) --shard (\S+)", g[-1]).groups() for g in gens)
+    assert ids == [("gen0", "0/3"), ("gen1", "1/3"), ("gen2", "2/3")]
 
 
 def test_too_few_nodes_is_a_clear_error():

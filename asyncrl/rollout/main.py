@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,7 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--buffer", help="Req/Rep address of the buffer service")
     p.add_argument("--pub", help="Pub/Sub address of version announcements")
-    p.add_argument("--worker-id", default="")
+    p.add_argument(
+        "--worker-id",
+        default="",
+        help="unique per worker; started again with the same id, a worker resumes its prompts and "
+        "the buffer takes back its dead process's leases (default rollout-HOST-PID: a new worker)",
+    )
     p.add_argument("--shard", default="", help="I/N: take every N-th prompt starting at I")
     p.add_argument("--data-state", default="", help="JSON file with a saved data position")
     p.add_argument("--max-groups", type=int, default=0, help="stop after N delivered groups")
@@ -289,7 +295,7 @@ def main(argv: list[str]) -> int:
         r = recipe_mod.load(a.recipe, overrides)
         if not r.model.path:
             raise UsageError("model.path: the worker needs the model's tokenizer")
-        worker_id = a.worker_id or f"rollout-{os.getpid()}"
+        worker_id = a.worker_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
         source = build_source(r, _shard(a.shard, worker_id, r.rollout.workers))
         if a.data_state:
             try:
