@@ -686,7 +686,7 @@ def main(argv: list[str]) -> int:
         )
     except (recipe_mod.RecipeError, LaunchError) as e:
         print(f"asyncrl run: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     keys = ("outcome", "steps", "reward_start", "reward_end", "max_staleness_seen")
     keys += ("max_staleness_allowed", "wall_seconds", "trained_tokens_per_s")
     print(json.dumps({k: summary.get(k) for k in keys}))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,20 +202,19 @@ class ReplayStore:
     def expire(self, now: float) -> int:
         """Close leases whose deadline passed; returns the number of starts they gave back."""
         self._now = max(self._now, now)
-        returned = 0
-        for lease in [x for x in self._leases.values() if x.expires_at <= self._now]:
-            returned += lease.remaining
-            self._c.values["expired"] += lease.remaining
-            self._close(lease)
-        return returned
+        return self._close_where(lambda x: x.expires_at <= self._now, "expired")
 
     def abandon(self, worker_id: str) -> int:
         """Close the leases of a worker that restarted (its old process died holding them);
         returns the number of starts they gave back."""
+        return self._close_where(lambda x: x.worker_id == worker_id, "abandoned")
+
+    def _close_where(self, pred: Callable[[_Lease], bool], counter: str) -> int:
+        """Close the live leases ``pred`` picks, counting their unused starts under ``counter``."""
         returned = 0
-        for lease in [x for x in self._leases.values() if x.worker_id == worker_id]:
+        for lease in [x for x in self._leases.values() if pred(x)]:
             returned += lease.remaining
-            self._c.values["abandoned"] += lease.remaining
+            self._c.values[counter] += lease.remaining
             self._close(lease)
         return returned
 
@@ -234,9 +234,7 @@ class ReplayStore:
             return False
         self._version = version
         floor = self.min_version
-        for lease in [x for x in self._leases.values() if x.version < floor]:
-            self._c.values["closed_stale"] += lease.remaining
-            self._close(lease)
+        self._close_where(lambda x: x.version < floor, "closed_stale")
         self._old_leases = {k: v for k, v in self._old_leases.items() if v >= floor}
         # A resent group whose id was forgotten here is older than `floor`, so it is rejected as stale.
         self._seen = {k: v for k, v in self._seen.items() if v >= floor}
