@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from numerics import GRAD_RTOL
 
 from asyncrl import launch, metrics
 from tools.make_demo import make_demo
@@ -279,7 +280,9 @@ def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
                     assert set(smp.versions.tolist()) == {v}, (v, smp.versions)
             result = trainer.step(batch)
             assert result.version == v + 1
-            assert result.loss == pytest.approx(loss, abs=1e-5)
+            # |ℓ_t| = O(1) (|A| ≲ 2, r ≈ 1) and the token weights sum to 1: an absolute bound at
+            # that scale (the loss itself can be near 0, so not a relative one)
+            assert result.loss == pytest.approx(loss, abs=GRAD_RTOL)
     finally:
         trainer.close()
 

@@ -8,6 +8,7 @@ import threading
 import httpx
 import pytest
 import torch
+from numerics import assert_logits_close
 from transformers import AutoModelForCausalLM
 
 from asyncrl.rollout.engine import EngineConfig, serve
@@ -30,7 +31,7 @@ def _check(model, prompt, res, temperature):
     out = res["output_ids"]
     lps = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
     ref = _reference_logprobs(model, prompt, out, temperature)
-    assert torch.allclose(ref.gather(1, torch.tensor(out)[:, None])[:, 0], lps, atol=1e-5, rtol=0)
+    assert_logits_close(lps, ref.gather(1, torch.tensor(out)[:, None])[:, 0])
     if temperature == 0:
         assert ref.argmax(-1).tolist() == out
 
@@ -105,7 +106,7 @@ def test_prompt_logprobs_equal_transformers(tiny_qwen3):
     got = m["input_token_logprobs"]
     assert got[0] == [None, prompt[0], None]
     want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    assert torch.allclose(torch.tensor([lp for lp, _, _ in got[1:]]), want, atol=1e-5, rtol=0)
+    assert_logits_close([lp for lp, _, _ in got[1:]], want)
 
 
 def _tiny_config(cfg_cls, **kw):
@@ -152,7 +153,7 @@ def test_other_llama_family_models_decode_exactly(arch):
     with torch.no_grad():
         for s, row in zip(seqs, logits, strict=True):
             ref = model(torch.tensor([s])).logits[0, -1]
-            assert torch.allclose(ref, row, atol=1e-5, rtol=0)
+            assert_logits_close(row, ref)
 
 
 @torch.no_grad()
@@ -179,7 +180,7 @@ def test_swapped_weights_reach_the_fused_projections(tiny_qwen3):
         seq.append(int(logits[0].argmax()))
         logits = lm.decode(cache, [seq[-1]], [len(seq) - 1])
         want = ref(torch.tensor([seq])).logits[0, -1]
-        assert torch.allclose(want, logits[0], atol=1e-5, rtol=0)
+        assert_logits_close(logits[0], want)
 
     prepared = {
         n: fresh(n)
@@ -230,5 +231,5 @@ def test_a_prepared_swap_carries_qkv_biases():
     ref_params[name].data.copy_(new[name])
     logits, _ = lm.prefill(lm.new_cache(), 0, [[5, 6, 7, 8]])
     want = ref(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
-    assert torch.allclose(want, logits[0], atol=1e-5, rtol=0)
+    assert_logits_close(logits[0], want)
     assert not torch.allclose(before, logits, atol=1e-3)  # the swap did change the output
