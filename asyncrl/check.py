@@ -29,6 +29,8 @@ def main(argv: list[str]) -> int:
         print(f"asyncrl check: {e}", file=sys.stderr)
         return 2
     print(recipe_mod.dump(r), end="")
+    for w in recipe_mod.warnings(r):
+        print(f"asyncrl check: warning: {w}", file=sys.stderr)
     skipped = " (file existence not checked: --no-files)" if a.no_files else ""
     print(f"# {a.recipe}: valid{skipped}", file=sys.stderr)
     return 0

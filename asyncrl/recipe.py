@@ -103,6 +103,12 @@ class RolloutConfig:
     stop: list[str] = _f(factory=list)
     request_timeout_s: float = _f(600.0, lo=0, lo_open=True)
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The T of the behaviour logprobs generators report, log_softmax(logits / T): SGLang and the
+        built-in engine scale by the sampling temperature, and greedy requests (T = 0) are unscaled."""
+        return self.temperature if self.temperature > 0 else 1.0
+
 
 @dataclass(kw_only=True)
 class GeneratorConfig:
@@ -157,18 +163,32 @@ class BufferConfig:
 class AlgorithmConfig:
     loss: Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft"] = _f("decoupled_ppo")
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = _f("grpo")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = _f(
-        "token_mean"
+    aggregation: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        _f("auto", doc="auto: seq_mean_token_mean for gspo (its definition), token_mean otherwise")
     )
     clip_low: float = _f(0.2, lo=0)
-    clip_high: float = _f(0.28, lo=0)
+    clip_high: float = _f(0.28, lo=0, doc="clip-higher (DAPO) when > clip_low")
+    dual_clip: bool = _f(
+        False, doc="ppo, decoupled_ppo: with A < 0 cap the token loss at clip_c·|A| (verl)"
+    )
+    clip_c: float = _f(3.0, lo=1, lo_open=True, doc="the dual clip's bound (verl's clip_ratio_c)")
     is_cap: float = _f(5.0, lo=0, lo_open=True, doc="C: cap on importance weights")
     ratio_mask_low: float = _f(0.0, lo=0, doc="mask tokens with ratio below this (0: off)")
     ratio_mask_high: float = _f(0.0, lo=0, doc="mask tokens with ratio above this (0: off)")
-    kl_coef: float = _f(0.0, lo=0)
-    kl_estimator: Literal["k1", "k3"] = _f("k3")
+    kl_coef: float = _f(0.0, lo=0, doc="β of the KL(π ‖ π_ref) penalty in the loss")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f(
+        "k3",
+        doc="the KL value added and logged (k3 clamped to 10); its gradient is always KL(π‖π_ref)'s",
+    )
     entropy_coef: float = _f(0.0)
     adv_eps: float = _f(1e-6, lo=0, lo_open=True)
+
+    @property
+    def aggregation_used(self) -> str:
+        """The aggregation the loss runs with (``auto`` resolved)."""
+        if self.aggregation != "auto":
+            return self.aggregation
+        return "seq_mean_token_mean" if self.loss == "gspo" else "token_mean"
 
 
 @dataclass(kw_only=True)
@@ -182,6 +202,13 @@ class LearnerConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = _f("constant")
     grad_clip: float = _f(1.0, lo=0)
     micro_batch_tokens: int = _f(8192, lo=1, doc="packed tokens per forward/backward")
+    minibatches: int = _f(
+        1,
+        lo=1,
+        doc="optimizer updates per batch, each on 1/minibatches of it (AReaL's ppo_n_minibatches); "
+        "> 1 recomputes π_prox before the first (decoupled_ppo's trust region needs it)",
+    )
+    epochs: int = _f(1, lo=1, doc="passes over each batch (each pass: `minibatches` updates)")
     batch_size: int = _f(64, lo=1, doc="sft: sequences per step")
     checkpoint_every: int = _f(10, lo=0, doc="DCP checkpoint every k versions (0: only at the end)")
     checkpoint_async: bool = _f(True)
@@ -437,8 +464,22 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             raise RecipeError(
                 f"data file {p!r} must be .jsonl, .json or .parquet", file=file, key=f"data.{key}"
             )
-    if r.algorithm.clip_low >= 1:
+    alg = r.algorithm
+    if alg.clip_low >= 1:
         raise RecipeError("must be < 1", file=file, key="algorithm.clip_low")
+    if alg.loss == "gspo" and alg.aggregation not in ("auto", "seq_mean_token_mean"):
+        raise RecipeError(
+            f"gspo is a sequence-level loss: it averages over sequences (seq_mean_token_mean); "
+            f"got {alg.aggregation} (leave it auto)",
+            file=file,
+            key="algorithm.aggregation",
+        )
+    if alg.dual_clip and alg.loss not in ("ppo", "decoupled_ppo"):
+        raise RecipeError(
+            f"the dual clip bounds a clipped ratio: ppo and decoupled_ppo only, not {alg.loss}",
+            file=file,
+            key="algorithm.dual_clip",
+        )
     if len(r.learner.betas) != 2 or not all(0 <= b < 1 for b in r.learner.betas):
         raise RecipeError("expected two numbers in [0, 1)", file=file, key="learner.betas")
     if r.generator.kind == "sglang" and not r.generator.urls and r.rollout.workers:
@@ -475,6 +516,25 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
                 file=file,
                 key=f"buffer.{k}",
             )
+
+
+def warnings(recipe: Recipe) -> list[str]:
+    """Settings that run but are likely not what the user meant: one line each, naming the key.
+    `asyncrl check` prints them and the learner logs them at start."""
+    out = []
+    alg, ro = recipe.algorithm, recipe.rollout
+    if alg.loss == "gspo" and max(alg.clip_low, alg.clip_high) > 1e-2:
+        out.append(
+            f"algorithm.clip_low/clip_high: gspo clips a sequence's mean ratio, which stays close to "
+            f"1; a range of {max(alg.clip_low, alg.clip_high):g} rarely clips (the GSPO paper uses "
+            "3e-4 / 4e-4)"
+        )
+    if alg.loss != "sft" and (ro.top_p < 1 or ro.top_k > 0 or ro.min_p > 0):
+        out.append(
+            "rollout.top_p/top_k/min_p: generators report μ before truncation (log_softmax of "
+            "logits / temperature, as SGLang does), so importance ratios do not see the truncation"
+        )
+    return out
 
 
 def dump(recipe: Recipe) -> str:

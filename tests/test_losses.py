@@ -11,13 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.learner.losses import (
+    KL_CLAMP,
     LOSSES,
     STAT_KEYS,
     Normaliser,
     count_tokens_and_seqs,
     finalize_stats,
+    kl_penalty,
     needs_prox,
     policy_loss,
+    token_weights,
     zero_stats,
 )
 from asyncrl.recipe import AlgorithmConfig
@@ -283,8 +286,14 @@ def test_on_policy_every_weight_is_one(loss):
     assert m["loss/clip_frac"] == m["loss/is_capped_frac"] == m["loss/ratio_masked_frac"] == 0.0
     assert m["loss/kl_mu_k1"] == m["loss/kl_mu_k3"] == 0.0
     g = grad_of(lambda x: run(loss, **{**b, "logp": x}, **kw)[0], b["logp"])
-    n = int(b["mask"].sum())
-    torch.testing.assert_close(g, torch.where(b["mask"], -b["adv"] / n, 0.0))
+    tokens, seqs = count_tokens_and_seqs(b["mask"], b["seq_ids"]).tolist()
+    c = token_weights(
+        b["mask"],
+        b["seq_ids"],
+        aggregation=AlgorithmConfig(loss=loss).aggregation_used,  # gspo: per sequence
+        norm=Normaliser(tokens=tokens, seqs=seqs, seq_len=8),
+    )
+    torch.testing.assert_close(g, torch.where(b["mask"], -b["adv"] * c, 0.0))
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -294,6 +303,7 @@ def test_gradcheck_float64(loss):
     ref = b["blp"] - 0.1
     kw = dict(
         kl_coef=0.3,
+        kl_estimator="k2",  # k1 and k3 carry k2's gradient under their own value (see the KL tests)
         entropy_coef=0.01,
         aggregation="seq_mean_token_mean",
         clip_low=0.1,
@@ -359,24 +369,89 @@ def test_masked_positions_may_hold_garbage():
         assert torch.isfinite(g).all() and (g[~mask] == 0).all(), loss
 
 
-def test_kl_penalty_k1_k3():
+def test_kl_penalty_values_and_their_gradient():
     ref = BLP.clone()
     zero_adv = torch.zeros(4, dtype=F64)
-    for est in ("k1", "k3"):
-        loss, stats = run(
-            "ppo", logp=LOGP, blp=BLP, adv=zero_adv, ref_logp=ref, kl_coef=0.5, kl_estimator=est
-        )
-        log_rho = ref - LOGP  # ρ = π_ref/π
-        kl = -log_rho if est == "k1" else torch.exp(log_rho) - 1 - log_rho
+    delta = LOGP - ref  # log π − log π_ref
+    values = {"k1": delta, "k2": delta**2 / 2, "k3": torch.exp(-delta) - 1 + delta}
+    for est, kl in values.items():
+
+        def f(x, est=est):
+            return run(
+                "ppo", logp=x, blp=BLP, adv=zero_adv, ref_logp=ref, kl_coef=0.5, kl_estimator=est
+            )
+
+        loss, stats = f(LOGP)
         assert float(loss) == pytest.approx(0.5 * float(kl.mean()))
         assert finalize_stats(stats)["loss/kl_ref"] == pytest.approx(float(kl.mean()))
-    # k3 is ≥ 0 and flat (zero gradient) where π = π_ref.
-    g = grad_of(
-        lambda x: run("ppo", logp=x, blp=BLP, adv=zero_adv, ref_logp=ref, kl_coef=1.0)[0], BLP
-    )
-    assert torch.equal(g, torch.zeros(4, dtype=F64))
+        # whatever the value, the gradient is k2's: β·δ/N (see the expectation test below)
+        torch.testing.assert_close(grad_of(lambda x, f=f: f(x)[0], LOGP), 0.5 * delta / 4)
     with pytest.raises(ValueError, match="ref_logp"):
         run("ppo", logp=LOGP, blp=BLP, adv=A, kl_coef=0.1)
+
+
+def test_k3_is_clamped_as_verl_does():
+    far = t(-30.0)  # log π − log π_ref = −30: e^30 would dominate every other token
+    kl = kl_penalty(far, t(0.0), estimator="k3")
+    assert float(kl) == KL_CLAMP
+    (g,) = torch.autograd.grad(kl_penalty(far.requires_grad_(True), t(0.0), estimator="k3"), far)
+    assert float(g) == -30.0  # the clamp never touches k2's gradient
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_the_kl_terms_expected_gradient_is_the_reverse_kls(est):
+    """Exact enumeration over a 5-token vocabulary: Σ_y π(y)·∇ KL_term(y), each y a sampled token
+    whose probability does not carry gradient (as in training), equals ∇ KL(π ‖ π_ref). Without the
+    gradient carrier k1's expected gradient is 0 and k3's is the forward KL's (checked too)."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(5, generator=gen, dtype=F64).requires_grad_(True)
+    ref_logp = torch.log_softmax(torch.randn(5, generator=gen, dtype=F64), -1)
+
+    def expected_grad(term) -> torch.Tensor:
+        probs = torch.softmax(theta, -1).detach()
+        g = torch.zeros(5, dtype=F64)
+        for y in range(5):
+            logp = torch.log_softmax(theta, -1)
+            (gy,) = torch.autograd.grad(term(logp[y : y + 1], ref_logp[y : y + 1]), theta)
+            g += probs[y] * gy
+        return g
+
+    def through_policy_loss(lp, rlp):  # one token, kl_coef 1, advantage 0: the loss is the term
+        return run(
+            "ppo", logp=lp, blp=lp.detach(), adv=t(0.0), ref_logp=rlp, kl_coef=1.0, kl_estimator=est
+        )[0]
+
+    def grad_of_kl(kl) -> torch.Tensor:
+        (g,) = torch.autograd.grad(kl(torch.log_softmax(theta, -1)), theta)
+        return g
+
+    reverse = grad_of_kl(lambda lp: (lp.exp() * (lp - ref_logp)).sum())  # ∇KL(π ‖ π_ref)
+    forward = grad_of_kl(lambda lp: (ref_logp.exp() * (ref_logp - lp)).sum())  # ∇KL(π_ref ‖ π)
+    assert float((reverse - forward).abs().max()) > 1e-2  # the two gradients differ here
+    assert float((expected_grad(through_policy_loss) - reverse).abs().max()) <= 1e-6
+    # what the plain estimators would have given
+    raw_k1 = expected_grad(lambda lp, rlp: (lp - rlp).sum())
+    raw_k3 = expected_grad(lambda lp, rlp: (torch.exp(rlp - lp) - 1 - (rlp - lp)).sum())
+    assert float(raw_k1.abs().max()) <= 1e-12
+    assert float((raw_k3 - forward).abs().max()) <= 1e-12
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    # r = π/μ = [10, 10, 0.5], A = [−1, +1, −1]; clip [0.8, 1.28], c = 3
+    blp = t(-3.0, -3.0, -1.0)
+    logp = blp + torch.log(t(10.0, 10.0, 0.5))
+    adv = t(-1.0, 1.0, -1.0)
+    plain, _ = run("ppo", logp=logp, blp=blp, adv=adv)
+    dual, stats = run("ppo", logp=logp, blp=blp, adv=adv, dual_clip=True, clip_c=3.0)
+    # token 0: −min(−10, −1.28) = 10 → capped at c·|A| = 3; token 1: clipped at 1.28; token 2: 0.8
+    assert float(plain) == pytest.approx((10.0 - 1.28 + 0.8) / 3)
+    assert float(dual) == pytest.approx((3.0 - 1.28 + 0.8) / 3)
+    assert finalize_stats(stats)["loss/clip_frac"] == pytest.approx(1.0)
+    g = grad_of(lambda x: run("ppo", logp=x, blp=blp, adv=adv, dual_clip=True)[0], logp)
+    assert float(g[0]) == 0.0  # the capped token gives no gradient
+    # decoupled PPO: the same bound on its trust-region ratio π/π_prox, times its IS weight
+    dec, _ = run("decoupled_ppo", logp=logp, blp=blp, prox_logp=blp, adv=adv, dual_clip=True)
+    assert float(dec) == pytest.approx(float(dual))
 
 
 def test_entropy_bonus():
@@ -472,3 +547,24 @@ def test_empty_micro_batch_and_fixed_stat_keys(loss, aggregation):
     summed = {k: zero_stats()[k] + stats[k] + full[k] for k in STAT_KEYS}
     assert finalize_stats(summed) == finalize_stats(full)
     assert finalize_stats(full)["loss/entropy"] == 1.0 and "loss/kl_ref" not in finalize_stats(full)
+
+
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_decoupled_ppo_with_prox_equal_to_pi_is_tis(aggregation):
+    """One update per batch: π_prox is π itself (detached), r ≡ 1, so the clip cannot act and
+    decoupled PPO's gradient is tis's, sg[min(π/μ, C)]·A·∇log π (the IS cap included)."""
+    b = _random_batch(torch.Generator().manual_seed(7), n_seqs=4, max_len=6)
+    b["blp"] = b["logp"] - torch.log(t(*([3.0, 0.5] * 20))[: len(b["logp"])])  # some π/μ > C
+    kw = dict(aggregation=aggregation, is_cap=2.0, clip_low=0.2, clip_high=0.2)
+
+    def dec(x):
+        return run("decoupled_ppo", **{**b, "logp": x, "prox_logp": x.detach()}, **kw)[0]
+
+    def tis(x):
+        return run("tis", **{**b, "logp": x}, **kw)[0]
+
+    g_dec, g_tis = grad_of(dec, b["logp"]), grad_of(tis, b["logp"])
+    assert float(g_tis.abs().max()) > 0
+    assert float((g_dec - g_tis).abs().max()) <= 1e-7 * float(g_tis.abs().max())
+    _, stats = run("decoupled_ppo", **{**b, "prox_logp": b["logp"]}, **kw)
+    assert finalize_stats(stats)["loss/clip_frac"] == 0.0

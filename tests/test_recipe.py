@@ -69,6 +69,15 @@ def test_overrides_are_typed(tmp_path):
         ("model:\n  dtype: fp8\n", [], "model.dtype", "expected one of float32"),
         ("buffer:\n  address: http://x\n", [], "buffer.address", "tcp://"),
         ("learner: 3\n", [], "learner", "expected a mapping"),
+        ("learner:\n  minibatches: 0\n", [], "learner.minibatches", "must be >= 1"),
+        (
+            "algorithm: {loss: gspo, aggregation: token_mean}\n",
+            [],
+            "algorithm.aggregation",
+            "gspo is a sequence-level loss",
+        ),
+        ("algorithm: {loss: tis, dual_clip: true}\n", [], "algorithm.dual_clip", "not tis"),
+        ("algorithm: {kl_estimator: k4}\n", [], "algorithm.kl_estimator", "one of k1, k2, k3"),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
@@ -134,3 +143,19 @@ def test_check_cli_prints_the_resolved_recipe(tmp_path):
     assert printed["learner"]["lr"] == 1e-6
     assert printed["run"]["name"] == "t"
     assert set(printed) == {f for f in Recipe().to_dict()}
+
+
+def test_check_cli_warns_of_settings_that_run_but_mislead(tmp_path):
+    path = _write(tmp_path, GOOD + "algorithm: {loss: gspo}\nrollout: {top_p: 0.9}\n")
+    p = _check(str(path))
+    assert p.returncode == 0, p.stderr
+    warnings = [ln for ln in p.stderr.splitlines() if "warning" in ln]
+    assert len(warnings) == 2
+    assert "clip_low/clip_high" in warnings[0] and "3e-4" in warnings[0]
+    assert "top_p/top_k/min_p" in warnings[1] and "before truncation" in warnings[1]
+    r = recipe.load(path)
+    assert r.algorithm.aggregation_used == "seq_mean_token_mean"  # auto, for gspo
+    quiet = recipe.load(
+        path, ["algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4", "rollout.top_p=1"]
+    )
+    assert recipe.warnings(quiet) == []

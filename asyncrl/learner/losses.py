@@ -42,12 +42,30 @@ def needs_prox(name: str) -> bool:
 
 
 def ppo(
-    logp: Tensor, behavior_logp: Tensor, adv: Tensor, *, clip_low: float, clip_high: float
+    logp: Tensor,
+    behavior_logp: Tensor,
+    adv: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
-    """PPO clip with the generator as π_old: ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), r = π/μ."""
+    """PPO clip with the generator as π_old: ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), r = π/μ.
+
+    Dual clip (``clip_c`` = c > 1, verl's clip_ratio_c; 0 is off): where A < 0, ℓ = min(ℓ, −c·A).
+    With A < 0 the clipped term only bounds r from below, so a token whose ratio to a stale μ has
+    grown large would otherwise contribute −r·A without limit. The second value marks where either
+    clip took the gradient away."""
     r = torch.exp(logp - behavior_logp)
     unclipped, clipped = r * adv, torch.clamp(r, 1 - clip_low, 1 + clip_high) * adv
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    loss = -torch.minimum(unclipped, clipped)
+    active = clipped < unclipped
+    if clip_c > 0:
+        bound = -clip_c * adv
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        active = active | dual
+    return loss, active
 
 
 def decoupled_ppo(
@@ -59,12 +77,19 @@ def decoupled_ppo(
     clip_low: float,
     clip_high: float,
     is_cap: float,
+    clip_c: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Decoupled PPO (AReaL): ℓ = −w · min(r·A, clip(r, 1−ε_low, 1+ε_high)·A),
     r = π/π_prox, w = sg[min(π_prox/μ, C)]. The trust region is around π_prox, the IS weight
-    corrects for sampling from μ; with π_prox = μ (and C ≥ 1) it is exactly :func:`ppo`."""
+    corrects for sampling from μ; with π_prox = μ (and C ≥ 1) it is exactly :func:`ppo`.
+
+    π_prox is the policy at the start of the batch's updates. With one update per batch that is the
+    policy being trained: r ≡ 1, the clip never acts and the loss equals :func:`tis`. The trust
+    region acts from a batch's second update on (``learner.minibatches``, ``learner.epochs``)."""
     w = torch.exp(prox_logp - behavior_logp).clamp(max=is_cap).detach()
-    loss, clip_active = ppo(logp, prox_logp, adv, clip_low=clip_low, clip_high=clip_high)
+    loss, clip_active = ppo(
+        logp, prox_logp, adv, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c
+    )
     return w * loss, clip_active
 
 
@@ -123,15 +148,32 @@ def sft(logp: Tensor) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------------------------------
 
 
+KL_CLAMP = 10.0
+"""k3 is clamped to [−KL_CLAMP, KL_CLAMP] (its log-ratio to ±20 before the exp), as verl does, so one
+token far from π_ref cannot dominate the value. The clamp never touches the gradient."""
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str) -> Tensor:
-    """Per-token estimate of KL(π ‖ π_ref) on tokens sampled from π (Schulman's estimators):
-    k1 = log π − log π_ref;  k3 = ρ − 1 − log ρ with ρ = π_ref/π (unbiased, always ≥ 0)."""
+    """Per-token KL(π ‖ π_ref) on tokens sampled from π: the value of Schulman's ``estimator``, with
+    the gradient of KL(π ‖ π_ref) (a straight-through carrier, verl's "k1+" / "k3+").
+
+    Values, with δ = log π − log π_ref: k1 = δ; k2 = δ²/2; k3 = e^(−δ) − 1 + δ (unbiased, ≥ 0).
+    Gradients through log π (the sampled token is fixed): E_π[∇k1] = E_π[∇log π] = 0, no penalty at
+    all; E_π[∇k3] = E_π[(1 − π_ref/π)∇log π] = ∇KL(π_ref ‖ π), the *forward* KL; E_π[∇k2] =
+    E_π[δ·∇log π] = ∇KL(π ‖ π_ref). So each estimator goes in as k2 + sg[k − k2]: its value, k2's
+    gradient."""
+    delta = logp - ref_logp
+    k2 = 0.5 * delta * delta
     if estimator == "k1":
-        return logp - ref_logp
-    if estimator == "k3":
-        log_rho = ref_logp - logp
-        return torch.exp(log_rho) - 1 - log_rho
-    raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r}; one of k1, k3")
+        value = delta
+    elif estimator == "k2":
+        value = k2
+    elif estimator == "k3":
+        d = delta.clamp(-20.0, 20.0)
+        value = (torch.exp(-d) - 1 + d).clamp(-KL_CLAMP, KL_CLAMP)
+    else:
+        raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r}; k1, k2 or k3")
+    return k2 + (value - k2).detach()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,7 +251,8 @@ def policy_loss(
 
         L = Σ_t c_t · m_t · (ℓ_t + β·KL_t − α·H_t)
 
-    with c_t from ``cfg.aggregation`` and ``norm``, ℓ_t the per-token loss, β = ``kl_coef``,
+    with c_t from ``cfg.aggregation_used`` and ``norm``, ℓ_t the per-token loss, β = ``kl_coef``
+    (KL_t from :func:`kl_penalty`: the estimator's value, KL(π ‖ π_ref)'s gradient),
     α = ``entropy_coef``, H_t the caller's per-token entropy (with gradient). m_t drops tokens whose
     IS ratio ρ_t = π_prox/μ (π/μ without π_prox) lies outside [ratio_mask_low, ratio_mask_high]
     (IcePop / masked IS; a bound of 0 is off); dropped tokens stay in the denominators.
@@ -243,10 +286,13 @@ def policy_loss(
         log_rho = (lp.detach() if plp is None else plp) - blp
         keep = valid & ratio_in_bounds(torch.exp(log_rho), cfg.ratio_mask_low, cfg.ratio_mask_high)
         eps = {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}
+        dual = {"clip_c": cfg.clip_c if cfg.dual_clip else 0.0}
         if name == "ppo":
-            per_token, clip_active = ppo(lp, blp, adv, **eps)
+            per_token, clip_active = ppo(lp, blp, adv, **eps, **dual)
         elif name == "decoupled_ppo":
-            per_token, clip_active = decoupled_ppo(lp, plp, blp, adv, **eps, is_cap=cfg.is_cap)
+            per_token, clip_active = decoupled_ppo(
+                lp, plp, blp, adv, **eps, is_cap=cfg.is_cap, **dual
+            )
         elif name == "tis":
             per_token, clip_active = tis(lp, blp, adv, is_cap=cfg.is_cap)
         elif name == "cispo":
@@ -283,7 +329,8 @@ def policy_loss(
         stats["entropy_tokens"] = keep.sum()
 
     # Weights from the trained tokens (ratio-masked tokens stay in every denominator).
-    c = token_weights(valid, seq_ids, aggregation=cfg.aggregation, norm=norm).to(per_token.dtype)
+    c = token_weights(valid, seq_ids, aggregation=cfg.aggregation_used, norm=norm)
+    c = c.to(per_token.dtype)
     loss = torch.where(keep, per_token * c, 0).sum()
     return loss, {k: torch.as_tensor(v, dtype=torch.float64).detach() for k, v in stats.items()}
 
