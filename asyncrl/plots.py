@@ -133,7 +133,7 @@ LEARNER_IDLE = [r"learner/idle_frac(tion)?", r".*learner.*idle.*"]
 GEN_IDLE = [r"(generator|rollout)/idle_frac(tion)?", r".*(generator|rollout).*idle.*"]
 SYNC_S = [r"weights/sync_s(econds)?", r".*weight.*sync.*s(econds)?", r".*broadcast.*s(econds)?"]
 PAUSE = r"(?:.*/)?pause_s(?:econds)?(?:/(.+))?"
-DRIFT = r"drift/(mismatch_kl|staleness_kl/(\d+))"
+DRIFT = r"drift/(mismatch_kl|kv_mixed_kl|staleness_kl/(\d+))"
 
 
 def _plt():
@@ -286,7 +286,10 @@ def plot_drift(records, out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     for k in keys:
-        label = "staleness 0 (engine mismatch)" if k.endswith("mismatch_kl") else k.split("/", 1)[1]
+        label = {
+            "drift/mismatch_kl": "staleness 0 (engine mismatch)",
+            "drift/kv_mixed_kl": "staleness 0, across an update (KV of older weights)",
+        }.get(k, k.split("/", 1)[1])
         _line(ax, records, [re.escape(k)], label=label)
     ax.set(xlabel="policy version", ylabel="KL(mu || pi_prox)", title="Drift by staleness")
     ax.legend(loc="best")

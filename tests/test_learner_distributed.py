@@ -119,3 +119,82 @@ def test_crash_and_resume_is_bitwise_identical(runs):
     assert all(torch.equal(a[n], b[n]) for n in a)
     state = json.loads((runs["runs"] / "k" / "metrics.jsonl").read_text().splitlines()[-1])
     assert state["step"] == STEPS
+
+
+def test_a_rank_without_trained_tokens_steps_with_the_others(tiny_qwen3, tmp_path):
+    """Two ranks, with the reference KL on, on a batch whose second rank receives only a sample with
+    no trained token: every collective (micro-batch count, the reference model's FSDP forward, the
+    statistics) still pairs up, and the step equals one rank's on the same batch. (Before, rank 1
+    skipped the reference forward and reduced a shorter statistics tensor: a hang or a crash.)"""
+    import numpy as np
+
+    from asyncrl import wire
+    from asyncrl.learner.packing import make_sequence, split_over_ranks
+    from asyncrl.learner.source import Batch, encode_batch
+    from asyncrl.learner.trainer import Trainer
+
+    def sample(i: int, n: int, trained: bool) -> wire.Sample:
+        rng = np.random.default_rng(i)
+        return wire.Sample(
+            id=f"s{i}",
+            group_id="g",
+            prompt_ids=rng.integers(3, 90, 5).astype(np.int32),
+            completion_ids=rng.integers(3, 90, n).astype(np.int32),
+            behavior_logprobs=np.full(n, -4.5, np.float32),
+            versions=np.zeros(n, np.int32),
+            loss_mask=np.full(n, float(trained), np.float32),  # e.g. all tool output
+            reward=float(i),
+        )
+
+    samples = [sample(0, 30, True), sample(1, 6, False)]
+    batch = Batch(groups=[wire.Group(id="g", samples=samples)], version=0, stats={})
+    shares = split_over_ranks(
+        [
+            make_sequence(i, s.prompt_ids, s.completion_ids, loss_mask=s.loss_mask)
+            for i, s in enumerate(samples)
+        ],
+        2,
+    )
+    assert [sum(float(q.mask.sum()) for q in sh) for sh in shares][1] == 0  # rank 1: nothing
+
+    spec = {
+        "run": {"output_dir": str(tmp_path / "runs")},
+        "model": {"path": str(tiny_qwen3), "max_seq_len": 64},
+        "algorithm": {"loss": "ppo", "kl_coef": 0.1},
+        "learner": {"lr": 1e-3, "micro_batch_tokens": 32},
+        "buffer": {"max_staleness": 2},
+        "logging": {"wandb": False},
+    }
+    recipe_file = tmp_path / "rl.yaml"
+    recipe_file.write_text(yaml.safe_dump(spec))
+    (tmp_path / "batch.bin").write_bytes(encode_batch(batch))
+    script = Path(__file__).with_name("step_on_batch.py")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(recipe_file),
+        str(tmp_path / "batch.bin"),
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "metrics.json").read_text())
+
+    tr = Trainer(recipe_mod.load(recipe_file), run_dir=tmp_path / "one", checkpointing=False)
+    one = tr.step(batch)
+    assert one.metrics["loss/tokens"] == two["loss/tokens"] == 30
+    assert_close_rel(one.loss, two["loss"])
+    assert_close_rel(one.metrics["grad_norm"], two["grad_norm"])
+    assert one.metrics["loss/kl_ref"] == two["loss/kl_ref"] == 0.0  # π = π_ref at the first step
+    assert_adam_steps_agree(
+        tr.hf_state_dict(),
+        load_file(str(tmp_path / "weights.safetensors")),
+        hf_grads(tr),
+        lr=one.metrics["lr"],
+    )

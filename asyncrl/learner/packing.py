@@ -30,6 +30,8 @@ class Sequence:
     behavior_logp: np.ndarray  # float32 [n]
     versions: np.ndarray  # int64 [n], version that generated the label token
     advantage: float = 0.0
+    mixed_versions: bool = False  # its trained tokens come from more than one version
+    prox_logp: np.ndarray | None = None  # float32 [n], log π_prox when recomputed (Trainer)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -72,13 +74,29 @@ def make_sequence(
         if hi > lo:
             row[lo:hi] = arr[lo - start : hi - start]
         out[name] = row
+    trained = out["versions"][out["mask"] > 0]
     return Sequence(
         index=index,
         input_ids=ids[:-1],
         labels=ids[1:].copy(),
         advantage=float(advantage),
+        mixed_versions=bool(trained.size) and int(trained.min()) != int(trained.max()),
         **out,
     )
+
+
+def split_minibatches(
+    seqs: list[Sequence], n: int, *, seed: int | tuple[int, ...]
+) -> list[list[Sequence]]:
+    """``n`` mini-batches of about equal tokens, drawn at random (the same for the same ``seed``):
+    sequences in a random order, each to the lightest mini-batch so far."""
+    parts: list[list[Sequence]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in np.random.default_rng(seed).permutation(len(seqs)):
+        k = min(range(n), key=lambda j: (load[j], j))
+        parts[k].append(seqs[i])
+        load[k] += len(seqs[i])
+    return [sorted(p, key=lambda s: s.index) for p in parts]
 
 
 def split_over_ranks(seqs: list[Sequence], world: int) -> list[list[Sequence]]:
@@ -124,6 +142,8 @@ class MicroBatch:
     behavior_logp: torch.Tensor  # float [T]
     versions: torch.Tensor  # long [T]
     advantages: torch.Tensor  # float [T]
+    mixed_versions: torch.Tensor  # bool [T], the token's sample has tokens of several versions
+    prox_logp: torch.Tensor | None  # float [T] when every sequence carries a recomputed π_prox
     seq_ids: torch.Tensor  # long [T], 0.. within this micro-batch
     seq_index: list[int]  # batch index of each sequence in the row
     num_tokens: int  # L
@@ -156,6 +176,8 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
             behavior_logp=e.clone(),
             versions=e.long(),
             advantages=e.clone(),
+            mixed_versions=e.bool(),
+            prox_logp=e.clone(),
             seq_ids=e.long(),
             seq_index=[],
             num_tokens=1,
@@ -178,6 +200,12 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
         behavior_logp=t(cat([s.behavior_logp for s in seqs])[sel]),
         versions=t(cat([s.versions for s in seqs])[sel]),
         advantages=t(adv[sel]),
+        mixed_versions=t(np.array([s.mixed_versions for s in seqs])[seq_ids[sel]]),
+        prox_logp=(
+            t(cat([s.prox_logp for s in seqs])[sel])
+            if all(s.prox_logp is not None for s in seqs)
+            else None
+        ),
         seq_ids=t(seq_ids[sel].astype(np.int64)),
         seq_index=[s.index for s in seqs],
         num_tokens=int(sum(lengths)),

@@ -1,14 +1,19 @@
-"""The learner: TorchTitan's parts (not its Trainer) assembled into an off-policy RL step (DESIGN §4).
+"""The learner: TorchTitan's parts (not its Trainer) assembled into an off-policy RL step
+(docs/off-policy.md).
 
 Build: ``ParallelDims`` → model spec from the HF folder → meta build → ``parallelize_fn`` (FSDP2) →
 ``to_empty`` / ``init_weights`` → optimizer and LR-scheduler containers → ``CheckpointManager``, which
 loads the HF weights through the state-dict adapter (or resumes the run's latest DCP checkpoint).
 
-Step (all ranks, the same batch): sequences → advantages → this rank's share, packed into micro-batches
-→ (decoupled PPO) proximal logprobs = this forward's own, detached (one optimizer step per batch)
-→ (kl_coef > 0) logprobs of the frozen reference
-model (the initial weights) → loss normalised by GLOBAL counts → backward →
-``clip_grad_norm_`` → optimizer and scheduler step → version + 1 → publishers.
+Step (all ranks, the same batch): sequences → advantages → this rank's share → (several updates per
+batch) π_prox in one forward-only pass → for each epoch, for each mini-batch: micro-batches →
+logprobs at the sampling temperature → (kl_coef > 0) the frozen reference's → loss normalised by the
+mini-batch's GLOBAL counts → backward → ``clip_grad_norm_`` → optimizer and scheduler step; then
+version + 1 (one version per batch, whatever the updates) → publishers.
+
+Every collective runs on every rank with the same shapes, whatever the data: the micro-batch count is
+agreed (empty rows pad), the reference forward runs on empty rows too, and the statistics reduced
+at the end always have the same keys.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,7 @@ from asyncrl.learner.losses import (
     finalize_stats,
     needs_prox,
     policy_loss,
+    zero_stats,
 )
 from asyncrl.learner.model import build_spec
 from asyncrl.learner.packing import (
@@ -57,6 +63,7 @@ from asyncrl.learner.packing import (
     make_sequence,
     pack,
     split_micro_batches,
+    split_minibatches,
     split_over_ranks,
 )
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
@@ -150,6 +157,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else r.run_dir
         self.model_dir = r.resolve(r.model.path)
         self.alg = r.algorithm
+        self.temperature = 1.0 if self.alg.loss == "sft" else r.rollout.logprob_temperature
         if r.model.dtype == "float16":
             raise LearnerError("model.dtype: float16 training is not supported; use bfloat16")
         self.version = 0
@@ -196,9 +204,11 @@ class Trainer:
             ],
             implementation="foreach",
         ).build(model_parts=[self.model])
-        total = max(r.run.steps, 1)
+        # The schedule counts optimizer updates: `minibatches × epochs` per version.
+        per_version = lr.minibatches * lr.epochs
+        total = max(r.run.steps, 1) * per_version
         sched = LRSchedulersContainer.Config(
-            warmup_steps=lr.warmup_steps,
+            warmup_steps=lr.warmup_steps * per_version,
             total_steps=total if lr.lr_schedule != "constant" else 1 << 40,
             decay_ratio=None if lr.lr_schedule != "constant" else 0.0,
             decay_type="cosine" if lr.lr_schedule == "cosine" else "linear",
@@ -424,25 +434,29 @@ class Trainer:
             self._batch_info["learner/staleness_max"] = float(k.max())
         return seqs
 
-    def micro_batches(self, seqs: list[Sequence]) -> list[MicroBatch]:
-        """This rank's share, packed; every rank runs the same number of micro-batches (FSDP's
+    def micro_batches(self, mine: list[Sequence]) -> list[MicroBatch]:
+        """This rank's sequences, packed; every rank runs the same number of micro-batches (FSDP's
         collectives must pair up), padding with empty rows that carry no loss."""
-        mine = split_over_ranks(seqs, self.world)[self.rank]
         bins = split_micro_batches(mine, self.recipe.learner.micro_batch_tokens)
         n = torch.tensor([len(bins)], dtype=torch.int64)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         bins += [[] for _ in range(int(n) - len(bins))]
         return [pack(b).to(self.device) for b in bins]
 
-    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+    def _forward(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         mb = mb.to(self.device)
-        return self.model(mb.tokens, mb.positions, attention_masks(self.model, mb.positions))
+        model = self.model if model is None else model
+        return model(mb.tokens, mb.positions, attention_masks(self.model, mb.positions))
 
     def _logprobs(
         self, logits: torch.Tensor, mb: MicroBatch, *, entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log π of each trained token (and its entropy), flat over ``mb.sel``."""
+        """Log π of each trained token (and its entropy), flat over ``mb.sel``, at the sampling
+        temperature: generators report log_softmax(logits / T) (``logprob_temperature``), so π, π_ref
+        and the entropy are those of the same tempered distribution."""
         sel_logits = logits[:, mb.sel]
+        if self.temperature != 1.0:
+            sel_logits = sel_logits / self.temperature
         labels = mb.labels[:, mb.sel]
         if not entropy:
             return compute_logprobs(sel_logits, labels)[0], None
@@ -458,11 +472,37 @@ class Trainer:
         """Forward only: log π of each micro-batch's trained tokens with the current weights."""
         return [self._logprobs(self._forward(mb), mb, entropy=False)[0] for mb in mbs]
 
-    def step(self, batch: Batch) -> StepResult:
-        """One optimizer step on ``batch`` (collective; every rank passes the same batch)."""
-        t0 = time.perf_counter()
+    def _drift(self, mb: MicroBatch, prox_logp: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's drift sums (:func:`drift_sums`) against π_prox."""
+        cpu = (t.cpu() for t in (mb.behavior_logp, prox_logp, self.version - mb.versions, mb.mask))
+        return drift_sums(
+            *cpu, mb.mixed_versions.cpu(), max_staleness=self.recipe.buffer.max_staleness
+        )
+
+    @torch.no_grad()
+    def _recompute_prox(self, mine: list[Sequence]) -> torch.Tensor:
+        """π_prox before a batch's first update (AReaL's recompute): one forward-only pass over this
+        rank's sequences, stored on each :class:`Sequence`; returns the batch's drift sums."""
+        drift = torch.zeros(self.recipe.buffer.max_staleness + 2, 3, dtype=torch.float64)
+        by_index = {s.index: s for s in mine}
+        for mb in self.micro_batches(mine):
+            lp = self._logprobs(self._forward(mb), mb, entropy=False)[0].float().cpu()
+            drift += self._drift(mb, lp)
+            sel = mb.sel.cpu().numpy()
+            starts = np.cumsum([0] + [len(by_index[i]) for i in mb.seq_index])
+            for j, i in enumerate(mb.seq_index):
+                seq = by_index[i]
+                at = (sel >= starts[j]) & (sel < starts[j + 1])
+                seq.prox_logp = np.zeros(len(seq), np.float32)
+                seq.prox_logp[sel[at] - starts[j]] = lp.numpy()[at]
+        return drift
+
+    def _update(self, mine: list[Sequence], totals: _StepTotals, *, drift: bool) -> None:
+        """One optimizer update on this rank's share of a mini-batch (collective). The loss is
+        normalised by the mini-batch's GLOBAL counts; π_prox is the recomputed one when the
+        sequences carry it, else this forward's own (the step's starting weights, one update)."""
         alg = self.alg
-        mbs = self.micro_batches(self.sequences(batch))
+        mbs = self.micro_batches(mine)
         counts = sum((count_tokens_and_seqs(mb.mask, mb.seq_ids) for mb in mbs), torch.zeros(2))
         counts = counts.to(torch.float64)
         dist.all_reduce(counts)  # the GLOBAL normaliser: every rank and micro-batch
@@ -471,32 +511,21 @@ class Trainer:
             seqs=float(counts[1]),
             seq_len=float(self.recipe.rollout.max_new_tokens),
         )
-        # π_prox is this step's starting weights. The learner takes one optimizer step per batch,
-        # so those are the weights of the forward pass below: logp.detach() *is* the proximal
-        # recompute, exactly, without a second forward (AReaL needs one for several minibatch
-        # steps per batch).
-        use_prox = needs_prox(alg.loss)
-
         self.optimizers.zero_grad()
-        eta = self.recipe.buffer.max_staleness
-        stats: dict[str, torch.Tensor] = {}
-        drift = torch.zeros(eta + 1, 3, dtype=torch.float64)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        tokens = 0
         for i, mb in enumerate(mbs):
             self.model.set_requires_gradient_sync(i == len(mbs) - 1)
             logits = self._forward(mb)
             logp, ent = self._logprobs(logits, mb, entropy=True)
             ref_logp = None
-            if self.ref_model is not None and mb.sel.numel():
+            if self.ref_model is not None:  # on every rank and micro-batch: an FSDP collective
                 with torch.no_grad():
-                    ref_logits = self.ref_model(
-                        mb.tokens, mb.positions, attention_masks(self.model, mb.positions)
-                    )
-                    ref_logp = self._logprobs(ref_logits, mb, entropy=False)[0]
-            if mb.is_empty or mb.sel.numel() == 0:
+                    ref_logp = self._logprobs(self._forward(mb, self.ref_model), mb, entropy=False)[
+                        0
+                    ]
+            if mb.sel.numel() == 0:
                 loss = logits.sum() * 0.0  # keeps FSDP's backward collectives in step
             else:
+                prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
                 loss, st = policy_loss(
                     cfg=alg,
                     norm=norm,
@@ -505,63 +534,97 @@ class Trainer:
                     seq_ids=mb.seq_ids,
                     behavior_logp=mb.behavior_logp,
                     advantages=mb.advantages,
-                    prox_logp=logp.detach() if use_prox else None,
+                    prox_logp=prox if needs_prox(alg.loss) else None,
                     ref_logp=ref_logp,
                     entropy=ent,
                 )
                 for k, v in st.items():
-                    stats[k] = stats.get(k, 0) + v.cpu()
-                if alg.loss != "sft":
-                    staleness = self.version - mb.versions
-                    drift += drift_sums(
-                        *(t.cpu() for t in (mb.behavior_logp, logp.detach(), staleness, mb.mask)),
-                        max_staleness=eta,
-                    )
+                    totals.stats[k] += v.cpu()
+                if drift and alg.loss != "sft":
+                    totals.drift += self._drift(mb, prox)
             loss.backward()
-            loss_sum += loss.detach().to(torch.float64).cpu()
-            tokens += 0 if mb.is_empty else mb.num_tokens
+            totals.loss += loss.detach().to(torch.float64).cpu()
+            totals.tokens += 0 if mb.is_empty else mb.num_tokens
         clip = self.recipe.learner.grad_clip
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True
         )
-        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        totals.grad_norms.append(float(grad_norm))
+        totals.lrs.append(self.lr_schedulers.schedulers[0].get_last_lr()[0])
+        totals.micro_batches += len(mbs)
         self.optimizers.step()
         self.lr_schedulers.step()
+
+    def step(self, batch: Batch) -> StepResult:
+        """One batch, one new version (collective; every rank passes the same batch).
+
+        ``learner.epochs`` passes, each of ``learner.minibatches`` optimizer updates on a random
+        part of the batch. With more than one update, π_prox (and the drift) come from a forward-only
+        pass before the first; with one, from that update's own forward, which is the same thing.
+        """
+        t0 = time.perf_counter()
+        lc, eta = self.recipe.learner, self.recipe.buffer.max_staleness
+        seqs = self.sequences(batch)
+        mine = split_over_ranks(seqs, self.world)[self.rank]
+        totals = _StepTotals(drift=torch.zeros(eta + 2, 3, dtype=torch.float64))
+        several = lc.minibatches * lc.epochs > 1
+        if several and self.alg.loss != "sft":
+            totals.drift += self._recompute_prox(mine)
+        for epoch in range(lc.epochs):
+            seed = (self.recipe.run.seed, self.version, epoch)
+            parts = split_minibatches(mine, lc.minibatches, seed=seed)
+            for part in parts:
+                self._update(part, totals, drift=not several)
         self.version += 1
 
-        keys = sorted(stats)
+        # Every rank reduces the same keys and shapes, whatever its share held (zero_stats).
+        keys = sorted(totals.stats)
         local = torch.cat(
             [
-                loss_sum.reshape(1),
-                torch.tensor([float(tokens)], dtype=torch.float64),
-                torch.stack([stats[k] for k in keys])
-                if keys
-                else torch.zeros(0, dtype=torch.float64),
-                drift.reshape(-1),
+                totals.loss.reshape(1),
+                torch.tensor([float(totals.tokens)], dtype=torch.float64),
+                torch.stack([totals.stats[k] for k in keys]),
+                totals.drift.reshape(-1),
             ]
         )
         dist.all_reduce(local)
-        loss_total, tokens_total = float(local[0]), float(local[1])
+        updates = lc.minibatches * lc.epochs
+        loss_total, tokens_total = float(local[0]) / updates, float(local[1])
         summed = dict(zip(keys, local[2 : 2 + len(keys)].tolist(), strict=True))
         dt = time.perf_counter() - t0
         metrics = {
             "loss": loss_total,
-            "grad_norm": float(grad_norm),
-            "lr": float(lr),
+            "grad_norm": float(np.mean(totals.grad_norms)),
+            "lr": float(totals.lrs[0]),
             "learner/step_s": dt,
             "learner/tokens": tokens_total,
             "learner/trained_tokens_per_s": tokens_total / dt if dt > 0 else 0.0,
-            "learner/micro_batches": float(len(mbs)),
-            "learner/sequences": counts[1].item(),
+            "learner/micro_batches": float(totals.micro_batches),
+            "learner/updates": float(updates),
+            "learner/sequences": float(len(seqs)),
         }
+        if updates > 1:
+            metrics["grad_norm/max"] = float(max(totals.grad_norms))
         metrics |= self._batch_info
-        if summed:
-            metrics |= finalize_stats(summed)
-        if alg.loss != "sft":
-            metrics |= finalize_drift(local[2 + len(keys) :].reshape(eta + 1, 3))
+        metrics |= finalize_stats(summed)
+        if self.alg.loss != "sft":
+            metrics |= finalize_drift(local[2 + len(keys) :].reshape(eta + 2, 3))
         for k, v in batch.stats.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 metrics.setdefault(k if "/" in k else f"buffer/{k}", float(v))
         for fn in self.publishers:
             fn(self.version, self)
         return StepResult(version=self.version, loss=loss_total, metrics=metrics)
+
+
+@dataclass(kw_only=True)
+class _StepTotals:
+    """What one step's updates add up on this rank, reduced over ranks at the step's end."""
+
+    drift: torch.Tensor
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    tokens: int = 0
+    stats: dict[str, torch.Tensor] = field(default_factory=zero_stats)
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    micro_batches: int = 0
