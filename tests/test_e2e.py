@@ -415,3 +415,160 @@ def test_a_dying_child_stops_the_run_and_shows_its_error(tmp_path, demo_dir, plu
     assert time.monotonic() - t0 < 240  # did not wait for the learner's batch timeout
     assert json.loads((tmp_path / "demo/summary.json").read_text())["outcome"] == "failed"
     _no_children_left(tmp_path / "demo")
+
+
+# --------------------------------------------------------------------------------------------------
+# Every token's version is true (issue #17): checked from the engine's side, not from the stamps
+# --------------------------------------------------------------------------------------------------
+
+
+class _Weights:
+    """The weights of every version of a run: version 0 is ``model.path``, version k ``hf/v{k}``
+    (``learner.export_every: 1``). Models are loaded once each."""
+
+    def __init__(self, base: Path, run_dir: Path):
+        self.base, self.run_dir, self._models = base, run_dir, {}
+
+    def path(self, v: int) -> Path:
+        return self.base if v == 0 else self.run_dir / "hf" / f"v{v}"
+
+    def model(self, v: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if v not in self._models:
+            m = AutoModelForCausalLM.from_pretrained(self.path(v), dtype=torch.float32)
+            self._models[v] = m.eval()
+        return self._models[v]
+
+    def logprobs(self, v: int, prompt: list[int], completion: list[int], temperature: float):
+        """log softmax(logits / T) of each completion token under version ``v``'s weights: what an
+        engine holding them returns as the behaviour logprob (sglang.md §5.1), one full forward."""
+        import torch
+
+        ids = torch.tensor([list(prompt) + list(completion)])
+        with torch.no_grad():
+            logits = self.model(v)(ids).logits[0, len(prompt) - 1 : -1].double()
+        lp = torch.log_softmax(logits / temperature, -1)
+        return lp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.faults  # ~2-3 min on 2 cores: in `make test-faults`
+def test_after_a_worker_restart_every_trained_token_carries_its_engines_version(
+    tmp_path, demo_dir, plugin_path, monkeypatch
+):
+    """kill -9 the rollout worker mid-run; `asyncrl run` restarts it and its engine. Every trained
+    sample's behaviour logprobs are recomputed with the weights of the version its tokens are
+    stamped with (hf/v{k}, exported every step; model.path for 0): a token stamped with a version
+    its engine did not hold shows as a gross mismatch, one whose stamp is true as float32 noise.
+
+    Before the fix the restarted worker's engine loaded model.path (version 0) and answered
+    ``weight_version "default"`` until the broadcaster reached it, and the client stamped those
+    tokens with the learner's version: this test failed then (see the commit that added it)."""
+    from numerics import LOGPROB_ATOL
+
+    from asyncrl import recipe
+    from asyncrl.learner.source import decode_batch
+
+    steps, eta = 16, 2
+    rec = tmp_path / "batches"
+    rec.mkdir()
+    monkeypatch.setenv("ASYNCRL_TEST_RECORD_BATCHES", str(rec))
+    ov = _rl_overrides(
+        demo_dir,
+        tmp_path,
+        f"run.steps={steps}",
+        f"buffer.max_staleness={eta}",
+        "learner.export_every=1",
+    )
+    r = recipe.load(ROOT / "recipes/demo.yaml", ov)
+    run_dir = tmp_path / "demo"
+    pids_file = run_dir / "logs/pids.json"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "recipes/demo.yaml"), *ov]
+    p = subprocess.Popen(
+        [*cmd, "--no-progress"],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def pids() -> dict[str, int]:
+        try:
+            return json.loads(pids_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def trained() -> int:
+        return max((x["step"] for x in _steps(run_dir)), default=0)
+
+    try:
+        _wait_for(
+            lambda: p.poll() is not None or ("rollout0" in pids() and trained() >= 4), 600, "step 4"
+        )
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        killed_at = trained()
+        os.kill(pids()["rollout0"], signal.SIGKILL)
+        out, err = p.communicate(timeout=900)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, err[-3000:]
+    assert "rollout0 exited with code -9; restarting it" in err
+
+    weights = _Weights(Path(r.resolve(r.model.path)), run_dir)
+    temperature = r.rollout.temperature
+    batches = [decode_batch(f.read_bytes()) for f in sorted(rec.glob("batch-*.bin"))]
+    assert len(batches) == steps
+    checked = mixed = 0
+    worst = 0.0
+    wrong: list[str] = []  # samples whose stamp is not the version of the weights that sampled them
+    processes: dict[str, int] = {}
+    for batch in batches:
+        for g in batch.groups:
+            proc = g.id.rsplit("-", 1)[0]
+            processes[proc] = processes.get(proc, 0) + len(g.samples)
+            for s in g.samples:
+                vers = s.versions.tolist()
+                k = vers[0]
+                # the first span: tokens sampled before any in-flight update, from a KV cache the
+                # weights of version k computed alone (later spans' KV mixes two versions)
+                n = next((i for i, x in enumerate(vers) if x != k), len(vers))
+                mixed += n < len(vers)
+                got = s.behavior_logprobs[:n].astype("float64")
+                want = weights.logprobs(
+                    k, s.prompt_ids.tolist(), s.completion_ids[:n].tolist(), temperature
+                ).numpy()
+                err_k = float(abs(got - want).max()) if n else 0.0
+                checked += 1
+                worst = max(worst, err_k)
+                if err_k > LOGPROB_ATOL:
+                    # which version's weights did sample it? (the nearest one)
+                    near = min(
+                        range(0, batch.version + 1),
+                        key=lambda v: float(
+                            abs(
+                                got
+                                - weights.logprobs(
+                                    v,
+                                    s.prompt_ids.tolist(),
+                                    s.completion_ids[:n].tolist(),
+                                    temperature,
+                                ).numpy()
+                            ).max()
+                        ),
+                    )
+                    wrong.append(
+                        f"{s.id} trained at v{batch.version}: stamped v{k}, |Δ| {err_k:.1e}; "
+                        f"its logprobs match v{near}'s weights"
+                    )
+    print(
+        f"killed at step {killed_at}; {checked} samples checked ({mixed} spanning an update), "
+        f"worst |Δ| {worst:.1e}; samples per worker process {processes}; {len(wrong)} wrong stamps"
+    )
+    # the learner's own view: KL(μ ‖ π_prox) on staleness-0 tokens of one-version samples
+    kls = [x.get("drift/mismatch_kl") for x in _steps(run_dir)]
+    print("drift/mismatch_kl per step:", ", ".join(f"{kl:.1e}" if kl else "-" for kl in kls))
+    assert len(processes) >= 2  # the restarted worker's samples were trained too
+    assert not wrong, "\n".join(wrong[:20])
+    assert all(kl is None or kl < 1e-4 for kl in kls), kls
