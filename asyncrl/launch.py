@@ -378,13 +378,11 @@ def progress_info(tail: MetricsTail, eta: int, *, sft: bool = False) -> str:
 
 
 def find_export(run_dir: Path) -> Path | None:
-    """The learner's newest HF export, ``run_dir/hf/v{version}`` with the highest version."""
-    found = [
-        (int(p.name[1:]), p)
-        for p in (run_dir / "hf").glob("v*")
-        if p.name[1:].isdigit() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
-    ]
-    return max(found)[1] if found else None
+    """The learner's newest HF export under ``run_dir/hf`` (asyncrl.weights.exports.latest_export)."""
+    from asyncrl.weights.exports import latest_export
+
+    found = latest_export(run_dir / "hf")
+    return found[0] if found else None
 
 
 def link_latest_export(run_dir: Path) -> Path | None:

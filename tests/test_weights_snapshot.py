@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from asyncrl.weights import buckets
-from asyncrl.weights.broadcaster import VERSION_FILE, drop_tied, latest_export, make_snapshot
+from asyncrl.weights.broadcaster import drop_tied, make_snapshot
+from asyncrl.weights.exports import VERSION_FILE, latest_export
 
 
 def _named(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -79,6 +80,9 @@ def test_latest_export(tmp_path):
             (d / VERSION_FILE).write_text(json.dumps({"version": version}))
     path, v = latest_export(tmp_path)
     assert (path.name, v) == ("final", 20)
+    # a learner resumed at version 19 owns the exports up to 19 only
+    assert latest_export(tmp_path, at_most=19)[0].name == "step-12"
+    assert latest_export(tmp_path, at_most=2) is None
 
 
 def test_membership_follows_registrations():

@@ -19,10 +19,8 @@ in flight (the next publish waits for it). ``overlap: false`` sends synchronousl
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,15 +36,13 @@ from asyncrl.recipe import WeightsConfig
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.client import GeneratorError, GroupSpec, WeightsClient
+from asyncrl.weights.exports import latest_export
 from asyncrl.wire import GeneratorInfo
 
 log = logging.getLogger("asyncrl.weights")
 
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
 """(name, source): when both are sent and equal, only the source goes out, as SGLang's own test does."""
-
-VERSION_FILE = "asyncrl_version.json"
-"""Written next to an exported HF checkpoint: ``{"version": v}`` (else the folder name's last number)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -138,34 +134,6 @@ def make_snapshot(
             payloads.append(tensors)
     total = sum(b.nbytes for b in out_buckets)
     return Snapshot(version=version, buckets=out_buckets, payloads=payloads, nbytes=total)
-
-
-def latest_export(export_dir: str | Path | None) -> tuple[Path, int] | None:
-    """The newest HF checkpoint folder under ``export_dir`` (itself or a subfolder with config.json)."""
-    if export_dir is None:
-        return None
-    root = Path(export_dir)
-    if not root.is_dir():
-        return None
-    best: tuple[Path, int] | None = None
-    for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())]:
-        if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
-            continue
-        v = _export_version(d)
-        if v is not None and (best is None or v > best[1]):
-            best = (d, v)
-    return best
-
-
-def _export_version(d: Path) -> int | None:
-    f = d / VERSION_FILE
-    if f.is_file():
-        try:
-            return int(json.loads(f.read_text())["version"])
-        except (ValueError, KeyError, TypeError):
-            return None
-    m = re.search(r"(\d+)$", d.name)
-    return int(m.group(1)) if m else None
 
 
 def _background_priority() -> None:
@@ -550,7 +518,7 @@ class WeightBroadcaster:
                     self._drop(m.url, f"preflight: {bad[m.url]}", report)
             elif m.state == "dropped":
                 if ok[m.url] == "up":
-                    self._rejoin(m)
+                    self._rejoin(m, report.version)
             elif m.state == "member" and _parse_version(ok[m.url]) != m.version:
                 log.warning(
                     "weights: %s reports version %r, expected %s: it restarted; rejoining",
@@ -558,11 +526,16 @@ class WeightBroadcaster:
                     ok[m.url],
                     m.version,
                 )
-                self._rejoin(m)
+                self._rejoin(m, report.version)
 
-    def _rejoin(self, m: Member) -> None:
-        """A generator is back: load the newest exported checkpoint, then join at this version."""
-        exp = latest_export(self.export_dir)
+    def _rejoin(self, m: Member, version: int) -> None:
+        """A generator is back: load the newest exported checkpoint, then join at ``version``.
+
+        Only exports older than ``version`` are complete (the learner exports a version after it
+        hands it to :meth:`publish`) and the current run's (a learner resumed from a checkpoint
+        leaves the lost run's newer exports on disk until it overwrites them): the label it gets
+        is then the version it holds."""
+        exp = latest_export(self.export_dir, at_most=version - 1)
         if exp is not None:
             path, v = exp
             try:
