@@ -1,4 +1,5 @@
-"""The generator client's response parsing, on real recorded SGLang 0.5.23 responses."""
+"""The generator client: response parsing on real recorded SGLang 0.5.23 responses, and the pool
+(labels, the version bound, resubmission) against the real built-in engine."""
 
 from __future__ import annotations
 
@@ -6,17 +7,21 @@ import json
 from pathlib import Path
 
 import pytest
+from labels import get_label, set_label
 from numerics import assert_logits_close
 
 from asyncrl.rollout.client import (
+    GeneratorError,
     GeneratorResponseError,
     SamplingParams,
+    UnlabelledTokens,
     parse_generate_response,
     parse_version_label,
     spans_to_versions,
+    version_at_join,
 )
 
-RECORDED = Path("/work/shared/reference/sglang-recorded")
+RECORDED = Path(__file__).parent / "data" / "sglang-recorded"
 
 
 def _recorded(name: str) -> dict:
@@ -26,14 +31,24 @@ def _recorded(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+def _labelled(body: dict, label: str) -> dict:
+    """``body`` as a server labelled ``label`` would have sent it (only the version fields change)."""
+    body = json.loads(json.dumps(body))
+    meta = body["meta_info"]
+    meta["weight_version"] = label
+    meta["weight_versions"] = [{**s, "version": label} for s in meta["weight_versions"]]
+    return body
+
+
 def test_parse_recorded_sglang_response():
     body = _recorded("generate_logprob.json")
-    seg = parse_generate_response(body, default_version=3)
+    # the recorded server was never labelled: its tokens' version "default" is refused, not guessed
+    with pytest.raises(UnlabelledTokens, match=r"weight_versions\[0\].*'default'"):
+        parse_generate_response(body)
+    seg = parse_generate_response(_labelled(body, "0"))  # as after the worker's label at join
     assert seg.output_ids == body["output_ids"]
     assert seg.logprobs == [t[0] for t in body["meta_info"]["output_token_logprobs"]]
-    # the recorded server had never been updated: its label "default" means "the version the
-    # worker knew at request time"
-    assert seg.versions == [3] * len(seg.output_ids)
+    assert seg.versions == [0] * len(seg.output_ids) and seg.weight_version == 0
     assert seg.finish_reason == "length"
     assert seg.prompt_tokens == 5
 
@@ -44,26 +59,53 @@ def test_parse_last_recorded_stream_chunk_has_spans():
         for line in (RECORDED / "generate_stream.txt").read_text().splitlines()
         if line.startswith("data: {")
     ]
-    last = chunks[-1]
-    seg = parse_generate_response(last, default_version=0)
+    last = _labelled(chunks[-1], "4")
+    seg = parse_generate_response(last)
     assert len(seg.output_ids) == len(seg.logprobs) == len(seg.versions) > 0
+    assert seg.versions == [4] * len(seg.output_ids)
     assert seg.finish_reason in ("stop", "length")
 
 
 def test_spans_give_per_token_versions():
     spans = [{"version": "v2", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 6}]
-    assert spans_to_versions(spans, 6, default=9) == [2, 2, 2, 5, 5, 5]
-    # older SGLang: no spans -> the version at request time
-    assert spans_to_versions(None, 3, default=4) == [4, 4, 4]
+    assert spans_to_versions(spans, 6) == [2, 2, 2, 5, 5, 5]
+    assert spans_to_versions(None, 0) == spans_to_versions([], 0) == []  # no tokens, no versions
     with pytest.raises(GeneratorResponseError, match=r"weight_versions\[0\]"):
-        spans_to_versions([{"version": "1", "start": 0, "end": 9}], 6, default=0)
+        spans_to_versions([{"version": "1", "start": 0, "end": 9}], 6)
+
+
+@pytest.mark.parametrize(
+    "spans, match",
+    [
+        (None, "missing"),  # SGLang older than 0.5.19: no spans at all
+        ([{"version": "3", "start": 0, "end": 4}], "token 4 of 6 has no span"),
+        ([{"version": "3", "start": 2, "end": 6}], "token 0 of 6 has no span"),
+        (
+            [{"version": "default", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 6}],
+            r"weight_versions\[0\]: version 'default' of tokens \[0, 2\)",
+        ),
+        ([{"version": "latest", "start": 0, "end": 6}], "'latest'"),
+    ],
+)
+def test_tokens_without_a_numeric_version_are_refused(spans, match):
+    with pytest.raises(UnlabelledTokens, match=match):
+        spans_to_versions(spans, 6)
 
 
 def test_version_labels():
-    assert parse_version_label("7", 0) == 7
-    assert parse_version_label("v12", 0) == 12
-    assert parse_version_label("default", 4) == 4
-    assert parse_version_label(None, 4) == 4
+    assert parse_version_label("7") == 7
+    assert parse_version_label("v12") == 12
+    assert parse_version_label(3) == 3
+    for unknown in ("default", None, "", "v", "-1", "1.5", True, -2):
+        assert parse_version_label(unknown) is None
+
+
+def test_the_version_a_generator_holds_when_a_worker_joins_it():
+    assert version_at_join("7") == (7, False)  # labelled: e.g. it outlived a worker restart
+    assert version_at_join("v0") == (0, False)
+    assert version_at_join("default") == (0, True)  # launched from model.path: label it "0"
+    with pytest.raises(GeneratorError, match="'latest' is not a policy version.*--weight-version"):
+        version_at_join("latest")
 
 
 def test_abort_response_keeps_partial_output():
@@ -75,7 +117,7 @@ def test_abort_response_keeps_partial_output():
             "weight_versions": [{"version": "1", "start": 0, "end": 2}],
         },
     }
-    seg = parse_generate_response(body, default_version=0)
+    seg = parse_generate_response(body)
     assert (seg.finish_reason, seg.abort_message) == ("abort", "Aborted")
     assert seg.output_ids == [5, 6] and seg.logprobs == [-1.0, -2.0] and seg.versions == [1, 1]
 
@@ -93,7 +135,7 @@ def test_abort_response_keeps_partial_output():
 )
 def test_malformed_responses_name_the_field(meta, match):
     with pytest.raises(GeneratorResponseError, match=match):
-        parse_generate_response({"meta_info": meta}, default_version=0)
+        parse_generate_response({"meta_info": meta})
 
 
 def test_output_ids_must_agree_with_logprobs():
@@ -105,7 +147,7 @@ def test_output_ids_must_agree_with_logprobs():
         },
     }
     with pytest.raises(GeneratorResponseError, match="disagree"):
-        parse_generate_response(body, default_version=0)
+        parse_generate_response(body)
 
 
 def test_sampling_params_send_only_sglang_keys():
@@ -130,7 +172,10 @@ def _recorded_allowed_keys() -> list[str]:
 
 @pytest.fixture
 def engine(rollout_engine):
-    return rollout_engine
+    """The shared engine, labelled "0" (its weights are its model's) before and after each test."""
+    set_label(rollout_engine.url, "0")
+    yield rollout_engine
+    set_label(rollout_engine.url, "0")
 
 
 def test_abort_and_resume_equals_one_uninterrupted_stream(engine):
@@ -169,7 +214,8 @@ def test_abort_and_resume_equals_one_uninterrupted_stream(engine):
         return out["c"]
 
     async def go():
-        async with GeneratorPool([engine.url], version=2) as pool, httpx.AsyncClient() as http:
+        async with GeneratorPool([engine.url]) as pool, httpx.AsyncClient() as http:
+            await pool.label()
             ref = await pool.generate(prompt, params)
             for _ in range(5):
                 got = await interrupted(pool, http)
@@ -182,7 +228,7 @@ def test_abort_and_resume_equals_one_uninterrupted_stream(engine):
     assert got.finish_reason == ref.finish_reason
     assert got.output_ids == ref.output_ids
     assert_logits_close(got.logprobs, ref.logprobs)
-    assert got.versions == ref.versions == [2] * len(ref.output_ids)
+    assert got.versions == ref.versions == [0] * len(ref.output_ids)
 
 
 def test_unreachable_generator_is_marked_down_and_requests_move(engine):
@@ -198,6 +244,8 @@ def test_unreachable_generator_is_marked_down_and_requests_move(engine):
 
     async def go():
         async with GeneratorPool([dead, engine.url], retry_s=30.0) as pool:
+            for g in pool.generators.values():  # the dead one cannot be asked for its label
+                g.version = 0
             results = []
 
             async def one(i):
@@ -222,6 +270,8 @@ def test_requests_spread_by_load():
 
     async def go():
         async with GeneratorPool(["http://a", "http://b", "http://c"]) as pool:
+            for g in pool.generators.values():  # as after label(): all within the bound
+                g.version = 0
             picks = []
             for _ in range(6):
                 g = pool._pick(None)
@@ -246,6 +296,7 @@ def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
 
     async def go():
         async with GeneratorPool([engine.url]) as pool:
+            await pool.label()
             alone = [await pool.generate(p, params) for p in prompts]
             g = pool.generators[engine.url]
             before = g.requests
@@ -276,3 +327,142 @@ def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
     assert set(errors) == {12} and "HTTP 400" in errors[12]
     assert got[10].output_ids == alone[0].output_ids and got[11].output_ids == alone[1].output_ids
     assert with_bad == 1 + 3  # the refused batch, then each request on its own
+
+
+# --------------------------------------------------------------------------------------------------
+# Versions: the label at join, the bound, refused tokens (the real built-in engine)
+# --------------------------------------------------------------------------------------------------
+
+
+def _running(engine, rid_prefix: str) -> list:
+    sched = engine.engine.scheduler
+    return [r for r in list(sched.running) + list(sched.waiting) if r.rid.startswith(rid_prefix)]
+
+
+def test_label_at_join_names_the_base_weights_without_aborting(engine):
+    """A generator launched without --weight-version says "default": label() names its weights
+    version 0 (model.path's) before it generates, and a request it is running goes on."""
+    import httpx
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    set_label(engine.url, "default")  # as launched: the fixture labelled it "0"
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "rid": "running-at-label",
+    }
+
+    async def go():
+        async with GeneratorPool([engine.url]) as pool, httpx.AsyncClient(timeout=120) as http:
+            out = {}
+
+            async def long_request():
+                out["r"] = (await http.post(engine.url + "/generate", json=body)).json()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(long_request)
+                with trio.fail_after(60):
+                    while not _running(engine, "running-at-label") and "r" not in out:
+                        await trio.sleep(0.001)
+                await pool.label()
+            c = await pool.generate([8, 9], SamplingParams(max_new_tokens=6))
+            return out["r"], pool.generators[engine.url].version, c
+
+    r, held, c = trio.run(go)
+    assert get_label(engine.url) == "0" and held == 0
+    assert r["meta_info"]["finish_reason"]["type"] == "length"  # not aborted by the label
+    assert c.versions == [0] * len(c.output_ids)
+
+
+def test_a_label_that_names_no_version_is_refused_at_join(engine):
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    set_label(engine.url, "latest")
+
+    async def go():
+        async with GeneratorPool([engine.url]) as pool:
+            await pool.label()
+
+    with pytest.raises(GeneratorError, match=f"{engine.url}: weight_version 'latest'"):
+        trio.run(go)
+
+
+def test_requests_wait_for_a_generator_within_the_version_bound(engine, caplog):
+    """The learner is at 5 and eta is 2: a generator holding version 0 serves nothing; requests
+    wait (polling /model_info) until the broadcaster's label says it holds 3 or newer."""
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def go():
+        async with GeneratorPool([engine.url], version_poll_s=0.05) as pool:
+            await pool.label()
+            g = pool.generators[engine.url]
+            pool.min_version = 3
+            out, reads = {}, set()
+
+            async def one():
+                out["c"] = await pool.generate([5, 6, 7], params, rid="behind")
+
+            async with trio.open_nursery() as n:
+                n.start_soon(one)
+                with trio.fail_after(60):  # it asked the generator for its version, twice
+                    while len(reads) < 3:
+                        reads.add(g.version_read_at)
+                        await trio.sleep(0.01)
+                assert "c" not in out and not _running(engine, "behind")
+                assert pool.stats()["generators_within_bound"] == 0
+                await trio.to_thread.run_sync(set_label, engine.url, "3")  # the broadcaster
+            # nothing within the bound before the timeout: an error that says why
+            pool.timeout_s, pool.min_version = 0.5, 9
+            with pytest.raises(GeneratorError, match=r"version bound.*holds v3; .*v9 or newer"):
+                await pool.generate([5, 6, 7], params)
+            return out["c"], g.version
+
+    with caplog.at_level("INFO", logger="asyncrl.rollout.client"):
+        c, held = trio.run(go)
+    assert held == 3 and c.versions == [3] * len(c.output_ids)
+    assert f"waiting for the learner's weights: {engine.url} holds v0" in caplog.text
+
+
+def test_tokens_without_a_version_are_refused_and_the_request_resubmitted(engine):
+    """The generator lost its label behind the pool's back (as a restarted server would): its
+    response's tokens are refused and counted, it serves nothing until it states a version again,
+    and the request, resubmitted, equals one clean completion."""
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+    async def go():
+        async with GeneratorPool([engine.url], version_poll_s=0.05) as pool:
+            await pool.label()
+            ref = await pool.generate([5, 6, 7], params)
+            g = pool.generators[engine.url]
+            await trio.to_thread.run_sync(set_label, engine.url, "default")
+            out = {}
+
+            async def one():
+                out["c"] = await pool.generate([5, 6, 7], params)
+
+            async with trio.open_nursery() as n:
+                n.start_soon(one)
+                with trio.fail_after(60):
+                    while g.unlabelled == 0:
+                        await trio.sleep(0.01)
+                assert g.version is None and "c" not in out
+                await trio.to_thread.run_sync(set_label, engine.url, "4")  # the broadcaster
+            return ref, out["c"], pool.stats()
+
+    ref, c, stats = trio.run(go)
+    assert stats["responses_unlabelled"] == 1
+    assert c.output_ids == ref.output_ids and c.versions == [4] * len(c.output_ids)
+    assert_logits_close(c.logprobs, ref.logprobs)

@@ -37,20 +37,25 @@ def _recipe(tmp_path, model, **rollout):
     return path
 
 
+async def _deliver(svc, recipe: Path, *args: str, version: int = 0, timeout_s: float = 120):
+    """Run `asyncrl rollout` (worker0) against ``svc`` (at ``version``) until it exits; (the
+    process, the next batch the learner would get)."""
+    if version:
+        await trio.to_thread.run_sync(svc.set_version, version)
+    argv = [sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe), *args]
+    argv += ["--buffer", svc.address, "--pub", svc.pub_address, "--worker-id", "worker0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    with trio.fail_after(timeout_s):
+        proc = await trio.run_process(argv, capture_stderr=True, check=False, env=env)
+    return proc, await take_batch(svc)
+
+
 def test_rollout_process_delivers_groups_with_its_own_engine(tmp_path, tiny_qwen3):
     recipe = _recipe(tmp_path, tiny_qwen3)
-
-    async def go(svc):
-        argv = [sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe)]
-        argv += ["--buffer", svc.address, "--pub", svc.pub_address, "--worker-id", "worker0"]
-        argv += ["--max-groups", "3", "rollout.temperature=0.5"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-        with trio.fail_after(120):
-            proc = await trio.run_process(argv, capture_stderr=True, check=False, env=env)
-        return proc, await take_batch(svc)
-
     with serve_buffer(groups_per_batch=3, max_staleness=0) as svc:
-        proc, stored = trio.run(go, svc)
+        proc, stored = trio.run(
+            _deliver, svc, recipe, "--max-groups", "3", "rollout.temperature=0.5"
+        )
     err = proc.stderr.decode()
     assert proc.returncode == 0, err[-3000:]
     assert len(stored) == 3
@@ -107,3 +112,55 @@ def test_worker_exits_when_its_engine_dies(tmp_path, tiny_qwen3):
         proc = trio.run(go, svc)
     assert proc.returncode == 1
     assert "asyncrl rollout: built-in engine http://127.0.0.1:" in (tmp_path / "err").read_text()
+
+
+def _export(src: Path, dest: Path, seed: int) -> Path:
+    """An HF export of other weights than ``src``'s (every tensor moved by seeded noise)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    g = torch.Generator().manual_seed(seed)
+    for f in dest.glob("*.safetensors"):
+        w = load_file(str(f))
+        save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in w.items()}, str(f))
+    return dest
+
+
+def test_a_worker_joining_a_run_starts_its_engine_from_the_learners_newest_export(
+    tmp_path, tiny_qwen3
+):
+    """The run folder holds exports v3 and v5 and the learner has announced 4 (v5 is a lost run's,
+    left by a learner resumed from an older checkpoint): the worker's engine starts from v3, says
+    so, and the delivered tokens are v3's, as its weights' logprobs show (not only the label)."""
+    import torch
+    from numerics import LOGPROB_ATOL
+    from transformers import AutoModelForCausalLM
+
+    recipe = _recipe(tmp_path, tiny_qwen3, temperature=1.0)
+    hf = tmp_path / "runs/t/hf"
+    v3 = _export(tiny_qwen3, hf / "v3", seed=3)
+    _export(tiny_qwen3, hf / "v5", seed=5)
+
+    args = ("buffer.max_staleness=1", "--max-groups", "2")
+    with serve_buffer(groups_per_batch=2, max_staleness=1) as svc:
+        proc, stored = trio.run(
+            functools.partial(_deliver, svc, recipe, *args, version=4, timeout_s=180)
+        )
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert f"starting the engines from {v3} (version 3)" in err
+    model = AutoModelForCausalLM.from_pretrained(v3, dtype=torch.float32).eval()
+    for g in stored:
+        for s in g.samples:
+            assert (s.versions == 3).all()
+            ids = torch.tensor([s.prompt_ids.tolist() + s.completion_ids.tolist()])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(s.prompt_ids) - 1 : -1].double()
+            lp = torch.log_softmax(logits, -1)[
+                torch.arange(len(s.completion_ids)), s.completion_ids.tolist()
+            ]
+            err_v3 = float((lp - torch.tensor(s.behavior_logprobs.tolist())).abs().max())
+            assert err_v3 <= LOGPROB_ATOL, err_v3

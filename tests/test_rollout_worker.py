@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import rollout_plugins
 import trio
+from labels import get_label, set_label
 
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient
@@ -25,7 +26,18 @@ WAIT_S = 60.0  # generous bound for "should happen": the machine is loaded
 
 @pytest.fixture
 def engine(rollout_engine):
-    return rollout_engine
+    """The shared engine as launched (it says "default"; the worker labels it "0" when it joins)."""
+    set_label(rollout_engine.url, "default")
+    yield rollout_engine
+    set_label(rollout_engine.url, "default")
+
+
+async def new_version(svc, engine, v: int) -> None:
+    """What the learner does for version ``v``: its broadcaster updates the generators, whose label
+    says ``v`` (the weights stay the same here: these tests are about admission, not learning),
+    then the buffer announces ``v``."""
+    await trio.to_thread.run_sync(set_label, engine.url, str(v))
+    await trio.to_thread.run_sync(svc.set_version, v)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +143,7 @@ def test_never_more_groups_in_flight_than_granted(engine, tokenizer):
                 await wait_for(lambda: w.stats.counters["grants_zero"] >= 2, "admission wait")
                 assert w.stats.counters["groups_started"] == 2
                 # the next version (announced on Pub/Sub) admits 2 more
-                await trio.to_thread.run_sync(svc.set_version, 1)
+                await new_version(svc, engine, 1)
                 second = await take_batch(svc)
                 await wait_for(lambda: w.stats.counters["groups_delivered"] == 4, "4 acked")
                 w.stop()
@@ -243,7 +255,7 @@ def test_groups_that_became_stale_are_cancelled_and_released(engine, tokenizer):
                 await wait_for(lambda: len(old_requests()) >= 3, "episodes on the engine")
                 reqs = old_requests()
                 assert w.stats.counters["groups_started"] == 2
-                await trio.to_thread.run_sync(svc.set_version, 1)
+                await new_version(svc, engine, 1)
                 await wait_for(lambda: w.stats.counters["groups_cancelled_stale"] == 2, "cancelled")
                 # their requests are aborted on the engine, not left to run to the end
                 await wait_for(lambda: all(r.finish for r in reqs), "old requests ended")
@@ -346,3 +358,34 @@ def test_worker_registers_again_after_a_learner_restart(engine, tokenizer, tmp_p
     assert registered[0] == (1, "w0") and (2, "w0") in registered
     assert ws.counters["registrations"] >= 2
     assert ws.max_in_flight_over_granted <= 0
+
+
+def test_no_lease_is_taken_until_a_generator_holds_weights_within_the_bound(engine, tokenizer):
+    """A worker joins a learner at version 5 (eta 1) with an engine holding the base weights: it
+    labels the engine "0" and registers it, but asks for no lease while the engine is behind the
+    bound; once the broadcaster's update says 5, it generates, and every token says 5."""
+
+    async def go(svc):
+        await trio.to_thread.run_sync(svc.set_version, 5)
+        async with make_worker(
+            engine, tokenizer, svc.address, svc.pub_address, max_staleness=1
+        ) as w:
+            async with trio.open_nursery() as n:
+                n.start_soon(w.run)
+                await wait_for(lambda: w.stats.counters["registrations"] == 1, "registered")
+                assert get_label(engine.url) == "0"  # labelled at join, before registering
+                await wait_for(lambda: w.pool.min_version == 4, "the learner's version heard")
+                t0 = w.stats.weights_wait_s
+                await wait_for(lambda: w.stats.weights_wait_s > t0 + 0.5, "a visible wait")
+                assert w.stats.counters["acquires"] == 0 and svc.stats()["started"] == 0
+                assert w.snapshot()["rollout/weights_wait_s"] > 0.5
+                await trio.to_thread.run_sync(set_label, engine.url, "5")  # the broadcaster
+                groups = await take_batch(svc)
+                w.stop()
+            return groups
+
+    with serve_buffer(groups_per_batch=2, max_staleness=1) as svc:
+        groups = trio.run(go, svc)
+    for g in groups:
+        check_group(g, 3)
+        assert all((s.versions == 5).all() for s in g.samples)

@@ -36,6 +36,7 @@ def teacher_forced_logprobs(model, prompt_ids, completion_ids, temperature=1.0):
 def run_episode(engine, tok, workflow, prompt, params, *, tools=None, max_turns=1):
     async def go():
         async with GeneratorPool([engine.url]) as pool:
+            await pool.label()  # "default" (as launched) is version 0; later tests may leave "0"
             ids = tok.encode(prompt)
             ctx = EpisodeContext(
                 prompt_ids=ids,

@@ -3,8 +3,14 @@
 One :class:`GeneratorPool` drives any number of SGLang servers or built-in engines (same HTTP API):
 
 - it parses ``output_token_logprobs`` triples into token ids and behaviour logprobs, and
-  ``meta_info.weight_versions`` spans into one policy version per token (servers older than 0.5.19
-  send no spans: every token then gets the version the worker knew when it sent the request);
+  ``meta_info.weight_versions`` spans into one policy version per token. A token's version is the
+  one its generator stated, never a guess: a response with a token no numeric span covers (a server
+  that was never labelled says ``"default"``; SGLang older than 0.5.19 sends no spans) is refused
+  and the request resubmitted to a generator that states its version (counted: ``unlabelled``);
+- every generator is labelled with the version it holds before it generates (:meth:`GeneratorPool.
+  label`: a server launched from the base model without ``--weight-version`` is labelled ``"0"``),
+  and a request goes only to a generator whose version is at least ``min_version`` (the worker sets
+  it to the learner's version minus η); while none is, requests wait and ``/model_info`` is polled;
 - an ``abort`` finish (a weight update paused the server in ``abort`` mode) is not the end: the
   request is re-sent as prompt + partial output with the remaining token budget, keeping the tokens,
   logprobs and versions already received (AReaL's interruptible generation, sglang.md §3.3 and §6.6);
@@ -134,34 +140,66 @@ class Segment:
     abort_message: str = ""
     prompt_tokens: int = 0
     num_retractions: int = 0
+    weight_version: int | None = None  # what the generator held when it answered (None: unlabelled)
 
 
 _LABEL = re.compile(r"^v?(\d+)$")
 
+BASE_LABEL = "default"
+"""SGLang's ``weight_version`` for the weights a server was launched with, when its launch did not
+say (``--weight-version``'s default). asyncrl launches generators from ``model.path``, version 0."""
 
-def parse_version_label(label: Any, default: int) -> int:
-    """SGLang's ``weight_version`` is a free string. asyncrl's broadcaster sends the policy version
-    as ``"7"`` (``"v7"`` is also read as 7); any other label (``"default"``: no update received yet)
-    means the version the worker knew when it sent the request."""
+
+class UnlabelledTokens(GeneratorResponseError):
+    """Tokens whose version the generator did not state as a number: refused, never guessed."""
+
+
+def parse_version_label(label: Any) -> int | None:
+    """The policy version in SGLang's free-string ``weight_version``: asyncrl labels generators
+    ``"7"`` (``"v7"`` is read as 7 too). Anything else (``"default"``: a server never labelled)
+    is None: the version is not known."""
     if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
         return label
     if isinstance(label, str):
         m = _LABEL.match(label.strip())
         if m:
             return int(m.group(1))
-    return default
+    return None
 
 
-def spans_to_versions(spans: Any, n: int, default: int) -> list[int]:
+def version_at_join(label: Any) -> tuple[int, bool]:
+    """What a generator holds when a worker joins it: (version, must it be labelled with it first).
+
+    A numeric label is kept (e.g. an SGLang server that outlived a worker's restart holds what the
+    broadcaster sent it). ``"default"`` means the weights it was launched with, which must be
+    ``model.path``'s (version 0): it is labelled ``"0"`` before anyone generates on it. Any other
+    label names weights asyncrl cannot place: refused."""
+    v = parse_version_label(label)
+    if v is not None:
+        return v, False
+    if label == BASE_LABEL:
+        return 0, True
+    raise GeneratorError(
+        f"weight_version {label!r} is not a policy version: launch the server with "
+        f"--weight-version N, N being the version of its weights (0 for model.path)"
+    )
+
+
+def spans_to_versions(spans: Any, n: int) -> list[int]:
     """``[{"version","start","end"}, ...]`` over output-token indices → one version per token.
 
-    Tokens that no span covers (servers older than 0.5.19 send no spans) get ``default``.
+    Raises :class:`UnlabelledTokens` when a token has no span with a numeric version (no spans at
+    all: SGLang older than 0.5.19) and :class:`GeneratorResponseError` when a span is malformed.
     """
-    versions = [default] * n
+    if n == 0:
+        return []
     if spans is None:
-        return versions
+        raise UnlabelledTokens(
+            "meta_info.weight_versions: missing (SGLang older than 0.5.19 sends no version spans)"
+        )
     if not isinstance(spans, list):
         raise GeneratorResponseError("meta_info.weight_versions: expected a list of spans")
+    versions: list[int | None] = [None] * n
     for i, s in enumerate(spans):
         if not isinstance(s, dict) or not {"version", "start", "end"} <= s.keys():
             raise GeneratorResponseError(
@@ -172,9 +210,17 @@ def spans_to_versions(spans: Any, n: int, default: int) -> list[int]:
             raise GeneratorResponseError(
                 f"meta_info.weight_versions[{i}]: span [{start}, {end}) is outside [0, {n})"
             )
-        v = parse_version_label(s["version"], default)
+        v = parse_version_label(s["version"])
+        if v is None and start < end:
+            raise UnlabelledTokens(
+                f"meta_info.weight_versions[{i}]: version {s['version']!r} of tokens "
+                f"[{start}, {end}) is not a number (a generator that was never labelled)"
+            )
         versions[start:end] = [v] * (end - start)
-    return versions
+    if None in versions:
+        first = versions.index(None)
+        raise UnlabelledTokens(f"meta_info.weight_versions: token {first} of {n} has no span")
+    return versions  # type: ignore[return-value]  (no None left)
 
 
 def parse_finish_reason(fr: Any) -> tuple[str, int | str | None, str]:
@@ -202,7 +248,7 @@ def _raise_bad_triple(triples: list) -> None:
     raise GeneratorResponseError("meta_info.output_token_logprobs: malformed")  # pragma: no cover
 
 
-def parse_generate_response(body: Any, *, default_version: int) -> Segment:
+def parse_generate_response(body: Any) -> Segment:
     """Parse one non-streaming ``/generate`` response (sglang.md §5.2).
 
     Tokens and logprobs come from ``meta_info.output_token_logprobs`` (positional triples
@@ -240,12 +286,13 @@ def parse_generate_response(body: Any, *, default_version: int) -> Segment:
     return Segment(
         output_ids=ids,
         logprobs=lps,
-        versions=spans_to_versions(meta.get("weight_versions"), len(ids), default_version),
+        versions=spans_to_versions(meta.get("weight_versions"), len(ids)),
         finish_reason=kind,
         matched_stop=matched,
         abort_message=message,
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         num_retractions=int(meta.get("num_retractions") or 0),
+        weight_version=parse_version_label(meta.get("weight_version")),
     )
 
 
@@ -273,13 +320,16 @@ class GeneratorState:
     """Book-keeping for one generator: load, health, and busy time (for its idle fraction)."""
 
     url: str
+    version: int | None = None  # the weights' version it last stated (None: not known yet)
     in_flight: int = 0
     down_until: float = 0.0  # trio clock; 0 = up
     failures: int = 0  # consecutive transport failures
     last_error: str = ""
     requests: int = 0
     tokens: int = 0
+    unlabelled: int = 0  # responses refused: tokens without a numeric version
     busy_s: float = 0.0
+    version_read_at: float = -math.inf  # trio clock of the last /model_info read
     _busy_since: float | None = None
 
     def enter(self, now: float) -> None:
@@ -301,8 +351,9 @@ class GeneratorState:
 class GeneratorPool:
     """Sends ``/generate`` requests to a set of SGLang-compatible generators.
 
-    ``version`` is the policy version the worker last heard of; it stamps tokens a server does not
-    label (servers older than 0.5.19). Use as ``async with GeneratorPool(urls) as pool``.
+    ``min_version``: the oldest weights a request may be served by (the worker keeps it at the
+    learner's version minus η: older tokens could never be trained). Call :meth:`label` once before
+    generating. Use as ``async with GeneratorPool(urls) as pool``.
     """
 
     def __init__(
@@ -314,7 +365,7 @@ class GeneratorPool:
         retry_s: float = 0.5,
         max_retry_s: float = 15.0,
         max_resumes: int = 1000,
-        version: int = 0,
+        version_poll_s: float = 0.1,
     ):
         if not urls:
             raise ValueError("GeneratorPool needs at least one generator URL")
@@ -323,7 +374,9 @@ class GeneratorPool:
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
         self.max_resumes = max_resumes
-        self.version = version
+        self.version_poll_s = version_poll_s
+        self.min_version = 0
+        self._behind_logged: tuple | None = None  # the last "waiting for weights" state logged
         self._rr = itertools.count()
         self._t0 = trio.current_time()  # made inside trio.run
         # httpcore's pool rescans every (request, connection) pair on each event, O(R x C): with
@@ -348,14 +401,19 @@ class GeneratorPool:
 
     # -- choosing a generator --------------------------------------------------------------------
 
+    def eligible(self, g: GeneratorState, now: float | None = None) -> bool:
+        """Up, and holding weights it has stated and that are within the bound."""
+        now = trio.current_time() if now is None else now
+        return g.down_until <= now and g.version is not None and g.version >= self.min_version
+
     def _pick(self, prefer: str | None) -> GeneratorState | None:
         now = trio.current_time()
-        up = [g for g in self.generators.values() if g.down_until <= now]
+        up = [g for g in self.generators.values() if self.eligible(g, now)]
         if not up:
             return None
         if prefer is not None:
             g = self.generators.get(prefer)
-            if g is not None and g.down_until <= now:
+            if g is not None and self.eligible(g, now):
                 return g
         low = min(g.in_flight for g in up)
         ties = [g for g in up if g.in_flight == low]
@@ -366,6 +424,7 @@ class GeneratorPool:
         g.last_error = why
         backoff = min(self.retry_s * 2 ** (g.failures - 1), self.max_retry_s)
         g.down_until = trio.current_time() + backoff
+        g.version = None  # it may come back restarted, holding other weights: ask it then
         log.warning("generator %s is down (%s); retrying it in %.1fs", g.url, why, backoff)
 
     def _mark_up(self, g: GeneratorState) -> None:
@@ -385,11 +444,105 @@ class GeneratorPool:
         out: dict[str, float] = {
             "generator_idle_fraction": sum(idle) / len(idle),
             "generators_up": float(sum(g.down_until <= now for g in gens)),
+            "generators_within_bound": float(sum(self.eligible(g, now) for g in gens)),
+            "generator_min_version": float(self.min_version),
+            "responses_unlabelled": float(sum(g.unlabelled for g in gens)),
         }
         for i, g in enumerate(gens):
             out[f"generator_idle_fraction/{i}"] = idle[i]
             out[f"generator_in_flight/{i}"] = float(g.in_flight)
+            if g.version is not None:
+                out[f"generator_version/{i}"] = float(g.version)
         return out
+
+    # -- versions --------------------------------------------------------------------------------
+
+    async def _model_info_version(self, g: GeneratorState) -> Any:
+        """``weight_version`` from the generator's ``/model_info`` (raises on a bad answer)."""
+        g.version_read_at = trio.current_time()  # claimed: concurrent waiters do not ask again
+        r = await self._http.get(g.url + "/model_info", timeout=5.0)
+        if r.status_code != 200:
+            raise GeneratorError(f"{g.url}/model_info: HTTP {r.status_code}: {r.text[:200]}")
+        try:
+            body = r.json()
+        except ValueError:
+            raise GeneratorResponseError(f"{g.url}/model_info: response is not JSON") from None
+        if not isinstance(body, dict) or "weight_version" not in body:
+            raise GeneratorResponseError(f"{g.url}/model_info: no weight_version")
+        return body["weight_version"]
+
+    async def label(self) -> None:
+        """Before generating (and before the worker registers them with the learner, so that no
+        broadcast races the label): read every generator's version; one that says ``"default"``
+        was launched from the base model and is labelled ``"0"`` without aborting anything
+        (:func:`version_at_join`). Raises :class:`GeneratorError` naming the generator."""
+        for g in self.generators.values():
+            try:
+                label = await self._model_info_version(g)
+                v, relabel = version_at_join(label)
+                if relabel:
+                    body = {"new_version": str(v), "abort_all_requests": False}
+                    r = await self._http.post(
+                        g.url + "/update_weight_version", json=body, timeout=10.0
+                    )
+                    reply = r.json() if r.status_code == 200 else None
+                    if not (isinstance(reply, dict) and reply.get("new_version") == str(v)):
+                        raise GeneratorError(
+                            f"/update_weight_version: HTTP {r.status_code}: {r.text[:200]}"
+                        )
+                    log.info("generator %s: weight_version %r labelled %r", g.url, label, str(v))
+            except (httpx.HTTPError, ValueError, GeneratorError) as e:
+                raise GeneratorError(f"generator {g.url}: {e}") from None
+            g.version = v
+            log.info("generator %s holds version %d", g.url, v)
+
+    async def refresh_versions(self) -> None:
+        """Read ``/model_info`` of the generators that are up but not within the bound (each at
+        most every ``version_poll_s``): the broadcaster updates them behind our back."""
+        now = trio.current_time()
+        for g in self.generators.values():
+            if g.down_until > now or self.eligible(g, now):
+                continue
+            if now - g.version_read_at < self.version_poll_s:
+                continue
+            try:
+                g.version = parse_version_label(await self._model_info_version(g))
+            except (httpx.HTTPError, GeneratorError) as e:
+                log.info("generator %s: /model_info: %s", g.url, e)
+
+    def any_eligible(self) -> bool:
+        now = trio.current_time()
+        return any(self.eligible(g, now) for g in self.generators.values())
+
+    def behind(self) -> str:
+        """Why no generator may serve now, for a log line (empty if one may)."""
+        now = trio.current_time()
+        if any(self.eligible(g, now) for g in self.generators.values()):
+            return ""
+        parts = []
+        for g in self.generators.values():
+            if g.down_until > now:
+                parts.append(f"{g.url} down")
+            else:
+                held = "an unstated version" if g.version is None else f"v{g.version}"
+                parts.append(f"{g.url} holds {held}")
+        return f"{'; '.join(parts)}; requests need weights of v{self.min_version} or newer"
+
+    def log_behind(self) -> None:
+        state = (self.min_version, tuple(g.version for g in self.generators.values()))
+        if state != self._behind_logged:
+            self._behind_logged = state
+            log.info("waiting for the learner's weights: %s", self.behind())
+
+    def _saw(self, g: GeneratorState, seg: Segment) -> None:
+        """A parsed response: the version its generator holds now, its tokens."""
+        g.version = seg.weight_version
+        g.tokens += len(seg.output_ids)
+
+    def _refused(self, g: GeneratorState, e: UnlabelledTokens) -> None:
+        g.unlabelled += 1
+        g.version = None  # not used again until /model_info states a version
+        log.warning("generator %s: response refused (%s); resubmitting elsewhere", g.url, e)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -411,19 +564,33 @@ class GeneratorPool:
 
     async def _request(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
-    ) -> tuple[Any, GeneratorState, int]:
-        """One ``/generate`` call, moved to another generator while transport errors last: the
-        JSON body, the generator, and the policy version the worker knew when it sent it."""
+    ) -> tuple[Any, GeneratorState]:
+        """One ``/generate`` call, moved to another generator while transport errors last (and
+        held while no generator is within the version bound): the JSON body and the generator."""
         while True:
             g = self._pick(prefer)
             if g is None:
-                wake = min(x.down_until for x in self.generators.values())
+                now = trio.current_time()
+                gens = self.generators.values()
+                down = [x.down_until for x in gens if x.down_until > now]
+                wake = min(down, default=math.inf)
+                behind = len(down) < len(gens)  # some are up, but none within the bound
+                if behind:
+                    self.log_behind()
+                    await self.refresh_versions()
+                    if self.any_eligible():
+                        continue
+                    wake = min(wake, trio.current_time() + self.version_poll_s)
                 if wake >= deadline:
-                    errs = "; ".join(f"{x.url}: {x.last_error}" for x in self.generators.values())
-                    raise GeneratorError(f"no generator reachable before the timeout ({errs})")
+                    errs = "; ".join(f"{x.url}: {x.last_error}" for x in gens)
+                    raise GeneratorError(
+                        f"no generator within the version bound before the timeout "
+                        f"({self.behind()})"
+                        if behind
+                        else f"no generator reachable before the timeout ({errs})"
+                    )
                 await trio.sleep_until(wake)
                 continue
-            version_at_request = self.version
             g.enter(trio.current_time())
             g.requests += 1
             try:
@@ -443,7 +610,7 @@ class GeneratorPool:
                 raise GeneratorRefused(f"{g.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
             self._mark_up(g)
             try:
-                return r.json(), g, version_at_request
+                return r.json(), g
             except ValueError:
                 raise GeneratorResponseError(f"{g.url}/generate: response is not JSON") from None
 
@@ -451,9 +618,13 @@ class GeneratorPool:
         self, payload: dict[str, Any], prefer: str | None, deadline: float
     ) -> tuple[Segment, str]:
         """One request on its own: its parsed segment and the generator that served it."""
-        body, g, version = await self._request(payload, prefer, deadline)
-        seg = parse_generate_response(body, default_version=version)
-        g.tokens += len(seg.output_ids)
+        body, g = await self._request(payload, prefer, deadline)
+        try:
+            seg = parse_generate_response(body)
+        except UnlabelledTokens as e:
+            self._refused(g, e)
+            raise
+        self._saw(g, seg)
         return seg, g.url
 
     async def _post_batched(
@@ -491,7 +662,7 @@ class GeneratorPool:
             per_item = ("input_ids", "sampling_params", "rid")  # the rest is the same for all
             merged = {**ps[0], **{k: [p[k] for p in ps] for k in per_item}}
             try:
-                body, g, version = await self._request(merged, prefer, deadline)
+                body, g = await self._request(merged, prefer, deadline)
             except GeneratorRefused:  # find the bad one: each goes again on its own
                 batch.outcomes = [_ALONE] * len(ps)
                 return
@@ -508,9 +679,12 @@ class GeneratorPool:
             outcomes: list[Any] = []
             for b in body:
                 try:
-                    seg = parse_generate_response(b, default_version=version)
-                    g.tokens += len(seg.output_ids)
+                    seg = parse_generate_response(b)
+                    self._saw(g, seg)
                     outcomes.append((seg, g.url))
+                except UnlabelledTokens as e:
+                    self._refused(g, e)
+                    outcomes.append(e)
                 except GeneratorError as e:
                     outcomes.append(e)
             batch.outcomes = outcomes
@@ -544,7 +718,7 @@ class GeneratorPool:
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
-        resumes = retractions = 0
+        resumes = retractions = refused = 0
         finish, matched, url = "length", None, None
         deadline = trio.current_time() + self.timeout_s
         try:
@@ -560,10 +734,17 @@ class GeneratorPool:
                     "stream": False,
                     "rid": f"{rid}.{n}",
                 }
-                if batcher is None:
-                    seg, url = await self._post(payload, url, deadline)
-                else:
-                    seg, url = await self._post_batched(payload, url, deadline, batcher)
+                try:
+                    if batcher is None:
+                        seg, url = await self._post(payload, url, deadline)
+                    else:
+                        seg, url = await self._post_batched(payload, url, deadline, batcher)
+                except UnlabelledTokens:  # its tokens are dropped (counted); sent again elsewhere
+                    refused += 1
+                    url = None
+                    if refused > self.max_resumes:
+                        raise
+                    continue
                 ids += seg.output_ids
                 lps += seg.logprobs
                 vers += seg.versions

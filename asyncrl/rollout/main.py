@@ -5,9 +5,11 @@
 
 ``--buffer``/``--pub`` replace the recipe's ``buffer.address``/``buffer.pub_address``. With
 ``generator.kind: builtin`` the worker starts ``generator.engines_per_worker`` built-in engines and
-stops them on exit; with ``kind: sglang`` it drives ``generator.urls``. ``--shard I/N`` gives this
-worker every N-th prompt (default: from a ``workerI`` id and ``rollout.workers``). ``--data-state``
-resumes the data position from a JSON file (a group's ``metadata["data_state"]``).
+stops them on exit (from the newest HF export the learner has announced, labelled with its
+version; else from ``model.path``, version 0); with ``kind: sglang`` it drives ``generator.urls``.
+``--shard I/N`` gives this worker every N-th prompt (default: from a ``workerI`` id and
+``rollout.workers``). ``--data-state`` resumes the data position from a JSON file (a group's
+``metadata["data_state"]``).
 """
 
 from __future__ import annotations
@@ -101,23 +103,54 @@ def build_source(r: Recipe, shard: tuple[int, int]) -> PromptSource:
     raise UsageError("data.path or data.task: the worker needs prompts")
 
 
-def start_engines(r: Recipe, run_dir: Path, worker_id: str) -> list[Any]:
-    """Built-in engines for this worker, started in parallel (each loads the model)."""
+def engine_weights(r: Recipe, learner_version: int | None) -> tuple[Path, int]:
+    """The weights a worker's built-in engines start from, and their version: the newest HF export
+    in the run folder that the learner has announced (a worker restarted mid-run then starts close
+    to the learner), else ``model.path``, version 0. Exports above ``learner_version`` may be a
+    lost run's (a learner resumed from an older checkpoint); with no version known, none is used."""
+    from asyncrl.weights.exports import latest_export
+
+    found = None
+    if learner_version is not None:
+        found = latest_export(r.run_dir / "hf", at_most=learner_version)
+    return found if found is not None else (Path(r.resolve(r.model.path)), 0)
+
+
+def learner_version(r: Recipe, timeout_s: float = 5.0) -> int | None:
+    """The learner's current version from its buffer service, None if it does not answer (yet).
+    Asked only when the run folder has HF exports: a fresh run's worker starts without waiting."""
+    from asyncrl.launch import buffer_status
+    from asyncrl.weights.exports import latest_export
+
+    if latest_export(r.run_dir / "hf") is None:
+        return None
+    status = buffer_status(r.buffer.address, r, timeout_s=timeout_s)
+    return int(status["version"]) if status else None
+
+
+def start_engines(
+    r: Recipe, run_dir: Path, worker_id: str, weights: tuple[Path, int] | None = None
+) -> list[Any]:
+    """Built-in engines for this worker, started in parallel (each loads the model), from
+    ``weights`` (a model folder and its version; default ``model.path``, version 0)."""
     from asyncrl.rollout.engine import start_engine_process
 
     if r.generator.engines_per_worker < 1:
         raise UsageError("generator.engines_per_worker: a builtin worker needs at least 1")
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    model = str(r.resolve(r.model.path))
+    model_dir, version = weights or (Path(r.resolve(r.model.path)), 0)
+    if version:
+        log.info("starting the engines from %s (version %d)", model_dir, version)
 
     def one(i: int):
         port = r.generator.base_port + i if r.generator.base_port else 0
         return start_engine_process(
-            model,
+            str(model_dir),
             host=r.generator.host,
             port=port,
             max_batch_size=r.generator.max_batch_size,
+            weight_version=str(version),
             seed=r.run.seed + i,
             log_path=logs / f"engine-{worker_id}-{i}.log",
             timeout_s=r.generator.startup_timeout_s,
@@ -309,7 +342,8 @@ def main(argv: list[str]) -> int:
         load_reward(r.rollout.reward)
         load_tools(r.rollout.tools)
         if r.generator.kind == "builtin":
-            engines = start_engines(r, r.run_dir, worker_id)
+            weights = engine_weights(r, learner_version(r))
+            engines = start_engines(r, r.run_dir, worker_id, weights)
             urls = [e.url for e in engines]
         else:
             urls = list(r.generator.urls)

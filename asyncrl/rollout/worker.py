@@ -1,18 +1,23 @@
 """The rollout worker: a trio nursery of named tasks feeding the learner's buffer (DESIGN §2, §3, §5).
 
-Tasks:
+Before anything else every generator is labelled with the version of the weights it holds
+(``GeneratorPool.label``). Tasks:
 - ``register``: tells the learner which generators this worker drives (``wire.Register``), retried
   until acknowledged.
 - ``versions``: hears version announcements (``wire.Version`` over Pub/Sub) and cancels groups that can
   no longer be trained within ``max_staleness``, giving their starts back (``wire.Release``).
 - ``admission``: asks the buffer for the right to start groups (``wire.Acquire`` → ``wire.Grant``, a
   lease) and starts one ``group-*`` task per granted start, never more groups in flight than granted
-  and never more than ``max_concurrent_groups``.
+  and never more than ``max_concurrent_groups``. It asks only while a generator holds weights within
+  the bound (version ≥ learner version − ``max_staleness``): tokens of older weights could never be
+  trained, so it waits for the broadcaster (e.g. a restarted worker's engines before they join).
 - ``group-*``: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
   one whole ``wire.Group``.
 - ``sender``: puts finished groups to the buffer (``wire.Put``, several per message), resending the
   SAME group ids until each is acknowledged or rejected: with the buffer's dedup by id, exactly once.
 - ``metrics``: throughput, episodes in flight, generator idle fraction, reward, length, failures.
+- ``generator-versions``: asks generators whose version is unknown or behind the bound (back from
+  a restart, refused for unlabelled tokens) for it again (``/model_info``), once a second.
 
 A group is "in flight" from the moment it takes a granted start until the buffer acknowledged or
 rejected it, or it was cancelled and its start released. A group whose lease expires while it is
@@ -121,6 +126,7 @@ class WorkerStats:
     )
     rewards: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    weights_wait_s: float = 0.0  # admission held: no generator within the version bound
     max_in_flight_over_granted: int = 0  # must stay <= 0: the admission invariant
     peak_groups_in_flight: int = 0
     peak_episodes_in_flight: int = 0
@@ -187,7 +193,11 @@ class RolloutWorker:
         return len(self._runs) + self._unsent
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> WorkerStats:
-        """Run until cancelled or ``max_groups`` delivered; returns the counters."""
+        """Run until cancelled or ``max_groups`` delivered; returns the counters.
+
+        First every generator is labelled with the version it holds (:meth:`GeneratorPool.label`),
+        before it is registered with the learner: no weight broadcast can race the label."""
+        await self.pool.label()
         self._t_last = trio.current_time()
         try:
             async with trio.open_nursery() as nursery:
@@ -198,6 +208,7 @@ class RolloutWorker:
                 nursery.start_soon(self._admission_loop, name="admission")
                 nursery.start_soon(self._sender_loop, name="sender")
                 nursery.start_soon(self._metrics_loop, name="metrics")
+                nursery.start_soon(self._generator_versions_loop, name="generator-versions")
                 task_status.started()
                 await self._done.wait()
                 nursery.cancel_scope.cancel()
@@ -261,10 +272,14 @@ class RolloutWorker:
     def _see_version(self, version: int) -> None:
         if version <= self.version:
             return
-        self.version = version
-        self.pool.version = version
+        self._set_version(version)
         self._cancel_stale()
         self._wake()
+
+    def _set_version(self, version: int) -> None:
+        """The learner's version; requests need generators no more than η versions behind it."""
+        self.version = version
+        self.pool.min_version = max(0, version - self.cfg.max_staleness)
 
     def _cancel_stale(self) -> None:
         """A group whose lease version is below ``version - max_staleness`` cannot be trained."""
@@ -296,8 +311,7 @@ class RolloutWorker:
                     msg.version,
                     self.version,
                 )
-                self.version = msg.version
-                self.pool.version = msg.version
+                self._set_version(msg.version)
                 if not self._registering:
                     self._nursery.start_soon(self._register_loop, name="register")
             self._see_version(msg.version)
@@ -355,6 +369,9 @@ class RolloutWorker:
                 with trio.move_on_after(1.0):
                     await self._changed.wait()
                 continue
+            if not self.pool.any_eligible():
+                await self._wait_for_weights()
+                continue
             try:
                 self.stats.counters["acquires"] += 1
                 grant = await self.buffer.acquire(want, request_id=request_id)
@@ -378,6 +395,17 @@ class RolloutWorker:
             self._granted_open += grant.k
             for _ in range(grant.k):
                 self._permits.append(_Permit(grant.lease_id, grant.version, expires))
+
+    async def _wait_for_weights(self) -> None:
+        """No generator holds weights within the bound: take no lease until one does (the
+        broadcaster updates them; ``/model_info`` is polled). Returns after a poll either way."""
+        t0 = trio.current_time()
+        self.pool.log_behind()
+        await self.pool.refresh_versions()
+        if not self.pool.any_eligible():
+            with trio.move_on_after(self.pool.version_poll_s):
+                await self._changed.wait()
+        self.stats.weights_wait_s += trio.current_time() - t0
 
     def _start_group(self, permit: _Permit) -> None:
         self._seq += 1
@@ -630,6 +658,7 @@ class RolloutWorker:
             "rollout/episodes_in_flight": self._episodes_in_flight,
             "rollout/groups_in_flight": self.groups_in_flight,
             "rollout/version": self.version,
+            "rollout/weights_wait_s": self.stats.weights_wait_s,
         }
         if self.stats.rewards:
             out["rollout/reward_mean"] = float(np.mean(self.stats.rewards))
@@ -661,6 +690,11 @@ class RolloutWorker:
                 log.warning("metrics: %s", e)
         if final:
             log.info("worker done: %s", {k: v for k, v in snap.items() if k.count("/") == 1})
+
+    async def _generator_versions_loop(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            await self.pool.refresh_versions()
 
     async def _metrics_loop(self) -> None:
         while True:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.recipe import WeightsConfig
+from asyncrl.rollout.client import parse_version_label
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.client import GeneratorError, GroupSpec, WeightsClient
@@ -144,13 +145,6 @@ def _background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (OSError, AttributeError):  # not Linux, or not allowed: run at normal priority
         pass
-
-
-def _parse_version(v: str | None) -> int | None:
-    try:
-        return int(v) if v is not None else None
-    except ValueError:
-        return None  # "default": the server's initial weights
 
 
 # --------------------------------------------------------------------------------------------------
@@ -519,7 +513,7 @@ class WeightBroadcaster:
             elif m.state == "dropped":
                 if ok[m.url] == "up":
                     self._rejoin(m, report.version)
-            elif m.state == "member" and _parse_version(ok[m.url]) != m.version:
+            elif m.state == "member" and parse_version_label(ok[m.url]) != m.version:
                 log.warning(
                     "weights: %s reports version %r, expected %s: it restarted; rejoining",
                     m.url,

@@ -6,16 +6,24 @@ workers (a real :class:`BufferService` in its own process, consuming batches as 
 Writes ``OUT_DIR/addresses.json`` once serving, appends one line per batch to ``OUT_DIR/trained.jsonl``
 (training version, each group's id and oldest token version, the wait), bumps the version after each
 batch, and on SIGTERM writes ``OUT_DIR/final.json`` (the service's stats and the ids still stored).
-It is a stand-in only for the model's step: the service, its sockets and its bookkeeping are real.
+It is a stand-in only for the model's step and its weights: the service, its sockets and its
+bookkeeping are real. Like the weight broadcaster, it labels every registered generator with the new
+version before announcing it (``/update_weight_version``, without aborting anything), but sends no
+weights: the generators' tokens then carry the versions a learner would give them, which is what the
+buffer's staleness bound and the workers' admission act on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+
+import httpx
 
 from asyncrl.buffer.service import BufferService
 from asyncrl.recipe import BufferConfig
@@ -37,8 +45,28 @@ def main(argv: list[str]) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_term)
+    http = httpx.Client(timeout=2.0)
+    http_lock = threading.Lock()  # the service's callback thread and this one
+    generators: dict[str, list[str]] = {}  # worker id -> its generators' urls
+
+    def label(version: int, urls: list[str]) -> None:
+        """The broadcaster's label, without the weights (best effort: a generator may be dead)."""
+        body = {"new_version": str(version), "abort_all_requests": False}
+        for url in urls:
+            try:
+                with http_lock:
+                    http.post(url.rstrip("/") + "/update_weight_version", json=body)
+            except httpx.HTTPError as e:
+                logging.warning("label %s: %s", url, e)
+
+    def on_register(worker_id: str, gens: list) -> None:
+        generators[worker_id] = [g.url for g in gens]
+        label(svc.version, generators[worker_id])  # what a learner idle for data does at once
+
     # The journal folder also holds the service's own audit (groups dropped by name).
-    svc = BufferService(cfg, tls=tls, announce_every_s=0.2, journal_dir=out / "buffer").start()
+    svc = BufferService(cfg, tls=tls, announce_every_s=0.2, journal_dir=out / "buffer")
+    svc.on_register(on_register)
+    svc.start()
     tmp = out / "addresses.json.tmp"
     tmp.write_text(json.dumps({"address": svc.address, "pub_address": svc.pub_address}))
     tmp.rename(out / "addresses.json")
@@ -73,6 +101,7 @@ def main(argv: list[str]) -> int:
             log.write(json.dumps(rec) + "\n")
             log.flush()
             waited = 0.0
+            label(batch.version + 1, sorted({u for us in list(generators.values()) for u in us}))
             svc.set_version(batch.version + 1)
     state = svc.state_dict()
     final = {"stats": svc.stats(), "stored": [], "version": svc.version}
@@ -83,6 +112,7 @@ def main(argv: list[str]) -> int:
     for s in state["stored"]:
         final["stored"].append(wire.decode(b64decode(s["group"]), expect=wire.Group).id)
     svc.stop()
+    http.close()
     (out / "final.json").write_text(json.dumps(final))
     return 0
 

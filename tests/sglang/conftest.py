@@ -22,7 +22,13 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   versions, ``num_retractions`` > 0 with ``retract``).
 - ``/health`` (pool.wait_ready, WeightsClient.health): test_generate.py::test_wait_ready,
   test_failure.py (down after a kill).
-- ``/model_info`` ``weight_version`` (WeightsClient.weight_version): test_weights.py.
+- ``/model_info`` ``weight_version`` (WeightsClient.weight_version, GeneratorPool.label and its
+  polling while a server is behind the version bound): test_weights.py, test_generate.py
+  (``"default"`` before a worker labels it).
+- ``/update_weight_version`` with ``abort_all_requests: false`` (GeneratorPool.label: a server
+  launched without ``--weight-version`` is labelled ``"0"`` before it generates; every server is
+  labelled so when it first comes up): test_generate.py::test_a_default_server_is_labelled_at_join
+  (``new_version`` in the reply, ``/model_info`` after, a running request not aborted).
 - Control endpoints' ``success``/``message`` and HTTP status (WeightsClient._call):
   ``/init_weights_update_group``, ``/pause_generation``, ``/begin_weight_update`` (200 on 0.5.23,
   so sessions are used), ``/update_weights_from_distributed``, ``/end_weight_update``,
@@ -47,7 +53,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_helpers import Served
+from sglang_helpers import Served, label_at_join
 
 from tools.sglang_cpu.server import SGLangServer, SGLangSetupError, build_env
 
@@ -143,6 +149,7 @@ def _ready(servers: dict[str, Served], name: str) -> Served:
         TIMINGS[f"{name} server healthy after (s)"] = h.server.wait_healthy(START_TIMEOUT_S)
     except SGLangSetupError as e:
         pytest.fail(str(e), pytrace=False)
+    assert label_at_join(h.url) == h.version == 0  # "default" -> "0", as a joining worker does
     h.ready = True
     return h
 

@@ -34,7 +34,7 @@ class Served:
     server: SGLangServer
     model_dir: Path
     weights: dict[str, torch.Tensor]  # HF names, as served now (tied lm_head included)
-    version: int = 0  # 0: the initial weights (SGLang's label "default")
+    version: int = 0  # 0: the initial weights (labelled "0" at start, as a joining worker does)
     tied: bool = False
     ready: bool = False  # has answered /health
     dead: bool = False  # killed by a test
@@ -47,8 +47,8 @@ class Served:
 
     @property
     def label(self) -> str:
-        """SGLang's ``weight_version`` for the current weights."""
-        return "default" if self.version == 0 else str(self.version)
+        """SGLang's ``weight_version`` for the current weights (asyncrl's labels are the version)."""
+        return str(self.version)
 
     def reference(self) -> torch.nn.Module:
         """A plain transformers model holding :attr:`weights` (the oracle for logprobs)."""
@@ -161,11 +161,27 @@ def sglang_checksums(weights: dict[str, torch.Tensor], tied: bool) -> tuple[dict
     return per, hashlib.sha256(per_gpu.encode()).hexdigest()
 
 
+def label_at_join(url: str) -> int:
+    """What a rollout worker does to a server before it generates on it (GeneratorPool.label):
+    a server launched without --weight-version says "default" and is labelled "0". Returns the
+    version the pool then holds for it."""
+
+    async def run() -> int | None:
+        async with GeneratorPool([url], timeout_s=300) as pool:
+            await pool.label()
+            return pool.generators[url].version
+
+    v = trio.run(run)
+    assert v is not None
+    return v
+
+
 def generate(url: str, params: SamplingParams, prompt: list[int] = PROMPT) -> Completion:
-    """One completion through asyncrl's own rollout client."""
+    """One completion through asyncrl's own rollout client (as a worker: labels read first)."""
 
     async def run() -> Completion:
         async with GeneratorPool([url], timeout_s=300) as pool:
+            await pool.label()
             return await pool.generate(prompt, params)
 
     return trio.run(run)

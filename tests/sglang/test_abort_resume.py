@@ -34,6 +34,7 @@ async def _abort_mid_request(served: Served) -> Completion:
         GeneratorPool([served.url], timeout_s=300) as pool,
         httpx.AsyncClient(base_url=served.url, timeout=120) as http,
     ):
+        await pool.label()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gen, pool)
             assert await served.wait_generating(len(PROMPT) + 16, lambda: bool(done))
@@ -81,7 +82,7 @@ def test_abort_response_is_a_partial_segment(served: Served):
     body = r.json()
     fr = body["meta_info"]["finish_reason"]
     assert fr["type"] == "abort" and isinstance(fr["message"], str) and fr["message"]
-    seg = parse_generate_response(body, default_version=served.version)
+    seg = parse_generate_response(body)
     n = len(seg.output_ids)
     assert seg.finish_reason == "abort" and seg.abort_message == fr["message"]
     assert 8 <= n < 400 and len(seg.logprobs) == n

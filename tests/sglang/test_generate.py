@@ -109,6 +109,7 @@ def test_client_batched_group_matches_single_requests(served: Served):
 
     async def run():
         async with GeneratorPool([served.url], timeout_s=300) as pool:
+            await pool.label()
             alone = [await pool.generate(p, params) for p in prompts]
             g = pool.generators[served.url]
             before, batcher, got = g.requests, Batcher(), {}
@@ -127,3 +128,49 @@ def test_client_batched_group_matches_single_requests(served: Served):
         assert got[i].output_ids == ref.output_ids
         assert got[i].versions == ref.versions
         assert got[i].logprobs == pytest.approx(ref.logprobs, abs=TOL)
+
+
+def test_a_default_server_is_labelled_at_join(served: Served):
+    """A server launched without --weight-version says "default"; the worker's label at join makes
+    it "0" (/update_weight_version with abort_all_requests false: SGLang's default, true, would
+    abort every running request), and a request running meanwhile is not aborted."""
+    from asyncrl.rollout.client import parse_version_label
+
+    def set_label(label: str) -> dict:
+        body = {"new_version": label, "abort_all_requests": False}
+        r = httpx.post(served.url + "/update_weight_version", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    sampling = {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+
+    async def run() -> tuple[dict, int | None]:
+        out: list[dict] = []
+        async with (
+            httpx.AsyncClient(base_url=served.url, timeout=300) as http,
+            GeneratorPool([served.url], timeout_s=300) as pool,
+        ):
+
+            async def gen() -> None:
+                body = {"input_ids": PROMPT, "sampling_params": sampling, "return_logprob": True}
+                out.append((await http.post("/generate", json=body)).json())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gen)
+                assert await served.wait_generating(len(PROMPT) + 16, lambda: bool(out))
+                await pool.label()
+            return out[0], pool.generators[served.url].version
+
+    assert set_label("default")["new_version"] == "default"  # as launched
+    try:
+        running, held = trio.run(run)
+        info = httpx.get(served.url + "/model_info", timeout=60).json()
+    finally:
+        set_label(served.label)
+    assert held == 0 and info["weight_version"] == "0"
+    meta = running["meta_info"]
+    assert meta["finish_reason"]["type"] == "length", meta["finish_reason"]  # not aborted
+    # whatever SGLang stamps on the running request, the client reads no version into "default"
+    labels = [s["version"] for s in meta["weight_versions"]]
+    assert labels[-1] in ("default", "0")
+    assert [parse_version_label(x) for x in labels] in ([None], [0], [None, 0])

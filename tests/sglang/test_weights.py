@@ -91,6 +91,7 @@ async def _update_mid_request(
         done.append(await pool.generate(PROMPT, params))
 
     async with GeneratorPool([served.url], timeout_s=300) as pool:
+        await pool.label()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gen, pool)
             in_flight = await served.wait_generating(len(PROMPT) + 16, lambda: bool(done))
