@@ -28,7 +28,8 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
 - ``/update_weight_version`` with ``abort_all_requests: false`` (GeneratorPool.label: a server
   launched without ``--weight-version`` is labelled ``"0"`` before it generates; every server is
   labelled so when it first comes up): test_generate.py::test_a_default_server_is_labelled_at_join
-  (``new_version`` in the reply, ``/model_info`` after, a running request not aborted).
+  (``new_version`` in the reply, ``/model_info`` after, a running request not aborted; SGLang
+  stamps the label on it as a version change: ``"default"`` spans, refused by the client).
 - Control endpoints' ``success``/``message`` and HTTP status (WeightsClient._call):
   ``/init_weights_update_group``, ``/pause_generation``, ``/begin_weight_update`` (200 on 0.5.23,
   so sessions are used), ``/update_weights_from_distributed``, ``/end_weight_update``,

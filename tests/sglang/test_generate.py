@@ -134,7 +134,7 @@ def test_a_default_server_is_labelled_at_join(served: Served):
     """A server launched without --weight-version says "default"; the worker's label at join makes
     it "0" (/update_weight_version with abort_all_requests false: SGLang's default, true, would
     abort every running request), and a request running meanwhile is not aborted."""
-    from asyncrl.rollout.client import parse_version_label
+    from asyncrl.rollout.client import UnlabelledTokens, parse_generate_response
 
     def set_label(label: str) -> dict:
         body = {"new_version": label, "abort_all_requests": False}
@@ -170,7 +170,10 @@ def test_a_default_server_is_labelled_at_join(served: Served):
     assert held == 0 and info["weight_version"] == "0"
     meta = running["meta_info"]
     assert meta["finish_reason"]["type"] == "length", meta["finish_reason"]  # not aborted
-    # whatever SGLang stamps on the running request, the client reads no version into "default"
-    labels = [s["version"] for s in meta["weight_versions"]]
-    assert labels[-1] in ("default", "0")
-    assert [parse_version_label(x) for x in labels] in ([None], [0], [None, 0])
+    # SGLang stamps the label on running requests as a version change: their tokens before it say
+    # "default", which the client refuses (so a worker labels its servers before it generates)
+    spans = meta["weight_versions"]
+    assert [x["version"] for x in spans] == ["default", "0"], spans
+    assert spans[0]["start"] == 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 200
+    with pytest.raises(UnlabelledTokens, match="'default'"):
+        parse_generate_response(running)
