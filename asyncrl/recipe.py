@@ -209,6 +209,12 @@ class LearnerConfig:
         "> 1 recomputes π_prox before the first (decoupled_ppo's trust region needs it)",
     )
     epochs: int = _f(1, lo=1, doc="passes over each batch (each pass: `minibatches` updates)")
+    logits_chunk_mb: float = _f(
+        256.0,
+        lo=0,
+        lo_open=True,
+        doc="MiB of float32 logits per chunk: log π is computed a chunk of tokens at a time",
+    )
     batch_size: int = _f(64, lo=1, doc="sft: sequences per step")
     checkpoint_every: int = _f(10, lo=0, doc="DCP checkpoint every k versions (0: only at the end)")
     checkpoint_async: bool = _f(True)

@@ -65,6 +65,7 @@ def runs(tiny_qwen3, tmp_path_factory):
             "lr": 1e-3,
             "batch_size": 24,
             "micro_batch_tokens": 60,  # several micro-batches per rank, uneven counts
+            "logits_chunk_mb": 0.01,  # the output projection in 6-token chunks
             "checkpoint_every": 1,
             "export_every": 1,
             "keep_checkpoints": 0,
@@ -121,11 +122,16 @@ def test_crash_and_resume_is_bitwise_identical(runs):
     assert state["step"] == STEPS
 
 
-def test_a_rank_without_trained_tokens_steps_with_the_others(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize(
+    ("fixture", "chunk_mb"),
+    [("tiny_qwen3", 256.0), ("tiny_llama", 0.01)],  # tied, one chunk; untied, 6-token chunks
+)
+def test_a_rank_without_trained_tokens_steps_with_the_others(fixture, chunk_mb, request, tmp_path):
     """Two ranks, with the reference KL on, on a batch whose second rank receives only a sample with
     no trained token: every collective (micro-batch count, the reference model's FSDP forward, the
-    statistics) still pairs up, and the step equals one rank's on the same batch. (Before, rank 1
-    skipped the reference forward and reduced a shorter statistics tensor: a hang or a crash.)"""
+    output projection's chunks, the statistics) still pairs up, and the step equals one rank's on
+    the same batch. (Before, rank 1 skipped the reference forward and reduced a shorter statistics
+    tensor: a crash.) Tied and untied embeddings put the projection in different FSDP groups."""
     import numpy as np
 
     from asyncrl import wire
@@ -159,9 +165,9 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(tiny_qwen3, tmp_pat
 
     spec = {
         "run": {"output_dir": str(tmp_path / "runs")},
-        "model": {"path": str(tiny_qwen3), "max_seq_len": 64},
+        "model": {"path": str(request.getfixturevalue(fixture)), "max_seq_len": 64},
         "algorithm": {"loss": "ppo", "kl_coef": 0.1},
-        "learner": {"lr": 1e-3, "micro_batch_tokens": 32},
+        "learner": {"lr": 1e-3, "micro_batch_tokens": 32, "logits_chunk_mb": chunk_mb},
         "buffer": {"max_staleness": 2},
         "logging": {"wandb": False},
     }

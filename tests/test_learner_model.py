@@ -71,35 +71,36 @@ def test_hf_state_dict_and_export_round_trip(fixture, request, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = request.getfixturevalue(fixture)
-    tr = make_trainer(model_dir, tmp_path)
+    tr = make_trainer(model_dir, tmp_path, algorithm={"loss": "sft"})
     original = load_file(str(model_dir / "model.safetensors"))
     sd = tr.hf_state_dict()
     assert set(sd) == set(original)
     for k, v in original.items():
         assert torch.equal(sd[k], v), k
     # take a step so the export differs from the input, then check it loads with equal logits
-    seqs = random_sequences(4, tr.spec.model.vocab_size, seed=1)
-    items = [make_sequence(i, s[:2], s[2:]) for i, s in enumerate(seqs)]
-    from asyncrl.learner.losses import Normaliser, policy_loss
+    from asyncrl import wire
+    from asyncrl.learner.source import Batch
 
-    mb = pack(items)
-    tr.optimizers.zero_grad()
-    logp, _ = tr._logprobs(tr._forward(mb), mb, entropy=False)
-    loss, _ = policy_loss(
-        cfg=recipe_mod.AlgorithmConfig(loss="sft"),
-        norm=Normaliser(tokens=float(mb.mask.sum()), seqs=4.0),
-        logp=logp,
-        mask=mb.mask,
-        seq_ids=mb.seq_ids,
-    )
-    loss.backward()
-    tr.optimizers.step()
+    seqs = random_sequences(4, tr.spec.model.vocab_size, seed=1)
+    samples = [
+        wire.Sample(
+            id=str(i),
+            group_id=str(i),
+            prompt_ids=s[:2].astype(np.int32),
+            completion_ids=s[2:].astype(np.int32),
+            behavior_logprobs=np.zeros(len(s) - 2, np.float32),
+            versions=np.zeros(len(s) - 2, np.int32),
+            loss_mask=np.ones(len(s) - 2, np.float32),
+        )
+        for i, s in enumerate(seqs)
+    ]
+    tr.step(Batch(groups=[wire.Group(id=s.id, samples=[s]) for s in samples], version=0, stats={}))
     out = tr.export_hf(tmp_path / "export")
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.as_tensor(seqs[0])[None]
     with torch.no_grad():
         ref = hf(ids).logits
-        got = tr.model(ids, torch.arange(ids.shape[1])[None])
+        got = tr.model.lm_head(tr.model(ids, torch.arange(ids.shape[1])[None]))
     assert_logits_close(got, ref)
     assert not torch.equal(hf.state_dict()["model.norm.weight"], original["model.norm.weight"])
     for name in ("config.json", "tokenizer.json", "generation_config.json"):

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.loss import compute_logprobs
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
     OptimizersContainer,
@@ -48,6 +47,7 @@ from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
 from asyncrl.learner.drift import drift_sums, finalize_drift
+from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
 from asyncrl.learner.losses import (
     Normaliser,
     count_tokens_and_seqs,
@@ -177,6 +177,7 @@ class Trainer:
             self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
         )
         self.max_seq_len = self.spec.model.max_seq_len
+        self.chunk_tokens = chunk_tokens(self.spec.model.vocab_size, r.learner.logits_chunk_mb)
 
         class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
             pass
@@ -259,6 +260,7 @@ class Trainer:
             dump_folder=str(self.run_dir),
         )
         cpu_shims.force_sum_reduction(model)
+        model._skip_lm_head = True  # the output projection runs in chunks: learner/logprobs.py
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=None)
@@ -443,34 +445,32 @@ class Trainer:
         bins += [[] for _ in range(int(n) - len(bins))]
         return [pack(b).to(self.device) for b in bins]
 
-    def _forward(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+    def _hidden(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """The last hidden states ``[1, L, D]``: the models stop before their output projection,
+        which runs a chunk of trained tokens at a time (:mod:`asyncrl.learner.logprobs`)."""
         mb = mb.to(self.device)
         model = self.model if model is None else model
         return model(mb.tokens, mb.positions, attention_masks(self.model, mb.positions))
 
-    def _logprobs(
-        self, logits: torch.Tensor, mb: MicroBatch, *, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log π of each trained token (and its entropy), flat over ``mb.sel``, at the sampling
-        temperature: generators report log_softmax(logits / T) (``logprob_temperature``), so π, π_ref
-        and the entropy are those of the same tempered distribution."""
-        sel_logits = logits[:, mb.sel]
-        if self.temperature != 1.0:
-            sel_logits = sel_logits / self.temperature
-        labels = mb.labels[:, mb.sel]
-        if not entropy:
-            return compute_logprobs(sel_logits, labels)[0], None
-        if self.alg.entropy_coef != 0:  # with gradient
-            lf = sel_logits[0].float()
-            ent = torch.logsumexp(lf, -1) - (torch.softmax(lf, -1) * lf).sum(-1)
-            return compute_logprobs(sel_logits, labels)[0], ent
-        lp, ent = compute_logprobs(sel_logits, labels, return_entropy=True)
-        return lp[0], ent[0]
-
     @torch.no_grad()
+    def _token_logprobs(
+        self, mb: MicroBatch, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log π and entropy of each trained token of ``mb`` (flat over ``mb.sel``), no gradient."""
+        model = self.model if model is None else model
+        h = self._hidden(mb, model)
+        return chunked_logprobs(
+            h[0, mb.sel],
+            mb.labels[0, mb.sel],
+            model.lm_head,
+            temperature=self.temperature,
+            chunk=self.chunk_tokens,
+        )
+
     def logprobs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        """Forward only: log π of each micro-batch's trained tokens with the current weights."""
-        return [self._logprobs(self._forward(mb), mb, entropy=False)[0] for mb in mbs]
+        """Forward only: log π of each micro-batch's trained tokens with the current weights, at the
+        sampling temperature (generators report log_softmax(logits / T): docs/off-policy.md)."""
+        return [self._token_logprobs(mb)[0] for mb in mbs]
 
     def _drift(self, mb: MicroBatch, prox_logp: torch.Tensor) -> torch.Tensor:
         """This micro-batch's drift sums (:func:`drift_sums`) against π_prox."""
@@ -479,14 +479,13 @@ class Trainer:
             *cpu, mb.mixed_versions.cpu(), max_staleness=self.recipe.buffer.max_staleness
         )
 
-    @torch.no_grad()
     def _recompute_prox(self, mine: list[Sequence]) -> torch.Tensor:
         """π_prox before a batch's first update (AReaL's recompute): one forward-only pass over this
         rank's sequences, stored on each :class:`Sequence`; returns the batch's drift sums."""
         drift = torch.zeros(self.recipe.buffer.max_staleness + 2, 3, dtype=torch.float64)
         by_index = {s.index: s for s in mine}
         for mb in self.micro_batches(mine):
-            lp = self._logprobs(self._forward(mb), mb, entropy=False)[0].float().cpu()
+            lp = self._token_logprobs(mb)[0].float().cpu()
             drift += self._drift(mb, lp)
             sel = mb.sel.cpu().numpy()
             starts = np.cumsum([0] + [len(by_index[i]) for i in mb.seq_index])
@@ -497,11 +496,71 @@ class Trainer:
                 seq.prox_logp[sel[at] - starts[j]] = lp.numpy()[at]
         return drift
 
+    def _micro_batch(
+        self, mb: MicroBatch, norm: Normaliser, totals: _StepTotals, *, drift: bool, sync: bool
+    ) -> None:
+        """Forward and backward of one micro-batch's share of an update's loss.
+
+        The loss is computed on log π (and the entropy) as leaves; its gradient then goes back
+        through the output projection a chunk at a time and through the decoder
+        (:mod:`asyncrl.learner.logprobs`). A rank whose micro-batch trains no token runs the same
+        collectives (the projection on one row, with gradient 0), so FSDP's pair up."""
+        alg = self.alg
+        h = self._hidden(mb)
+        ref_logp = None
+        if self.ref_model is not None:  # on every rank and micro-batch: an FSDP collective
+            ref_logp = self._token_logprobs(mb, self.ref_model)[0]
+        rows = mb.sel if mb.sel.numel() else torch.zeros(1, dtype=torch.long, device=h.device)
+        hidden, labels = h[0, rows], mb.labels[0, rows].clamp(min=0)
+        chunking = {"temperature": self.temperature, "chunk": self.chunk_tokens}
+        # Both passes run on every rank, in the same order: FSDP's state machine for the group that
+        # holds the projection (and its reduce-scatter) must follow the same path everywhere.
+        lp, ent = chunked_logprobs(hidden, labels, self.model.lm_head, **chunking)
+        if mb.sel.numel() == 0:
+            grad_logp, grad_ent = torch.zeros_like(lp), None
+        else:
+            logp = lp.requires_grad_(True)
+            entropy = ent.requires_grad_(True) if alg.entropy_coef != 0 else ent
+            prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
+            loss, st = policy_loss(
+                cfg=alg,
+                norm=norm,
+                logp=logp,
+                mask=mb.mask,
+                seq_ids=mb.seq_ids,
+                behavior_logp=mb.behavior_logp,
+                advantages=mb.advantages,
+                prox_logp=prox if needs_prox(alg.loss) else None,
+                ref_logp=ref_logp,
+                entropy=entropy,
+            )
+            wrt = [logp, entropy] if entropy.requires_grad else [logp]
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+            grad_logp = torch.zeros_like(logp) if grads[0] is None else grads[0]
+            grad_ent = None
+            if len(grads) > 1:
+                grad_ent = torch.zeros_like(entropy) if grads[1] is None else grads[1]
+            for k, v in st.items():
+                totals.stats[k] += v.cpu()
+            if drift and alg.loss != "sft":
+                totals.drift += self._drift(mb, prox)
+            totals.loss += loss.detach().to(torch.float64).cpu()
+        totals.tokens += 0 if mb.is_empty else mb.num_tokens
+        grad_hidden = chunked_backward(
+            hidden,
+            labels,
+            self.model.lm_head,
+            grad_logp,
+            grad_ent,
+            sync_gradients=sync,
+            **chunking,
+        )
+        hidden.backward(grad_hidden)
+
     def _update(self, mine: list[Sequence], totals: _StepTotals, *, drift: bool) -> None:
         """One optimizer update on this rank's share of a mini-batch (collective). The loss is
         normalised by the mini-batch's GLOBAL counts; π_prox is the recomputed one when the
         sequences carry it, else this forward's own (the step's starting weights, one update)."""
-        alg = self.alg
         mbs = self.micro_batches(mine)
         counts = sum((count_tokens_and_seqs(mb.mask, mb.seq_ids) for mb in mbs), torch.zeros(2))
         counts = counts.to(torch.float64)
@@ -513,38 +572,9 @@ class Trainer:
         )
         self.optimizers.zero_grad()
         for i, mb in enumerate(mbs):
-            self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-            logits = self._forward(mb)
-            logp, ent = self._logprobs(logits, mb, entropy=True)
-            ref_logp = None
-            if self.ref_model is not None:  # on every rank and micro-batch: an FSDP collective
-                with torch.no_grad():
-                    ref_logp = self._logprobs(self._forward(mb, self.ref_model), mb, entropy=False)[
-                        0
-                    ]
-            if mb.sel.numel() == 0:
-                loss = logits.sum() * 0.0  # keeps FSDP's backward collectives in step
-            else:
-                prox = mb.prox_logp if mb.prox_logp is not None else logp.detach()
-                loss, st = policy_loss(
-                    cfg=alg,
-                    norm=norm,
-                    logp=logp,
-                    mask=mb.mask,
-                    seq_ids=mb.seq_ids,
-                    behavior_logp=mb.behavior_logp,
-                    advantages=mb.advantages,
-                    prox_logp=prox if needs_prox(alg.loss) else None,
-                    ref_logp=ref_logp,
-                    entropy=ent,
-                )
-                for k, v in st.items():
-                    totals.stats[k] += v.cpu()
-                if drift and alg.loss != "sft":
-                    totals.drift += self._drift(mb, prox)
-            loss.backward()
-            totals.loss += loss.detach().to(torch.float64).cpu()
-            totals.tokens += 0 if mb.is_empty else mb.num_tokens
+            last = i == len(mbs) - 1
+            self.model.set_requires_gradient_sync(last)
+            self._micro_batch(mb, norm, totals, drift=drift, sync=last)
         clip = self.recipe.learner.grad_clip
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True

@@ -1,0 +1,107 @@
+"""Log-probabilities of the trained tokens from the last hidden states, a chunk of tokens at a time.
+
+A real vocabulary makes the logits the largest tensor of a step: 151,936 × 4 bytes per token for
+Qwen3, ~90 GB for 32k tokens with the float32 copies log-softmax and entropy make. So the model stops
+at its final norm (TorchTitan's ``_skip_lm_head``), and the output projection runs here on one chunk
+of trained tokens at a time (``chunk_tokens``): no more than one chunk of logits is ever alive, in the
+forward or the backward. A loss that needs every token first (GSPO's sequence ratio, any aggregation)
+still works, in two passes:
+
+1. :func:`chunked_logprobs` (no gradient): log π and the entropy of every trained token;
+2. the caller computes its loss on those as leaves and takes d loss / d log π (and d loss / d H);
+3. :func:`chunked_backward` recomputes each chunk's logits with gradient and back-propagates that
+   chunk's share at once, accumulating the output projection's gradient and the hidden states'.
+
+The caller then back-propagates the hidden states' gradient through the decoder. This is the
+structure of TorchTitan's ``ChunkedLossWrapper`` (components/loss.py), including how it keeps the
+FSDP-sharded output projection gathered across chunks and reduces its gradient once.
+
+All log-probabilities are of the tempered distribution softmax(logits / T): generators report their
+behaviour logprobs that way (docs/off-policy.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def chunk_tokens(vocab_size: int, budget_mb: float) -> int:
+    """Tokens per chunk so that one chunk's float32 logits and the softmax-sized temporaries its
+    backward needs (about four copies) stay within ``budget_mb`` MiB."""
+    return max(1, int(budget_mb * 2**20 // (4 * 4 * vocab_size)))
+
+
+def _token_logprobs(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(log π of ``labels``, entropy) of softmax(logits / T), per row, in float32."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, labels[:, None])[:, 0] - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def chunked_logprobs(
+    hidden: Tensor, labels: Tensor, lm_head: nn.Module, *, temperature: float, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """log π and entropy (float32, ``[T]``) of each row of ``hidden`` (``[T, D]``, the trained
+    tokens' last hidden states) for its label, a chunk of rows at a time; no gradient."""
+    out_lp, out_ent = [], []
+    for h, y in zip(hidden.split(chunk), labels.split(chunk), strict=True):
+        lp, ent = _token_logprobs(lm_head(h), y, temperature)
+        out_lp.append(lp)
+        out_ent.append(ent)
+    if not out_lp:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty.clone()
+    return torch.cat(out_lp), torch.cat(out_ent)
+
+
+def chunked_backward(
+    hidden: Tensor,
+    labels: Tensor,
+    lm_head: nn.Module,
+    grad_logp: Tensor,
+    grad_entropy: Tensor | None,
+    *,
+    temperature: float,
+    chunk: int,
+    sync_gradients: bool,
+) -> Tensor:
+    """Back-propagate d loss / d log π (and d loss / d entropy, when the loss has an entropy term)
+    through the output projection, a chunk of rows at a time. Accumulates the projection's
+    parameter gradients and returns d loss / d ``hidden`` (``[T, D]``).
+
+    With FSDP the projection stays gathered across chunks, and its gradient is reduced once, at
+    the last chunk, if ``sync_gradients`` (the micro-batch's own setting: gradient accumulation
+    reduces only at a step's last micro-batch)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = isinstance(lm_head, FSDPModule)
+    leaf = hidden.detach().requires_grad_(True)
+    chunks = list(zip(leaf.split(chunk), labels.split(chunk), strict=True))
+    grads_lp = grad_logp.split(chunk)
+    grads_ent = grad_entropy.split(chunk) if grad_entropy is not None else None
+    if fsdp:
+        lm_head.set_reshard_after_forward(False)
+        lm_head.set_reshard_after_backward(False)
+        lm_head.set_requires_gradient_sync(False, recurse=False)
+        lm_head.unshard()
+    try:
+        for i, (h, y) in enumerate(chunks):
+            if fsdp and i == len(chunks) - 1:
+                lm_head.set_requires_gradient_sync(sync_gradients, recurse=False)
+            lp, ent = _token_logprobs(lm_head(h), y, temperature)
+            if grads_ent is None:
+                lp.backward(grads_lp[i])
+            else:
+                torch.autograd.backward([lp, ent], [grads_lp[i], grads_ent[i]])
+    finally:
+        if fsdp:  # TorchTitan's settings for the group holding the projection (fsdp.py)
+            lm_head.set_reshard_after_forward(False)
+            lm_head.set_reshard_after_backward(True)
+            lm_head.set_requires_gradient_sync(sync_gradients, recurse=False)
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
