@@ -209,6 +209,11 @@ class LearnerConfig:
         "> 1 recomputes π_prox before the first (decoupled_ppo's trust region needs it)",
     )
     epochs: int = _f(1, lo=1, doc="passes over each batch (each pass: `minibatches` updates)")
+    activation_checkpointing: Literal["none", "selective", "full"] = _f(
+        "none",
+        doc="recompute each block's activations in the backward (TorchTitan's SelectiveAC / FullAC)",
+    )
+    compile: bool = _f(False, doc="torch.compile each transformer block (TorchTitan's); GPU only")
     logits_chunk_mb: float = _f(
         256.0,
         lo=0,

@@ -4,7 +4,8 @@
         RECIPE BATCH OUT_DIR
 
 Every rank builds the trainer and steps on the same batch (``asyncrl.learner.source.encode_batch``
-bytes); rank 0 writes ``OUT_DIR/metrics.json`` and ``OUT_DIR/weights.safetensors`` (HF names).
+bytes); rank 0 writes ``OUT_DIR/metrics.json`` and ``OUT_DIR/weights.safetensors`` (HF names),
+and every rank ``OUT_DIR/kept-rank<r>.json``: what it kept of a rank-0-only bfloat16 gather.
 Used by tests/test_learner_collectives.py to compare a multi-rank step with a one-rank step.
 """
 
@@ -14,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -29,6 +31,9 @@ def main(recipe_path: str, batch_path: str, out_dir: str) -> None:
     try:
         res = trainer.step(decode_batch(Path(batch_path).read_bytes()))
         weights = trainer.hf_state_dict()  # a collective
+        sent = trainer.hf_state_dict(torch.bfloat16, all_ranks=False)  # what a broadcast gathers
+        kept = {"tensors": len(sent), "dtypes": sorted({str(t.dtype) for t in sent.values()})}
+        (out / f"kept-rank{trainer.rank}.json").write_text(json.dumps(kept))
         if trainer.rank == 0:
             save_file({k: v.contiguous() for k, v in weights.items()}, out / "weights.safetensors")
             (out / "metrics.json").write_text(json.dumps({"loss": res.loss, **res.metrics}))

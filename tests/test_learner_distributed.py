@@ -191,6 +191,10 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(fixture, chunk_mb, 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "metrics.json").read_text())
+    # a weight broadcast's gather: rank 0 keeps every tensor, in the wire dtype; rank 1 nothing
+    kept = [json.loads((tmp_path / f"kept-rank{r}.json").read_text()) for r in (0, 1)]
+    n = len(load_file(str(tmp_path / "weights.safetensors")))
+    assert kept == [{"tensors": n, "dtypes": ["torch.bfloat16"]}, {"tensors": 0, "dtypes": []}]
 
     tr = Trainer(recipe_mod.load(recipe_file), run_dir=tmp_path / "one", checkpointing=False)
     one = tr.step(batch)

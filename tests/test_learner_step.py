@@ -268,3 +268,22 @@ def test_staleness_0_tokens_of_a_sample_across_an_update_are_kept_apart(tiny_qwe
     assert m["drift/tokens/1"] == cut
     assert m["drift/tokens/0"] == total - len(mixed.versions)
     assert {"drift/mismatch_kl", "drift/kv_mixed_kl", "drift/staleness_kl/1"} <= m.keys()
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_activation_checkpointing_recomputes_the_same_gradient(tiny_qwen3, tmp_path, policy):
+    """TorchTitan's activation checkpointing per block (learner.activation_checkpointing): the
+    backward recomputes each block's activations; the gradient is the one without it."""
+    grads = {}
+    for ac in ("none", policy):
+        tr = make_trainer(
+            tiny_qwen3,
+            tmp_path,
+            learner={"lr": 1e-3, "activation_checkpointing": ac},
+            buffer={"max_staleness": 8},
+        )
+        tr.step(rl_batch(tr.spec.model.vocab_size))
+        wrapped = "_checkpoint_wrapped_module."  # the wrapper's prefix in parameter names
+        assert any(wrapped in n for n, _ in tr.model.named_parameters()) == (ac != "none")
+        grads[ac] = {k.replace(wrapped, ""): g for k, g in weights_and_grads(tr.model)[1].items()}
+    assert_grads_close(grads["none"], grads[policy])

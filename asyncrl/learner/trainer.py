@@ -19,6 +19,7 @@ at the end always have the same keys.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -42,6 +43,7 @@ from torchtitan.components.optimizer import (
 from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
@@ -84,6 +86,12 @@ HF_FILES = (
     "tokenizer.model",
 )
 """Files copied from the source HF folder into every export, next to the weights."""
+
+
+log = logging.getLogger("asyncrl.learner")
+
+AC_CONFIGS = {"none": lambda: None, "selective": SelectiveAC.Config, "full": FullAC.Config}
+"""``learner.activation_checkpointing`` → TorchTitan's policy config (applied per block)."""
 
 
 class LearnerError(RuntimeError):
@@ -178,6 +186,11 @@ class Trainer:
         )
         self.max_seq_len = self.spec.model.max_seq_len
         self.chunk_tokens = chunk_tokens(self.spec.model.vocab_size, r.learner.logits_chunk_mb)
+        if r.learner.compile and cpu_shims.ON_CPU:
+            log.warning(
+                "learner.compile on CPU: every new batch layout recompiles the blocks (measured on "
+                "the tiny test model: 38-60 s per step against 0.3 s eager); it is meant for GPUs"
+            )
 
         class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
             pass
@@ -250,13 +263,14 @@ class Trainer:
         """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights."""
         with torch.device("meta"):
             model = self.spec.model.build()
+        lc = self.recipe.learner
         model = self.spec.parallelize_fn(
             model,
             parallel_dims=self.parallel_dims,
             training=TrainingConfig(mixed_precision_param=self.recipe.model.dtype),
             parallelism=self._parallelism,
-            compile_config=CompileConfig(),
-            ac_config=None,
+            compile_config=CompileConfig(enable=lc.compile, components=["model"]),
+            ac_config=AC_CONFIGS[lc.activation_checkpointing](),
             dump_folder=str(self.run_dir),
         )
         cpu_shims.force_sum_reduction(model)
@@ -328,13 +342,24 @@ class Trainer:
     # Weights out
     # ------------------------------------------------------------------------------------------
 
-    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Full tensors under HF names (collective: every rank must call it, every rank gets all)."""
+    def hf_state_dict(
+        self, dtype: torch.dtype | None = None, *, all_ranks: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Fresh full tensors under HF names (collective: every rank must call it).
+
+        One tensor is gathered at a time, cast to ``dtype`` first (a bfloat16 broadcast gathers
+        bfloat16). With ``all_ranks=False`` only rank 0 keeps them and the others get ``{}``: no rank
+        but the sender holds a second copy of the model (8B in float32 would be 32 GB per rank)."""
         out = {}
-        for k, v in self.adapter.to_hf(self.model.state_dict()).items():
+        for k, p in self.adapter.to_hf(self.model.state_dict()).items():
+            v = p.detach()
+            if dtype is not None and v.is_floating_point() and v.dtype != dtype:
+                v = v.to(dtype)
             t = v.full_tensor() if isinstance(v, DTensor) else v
-            t = t.detach()
-            out[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
+            if all_ranks or self.rank == 0:
+                live = p.to_local() if isinstance(p, DTensor) else p
+                aliased = t.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
+                out[k] = t.clone() if aliased else t
         return out
 
     def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:

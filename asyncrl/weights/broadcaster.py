@@ -331,9 +331,11 @@ class WeightBroadcaster:
             return
         if force:
             self._last_forced = time.monotonic()
-        named = trainer.hf_state_dict()  # a collective: every rank calls it at the same point
+        # A collective (every rank calls it at the same point); only rank 0 keeps the tensors, gathered
+        # one at a time in the wire dtype, and they are fresh copies it may own.
+        named = trainer.hf_state_dict(self.dtype, all_ranks=False)
         if self.rank == 0:
-            self.publish(version, named, owned=True)  # hf_state_dict() returns fresh copies
+            self.publish(version, named, owned=True)
 
     def publish(
         self, version: int, named_tensors: Mapping[str, torch.Tensor], *, owned: bool = False
