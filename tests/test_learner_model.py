@@ -105,3 +105,24 @@ def test_hf_state_dict_and_export_round_trip(fixture, request, tmp_path):
     assert not torch.equal(hf.state_dict()["model.norm.weight"], original["model.norm.weight"])
     for name in ("config.json", "tokenizer.json", "generation_config.json"):
         assert (out / name).is_file()
+
+
+def test_attention_choice_follows_the_device_and_what_imports():
+    from asyncrl.learner.attention import choose_attention
+
+    def pick(kind, cap, present=()):
+        return choose_attention(
+            kind, on_cpu=cap is None, capability=cap, importable=lambda m: m in present
+        )[0]
+
+    assert pick("auto", None) == "sdpa"  # CPU: flex has no CPU backward, varlen no kernel
+    assert pick("auto", (8, 0)) == "varlen"  # A100: PyTorch's own flash kernels
+    assert pick("auto", (9, 0)) == "flex"  # H100 without FA3: no ModuleNotFoundError at build
+    assert pick("auto", (9, 0), {"flash_attn_interface"}) == "varlen"
+    assert pick("auto", (10, 0), {"flash_attn_interface"}) == "flex"  # B200 needs FA4
+    assert pick("auto", (10, 0), {"flash_attn.cute.interface"}) == "varlen"
+    assert pick("flex", (9, 0)) == "flex" and pick("sdpa", (9, 0)) == "sdpa"
+    with pytest.raises(
+        ValueError, match="model.attention: varlen .* FA3, but flash_attn_interface"
+    ):
+        pick("varlen", (9, 0))

@@ -287,3 +287,15 @@ def test_activation_checkpointing_recomputes_the_same_gradient(tiny_qwen3, tmp_p
         assert any(wrapped in n for n, _ in tr.model.named_parameters()) == (ac != "none")
         grads[ac] = {k.replace(wrapped, ""): g for k, g in weights_and_grads(tr.model)[1].items()}
     assert_grads_close(grads["none"], grads[policy])
+
+
+def test_collectives_wait_longer_than_rank_0_may_legitimately_wait():
+    """Ranks > 0 sit in a collective while rank 0 waits for a batch (and may first finish a
+    weight sync): their timeout covers both, whatever the recipe says (300 s did not)."""
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.trainer import collective_timeout_s
+
+    r = recipe_mod.from_dict({"buffer": {"batch_timeout_s": 3000}, "weights": {"timeout_s": 90}})
+    assert collective_timeout_s(r) >= 3000 + 3 * 90
+    default = recipe_mod.from_dict({})
+    assert collective_timeout_s(default) > default.buffer.batch_timeout_s + 300

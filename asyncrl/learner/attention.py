@@ -9,6 +9,7 @@ the masked-out blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -16,8 +17,6 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.protocols.module import Module
-
-from asyncrl.learner import cpu_shims
 
 
 class DocSegments(NamedTuple):
@@ -83,14 +82,57 @@ class DocSegmentSDPA(Module):
         return out.transpose(1, 2)
 
 
-def inner_attention_config(kind: str) -> Module.Config:
-    """The inner attention for ``model.attention`` (auto | sdpa | flex | varlen).
+FLASH_MODULES = {"FA3": "flash_attn_interface", "FA4": "flash_attn.cute.interface"}
+"""What TorchTitan's varlen attention activates on Hopper (FA3) and Blackwell (FA4): modules that
+are not PyTorch's (torchtitan/tools/utils.py get_cuda_flash_attention_impl; torch/nn/attention)."""
 
-    ``auto`` picks varlen on CUDA (packed rows, no padding, fastest) and the per-document SDPA on CPU.
-    ``sdpa`` means the per-document SDPA on any device.
-    """
+
+def flash_impl(capability: tuple[int, int] | None) -> str | None:
+    """The FlashAttention TorchTitan's varlen activates for a CUDA compute capability."""
+    if capability is None:
+        return None
+    return "FA4" if capability >= (10, 0) else "FA3" if capability >= (9, 0) else None
+
+
+def choose_attention(
+    kind: str,
+    *,
+    on_cpu: bool,
+    capability: tuple[int, int] | None,
+    importable: Callable[[str], bool],
+) -> tuple[str, str]:
+    """(attention, why) for ``model.attention``. ``auto``: the per-document SDPA on CPU (neither flex
+    nor varlen trains there); on CUDA varlen (packed rows, fastest) when its kernels import, else
+    flex. An explicit varlen whose kernels do not import is an error naming the module, not a
+    ModuleNotFoundError at model build."""
+    impl = flash_impl(None if on_cpu else capability)
+    module = FLASH_MODULES.get(impl or "")
     if kind == "auto":
-        kind = "sdpa" if cpu_shims.ON_CPU else "varlen"
+        if on_cpu:
+            return "sdpa", "CPU: per-document SDPA (flex and varlen do not train on CPU)"
+        if module is None or importable(module):
+            return "varlen", f"varlen ({impl or 'PyTorch flash kernels'})"
+        return "flex", f"flex: varlen on this GPU needs {impl} ({module}), which does not import"
+    if kind == "varlen" and not on_cpu and module is not None and not importable(module):
+        raise ValueError(
+            f"model.attention: varlen on this GPU uses {impl}, but {module} does not import; "
+            "install it, or use auto, flex or sdpa"
+        )
+    return kind, f"{kind} (model.attention)"
+
+
+def module_importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
+
+
+def inner_attention_config(kind: str) -> Module.Config:
+    """The inner attention module for a chosen attention (sdpa | flex | varlen, after
+    :func:`choose_attention`). ``sdpa`` is the per-document SDPA on any device."""
     if kind == "sdpa":
         return DocSegmentSDPA.Config()
     if kind == "flex":

@@ -88,10 +88,10 @@ def train(
     publishers: Sequence[Callable] = (),
 ) -> int:
     """Run the learner to ``run.steps`` versions. Collective: every rank calls it."""
-    from asyncrl.learner.trainer import Trainer, ensure_distributed
+    from asyncrl.learner.trainer import Trainer, collective_timeout_s, ensure_distributed
     from asyncrl.metrics import MetricsSink
 
-    rank, _ = ensure_distributed()
+    rank, _ = ensure_distributed(collective_timeout_s(recipe))
     trainer = Trainer(recipe)
     if rank == 0 and trainer.version > 0:
         print(f"asyncrl learner: resumed at version {trainer.version}", file=sys.stderr, flush=True)

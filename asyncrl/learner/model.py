@@ -8,6 +8,7 @@ state-dict adapter (HF names in and out, tied and untied embeddings) are TorchTi
 from __future__ import annotations
 
 import json
+import logging
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl.learner import cpu_shims
-from asyncrl.learner.attention import inner_attention_config
+from asyncrl.learner.attention import choose_attention, inner_attention_config, module_importable
+
+log = logging.getLogger("asyncrl.learner")
 
 
 class ModelConfigError(ValueError):
@@ -92,7 +95,22 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
             f"model.attention: {attention} cannot train on CPU (no CPU backward / kernel); "
             "use auto or sdpa"
         )
-    inner = inner_attention_config(attention)
+    capability = None
+    if not cpu_shims.ON_CPU:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+    try:
+        chosen, why = choose_attention(
+            attention,
+            on_cpu=cpu_shims.ON_CPU,
+            capability=capability,
+            importable=module_importable,
+        )
+    except ValueError as e:
+        raise ModelConfigError(str(e)) from None
+    log.info("attention: %s", why)
+    inner = inner_attention_config(chosen)
 
     def norm(n: int) -> RMSNorm.Config:
         return RMSNorm.Config(normalized_shape=n, eps=eps, param_init=_NORM)
