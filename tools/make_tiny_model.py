@@ -4,6 +4,7 @@ The tokenizer is character-level over printable ASCII, so every synthetic task, 
 template can be written in plain text. Used by the tests, the benches and the CPU demo.
 
     python tools/make_tiny_model.py OUT_DIR [--arch qwen3|llama] [--hidden 128] [--layers 2] [--untied]
+    python tools/make_tiny_model.py OUT_DIR --flavour qwen3-0.6b   # real sizes, random weights
 """
 
 from __future__ import annotations
@@ -21,11 +22,34 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(out: Path):
+FLAVOURS = {
+    # Qwen3-0.6B's config.json (hidden 1024, 28 layers, vocabulary 151,936, tied embeddings),
+    # random weights: real sizes for memory and speed, built here without a download.
+    "qwen3-0.6b": dict(
+        arch="qwen3",
+        hidden=1024,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=3072,
+        vocab_size=151_936,
+        max_positions=40_960,
+        rope_theta=1_000_000.0,
+        tie_embeddings=True,
+    ),
+}
+"""Named real configurations: ``make_tiny_model(out, **FLAVOURS[name])``."""
+
+
+def make_tokenizer(out: Path, vocab_size: int = 0):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tokens = SPECIALS + CHARS
+    # a real vocabulary's size: placeholder tokens that text never encodes to, but that decode
+    tokens += [f"<extra_{i}>" for i in range(max(vocab_size - len(tokens), 0))]
+    vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -49,14 +73,20 @@ def make_tiny_model(
     max_positions: int = 512,
     tie_embeddings: bool = True,
     seed: int = 0,
+    head_dim: int = 0,
+    vocab_size: int = 0,
+    rope_theta: float = 10000.0,
 ) -> Path:
-    """Write a random tiny model with the char tokenizer to ``out`` and return the folder."""
+    """Write a random model with the char tokenizer to ``out`` and return the folder.
+
+    ``vocab_size`` > the char tokenizer's pads the vocabulary (see :data:`FLAVOURS`); ``head_dim``
+    0 is ``hidden // heads``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(out)
+    tok = make_tokenizer(out, vocab_size)
     common = dict(
         vocab_size=len(tok),
         hidden_size=hidden,
@@ -64,10 +94,10 @@ def make_tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
+        head_dim=head_dim or hidden // heads,
         max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+        rope_theta=rope_theta,
         tie_word_embeddings=tie_embeddings,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -98,7 +128,11 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--untied", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flavour", choices=sorted(FLAVOURS), help="a real configuration instead")
     a = p.parse_args()
+    if a.flavour:
+        print(make_tiny_model(a.out, seed=a.seed, **FLAVOURS[a.flavour]))
+        return
     path = make_tiny_model(
         a.out,
         arch=a.arch,

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -97,6 +98,15 @@ AC_CONFIGS = {"none": lambda: None, "selective": SelectiveAC.Config, "full": Ful
 
 class LearnerError(RuntimeError):
     """A configuration or state the learner cannot run with (one-line message)."""
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's high-water marks so far: resident memory (Linux reports KiB), and on a GPU
+    the most the caching allocator ever handed out."""
+    out = {"learner/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if not cpu_shims.ON_CPU:
+        out["learner/device_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def collective_timeout_s(recipe: Recipe) -> float:
@@ -680,6 +690,7 @@ class Trainer:
         }
         if updates > 1:
             metrics["grad_norm/max"] = float(max(totals.grad_norms))
+        metrics |= peak_memory()
         metrics |= self._batch_info
         metrics |= finalize_stats(summed)
         if self.alg.loss != "sft":
