@@ -158,7 +158,9 @@ class Release:
 @dataclass(kw_only=True)
 class GeneratorInfo:
     url: str
-    world_size: int = 1  # GPUs (tp x pp) of this server: the ranks it takes in the weight group
+    world_size: int = (
+        1  # ranks it takes in the weight group when it has no /server_info (else tp_size)
+    )
     kind: str = "sglang"  # sglang | builtin
 
 

@@ -307,3 +307,18 @@ def test_two_rank_learner_under_torchrun(engines, tiny_qwen3, tmp_path):
             == greedy(engines[1].url, p_)
             == hf_greedy(tmp_path / "export", p_)
         )
+
+
+def test_weight_group_layout_follows_each_servers_tensor_parallel_size():
+    """SGLang gives TP worker r of a server the rank rank_offset + r: a TP-2 and a TP-4 server after
+    the learner take ranks 1-2 and 3-6. Layouts SGLang cannot join are refused with the fix."""
+    from asyncrl.weights.rendezvous import LayoutError, group_layout, server_ranks
+
+    assert server_ranks({"tp_size": 2, "dp_size": 1, "pp_size": 1}) == 2
+    assert server_ranks({"tp_size": 4}) == 4
+    assert group_layout([2, 4]) == ([1, 3], 7)
+    assert group_layout([1, 1, 1]) == ([1, 2, 3], 4)
+    with pytest.raises(LayoutError, match="dp_size 2: .* one server per data-parallel replica"):
+        server_ranks({"tp_size": 2, "dp_size": 2})
+    with pytest.raises(LayoutError, match="pp_size 2"):
+        server_ranks({"tp_size": 1, "pp_size": 2})

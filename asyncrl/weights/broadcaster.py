@@ -165,6 +165,7 @@ class Member:
     sessions: bool | None = None  # has /begin_weight_update (SGLang >= 0.5.21, the built-in engine)
     reason: str = ""  # why it was dropped
     from_disk: bool = False  # a rejoining generator loads the latest export before joining
+    ranks: int | None = None  # ranks it takes in the group (its tp_size), asked before a build
 
     @property
     def url(self) -> str:
@@ -563,6 +564,7 @@ class WeightBroadcaster:
         """Destroy the old group and build one over ``members``: every server's init posted
         concurrently, then rank 0 joins (the server calls return only once everyone has joined)."""
         self._drop_group(members, background=True)
+        self._ask_ranks(members)
         self._builds += 1
         host = self.cfg.master_addr
         port = (
@@ -570,18 +572,16 @@ class WeightBroadcaster:
             if self.cfg.master_port
             else free_port(host)
         )
+        starts, world = rendezvous.group_layout([m.ranks or 1 for m in members])
+        offsets = {m.url: start for m, start in zip(members, starts, strict=True)}
         spec = GroupSpec(
             master_address=host,
             master_port=port,
-            world_size=1 + sum(m.info.world_size for m in members),
+            world_size=world,
             group_name=f"{self.cfg.group_name}-{self._nonce}-{self._builds}",
             backend=self.backend,
             timeout_s=self.cfg.timeout_s,
         )
-        offsets, off = {}, 1
-        for m in members:
-            offsets[m.url] = off
-            off += m.info.world_size
         futs = {
             self._http.submit(m.client.init_group, spec, rank_offset=offsets[m.url]): m
             for m in members
@@ -626,6 +626,23 @@ class WeightBroadcaster:
             port,
         )
         self._event("group_built", group=spec.group_name, world_size=spec.world_size, port=port)
+
+    def _ask_ranks(self, members: list[Member]) -> None:
+        """Each new member's rank count from its ``/server_info`` (a TP-4 SGLang server takes 4): a
+        worker cannot know it, and a wrong count hangs the group's rendezvous."""
+
+        def ask(m: Member) -> int:
+            info = m.client.server_info()  # None: no such endpoint (the built-in engine)
+            return m.info.world_size if info is None else rendezvous.server_ranks(info)
+
+        new = [m for m in members if m.ranks is None]
+        ok, bad = self._fan_out(new, ask, timeout=self.cfg.timeout_s + 1)
+        for m in new:
+            if m.url in ok:
+                m.ranks = ok[m.url]
+        if bad:
+            why = {u: f"server_info: {e}" for u, e in bad.items()}
+            raise _Failed(why, "; ".join(f"{u}: {w}" for u, w in why.items()))
 
     def _drop_group(self, members: list[Member], *, background: bool) -> None:
         """Leave the current group: servers destroy their side (best effort), rank 0 destroys its own."""

@@ -102,6 +102,17 @@ class WeightsClient:
             raise GeneratorError(self.url, "/model_info", "expected a JSON object", dead=False)
         return data
 
+    def server_info(self, *, timeout_s: float | None = None) -> dict | None:
+        """SGLang's resolved server arguments (``tp_size``, ``dp_size``...); None where the server has
+        no such endpoint (the built-in engine). ``/get_server_info`` is the older name."""
+        for path in ("/server_info", "/get_server_info"):
+            data = self._call("GET", path, timeout_s=timeout_s, ok_404=True)
+            if data is not None:
+                if not isinstance(data, dict):
+                    raise GeneratorError(self.url, path, "expected a JSON object", dead=False)
+                return data
+        return None
+
     def weight_version(self, *, timeout_s: float | None = None) -> str | None:
         v = self.model_info(timeout_s=timeout_s).get("weight_version")
         return None if v is None else str(v)

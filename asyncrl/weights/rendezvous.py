@@ -15,6 +15,45 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 
+class LayoutError(ValueError):
+    """A generator's parallel layout cannot join a weight-update group (one line, naming why)."""
+
+
+def server_ranks(info: dict) -> int:
+    """How many ranks one server takes in the weight-update group, from its ``/server_info``.
+
+    SGLang 0.5.23 gives each tensor-parallel worker the rank ``rank_offset + tp_rank``
+    (model_executor/model_runner_components/weight_updater.py), so a server takes ``tp_size``
+    ranks. Its update-from-distributed path asserts ``dp_size == 1``, and with ``pp_size > 1`` the
+    stages' tp_ranks would collide: both are refused here, with the fix."""
+
+    def size(key: str) -> int:
+        v = info.get(key, 1)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 1
+
+    if size("dp_size") > 1:
+        raise LayoutError(
+            f"dp_size {size('dp_size')}: SGLang updates weights from a process group only with "
+            "dp_size 1; run one server per data-parallel replica"
+        )
+    if size("pp_size") > 1:
+        raise LayoutError(
+            f"pp_size {size('pp_size')}: the weight-update group has no ranks for pipeline stages; "
+            "serve with pp_size 1"
+        )
+    return size("tp_size")
+
+
+def group_layout(ranks: list[int]) -> tuple[list[int], int]:
+    """Each server's ``rank_offset`` and the group's world size: the learner is rank 0, servers follow
+    in order, each taking its :func:`server_ranks` (slime's layout)."""
+    offsets, nxt = [], 1
+    for n in ranks:
+        offsets.append(nxt)
+        nxt += n
+    return offsets, nxt
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
