@@ -216,6 +216,18 @@ class Version:
     max_staleness: int = 0
 
 
+@dataclass(kw_only=True)
+class End:
+    """Published when the learner has trained its last version: the run is over, workers stop.
+
+    A learner that dies sends none, so a worker that hears no version keeps waiting for a restarted
+    learner; only this message (or a ``run_ended`` error reply) tells it to leave."""
+
+    kind: ClassVar[str] = "end"
+    version: int
+    message: str = ""
+
+
 MESSAGES: dict[str, type] = {
     m.kind: m
     for m in (
@@ -231,6 +243,7 @@ MESSAGES: dict[str, type] = {
         Status,
         StatusReply,
         Version,
+        End,
     )
 }
 
@@ -247,6 +260,7 @@ Message = (
     | Status
     | StatusReply
     | Version
+    | End
 )
 
 _ARRAYS = {  # the per-token arrays, in the order they sit in ``tokens``
@@ -854,6 +868,10 @@ def _build(kind: str, d: dict, tokens: memoryview | None) -> Message:
             version=_count(d, "version", w, hi=2**62),
             checkpoint=_opt(d, "checkpoint", str, w, ""),
             max_staleness=_count(d, "max_staleness", w, hi=2**31) if "max_staleness" in d else 0,
+        )
+    if kind == "end":
+        return End(
+            version=_count(d, "version", w, hi=2**62), message=_opt(d, "message", str, w, "")
         )
     raise WireError(f"unknown message kind {kind!r}")  # pragma: no cover - guarded by MESSAGES
 

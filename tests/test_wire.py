@@ -103,6 +103,7 @@ STRATEGIES: dict[str, st.SearchStrategy] = {
     "version": st.builds(
         wire.Version, version=version, checkpoint=text, max_staleness=st.integers(0, 2**31)
     ),
+    "end": st.builds(wire.End, version=version, message=text),
 }
 
 
@@ -188,6 +189,7 @@ def _valid_messages(rng: random.Random) -> list[wire.Message]:
         wire.Status(),
         wire.StatusReply(version=5, stats={"a": 1}),
         wire.Version(version=9, checkpoint="/c", max_staleness=1),
+        wire.End(version=9, message="done"),
     ]
 
 
@@ -393,6 +395,26 @@ def test_decoded_arrays_are_views_of_the_message_and_read_only():
 )
 def test_decode_errors_name_the_problem(change, needle):
     d = msgpack.unpackb(wire.encode(wire.Acquire(worker_id="w", n=1)), raw=False)
+    change(d)
+    with pytest.raises(wire.WireError, match=needle):
+        wire.decode(msgpack.packb(d))
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda d: d.pop("version"), "end: missing field 'version'"),
+        (lambda d: d.update(version=-1), r"end.version: -1 is outside"),
+        (lambda d: d.update(version="9"), "end.version: expected int, got str"),
+        (lambda d: d.update(message=7), "end.message: expected str, got int"),
+        (lambda d: d.update(message="x" * (wire.MAX_STR + 1)), "max_str_len"),
+    ],
+)
+def test_end_of_run_is_validated(change, needle):
+    """The end-of-run announcement makes every worker leave: only a well-formed one may."""
+    msg = wire.End(version=15, message="trained run.steps=15 versions")
+    assert wire.decode(wire.encode(msg), expect=wire.End) == msg
+    d = msgpack.unpackb(wire.encode(msg), raw=False)
     change(d)
     with pytest.raises(wire.WireError, match=needle):
         wire.decode(msgpack.packb(d))
