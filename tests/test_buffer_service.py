@@ -94,6 +94,34 @@ def test_versions_reach_a_subscriber(service: BufferService) -> None:
     assert seen[0] == 0 and seen[-1] == 3 and seen == sorted(seen)
 
 
+def test_end_of_run_is_announced_and_refuses_new_starts(service: BufferService) -> None:
+    """After end_run the subscribers hear End (repeated, so a late one hears it too), Acquire and
+    Register get run_ended, and the starts still out can be given back."""
+
+    async def worker() -> None:
+        async with BufferClient(service.address, worker_id="w") as c:
+            await c.register([wire.GeneratorInfo(url="http://127.0.0.1:1")])
+            service.set_version(4)
+            grant = await c.acquire(2)
+            assert grant.k == 2
+            assert service.stats()["workers_registered"] == 1
+            assert not service.stats()["ended"]
+            service.end_run("trained 4 versions")
+            with Subscriber(service.pub_address) as sub:  # connects after the first announcement
+                with trio.fail_after(20):
+                    while not isinstance(msg := await sub.receive(timeout_s=5), wire.End):
+                        pass
+            assert (msg.version, msg.message) == (4, "trained 4 versions")
+            with pytest.raises(BufferError, match="run_ended: trained 4 versions"):
+                await c.acquire(1)
+            with pytest.raises(BufferError, match="run_ended"):
+                await c.register([wire.GeneratorInfo(url="http://127.0.0.1:1")])
+            assert isinstance(await c.release(grant.lease_id, grant.k), wire.Ok)
+            assert (await c.status()).stats["ended"]
+
+    run(worker)
+
+
 def test_register_runs_callbacks(service: BufferService) -> None:
     calls: list = []
     service.on_register(lambda wid, gens: calls.append((wid, [g.url for g in gens])))

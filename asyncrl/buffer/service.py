@@ -8,6 +8,10 @@ every store call is short (no I/O, no decoding), so neither side waits long on t
 Workers: Acquire -> Grant, Put -> Ack (with per-group rejection reasons), Release -> Ok,
 Register -> Ok (after the ``on_register`` callbacks ran), Status -> StatusReply; anything else, and
 anything undecodable, gets a ``wire.Error`` and is counted; the service keeps serving.
+
+After :meth:`BufferService.end_run` (the learner trained its last version) the service announces
+``wire.End`` instead of the version, and answers Acquire and Register with ``Error("run_ended")``,
+so a worker that missed the announcement learns it at its next request.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class BufferService:
         self._cancel: trio.CancelScope | None = None
         self._failure: BaseException | None = None
         self._idle_s = 0.0
+        self._end: wire.End | None = None
+        self._live: set[str] = set()  # workers that registered with this process
         self.address = ""
         self.pub_address = ""
 
@@ -321,6 +327,8 @@ class BufferService:
 
     async def _handle(self, msg: wire.Message) -> wire.Message:
         now = self._clock()
+        if self._end is not None and isinstance(msg, wire.Acquire | wire.Register):
+            return wire.Error(code="run_ended", message=self._end.message)
         if isinstance(msg, wire.Put):
             with self._cond:
                 ack = self._store.put(msg.groups, now=now)
@@ -363,6 +371,7 @@ class BufferService:
                 return wire.Error(code="register_failed", message=f"{type(e).__name__}: {e}")
         with self._cond:
             self._registered[msg.worker_id] = list(msg.generators)
+            self._live.add(msg.worker_id)
             self._save_registered()
             returned = self._store.abandon(msg.worker_id) if msg.fresh else 0
             if returned:
@@ -372,11 +381,12 @@ class BufferService:
         return wire.Ok(version=self.version, message=f"{len(msg.generators)} generator(s)")
 
     async def _announce(self) -> None:
-        """Repeat the current version: a subscriber only hears what is sent after it connects."""
+        """Repeat the current version (or the end): a subscriber only hears what is sent after it
+        connects."""
         assert self._pub is not None
         while True:
             try:
-                await self._pub.publish(self._version_message())
+                await self._pub.publish(self._end or self._version_message())
             except Exception as e:  # a slow network must not stop the service
                 log.warning("version announcement failed: %s", e)
             await trio.sleep(self._announce_every_s)
@@ -455,6 +465,18 @@ class BufferService:
             except Exception as e:
                 log.warning("version announcement failed: %s", e)
 
+    def end_run(self, message: str = "") -> None:
+        """The learner has trained its last version: announce ``wire.End`` at once and from now on
+        instead of the version, and refuse new starts and registrations (``run_ended``). Keep the
+        service running a little after this, so workers can give their starts back."""
+        with self._cond:
+            self._end = wire.End(version=self._store.version, message=message)
+        if self._pub is not None and self._thread is not None:
+            try:
+                self._pub.publish_sync(self._end)
+            except Exception as e:  # repeated by _announce anyway
+                log.warning("end-of-run announcement failed: %s", e)
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state to save with the learner's checkpoint."""
         with self._cond:
@@ -483,6 +505,8 @@ class BufferService:
         s["bad_messages"] = bad
         s["bad_messages_total"] = sum(bad.values())
         s["learner_wait_s"] = self._idle_s
+        s["workers_registered"] = len(self._live)
+        s["ended"] = self._end is not None
         return s
 
 
