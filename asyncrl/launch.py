@@ -7,9 +7,10 @@ the learner finishes, on Ctrl-C / SIGTERM, or when a child dies for good (printi
 A child that dies is first restarted, up to ``run.max_restarts`` times: a rollout worker with the same
 command (it resumes its data position from the buffer), the learner with ``run.resume=true`` (from its
 last checkpoint; the workers reconnect by themselves). Exit code 2 (a user's mistake: a bad recipe,
-plugin or data file) is never restarted: the same command would fail the same way. It then
-evaluates the first and the last model on held-out prompts and leaves in ``runs/<name>/``:
-``metrics.jsonl``, ``wandb/``, checkpoints, ``plots/*.png``, ``logs/*.log`` and ``summary.json``.
+plugin or data file) is never restarted: the same command would fail the same way. The run folder
+``runs/<name>/`` gets ``metrics.jsonl``, ``wandb/``, checkpoints, ``logs/*.log`` and, from the
+learner at its end (:func:`asyncrl.summary.finish_run`, done here only if the learner could not),
+the held-out evaluation, ``plots/*.png`` and ``summary.json``, to which the launcher adds its restarts.
 
 No orphans: a child gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and every stop signals the
 child's whole process group (torchrun's ranks, a worker's engines), then SIGKILLs what is left.
@@ -33,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl import progress as progress_mod
 from asyncrl import recipe as recipe_mod
+from asyncrl import summary as summary_mod
 from asyncrl.recipe import Recipe
 
 STOP_GRACE_S = 60.0
@@ -241,60 +244,8 @@ def make_plan(r: Recipe, recipe_path: Path, overrides: list[str], sock_dir: Path
 
 
 # --------------------------------------------------------------------------------------------------
-# Watching the run: buffer status and the metrics file
+# Watching the run: the buffer's status (the metrics file: asyncrl.progress)
 # --------------------------------------------------------------------------------------------------
-
-
-class MetricsTail:
-    """Reads the lines appended to metrics.jsonl since the last call; keeps the latest values."""
-
-    def __init__(self, path: Path):
-        self.path, self._pos, self._partial = path, 0, b""
-        self.latest: dict[str, Any] = {}
-        self.max_staleness_seen: float | None = None
-        self.learner_step = 0
-
-    def update(self) -> None:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self._pos)
-                data = f.read()
-                self._pos = f.tell()
-        except OSError:
-            return
-        data = self._partial + data
-        *lines, self._partial = data.split(b"\n")
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if isinstance(rec, dict):
-                self._take(rec)
-
-    def _take(self, rec: dict) -> None:
-        if rec.get("process") == "learner" and isinstance(rec.get("step"), int):
-            self.learner_step = max(self.learner_step, rec["step"])
-        for k, v in rec.items():
-            if isinstance(v, int | float) and not isinstance(v, bool):
-                self.latest[k] = v
-                if _is_staleness_max(k):
-                    m = self.max_staleness_seen
-                    self.max_staleness_seen = v if m is None else max(m, v)
-
-    def get(self, *patterns: str) -> float | None:
-        from asyncrl.plots import find_key
-
-        key = find_key([self.latest], patterns)
-        return None if key is None else float(self.latest[key])
-
-
-def _is_staleness_max(key: str) -> bool:
-    import re
-
-    from asyncrl.plots import STALE_MAX
-
-    return any(re.fullmatch(p, key) for p in STALE_MAX)
 
 
 def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -312,206 +263,6 @@ def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, 
     if isinstance(reply, wire.StatusReply):
         return {"version": reply.version, **reply.stats}
     return None
-
-
-class Display:
-    """A rich progress bar on a terminal, a line every 15 s otherwise."""
-
-    def __init__(self, total: int, *, enabled: bool):
-        self.total, self._last_line = total, 0.0
-        self._progress = None
-        if enabled and sys.stderr.isatty():
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(bar_width=20),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.fields[info]}"),
-                transient=False,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("version", total=total, info="starting")
-
-    def update(self, version: int, info: str) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, completed=min(version, self.total), info=info)
-        elif time.monotonic() - self._last_line > 15:
-            self._last_line = time.monotonic()
-            print(f"asyncrl run: version {version}/{self.total}  {info}", file=sys.stderr)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def progress_info(tail: MetricsTail, eta: int, *, sft: bool = False) -> str:
-    from asyncrl import plots
-
-    if sft:
-        loss, tps = tail.get(r"loss"), tail.get(*plots.TRAIN_TPS)
-        return f"loss {_fmt(loss, '.3f')}  train {_fmt(tps, ',.0f')} tok/s"
-
-    reward = tail.get(*plots.REWARD)
-    smean, smax = tail.get(*plots.STALE_MEAN), tail.max_staleness_seen
-    gen, train = tail.get(*plots.GEN_TPS), tail.get(*plots.TRAIN_TPS)
-    return (
-        f"reward {_fmt(reward, '.2f')}  staleness {_fmt(smean, '.1f')} (max {_fmt(smax, 'g')}"
-        f"/{eta})  gen {_fmt(gen, ',.0f')} tok/s  train {_fmt(train, ',.0f')} tok/s"
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Evaluation and the summary
-# --------------------------------------------------------------------------------------------------
-
-
-def find_export(run_dir: Path) -> Path | None:
-    """The learner's newest HF export under ``run_dir/hf`` (asyncrl.weights.exports.latest_export)."""
-    from asyncrl.weights.exports import latest_export
-
-    found = latest_export(run_dir / "hf")
-    return found[0] if found else None
-
-
-def link_latest_export(run_dir: Path) -> Path | None:
-    """``run_dir/hf/latest`` -> the newest export, so a next stage can name it without its version."""
-    export = find_export(run_dir)
-    if export is None:
-        return None
-    link = run_dir / "hf" / "latest"
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(os.path.relpath(export, link.parent), target_is_directory=True)
-    return link
-
-
-def eval_held_out(r: Recipe, model_dir: Path | None) -> float | None:
-    """Greedy held-out success of ``model_dir`` (None if there is no model or no eval file)."""
-    if model_dir is None or not r.data.eval_path or not r.run.eval_prompts:
-        return None
-    from asyncrl import evaluate
-
-    rows = evaluate.load_rows(
-        r.resolve(r.data.eval_path),
-        prompt_key=r.data.prompt_key,
-        answer_key=r.data.answer_key,
-        n=r.run.eval_prompts,
-    )
-    res = evaluate.evaluate(model_dir, rows, max_new_tokens=r.rollout.max_new_tokens)
-    return res.success
-
-
-def summary_version(run_dir: Path) -> int:
-    """The last version the learner logged (0 if none)."""
-    steps = [
-        rec["step"]
-        for rec in _all_records(run_dir)
-        if rec.get("process") == "learner" and isinstance(rec.get("step"), int)
-    ]
-    return max(steps, default=0)
-
-
-def log_eval(run_dir: Path, success: dict[int, float | None]) -> None:
-    """Held-out success at the first and last version, as ``eval/success`` lines of the launcher in
-    metrics.jsonl (the reward plot shows them next to the sampled training reward)."""
-    from asyncrl.metrics import MetricsSink
-
-    values = {v: s for v, s in success.items() if s is not None}
-    if not values:
-        return
-    with MetricsSink(run_dir, name="", group="", use_wandb=False, process="launcher") as sink:
-        for v, s in sorted(values.items()):
-            sink.log({"eval/success": s}, step=v)
-
-
-def _all_records(run_dir: Path) -> list[dict]:
-    from asyncrl import plots
-
-    path = run_dir / "metrics.jsonl"
-    return plots.read_metrics(path) if path.is_file() else []
-
-
-def summarize(
-    r: Recipe,
-    *,
-    run_dir: Path,
-    wall_seconds: float,
-    reward_start: float | None,
-    reward_end: float | None,
-    status: dict[str, Any] | None,
-    outcome: str,
-    restarts: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """summary.json: what the run did, read from the metrics file and the buffer's last status."""
-    from asyncrl import plots
-
-    records = _all_records(run_dir)
-    _, _, smax = plots.series(records, plots.STALE_MAX)
-    # the learner logs every version it reaches (step = version); the buffer's last polled status
-    # may be a second old when the learner finishes
-    learner_steps = [
-        rec["step"]
-        for rec in records
-        if rec.get("process") == "learner" and isinstance(rec.get("step"), int)
-    ]
-    status_version = status.get("version") if status else None
-    cands = learner_steps + ([int(status_version)] if isinstance(status_version, int) else [])
-    version = max(cands) if cands else 0
-    trained_tokens = _sum_key(records, [r"learner/tokens", r".*trained_tokens", r"loss/tokens"])
-    _, _, tps = plots.series(records, plots.TRAIN_TPS)
-    times = [
-        rec["time"]
-        for rec in records
-        if rec.get("process") == "learner" and isinstance(rec.get("time"), int | float)
-    ]
-    summary = {
-        "name": r.run.name,
-        "run_dir": str(run_dir),
-        "outcome": outcome,
-        "steps": int(version),
-        "reward_start": reward_start,
-        "reward_end": reward_end,
-        "reward_gain": None
-        if reward_start is None or reward_end is None
-        else reward_end - reward_start,
-        "max_staleness_seen": max(smax) if smax else None,
-        "max_staleness_allowed": None if r.algorithm.loss == "sft" else r.buffer.max_staleness,
-        "wall_seconds": round(wall_seconds, 2),
-        # from the learner's first logged step to its last: steady-state training time of
-        # len(times) - 1 steps, without start-up and evaluation
-        "train_seconds": round(times[-1] - times[0], 3) if len(times) > 1 else None,
-        "train_steps_timed": max(len(times) - 1, 0),
-        "trained_tokens": trained_tokens,
-        "trained_tokens_per_s": (trained_tokens / wall_seconds)
-        if trained_tokens and wall_seconds > 0
-        else (sum(tps) / len(tps) if tps else None),
-        "algorithm": r.algorithm.loss,
-        "restarts": restarts or {},
-        "buffer_status": status or {},
-    }
-    return summary
-
-
-def _sum_key(records: list[dict], patterns: list[str]) -> float | None:
-    from asyncrl import plots
-
-    key = plots.find_key([rec for rec in records if rec.get("process") == "learner"], patterns)
-    if key is None:
-        return None
-    return float(sum(rec[key] for rec in records if isinstance(rec.get(key), int | float)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -532,11 +283,12 @@ def restart_the_dead(
 ) -> Child | None:
     """Restart each child that died, if it may be restarted; the first that may not, or None.
 
-    A worker that exited 0 is dead too: it does not finish before the learner does. The learner's
-    exit 0 is left to the caller (the run is complete)."""
+    A worker that exited 0 is dead too, unless the learner has ended the run (learner.json says so:
+    the worker heard the end and left while the learner writes its summary). The learner's exit 0
+    is left to the caller (the run is complete)."""
     for c in children:
         code = c.poll()
-        if code is None or (code == 0 and c.finishes_run):
+        if code is None or (code == 0 and (c.finishes_run or _run_ended(run_dir))):
             continue
         if code in (0, USAGE_EXIT) or c.restarts >= max_restarts:
             return c
@@ -548,6 +300,11 @@ def restart_the_dead(
         c.restart(env, code)
         write_pids(children, run_dir)
     return None
+
+
+def _run_ended(run_dir: Path) -> bool:
+    info = summary_mod.read_learner_info(run_dir)
+    return info is not None and info.ended_at is not None
 
 
 class _Stop(Exception):
@@ -568,6 +325,7 @@ def prepare_run_dir(r: Recipe, *, overwrite: bool) -> Path:
             )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / summary_mod.LEARNER_FILE).unlink(missing_ok=True)  # a finished run's, if resumed
     return run_dir
 
 
@@ -585,18 +343,19 @@ def run(
     r = recipe_mod.load(recipe_path, overrides)
     run_dir = prepare_run_dir(r, overwrite=overwrite)
     (run_dir / "recipe.yaml").write_text(recipe_mod.dump(r))
-    t0 = time.monotonic()
+    t0, started_at = time.monotonic(), time.time()
     status: dict[str, Any] | None = None
     outcome = "running"
     sock_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))  # short path: ipc socket names are <108 B
     plan = make_plan(r, recipe_path, overrides, sock_dir)
     env = child_env(r)
-    display = Display(r.run.steps, enabled=r.logging.progress if progress is None else progress)
-    tail = MetricsTail(run_dir / "metrics.jsonl")
+    display = progress_mod.Display(
+        r.run.steps, enabled=r.logging.progress if progress is None else progress
+    )
+    tail = progress_mod.MetricsTail(run_dir / "metrics.jsonl")
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     failed: Child | None = None
     try:
-        start_model = r.resolve(r.model.path) if r.model.path else None
         for child in plan.children:
             child.start(env)
         write_pids(plan.children, run_dir)
@@ -628,9 +387,8 @@ def run(
                     )
                 tail.update()
                 version = int(status.get("version", 0)) if status else tail.learner_step
-                display.update(
-                    version, progress_info(tail, r.buffer.max_staleness, sft=not uses_buffer)
-                )
+                info = progress_mod.progress_info(tail, r.buffer.max_staleness, sft=not uses_buffer)
+                display.update(version, info)
             time.sleep(0.1)
     except _Stop as e:
         outcome = f"stopped ({e})"
@@ -648,26 +406,28 @@ def run(
             file=sys.stderr,
         )
     wall = time.monotonic() - t0
-    if outcome == "completed":
-        link_latest_export(run_dir)
-    reward_start = eval_held_out(r, start_model)
-    reward_end = eval_held_out(r, find_export(run_dir)) if outcome == "completed" else None
-    log_eval(run_dir, {0: reward_start, summary_version(run_dir): reward_end})
-    summary = summarize(
-        r,
-        run_dir=run_dir,
+    info = summary_mod.read_learner_info(run_dir)
+    if info is not None and info.ended_at is not None and info.ended_at >= started_at:
+        wall = info.ended_at - started_at  # to the end of training, not of the learner's evaluation
+    restarts = {c.name: c.restarts for c in plan.children if c.restarts}
+    summary = summary_mod.read_summary(run_dir, since=started_at)  # the learner's, at its end
+    if summary is None:  # the learner could not write it (killed, or failed): the same end, here
+        return summary_mod.finish_run(
+            r,
+            run_dir=run_dir,
+            outcome=outcome,
+            wall_seconds=wall,
+            status=status,
+            restarts=restarts,
+        )
+    # the learner's exit 0 is "completed" here; its summary knows whether it was stopped instead
+    summary_mod.amend(
+        summary,
         wall_seconds=wall,
-        reward_start=reward_start,
-        reward_end=reward_end,
-        status=status,
-        outcome=outcome,
-        restarts={c.name: c.restarts for c in plan.children if c.restarts},
+        restarts=restarts,
+        outcome=summary["outcome"] if outcome == "completed" else outcome,
     )
-    from asyncrl import plots
-
-    with contextlib.suppress(Exception):  # plots are a convenience; the summary must be written
-        summary["plots"] = [str(p) for p in plots.make_plots(run_dir / "metrics.jsonl")]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary_mod.write_summary(run_dir, summary)
     return summary
 
 
@@ -685,7 +445,5 @@ def main(argv: list[str]) -> int:
     except (recipe_mod.RecipeError, LaunchError) as e:
         print(f"asyncrl run: {e}", file=sys.stderr)
         return USAGE_EXIT
-    keys = ("outcome", "steps", "reward_start", "reward_end", "max_staleness_seen")
-    keys += ("max_staleness_allowed", "wall_seconds", "trained_tokens_per_s")
-    print(json.dumps({k: summary.get(k) for k in keys}))
+    print(summary_mod.summary_line(summary))
     return 0 if summary["outcome"] == "completed" else 1

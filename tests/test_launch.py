@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import launch, recipe
+from asyncrl import launch, progress, recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,7 +227,7 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path, tiny_qwen3):
 
 def test_metrics_tail_reads_whole_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    tail = launch.MetricsTail(path)
+    tail = progress.MetricsTail(path)
     tail.update()  # no file yet: nothing, no error
     with path.open("w") as f:
         f.write(json.dumps({"step": 1, "staleness/max": 2, "reward/mean": 0.25}) + "\n")

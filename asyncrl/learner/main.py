@@ -1,7 +1,8 @@
 """`asyncrl learner RECIPE [key=value ...]`: the training loop, alone or under torchrun.
 
-Reads like a table of contents: parse the recipe, build the source (rank 0) and the trainer, loop
-pull → step → export → announce → checkpoint → log, and clean up in ``finally``.
+Reads like a table of contents: parse the recipe, build the source (rank 0) and the trainer, say
+where it listens, loop pull → step → export → announce → checkpoint → log, announce the end, and in
+``finally`` clean up and (at a clean end) write the run's summary and plots.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.learner import source as source_mod
+from asyncrl.learner.report import Invocation, LearnerReport
 from asyncrl.learner.source import BatchSource, SourceError
 from asyncrl.recipe import Recipe
 
@@ -86,17 +89,25 @@ def train(
     *,
     source_factory: SourceFactory | None = None,
     publishers: Sequence[Callable] = (),
+    invocation: Invocation | None = None,
 ) -> int:
-    """Run the learner to ``run.steps`` versions. Collective: every rank calls it."""
+    """Run the learner to ``run.steps`` versions. Collective: every rank calls it.
+
+    Rank 0 also tells its user where it listens and how it is doing (:class:`LearnerReport`), and
+    at a clean end (the last version, or a stop on SIGTERM) writes the run's summary and plots
+    (:func:`asyncrl.summary.finish_run`); at the last version it first announces the end."""
     from asyncrl.learner.trainer import Trainer, collective_timeout_s, ensure_distributed
     from asyncrl.metrics import MetricsSink
 
+    t0 = time.monotonic()
     rank, _ = ensure_distributed(collective_timeout_s(recipe))
     trainer = Trainer(recipe)
     if rank == 0 and trainer.version > 0:
         print(f"asyncrl learner: resumed at version {trainer.version}", file=sys.stderr, flush=True)
     sink = None
     broadcaster = None
+    report = None
+    outcome = ""  # set at a clean end: "completed", or "stopped" (SIGTERM before the last version)
     weights_metrics = _Pending()
     is_rl = recipe.algorithm.loss != "sft"
     if source_factory is None:
@@ -106,6 +117,14 @@ def train(
             sink = MetricsSink.from_recipe(recipe, process="learner")
         if rank == 0:
             trainer.source = source_factory(recipe, trainer)
+            report = LearnerReport(
+                recipe,
+                trainer,
+                source=trainer.source if hasattr(trainer.source, "end_run") else None,
+                invocation=invocation,
+            )
+            report.announce()
+            report.start()
         if is_rl:  # weights to the generators after every step (every rank joins the gather)
             from asyncrl.weights.broadcaster import WeightBroadcaster
 
@@ -122,11 +141,15 @@ def train(
         saved_at = -1
         _stop_on_signals()
         while trainer.version < recipe.run.steps:
+            if report is not None:
+                report.waiting_since = time.monotonic()
             batch = source_mod.broadcast_batch(
                 trainer.source,
                 timeout_s=recipe.buffer.batch_timeout_s,
                 wants_publish=broadcaster.needs_sync if broadcaster and rank == 0 else None,
             )
+            if report is not None:
+                report.waiting_since = None
             if batch is None:  # SIGTERM on rank 0: checkpoint and leave, on every rank
                 break
             if batch is source_mod.PUBLISH:  # a generator joined while we wait: weights first
@@ -152,16 +175,48 @@ def train(
             trainer.export_hf(final)
         if rank == 0:
             trainer.source.set_version(trainer.version, str(final.resolve()))
+        outcome = "completed" if trainer.version >= recipe.run.steps else "stopped"
+        if report is not None and outcome == "completed":
+            report.end()
         return 0
     finally:
+        if report is not None:
+            report.close()
         if broadcaster is not None:
             broadcaster.close()
+        trainer.close()
+        if rank == 0 and outcome:  # while the buffer still answers the workers' last releases
+            _finish(recipe, trainer, outcome=outcome, wall_seconds=time.monotonic() - t0)
+            if report is not None:
+                report.linger()
         stop_source = getattr(trainer.source, "stop", None)
         if stop_source is not None:
             stop_source()
-        trainer.close()
         if sink is not None:
             sink.close()
+
+
+def _finish(recipe: Recipe, trainer: Any, *, outcome: str, wall_seconds: float) -> None:
+    """The run's summary, evaluation and plots, and where they are (rank 0, at a clean end)."""
+    from asyncrl import summary
+
+    stats = getattr(trainer.source, "stats", None)
+    status = {"version": trainer.version, **stats()} if stats is not None else None
+    s = summary.finish_run(
+        recipe,
+        run_dir=trainer.run_dir,
+        outcome=outcome,
+        wall_seconds=wall_seconds,
+        status=status,
+    )
+    path = trainer.run_dir / summary.SUMMARY_FILE
+    print(
+        f"asyncrl learner: {outcome} at version {trainer.version}; summary: {path}, "
+        f"plots: {trainer.run_dir / 'plots'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(summary.summary_line(s), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.learner.trainer import LearnerError
 
     try:
-        return train(recipe)
+        return train(recipe, invocation=Invocation(recipe_path=a.recipe, overrides=a.overrides))
     except (DataError, ModelConfigError, LearnerError, SourceError) as e:
         print(f"asyncrl learner: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,310 @@
+"""What a run folder tells people and programs: ``learner.json`` while the learner runs, and at the
+end ``summary.json``, the held-out evaluation and ``plots/*.png``.
+
+The end of a run is done once, by :func:`finish_run`: the learner calls it when it stops (`asyncrl
+learner` alone or under `asyncrl run`), and `asyncrl run` calls it only when the learner could not
+(killed, failed, timed out), then adds what only it knows (:func:`amend`: restarts, its outcome).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncrl.recipe import Recipe
+
+LEARNER_FILE = "learner.json"
+SUMMARY_FILE = "summary.json"
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole (a reader never sees half of it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# learner.json: where the learner listens, and whether the run has ended
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class LearnerInfo:
+    """``run_dir/learner.json``, written by learner rank 0 once it listens, and again when the run
+    ends: what a worker, a script or the sbatch launcher needs to join it, and whether to bother."""
+
+    buffer_address: str
+    pub_address: str
+    weights_master: (
+        str  # host:port of the weight group's TCPStore ("host:0": a free port per build)
+    )
+    rollout_command: str  # the `asyncrl rollout ...` line that joins this learner
+    host: str
+    pid: int
+    version: int  # at start; at the end, the last version
+    started_at: float  # Unix time
+    ended_at: float | None = None  # set when the learner has trained its last version
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / LEARNER_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _replace(path, json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+        return path
+
+
+def read_learner_info(run_dir: Path) -> LearnerInfo | None:
+    """The learner's ``learner.json``, or None if there is none (yet) or it is unreadable."""
+    try:
+        d = json.loads((Path(run_dir) / LEARNER_FILE).read_text())
+        return LearnerInfo(**d)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation and summary.json
+# --------------------------------------------------------------------------------------------------
+
+
+def find_export(run_dir: Path) -> Path | None:
+    """The learner's newest HF export under ``run_dir/hf`` (asyncrl.weights.exports.latest_export)."""
+    from asyncrl.weights.exports import latest_export
+
+    found = latest_export(run_dir / "hf")
+    return found[0] if found else None
+
+
+def link_latest_export(run_dir: Path) -> Path | None:
+    """``run_dir/hf/latest`` -> the newest export, so a next stage can name it without its version."""
+    export = find_export(run_dir)
+    if export is None:
+        return None
+    link = run_dir / "hf" / "latest"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(os.path.relpath(export, link.parent), target_is_directory=True)
+    return link
+
+
+def eval_held_out(r: Recipe, model_dir: Path | None) -> float | None:
+    """Greedy held-out success of ``model_dir`` (None if there is no model or no eval file)."""
+    if model_dir is None or not r.data.eval_path or not r.run.eval_prompts:
+        return None
+    from asyncrl import evaluate
+
+    rows = evaluate.load_rows(
+        r.resolve(r.data.eval_path),
+        prompt_key=r.data.prompt_key,
+        answer_key=r.data.answer_key,
+        n=r.run.eval_prompts,
+    )
+    res = evaluate.evaluate(model_dir, rows, max_new_tokens=r.rollout.max_new_tokens)
+    return res.success
+
+
+def summary_version(run_dir: Path) -> int:
+    """The last version the learner logged (0 if none)."""
+    steps = [
+        rec["step"]
+        for rec in _all_records(run_dir)
+        if rec.get("process") == "learner" and isinstance(rec.get("step"), int)
+    ]
+    return max(steps, default=0)
+
+
+def log_eval(run_dir: Path, success: dict[int, float | None]) -> None:
+    """Held-out success at the first and last version, as ``eval/success`` lines of process
+    ``eval`` in metrics.jsonl (the reward plot shows them next to the sampled training reward)."""
+    from asyncrl.metrics import MetricsSink
+
+    values = {v: s for v, s in success.items() if s is not None}
+    if not values:
+        return
+    with MetricsSink(run_dir, name="", group="", use_wandb=False, process="eval") as sink:
+        for v, s in sorted(values.items()):
+            sink.log({"eval/success": s}, step=v)
+
+
+def _all_records(run_dir: Path) -> list[dict]:
+    from asyncrl import plots
+
+    path = run_dir / "metrics.jsonl"
+    return plots.read_metrics(path) if path.is_file() else []
+
+
+def summarize(
+    r: Recipe,
+    *,
+    run_dir: Path,
+    wall_seconds: float,
+    reward_start: float | None,
+    reward_end: float | None,
+    status: dict[str, Any] | None,
+    outcome: str,
+    restarts: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """summary.json: what the run did, read from the metrics file and the buffer's last status."""
+    from asyncrl import plots
+
+    records = _all_records(run_dir)
+    _, _, smax = plots.series(records, plots.STALE_MAX)
+    # the learner logs every version it reaches (step = version); the buffer's last polled status
+    # may be a second old when the learner finishes
+    learner_steps = [
+        rec["step"]
+        for rec in records
+        if rec.get("process") == "learner" and isinstance(rec.get("step"), int)
+    ]
+    status_version = status.get("version") if status else None
+    cands = learner_steps + ([int(status_version)] if isinstance(status_version, int) else [])
+    version = max(cands) if cands else 0
+    trained_tokens = _sum_key(records, [r"learner/tokens", r".*trained_tokens", r"loss/tokens"])
+    _, _, tps = plots.series(records, plots.TRAIN_TPS)
+    times = [
+        rec["time"]
+        for rec in records
+        if rec.get("process") == "learner" and isinstance(rec.get("time"), int | float)
+    ]
+    summary = {
+        "name": r.run.name,
+        "run_dir": str(run_dir),
+        "outcome": outcome,
+        "steps": int(version),
+        "reward_start": reward_start,
+        "reward_end": reward_end,
+        "reward_gain": None
+        if reward_start is None or reward_end is None
+        else reward_end - reward_start,
+        "max_staleness_seen": max(smax) if smax else None,
+        "max_staleness_allowed": None if r.algorithm.loss == "sft" else r.buffer.max_staleness,
+        "wall_seconds": None,
+        # from the learner's first logged step to its last: steady-state training time of
+        # len(times) - 1 steps, without start-up and evaluation
+        "train_seconds": round(times[-1] - times[0], 3) if len(times) > 1 else None,
+        "train_steps_timed": max(len(times) - 1, 0),
+        "trained_tokens": trained_tokens,
+        "trained_tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "algorithm": r.algorithm.loss,
+        "restarts": {},
+        "buffer_status": status or {},
+    }
+    return amend(summary, wall_seconds=wall_seconds, restarts=restarts or {})
+
+
+def amend(
+    summary: dict[str, Any],
+    *,
+    wall_seconds: float | None = None,
+    outcome: str | None = None,
+    restarts: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Set what the process that ends the run knows best (the launcher: the whole run's wall time,
+    its outcome, the restarts), and what follows from it."""
+    if outcome is not None:
+        summary["outcome"] = outcome
+    if restarts is not None:
+        summary["restarts"] = restarts
+    if wall_seconds is not None:
+        summary["wall_seconds"] = round(wall_seconds, 2)
+        tokens = summary.get("trained_tokens")
+        if tokens and wall_seconds > 0:
+            summary["trained_tokens_per_s"] = tokens / wall_seconds
+    return summary
+
+
+def _sum_key(records: list[dict], patterns: list[str]) -> float | None:
+    from asyncrl import plots
+
+    key = plots.find_key([rec for rec in records if rec.get("process") == "learner"], patterns)
+    if key is None:
+        return None
+    return float(sum(rec[key] for rec in records if isinstance(rec.get(key), int | float)))
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    path = Path(run_dir) / SUMMARY_FILE
+    _replace(path, json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def read_summary(run_dir: Path, *, since: float = 0.0) -> dict[str, Any] | None:
+    """summary.json if it was written at or after Unix time ``since`` (None otherwise)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def finish_run(
+    r: Recipe,
+    *,
+    run_dir: Path,
+    outcome: str,
+    wall_seconds: float,
+    status: dict[str, Any] | None,
+    restarts: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """The end of a run, done once: ``hf/latest`` (if completed), held-out success of the first
+    and (if completed) the last model, summary.json and the plots. Returns the summary."""
+    run_dir = Path(run_dir)
+    if outcome == "completed":
+        link_latest_export(run_dir)
+    start_model = r.resolve(r.model.path) if r.model.path else None
+    reward_start = _eval_or_none(r, start_model)
+    reward_end = _eval_or_none(r, find_export(run_dir)) if outcome == "completed" else None
+    log_eval(run_dir, {0: reward_start, summary_version(run_dir): reward_end})
+    summary = summarize(
+        r,
+        run_dir=run_dir,
+        wall_seconds=wall_seconds,
+        reward_start=reward_start,
+        reward_end=reward_end,
+        status=status,
+        outcome=outcome,
+        restarts=restarts,
+    )
+    from asyncrl import plots
+
+    with contextlib.suppress(Exception):  # plots are a convenience; the summary must be written
+        summary["plots"] = [str(p) for p in plots.make_plots(run_dir / "metrics.jsonl")]
+    write_summary(run_dir, summary)
+    return summary
+
+
+def _eval_or_none(r: Recipe, model_dir: Path | None) -> float | None:
+    """:func:`eval_held_out`, or None with a one-line reason: a failed evaluation must not cost the
+    run its summary."""
+    try:
+        return eval_held_out(r, model_dir)
+    except Exception as e:
+        print(f"held-out evaluation of {model_dir} failed: {e}", file=sys.stderr)
+        return None
+
+
+SUMMARY_LINE_KEYS = (
+    "outcome",
+    "steps",
+    "reward_start",
+    "reward_end",
+    "max_staleness_seen",
+    "max_staleness_allowed",
+    "wall_seconds",
+    "trained_tokens_per_s",
+)
+"""The summary's keys a command prints as its last line (one JSON object)."""
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    return json.dumps({k: summary.get(k) for k in SUMMARY_LINE_KEYS})
