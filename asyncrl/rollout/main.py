@@ -23,14 +23,16 @@ import re
 import signal
 import socket
 import sys
+import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
-from asyncrl import wire
 from asyncrl.recipe import Recipe, RecipeError
 from asyncrl.rollout.client import GeneratorError, GeneratorPool, SamplingParams
 from asyncrl.rollout.data import DataError, PromptSource
@@ -199,8 +201,9 @@ async def run_worker(
     max_groups: int = 0,
     engines: list[Any] = (),
     resume_data_state: bool = True,
-) -> dict[str, int]:
-    """Build the worker from the recipe and run it until cancelled (or ``max_groups``)."""
+) -> RolloutWorker:
+    """Build the worker from the recipe and run it until the learner ends the run, a signal, or
+    ``max_groups``; returns it (its counters, the version it saw, whether the run ended)."""
     from asyncrl.buffer.client import BufferClient
     from asyncrl.transport import TLS, Subscriber
 
@@ -266,11 +269,64 @@ async def run_worker(
                             worker.stop()
                             return
 
-                nursery.start_soon(on_signal, name="signals")
-                nursery.start_soon(watch_engines, name="engines")
-                stats = await worker.run()
-                nursery.cancel_scope.cancel()
-    return stats.counters
+                display = progress.Display(
+                    r.run.steps, enabled=r.logging.progress, label="asyncrl rollout"
+                )
+                try:
+                    nursery.start_soon(on_signal, name="signals")
+                    nursery.start_soon(watch_engines, name="engines")
+                    nursery.start_soon(show_progress, worker, display, name="progress")
+                    await worker.run()
+                    nursery.cancel_scope.cancel()
+                finally:
+                    display.close()
+    return worker
+
+
+async def show_progress(worker: RolloutWorker, display: progress.Display) -> None:
+    """Version, groups delivered, generated tokens/s (over the last 10 s) and generators up."""
+    window: deque[tuple[float, int]] = deque()
+    while True:
+        now, tokens = trio.current_time(), worker.stats.counters["tokens_generated"]
+        window.append((now, tokens))
+        while now - window[0][0] > 10.0:
+            window.popleft()
+        t_first, first = window[0]
+        rate = (tokens - first) / (now - t_first) if now > t_first else None
+        up, total = int(worker.pool.stats()["generators_up"]), len(worker.pool.generators)
+        c = worker.stats.counters
+        display.update(
+            worker.version,
+            f"groups {c['groups_delivered']} delivered  gen {progress.fmt(rate, ',.0f')} tok/s  "
+            f"generators {up}/{total} up",
+        )
+        await trio.sleep(1.0)
+
+
+def worker_summary(worker: RolloutWorker, wall_seconds: float) -> dict[str, Any]:
+    """What this worker did, printed as its last line (one JSON object)."""
+    c = worker.stats.counters
+    if worker.ended is not None:
+        outcome = "run_ended"
+    elif worker.cfg.max_groups and c["groups_delivered"] >= worker.cfg.max_groups:
+        outcome = "max_groups"
+    else:
+        outcome = "stopped"
+    return {
+        "worker_id": worker.cfg.worker_id,
+        "outcome": outcome,
+        "version": worker.version,
+        "groups_delivered": c["groups_delivered"],
+        "groups_rejected": c["groups_rejected"],
+        "groups_cancelled": c["groups_cancelled_stale"] + c["groups_cancelled_lease"],
+        "groups_failed": c["groups_failed"],
+        "episodes": c["episodes"],
+        "tokens_generated": c["tokens_generated"],
+        "tokens_per_s": round(c["tokens_generated"] / wall_seconds, 1)
+        if wall_seconds > 0
+        else None,
+        "wall_seconds": round(wall_seconds, 2),
+    }
 
 
 async def load_data_state(
@@ -287,12 +343,13 @@ async def load_data_state(
     from asyncrl.transport import TransportTimeout
 
     status = None
+    quiet = progress.Throttle(log)  # a line a minute while the learner is not there
     with trio.move_on_after(timeout_s):
         while status is None:
             try:
                 status = await buffer.status()
             except (TransportTimeout, BufferError) as e:
-                log.info("waiting for the buffer service: %s", e)
+                quiet.warning("status", "waiting for the buffer service: %s", e)
                 await trio.sleep(1.0)
     if status is None:
         return
@@ -315,7 +372,13 @@ def _lone(eg: BaseExceptionGroup) -> BaseException:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        handlers=[progress.StderrHandler()],  # above the progress bar on a terminal
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    t0 = time.monotonic()
     a = parse_args(argv)
     engines: list[Any] = []
     metrics = None
@@ -364,10 +427,11 @@ def main(argv: list[str]) -> int:
             resume_data_state=not a.data_state,
         )
         try:
-            counters = trio.run(run)
+            worker = trio.run(run)
         except BaseExceptionGroup as eg:  # a nursery's lone error: report it as itself
             raise _lone(eg) from None
-        log.info("delivered %d groups", counters["groups_delivered"])
+        log.info("delivered %d groups", worker.stats.counters["groups_delivered"])
+        print(json.dumps(worker_summary(worker, time.monotonic() - t0)), flush=True)
         return 0
     except (RecipeError, UsageError, PluginError, DataError) as e:
         print(f"asyncrl rollout: {e}", file=sys.stderr)

@@ -22,6 +22,11 @@ Before anything else every generator is labelled with the version of the weights
 A group is "in flight" from the moment it takes a granted start until the buffer acknowledged or
 rejected it, or it was cancelled and its start released. A group whose lease expires while it is
 still generating is cancelled too (the buffer has taken the start back).
+
+The worker runs until the learner ends the run (``wire.End`` on Pub/Sub, or a ``run_ended`` reply):
+then it cancels what is in flight, gives the starts back and returns. A learner that goes away
+without that is waited for (a restarted one reconnects this worker); the failing retries are logged
+once a minute (:class:`~asyncrl.progress.Throttle`), not on every attempt.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import trio
 
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferError
+from asyncrl.progress import Throttle
 from asyncrl.rollout.client import Batcher, GeneratorPool, SamplingParams
 from asyncrl.rollout.data import PromptSource, render_prompt
 from asyncrl.rollout.rewards import RewardRunner
@@ -77,6 +83,7 @@ class WorkerConfig:
     max_groups: int = 0  # stop after this many groups are delivered (0: run until cancelled)
     acked_log: str = ""  # JSONL file for the ids of acknowledged groups (exactly-once audits)
     learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
+    end_release_s: float = 3.0  # after the run's end: bound on giving starts back
 
 
 @dataclass
@@ -167,7 +174,9 @@ class RolloutWorker:
         self.metrics = metrics
         self.stats = WorkerStats()
         self.version = 0
+        self.ended: wire.End | None = None  # the learner's end-of-run announcement, once heard
         self.registered = trio.Event()
+        self._quiet = Throttle(log)  # retries of an unreachable learner: a line a minute
         self._nonce = uuid.uuid4().hex[:8]  # group ids stay unique across restarts of a worker
         self._seq = 0
         self._permits: deque[_Permit] = deque()
@@ -213,13 +222,30 @@ class RolloutWorker:
                 await self._done.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(self.cfg.shutdown_timeout_s):
+            bound = self.cfg.end_release_s if self.ended else self.cfg.shutdown_timeout_s
+            with trio.CancelScope(shield=True), trio.move_on_after(bound):
                 await self._release_all()
             self._log_metrics(final=True)
         return self.stats
 
     def stop(self) -> None:
         self._done.set()
+
+    def _end(self, msg: wire.End) -> None:
+        """The learner has trained its last version: nothing more will be trained, so stop."""
+        if self.ended is None:
+            self.ended = msg
+            log.info(
+                "the learner ended the run at version %d (%s); stopping", msg.version, msg.message
+            )
+        self.stop()
+
+    def _ended_by(self, e: BufferError) -> bool:
+        """A ``run_ended`` reply: the end announcement this worker did not hear."""
+        if e.code != "run_ended":
+            return False
+        self._end(wire.End(version=self.version, message=str(e).split(": ", 1)[-1]))
+        return True
 
     # -- capacity book-keeping -------------------------------------------------------------------
 
@@ -262,10 +288,13 @@ class RolloutWorker:
                 self.registered.set()
                 self._registering = False
                 self.stats.counters["registrations"] += 1
+                self._quiet.ok("register")
                 log.info("registered %d generator(s) with the learner", len(self.generators))
                 return
             except (TransportTimeout, BufferError) as e:
-                log.warning("register: %s; retrying", e)
+                if isinstance(e, BufferError) and self._ended_by(e):
+                    return
+                self._quiet.warning("register", "register: %s; retrying", e)
             await self._retry_sleep(attempt)
             attempt += 1
 
@@ -300,6 +329,9 @@ class RolloutWorker:
         last_heard = trio.current_time()  # a learner that dies before we first hear it counts too
         while True:
             msg = await self.subscriber.receive(timeout_s=1.0)
+            if isinstance(msg, wire.End):
+                self._end(msg)
+                return
             if not isinstance(msg, wire.Version):
                 continue
             now = trio.current_time()
@@ -377,8 +409,11 @@ class RolloutWorker:
                 grant = await self.buffer.acquire(want, request_id=request_id)
                 attempt = 0
                 request_id = uuid.uuid4().hex
+                self._quiet.ok("acquire")
             except (TransportTimeout, BufferError) as e:
-                log.warning("acquire: %s; retrying", e)
+                if isinstance(e, BufferError) and self._ended_by(e):
+                    continue
+                self._quiet.warning("acquire", "acquire: %s; retrying", e)
                 await self._retry_sleep(attempt)
                 attempt += 1
                 continue
@@ -599,7 +634,7 @@ class RolloutWorker:
                     self.stats.counters["put_resends"] += 1
                 ack = await self.buffer.put(groups, attempts=1)  # resending is ours, below
             except TransportTimeout as e:
-                log.warning("put of %d group(s): %s; resending", len(groups), e)
+                self._quiet.warning("put", "put of %d group(s): %s; resending", len(groups), e)
                 await self._retry_sleep(min(attempt, 3))
                 attempt += 1
                 continue
@@ -611,6 +646,7 @@ class RolloutWorker:
                 log.error("group %s refused by the buffer: %s; dropped", groups[0].id, e)
                 ack = wire.Ack(group_ids=[], rejected={groups[0].id: str(e)})
             attempt = 0
+            self._quiet.ok("put")
             self._see_version(ack.version)
             self._log_acked([gid for gid in ack.group_ids if gid in pending])
             for gid in ack.group_ids:
