@@ -59,10 +59,14 @@ class LearnerInfo:
         return path
 
 
-def read_learner_info(run_dir: Path) -> LearnerInfo | None:
-    """The learner's ``learner.json``, or None if there is none (yet) or it is unreadable."""
+def read_learner_info(where: str | Path) -> LearnerInfo | None:
+    """The learner's ``learner.json`` (``where``: the run folder, or the file itself), or None if
+    there is none (yet) or it is unreadable."""
+    path = Path(where)
+    if path.suffix != ".json":
+        path = path / LEARNER_FILE
     try:
-        d = json.loads((Path(run_dir) / LEARNER_FILE).read_text())
+        d = json.loads(path.read_text())
         return LearnerInfo(**d)
     except (OSError, ValueError, TypeError):
         return None

@@ -71,6 +71,55 @@ def test_rollout_process_delivers_groups_with_its_own_engine(tmp_path, tiny_qwen
     assert 0 <= last["rollout/generator_idle_fraction"] <= 1
 
 
+def test_learner_file_gives_the_addresses_of_a_listening_learner(tmp_path, tiny_qwen3):
+    """--learner-file: a finished run's learner.json is waited past; the one a listening learner
+    writes gives the worker its addresses (what the sbatch launcher relies on)."""
+    from asyncrl.summary import LearnerInfo
+
+    recipe = _recipe(tmp_path, tiny_qwen3)
+    learner_file = tmp_path / "runs/t/learner.json"
+
+    def info(svc, ended_at):
+        return LearnerInfo(
+            buffer_address=svc.address,
+            pub_address=svc.pub_address,
+            weights_master="127.0.0.1:0",
+            rollout_command="asyncrl rollout ...",
+            host="here",
+            pid=os.getpid(),
+            version=0,
+            started_at=0.0,
+            ended_at=ended_at,
+        )
+
+    async def go(svc, old):
+        info(old, ended_at=1.0).write(learner_file.parent)  # the last run's, ended
+        argv = [sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe), "--max-groups", "2"]
+        argv += ["--learner-file", str(learner_file), "--worker-id", "worker0"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+        async with trio.open_nursery() as n:
+            run = functools.partial(trio.run_process, argv, stderr=err, check=False, env=env)
+            proc = await n.start(run)
+            with trio.fail_after(60):  # it waits past the ended file...
+                while "waiting for a learner" not in (tmp_path / "err").read_text():
+                    await trio.sleep(0.1)
+            info(svc, ended_at=None).write(learner_file.parent)  # ...until a listening learner
+            with trio.fail_after(120):
+                await proc.wait()
+        return proc, await take_batch(svc)
+
+    with (
+        serve_buffer(groups_per_batch=2, max_staleness=0) as svc,
+        serve_buffer(groups_per_batch=2, max_staleness=0) as old,
+        open(tmp_path / "err", "wb") as err,
+    ):
+        proc, stored = trio.run(go, svc, old)
+        assert old.stats()["stored_total"] == 0
+    text = (tmp_path / "err").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert len(stored) == 2 and "joining the learner on here" in text
+
+
 def test_user_mistakes_are_one_line_errors(tmp_path, tiny_qwen3, capsys):
     assert rollout_main.main([str(tmp_path / "missing.yaml")]) == 2
     assert "recipe file not found" in capsys.readouterr().err
@@ -80,6 +129,10 @@ def test_user_mistakes_are_one_line_errors(tmp_path, tiny_qwen3, capsys):
     assert err[-1].startswith("asyncrl rollout: rollout.reward: 'no_such_reward' is not one of")
     assert rollout_main.main([str(recipe), "--shard", "3/2"]) == 2
     assert "--shard '3/2'" in capsys.readouterr().err
+    argv = [str(recipe), "--learner-file", str(tmp_path / "learner.json"), "--buffer", "ipc:///x"]
+    assert rollout_main.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "asyncrl rollout: --learner-file gives the addresses: drop --buffer and --pub"
 
 
 @pytest.mark.faults

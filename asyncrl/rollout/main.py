@@ -1,9 +1,12 @@
 """`asyncrl rollout`: one rollout worker feeding the learner's buffer (DESIGN §1, §5).
 
-    asyncrl rollout RECIPE [key=value ...] [--buffer ADDRESS] [--pub ADDRESS] [--worker-id ID]
-                    [--shard I/N] [--data-state FILE] [--max-groups N]
+    asyncrl rollout RECIPE [key=value ...] [--buffer ADDRESS --pub ADDRESS | --learner-file FILE]
+                    [--worker-id ID] [--shard I/N] [--data-state FILE] [--max-groups N]
 
-``--buffer``/``--pub`` replace the recipe's ``buffer.address``/``buffer.pub_address``. With
+``--buffer``/``--pub`` replace the recipe's ``buffer.address``/``buffer.pub_address`` (the learner
+prints the whole command); ``--learner-file`` takes them from the ``learner.json`` a listening learner
+writes to its run folder, waiting for it (for scripts). The worker runs until the learner announces
+the end of the run, then stops, prints its summary (one JSON line) and exits 0. With
 ``generator.kind: builtin`` the worker starts ``generator.engines_per_worker`` built-in engines and
 stops them on exit (from the newest HF export the learner has announced, labelled with its
 version; else from ``model.path``, version 0); with ``kind: sglang`` it drives ``generator.urls``.
@@ -55,6 +58,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--buffer", help="Req/Rep address of the buffer service")
     p.add_argument("--pub", help="Pub/Sub address of version announcements")
+    p.add_argument(
+        "--learner-file",
+        default="",
+        help="the learner.json of a listening learner (in its run folder): its addresses, waited "
+        "for up to run.timeout_s; instead of --buffer and --pub",
+    )
     p.add_argument(
         "--worker-id",
         default="",
@@ -363,6 +372,25 @@ async def load_data_state(
         log.warning("cannot resume the data position (%s); starting from the beginning", e)
 
 
+def learner_addresses(path: Path, timeout_s: float) -> tuple[str, str]:
+    """The buffer and Pub/Sub addresses in a learner's learner.json, once a learner that has not
+    ended its run wrote it (a finished run's file is waited past, as is a missing one)."""
+    from asyncrl.summary import read_learner_info
+
+    quiet = progress.Throttle(log)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = read_learner_info(path)
+        if info is not None and info.ended_at is None:
+            log.info("joining the learner on %s (from %s)", info.host, path)
+            return info.buffer_address, info.pub_address
+        if time.monotonic() > deadline:
+            raise WorkerError(f"--learner-file {path}: no listening learner within {timeout_s:g} s")
+        why = "ended its run" if info is not None else "does not exist yet"
+        quiet.warning("wait", "waiting for a learner: %s %s", path, why)
+        time.sleep(1.0)
+
+
 def _lone(eg: BaseExceptionGroup) -> BaseException:
     """The single exception inside nested one-member groups, else the group itself."""
     e: BaseException = eg
@@ -384,6 +412,11 @@ def main(argv: list[str]) -> int:
     metrics = None
     try:
         overrides = list(a.overrides)
+        if a.learner_file:
+            if a.buffer or a.pub:
+                raise UsageError("--learner-file gives the addresses: drop --buffer and --pub")
+            timeout_s = recipe_mod.load(a.recipe, overrides).run.timeout_s
+            a.buffer, a.pub = learner_addresses(Path(a.learner_file), timeout_s)
         if a.buffer:
             overrides.append(f"buffer.address={a.buffer}")
         if a.pub:
