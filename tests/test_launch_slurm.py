@@ -53,7 +53,14 @@ def test_learner_nodes_run_torchrun_and_generator_nodes_run_servers_and_a_worker
     inner = gens[0][-1]
     subprocess.run(["bash", "-n", "-c", inner], check=True)
     assert "sglang.launch_server" in inner and "--tp 2" in inner
-    assert "rollout" in inner and "--buffer tls+tcp://n0:29600" in inner
+    # the workers take the addresses the learner writes once it listens, not a guess; the last
+    # job's file is removed before the learner starts
+    learner_file = "/shared/asyncrl/runs/multinode_qwen3_8b_gsm8k/learner.json"
+    assert "rollout" in inner and f"--learner-file {learner_file}" in inner
+    assert "--buffer" not in inner
+    out = p.stdout.splitlines()
+    rm = out.index(f"rm -f {learner_file} ")
+    assert rm < min(i for i, x in enumerate(out) if x.startswith("srun "))
     # one worker id and one prompt shard per generator node: no prompt generated twice
     ids = sorted(re.search(r"--worker-id (\S+) --shard (\S+)", g[-1]).groups() for g in gens)
     assert ids == [("gen0", "0/3"), ("gen1", "1/3"), ("gen2", "2/3")]
