@@ -57,3 +57,11 @@ def rollout_engine(tiny_qwen3):
     srv = serve(EngineConfig(model=str(tiny_qwen3), max_batch_size=16))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    """The demo's tiny model and a small sort data set (tools/make_demo.py), for end-to-end runs."""
+    from tools.make_demo import make_demo
+
+    return make_demo(tmp_path_factory.mktemp("demo"), train=2000, eval=64)

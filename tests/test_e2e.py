@@ -20,15 +20,32 @@ import pytest
 from numerics import GRAD_RTOL
 
 from asyncrl import launch, metrics
-from tools.make_demo import make_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    return make_demo(tmp_path_factory.mktemp("demo"), train=2000, eval=64)
+SUMMARY_KEYS = {
+    "name",
+    "run_dir",
+    "outcome",
+    "steps",
+    "reward_start",
+    "reward_end",
+    "reward_gain",
+    "max_staleness_seen",
+    "max_staleness_allowed",
+    "wall_seconds",
+    "train_seconds",
+    "train_steps_timed",
+    "trained_tokens",
+    "trained_tokens_per_s",
+    "algorithm",
+    "restarts",
+    "buffer_status",
+    "plots",
+}
+"""summary.json's fields, whether `asyncrl run` or `asyncrl learner` alone ended the run."""
 
 
 def _paths(demo: Path, model: Path | None = None) -> list[str]:
@@ -238,6 +255,7 @@ def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
     run_dir = tmp_path / "demo"
     assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
     assert s["steps"] == steps and s["max_staleness_allowed"] == eta
+    assert set(s) == SUMMARY_KEYS and s == json.loads((run_dir / "summary.json").read_text())
     assert s["max_staleness_seen"] is not None and s["max_staleness_seen"] <= eta
     # DESIGN §7 staleness metrics, as W&B shows them (the offline run read back)
     runs = metrics.read_wandb_offline(run_dir)

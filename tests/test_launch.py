@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import launch, progress, recipe
+from asyncrl import launch, progress, recipe, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,6 +174,23 @@ def test_a_dead_child_is_restarted_until_its_restarts_run_out(tmp_path, capsys):
     assert launch.restart_the_dead(done[:1], 3, dict(os.environ), tmp_path) is None
     assert launch.restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
     assert done[0].restarts == done[1].restarts == 0
+    # ... until the learner has announced the end (learner.json): then it is the worker's end
+    info = summary.LearnerInfo(
+        buffer_address="ipc:///b",
+        pub_address="ipc:///p",
+        weights_master="127.0.0.1:0",
+        rollout_command="asyncrl rollout r.yaml",
+        host="h",
+        pid=1,
+        version=3,
+        started_at=time.time(),
+    )
+    info.write(tmp_path)
+    assert launch.restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
+    info.ended_at = time.time()
+    info.write(tmp_path)
+    assert launch.restart_the_dead(done, 3, dict(os.environ), tmp_path) is None
+    assert done[1].restarts == 0
     for c in (crash, usage, *done):
         c.signal_group(signal.SIGKILL)
 
