@@ -1,0 +1,81 @@
+"""What `asyncrl learner` tells its user and its workers (asyncrl.learner.report), with the real
+buffer service on loopback and a stand-in for the trainer (only its version and run folder are read)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from asyncrl import recipe, summary
+from asyncrl.buffer.service import BufferService
+from asyncrl.learner import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Trainer:
+    run_dir: Path
+    version: int = 0
+
+
+@pytest.fixture
+def learner(tmp_path):
+    overrides = [f"run.output_dir={tmp_path}", "buffer.address=tcp://0.0.0.0:0", "run.resume=true"]
+    r = recipe.load(ROOT / "recipes/demo.yaml", overrides, check_files=False)
+    svc = BufferService(r.buffer, announce_every_s=0.2).start()
+    inv = report.Invocation(recipe_path=str(ROOT / "recipes/demo.yaml"), overrides=overrides)
+    rep = report.LearnerReport(r, Trainer(run_dir=r.run_dir), source=svc, invocation=inv)
+    yield rep, svc
+    rep.close()
+    svc.stop()
+
+
+def test_announce_prints_and_writes_the_real_addresses_and_the_joining_command(learner, capsys):
+    rep, svc = learner
+    rep.announce()
+    err = capsys.readouterr().err
+    info = summary.read_learner_info(rep.trainer.run_dir)
+    assert info is not None and info.ended_at is None
+    host = socket.gethostname()  # bound on every interface: dialled by this host's name
+    assert info.buffer_address == f"tcp://{host}:{svc.address.rsplit(':', 1)[1]}"
+    assert info.pub_address == svc.pub_address  # the recipe's 127.0.0.1, port resolved
+    assert not info.pub_address.endswith(":0")
+    argv = shlex.split(info.rollout_command)
+    assert argv[:3] == ["asyncrl", "rollout", str(ROOT / "recipes/demo.yaml")]
+    assert argv[argv.index("--buffer") + 1] == info.buffer_address
+    assert argv[argv.index("--pub") + 1] == info.pub_address
+    # the learner's other overrides are repeated; its own addresses and run.resume are not
+    assert f"run.output_dir={rep.trainer.run_dir.parent}" in argv
+    assert not [a for a in argv if a.startswith(("buffer.address=", "run.resume="))]
+    assert info.buffer_address in err and info.rollout_command in err
+    assert "start a rollout worker with:" in err
+
+
+def test_a_learner_without_workers_says_how_to_start_one(learner, capsys):
+    rep, _ = learner
+    rep.announce()
+    rep.waiting_since = 0.0  # waiting for a batch, since long ago
+    rep.refresh()
+    assert "no rollout worker has registered" not in capsys.readouterr().err  # just started
+    rep._t0 -= report.NO_WORKER_HINT_S  # a minute later, still nobody
+    rep.refresh()
+    rep.refresh()  # said once a minute, not every second
+    err = capsys.readouterr().err
+    assert err.count("no rollout worker has registered for 60 s; start one with:") == 1
+    assert rep.info.rollout_command in err
+
+
+def test_end_tells_the_service_and_learner_json(learner):
+    rep, svc = learner
+    rep.announce()
+    rep.trainer.version = 7
+    rep.end()
+    assert svc.stats()["ended"]
+    info = json.loads((rep.trainer.run_dir / "learner.json").read_text())
+    assert info["version"] == 7 and info["ended_at"] >= info["started_at"]
