@@ -278,30 +278,21 @@ async def run_worker(
                             worker.stop()
                             return
 
-                display = progress.Display(
-                    r.run.steps, enabled=r.logging.progress, label="asyncrl rollout"
-                )
-                try:
-                    nursery.start_soon(on_signal, name="signals")
-                    nursery.start_soon(watch_engines, name="engines")
-                    nursery.start_soon(show_progress, worker, display, name="progress")
-                    await worker.run()
-                    nursery.cancel_scope.cancel()
-                finally:
-                    display.close()
+                nursery.start_soon(on_signal, name="signals")
+                nursery.start_soon(watch_engines, name="engines")
+                nursery.start_soon(show_progress, worker, r, name="progress")
+                await worker.run()
+                nursery.cancel_scope.cancel()
     return worker
 
 
-async def show_progress(worker: RolloutWorker, display: progress.Display) -> None:
+async def show_progress(worker: RolloutWorker, r: Recipe) -> None:
     """Version, groups delivered, generated tokens/s (over the last 10 s) and generators up."""
+    display = progress.Display(r.run.steps, enabled=r.logging.progress, label="asyncrl rollout")
     window: deque[tuple[float, int]] = deque()
-    while True:
-        now, tokens = trio.current_time(), worker.stats.counters["tokens_generated"]
-        window.append((now, tokens))
-        while now - window[0][0] > 10.0:
-            window.popleft()
-        t_first, first = window[0]
-        rate = (tokens - first) / (now - t_first) if now > t_first else None
+    rate = None
+
+    def show() -> None:
         up, total = int(worker.pool.stats()["generators_up"]), len(worker.pool.generators)
         c = worker.stats.counters
         display.update(
@@ -309,7 +300,20 @@ async def show_progress(worker: RolloutWorker, display: progress.Display) -> Non
             f"groups {c['groups_delivered']} delivered  gen {progress.fmt(rate, ',.0f')} tok/s  "
             f"generators {up}/{total} up",
         )
-        await trio.sleep(1.0)
+
+    try:
+        while True:
+            now, tokens = trio.current_time(), worker.stats.counters["tokens_generated"]
+            window.append((now, tokens))
+            while now - window[0][0] > 10.0:
+                window.popleft()
+            t_first, first = window[0]
+            rate = (tokens - first) / (now - t_first) if now > t_first else None
+            show()
+            await trio.sleep(1.0)
+    finally:
+        show()  # where the worker ended
+        display.close()
 
 
 def worker_summary(worker: RolloutWorker, wall_seconds: float) -> dict[str, Any]:

@@ -235,6 +235,7 @@ class RolloutWorker:
         """The learner has trained its last version: nothing more will be trained, so stop."""
         if self.ended is None:
             self.ended = msg
+            self.version = max(self.version, msg.version)
             log.info(
                 "the learner ended the run at version %d (%s); stopping", msg.version, msg.message
             )
