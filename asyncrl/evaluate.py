@@ -1,9 +1,9 @@
 """Held-out success of an exported HF model: greedy decoding, exact match including EOS.
 
-The launcher calls this on the model a run starts from and on the model it ends with, so summary.json's
-``reward_start`` and ``reward_end`` come from the same prompts, the same decoding and the same scorer,
-independent of the generators that trained it. Uses transformers directly: a few hundred prompts of a
-tiny model decode in seconds on one core.
+The end of a run (:func:`asyncrl.summary.finish_run`) calls this on the model a run starts from and
+on the model it ends with, so summary.json's ``reward_start`` and ``reward_end`` come from the same
+prompts, the same decoding and the same scorer, independent of the generators that trained it. Uses
+transformers directly: a few hundred prompts of a tiny model decode in seconds on one core.
 """
 
 from __future__ import annotations
