@@ -81,7 +81,7 @@ def one_run(flavour: str, model: Path, steps: int, out: Path) -> dict:
         "buffer": {"groups_per_batch": 4, "max_staleness": 1, "batch_timeout_s": 3600},
         "algorithm": {"loss": "decoupled_ppo"},
         "learner": {"lr": 1e-5, "checkpoint_every": 0},
-        "weights": {"backend": "gloo", "timeout_s": 600},
+        "weights": {"backend": "gloo", "timeout_s": 600, "dtype": "bfloat16"},
         "logging": {"wandb_mode": "disabled", "progress": False},
     }
     path = out / f"{flavour}.yaml"
