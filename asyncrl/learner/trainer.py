@@ -246,7 +246,8 @@ class Trainer:
                     },
                 )
             ],
-            implementation="foreach",
+            # one kernel per parameter: no foreach temporaries (2.3 GB less peak for Qwen3-0.6B)
+            implementation="fused",
         ).build(model_parts=[self.model])
         # The schedule counts optimizer updates: `minibatches × epochs` per version.
         per_version = lr.minibatches * lr.epochs
