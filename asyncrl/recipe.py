@@ -236,6 +236,11 @@ class WeightsConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32")
     timeout_s: float = _f(60.0, lo=0, lo_open=True, doc="a generator slower than this is dropped")
     overlap: bool = _f(True, doc="broadcast version v while the learner computes v+1")
+    verify: Literal["sampled", "full", "off"] = _f(
+        "sampled",
+        doc="after each version, compare a checksum of the generators' weights with what was sent: "
+        "sampled (4096 values per tensor, cheap at any size), full (every byte), off",
+    )
     pause_mode: Literal["in_place", "retract"] = _f(
         "in_place",
         doc="SGLang pause during an update. in_place: requests keep their KV (run SGLang with "

@@ -211,6 +211,10 @@ def test_update_while_generating_without_pause(trainer, engine, tiny_qwen3, tmp_
     assert torch.equal(lm_head, sent["model.embed_tokens.weight"][:3])  # tied
     chk = client.post("/weights_checker", json={"action": "checksum"}).json()
     assert chk["success"] and chk["checksum"] == buckets.checksum(new)
+    sampled = client.post("/weights_checker", json={"action": "checksum", "sample": 64}).json()
+    assert sampled["checksum"] == buckets.checksum(new, sample=64) != chk["checksum"]
+    bad = client.post("/weights_checker", json={"action": "checksum", "sample": -1})
+    assert bad.status_code == 400 and "`sample`" in bad.text
     # and generates exactly like a fresh engine loaded with the new weights
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
     model.load_state_dict(sent, strict=False)

@@ -154,7 +154,9 @@ def engines(tiny_qwen3):
 def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path)
     vocab = tr.spec.model.vocab_size
-    cfg = WeightsConfig(timeout_s=30.0, bucket_mb=0.1, overlap=True, load_format="flattened_bucket")
+    cfg = WeightsConfig(
+        timeout_s=30.0, bucket_mb=0.1, overlap=True, load_format="flattened_bucket", verify="full"
+    )
     sink = MetricsSink(tmp_path / "metrics", name="w", group="w", use_wandb=False)
     b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf", metrics=sink)
     e1, e2 = engines

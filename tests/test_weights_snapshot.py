@@ -124,3 +124,22 @@ def test_flatten_aligns_each_tensor_and_zeroes_the_gaps():
     assert flat.numel() == 16 and flat[3].item() == 0  # padding is deterministic
     for a, b in zip(buckets.unflatten(flat, dts, shapes), ts, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_checksum_sees_values_not_the_wire_dtype():
+    """bfloat16 on the wire into a float32 engine holds the same values: the checksums agree, full
+    and sampled. A changed tensor (another version) changes both; one changed value outside the
+    sample changes only the full one (sampled trades that for a cost independent of size)."""
+    g = torch.Generator().manual_seed(0)
+    sent = {"a": torch.randn(300, 50, generator=g).bfloat16(), "b": torch.randn(7).bfloat16()}
+    held = {k: v.float() for k, v in sent.items()}  # the engine's float32 copy of what arrived
+    for sample in (0, 16):
+        assert buckets.checksum(sent.items(), sample=sample) == buckets.checksum(
+            held.items(), sample=sample
+        )
+    other = {**held, "a": held["a"] * 1.01}
+    assert buckets.checksum(other.items(), sample=16) != buckets.checksum(held.items(), sample=16)
+    poked = {k: v.clone() for k, v in held.items()}
+    poked["a"].view(-1)[1] += 1.0  # index 1: not among the 16 sampled (stride 938)
+    assert buckets.checksum(poked.items()) != buckets.checksum(held.items())
+    assert buckets.checksum(poked.items(), sample=16) == buckets.checksum(held.items(), sample=16)

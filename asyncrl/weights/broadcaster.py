@@ -42,6 +42,9 @@ from asyncrl.wire import GeneratorInfo
 
 log = logging.getLogger("asyncrl.weights")
 
+VERIFY_SAMPLE = 4096
+"""Values per tensor the ``sampled`` verification hashes on both sides (weights.verify)."""
+
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
 """(name, source): when both are sent and equal, only the source goes out, as SGLang's own test does."""
 
@@ -135,6 +138,17 @@ def make_snapshot(
             payloads.append(tensors)
     total = sum(b.nbytes for b in out_buckets)
     return Snapshot(version=version, buckets=out_buckets, payloads=payloads, nbytes=total)
+
+
+def _cuda_ready(tensors: Iterable[torch.Tensor]) -> Any:
+    """A CUDA event recorded on the producer's stream once it has made ``tensors`` (the training
+    thread's gather), or None for CPU tensors."""
+    first = next(iter(tensors), None)
+    if first is None or not first.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _background_priority() -> None:
@@ -263,6 +277,7 @@ class WeightBroadcaster:
         self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-sync", initializer=init)
         self._http = cf.ThreadPoolExecutor(32, thread_name_prefix="weights-http", initializer=init)
         self._closed = False
+        self._stream: Any = None  # the sender's CUDA stream, made on first use (GPU only)
 
     # ---- membership (any thread) -----------------------------------------------------------------
 
@@ -352,17 +367,35 @@ class WeightBroadcaster:
             return
         if self._closed:
             raise RuntimeError("weight broadcaster is closed")
+        ready = _cuda_ready(named_tensors.values())
         if owned:
             named = dict(named_tensors)
-            job = lambda: self._sync_logged(self._snapshot(version, named, copy=False))  # noqa: E731
+            send = lambda: self._sync_logged(self._snapshot(version, named, copy=False))  # noqa: E731
         else:
             snap = self._snapshot(version, named_tensors)
-            job = lambda: self._sync_logged(snap)  # noqa: E731
+            send = lambda: self._sync_logged(snap)  # noqa: E731
+        job = lambda: self._on_side_stream(ready, send)  # noqa: E731
         self.wait()
         self.last_version = version
         self._inflight = self._sender.submit(job)
         if not self.cfg.overlap:
             self.wait()
+
+    def _on_side_stream(self, ready: Any, send: Callable[[], SyncReport]) -> SyncReport:
+        """Run a version's send on a CUDA stream of its own (sender thread), after ``ready``: on the
+        default stream the training step's kernels would queue behind the broadcast. The stream is
+        drained before the snapshot is released, so the allocator cannot hand its memory to the
+        training stream while a broadcast still reads it. On CPU: just ``send()``."""
+        if ready is None:
+            return send()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            try:
+                return send()
+            finally:
+                self._stream.synchronize()
 
     def _snapshot(
         self, version: int, named: Mapping[str, torch.Tensor], *, copy: bool = True
@@ -471,7 +504,7 @@ class WeightBroadcaster:
                 m.state = "member"
                 report.updated.append(m.url)
         report.sync_s = time.monotonic() - t0
-        if self.verify and report.updated:
+        if self.verify and self.cfg.verify != "off" and report.updated:
             self._verify(snap, report)
         return report
 
@@ -664,8 +697,9 @@ class WeightBroadcaster:
     @staticmethod
     def _abandon(pg: dist.ProcessGroup) -> None:
         """Destroy a group whose peers may be gone. Gloo's shutdown waits for a stuck collective to
-        time out, so it runs in a daemon thread (group names are never reused, so nothing waits on it)."""
-        threading.Thread(target=rendezvous.destroy_process_group, args=(pg,), daemon=True).start()
+        time out, so it runs in a daemon thread (group names are never reused, so nothing waits on it);
+        an NCCL group is aborted first (rendezvous.abandon_process_group)."""
+        threading.Thread(target=rendezvous.abandon_process_group, args=(pg,), daemon=True).start()
 
     def _unhealthy(self, members: list[Member]) -> dict[str, str]:
         quick = min(5.0, self.cfg.timeout_s)
@@ -798,11 +832,12 @@ class WeightBroadcaster:
 
     def _verify(self, snap: Snapshot, report: SyncReport) -> None:
         """Ask every updated generator for its version and checksum; compare with what was sent."""
-        report.checksum = buckets.checksum(snap.named())
+        sample = VERIFY_SAMPLE if self.cfg.verify == "sampled" else 0
+        report.checksum = buckets.checksum(snap.named(), sample=sample)
         members = [self._members[u] for u in report.updated]
 
         def check(m: Member) -> tuple[str | None, str | None]:
-            return m.client.weight_version(), m.client.checksum()
+            return m.client.weight_version(), m.client.checksum(sample=sample)
 
         ok, bad = self._fan_out(members, check, timeout=self.cfg.timeout_s + 5)
         for url, (version, checksum) in ok.items():

@@ -75,11 +75,11 @@ def flat_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[lis
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Pack tensors into one uint8 tensor in SGLang's flattened-bucket layout."""
+    """Pack tensors into one uint8 tensor in SGLang's flattened-bucket layout, on their device (an
+    NCCL broadcast cannot send a CPU buffer)."""
     offsets, total = flat_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
-    flat = torch.empty(
-        total, dtype=torch.uint8
-    )  # one pass over the bytes: only the gaps are zeroed
+    device = tensors[0].device if tensors else None
+    flat = torch.empty(total, dtype=torch.uint8, device=device)  # only the gaps get zeroed
     pos = 0
     for off, t in zip(offsets, tensors, strict=True):
         flat[pos:off] = 0
@@ -106,13 +106,20 @@ def unflatten(
     return out
 
 
-def checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 over names and raw bytes, in sorted name order; equal on both sides iff weights equal."""
+def checksum(named: Iterable[tuple[str, torch.Tensor]], *, sample: int = 0) -> str:
+    """SHA-256 over names, shapes and values in sorted name order: equal on both sides iff the
+    weights are equal. Floating values are hashed as float32, so bfloat16 sent into a float32 engine
+    (which holds the same values) hashes alike. ``sample`` > 0 hashes only that many evenly spaced
+    values of each tensor: still catches a wrong version or tensor, at a cost independent of size
+    (a full SHA-256 of an 8B model is ~16 GB read on the host per version)."""
     h = hashlib.sha256()
     for name, t in sorted(named, key=lambda x: x[0]):
-        t = t.detach().contiguous().cpu()
+        t = t.detach()
         h.update(name.encode())
-        h.update(dtype_name(t.dtype).encode())
         h.update(str(list(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        flat = t.reshape(-1)
+        if sample and flat.numel() > sample:
+            flat = flat[:: -(-flat.numel() // sample)]  # ceil stride: at most `sample` values
+        flat = flat.float() if flat.is_floating_point() else flat
+        h.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -189,10 +189,14 @@ class WeightsClient:
         }
         self._call("POST", "/update_weights_from_disk", body)
 
-    def checksum(self) -> str | None:
-        """The server's weights checksum, or None if it gives none we can compare (SGLang's own
-        ``per_engine_checksum`` hashes differently from :func:`asyncrl.weights.buckets.checksum`)."""
-        data = self._call("POST", "/weights_checker", {"action": "checksum"})
+    def checksum(self, *, sample: int = 0) -> str | None:
+        """The server's weights checksum (:func:`asyncrl.weights.buckets.checksum`, ``sample`` values
+        per tensor; 0: all), or None if it gives none we can compare (SGLang's own
+        ``per_engine_checksum`` hashes differently, per fused parameter)."""
+        body: dict = {"action": "checksum"}
+        if sample and self.info.kind == "builtin":  # SGLang's request schema has no such key
+            body["sample"] = sample
+        data = self._call("POST", "/weights_checker", body)
         if not isinstance(data, dict):
             return None
         c = data.get("checksum")

@@ -8,6 +8,9 @@ one function. Gloo on CPU, NCCL on GPU.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -86,23 +89,68 @@ def init_custom_process_group(
     )
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
-    pg_options = {}
-    if "backend_options" in c10d._new_process_group_helper.__code__.co_varnames:
-        pg_options["backend_options"] = None
-    else:  # torch < 2.6 named it pg_options
-        pg_options["pg_options"] = None
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        dist.Backend(backend),
-        store,
-        group_name=group_name,
-        timeout=timeout,
-        **pg_options,
-    )
+    options, env = (None, {}) if backend != "nccl" else _isolated_nccl(timeout)
+    key = "backend_options"
+    if key not in c10d._new_process_group_helper.__code__.co_varnames:
+        key = "pg_options"  # torch < 2.6
+    with _environ(env):  # ProcessGroupNCCL reads its error handling once, when it is built
+        pg, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            dist.Backend(backend),
+            store,
+            group_name=group_name,
+            timeout=timeout,
+            **{key: options},
+        )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+WEIGHT_GROUP_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+"""How a weight group's NCCL backend handles errors: not at all (0). TorchTitan sets 3 for the
+learner's own groups (a timed-out collective ends the process, to dump its flight recorder); for the
+weight group that would turn a dead generator into a dead learner. With 0 the broadcaster's bounded
+``wait`` sees the failure and aborts this group alone (:func:`abandon_process_group`)."""
+
+
+def _isolated_nccl(timeout: timedelta) -> tuple[object, dict[str, str]]:
+    """Options and environment for a weight group over NCCL: a nonblocking communicator init, so
+    the first broadcast does not block in ``ncclCommInitRank`` beyond the group's timeout (NCCL's
+    ``blocking = 0`` config), and no process-wide error handling (:data:`WEIGHT_GROUP_NCCL_ENV`).
+    Verified by reading torch's ProcessGroupNCCL (constructor and watchdog); no GPU here."""
+    opts = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]  # CUDA builds only
+    opts.config.blocking = 0
+    opts._timeout = timeout
+    return opts, dict(WEIGHT_GROUP_NCCL_ENV)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def abandon_process_group(pg: dist.ProcessGroup) -> None:
+    """Give up on a weight group whose peers may be gone: an NCCL group's communicators are aborted
+    first (a destroy would wait on the stuck collective), then the group is destroyed. Nothing else
+    in the process is touched: the learner's own groups keep running."""
+    if dist.get_backend(pg) == "nccl":
+        try:
+            c10d._abort_process_group(pg)
+        except Exception:  # already aborted or torn down
+            pass
+    destroy_process_group(pg)
 
 
 def destroy_process_group(pg: dist.ProcessGroup | None) -> None:

@@ -654,10 +654,13 @@ class Engine:
                 f'action {action!r} is not supported by the built-in engine (only "checksum")'
             )
         skip = body.get("skip_tensor_list") or []
+        sample = body.get("sample", 0)
+        if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+            raise BadRequest("`sample` must be an integer >= 0 (values hashed per tensor; 0: all)")
         # take the tensor references between two steps (one consistent version), hash them here:
         # a swap re-points parameters and never writes into a tensor, so these stay intact
         named = self._call(self.store.named)
-        h = buckets.checksum((n, t) for n, t in named if n not in set(skip))
+        h = buckets.checksum(((n, t) for n, t in named if n not in set(skip)), sample=sample)
         return Reply(
             200,
             {
