@@ -102,6 +102,9 @@ def train(
     t0 = time.monotonic()
     rank, _ = ensure_distributed(collective_timeout_s(recipe))
     trainer = Trainer(recipe)
+    if rank == 0:
+        for warning in recipe_mod.warnings(recipe):  # the same lines `asyncrl check` prints
+            print(f"asyncrl learner: warning: {warning}", file=sys.stderr, flush=True)
     if rank == 0 and trainer.version > 0:
         print(f"asyncrl learner: resumed at version {trainer.version}", file=sys.stderr, flush=True)
     sink = None
