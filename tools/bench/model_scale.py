@@ -80,7 +80,8 @@ def one_run(flavour: str, model: Path, steps: int, out: Path) -> dict:
         "generator": {"kind": "builtin", "engines_per_worker": 1, "startup_timeout_s": 1800},
         "buffer": {"groups_per_batch": 4, "max_staleness": 1, "batch_timeout_s": 3600},
         "algorithm": {"loss": "decoupled_ppo"},
-        "learner": {"lr": 1e-5, "checkpoint_every": 0},
+        # a synchronous checkpoint: an async one stages a second copy of model and optimizer
+        "learner": {"lr": 1e-5, "checkpoint_every": 0, "checkpoint_async": False},
         "weights": {"backend": "gloo", "timeout_s": 600, "dtype": "bfloat16"},
         "logging": {"wandb_mode": "disabled", "progress": False},
     }
