@@ -29,3 +29,17 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+def release_freed_memory() -> bool:
+    """Give freed heap memory back to the system (glibc's ``malloc_trim``); False where the C
+    library is not glibc. Model-sized processes free gigabytes at once (an engine's previous weights
+    after a swap, a learner's gradients before its checkpoint); tensors under 32 MB live on the
+    heap, whose holes glibc keeps mapped: a Qwen3-0.6B engine measured 2.9 GB resident after
+    loading, 4.4 / 5.6 / 6.2 GB after three swaps, 2.9 GB after each with this (0.1-0.3 s)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

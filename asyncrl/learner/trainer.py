@@ -47,6 +47,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+from asyncrl import malloc
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
@@ -357,10 +358,18 @@ class Trainer:
             return False
         if not (force or self.checkpointer._should_save(self.version)):
             return False
+        self.free_gradients()
         src = self.source.state_dict() if self.source is not None and self.rank == 0 else None
         text = json.dumps({"version": self.version, "source": src})
         self._state.text = broadcast_bytes(text.encode() if self.rank == 0 else None).decode()
         return self.checkpointer.save(curr_step=self.version, last_step=force)
+
+    def free_gradients(self) -> None:
+        """Drop the last step's gradients and give their memory back before a checkpoint or an
+        export needs room (a model's size in float32: 2.4 GB for Qwen3-0.6B; the next step's
+        backward allocates them again). They are not part of either."""
+        self.optimizers.zero_grad()  # set_to_none
+        malloc.release_freed_memory()
 
     def wait_for_checkpoint(self) -> None:
         self.checkpointer.maybe_wait_for_saving()
@@ -404,6 +413,7 @@ class Trainer:
 
         path = Path(path).resolve()
         dtype = dtype or self.recipe.model.dtype
+        self.free_gradients()
         tdtype = TORCH_DTYPE_MAP[dtype]
         if self.rank == 0:
             if path.exists():

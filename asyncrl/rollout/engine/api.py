@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from asyncrl import malloc
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.replies import BadRequest, Reply
 from asyncrl.rollout.engine.sampling import SamplingError, SamplingParams
@@ -509,13 +510,15 @@ class Engine:
         if not staged and version is None:
             return 0.0
         lm = self.scheduler.lm
-        staged = lm.prepare(staged)  # the fused projections' copy, here rather than in the swap
+        lm.prepare(staged)  # the fused projections' copy (in place), here rather than in the swap
 
         def apply() -> None:
             self.store.apply(staged)
             lm.refresh()
 
-        return self._call(lambda: self.scheduler.swap_weights(apply, version))
+        pause = self._call(lambda: self.scheduler.swap_weights(apply, version))
+        malloc.release_freed_memory()  # the previous weights are free now (in this thread, not decode's)
+        return pause
 
     def update_weights_from_distributed(self, body: dict) -> Reply:
         try:

@@ -158,8 +158,10 @@ class BatchedLM:
     def prepare(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fuse incoming weights ahead of a swap (any thread, not the decode one): every fused
         group ``staged`` touches is rebuilt from the staged and current tensors, and its members are
-        staged as views into it, so that :meth:`refresh` after the swap only re-points."""
-        out = dict(staged)
+        staged as views into it, so that :meth:`refresh` after the swap only re-points. In place:
+        each group's separate tensors are let go as soon as it is fused (one group's worth of extra
+        memory, not all of them)."""
+        out = staged
         for _, mods in self._members():
             keys = [
                 (self._names[id(m.weight)], None if m.bias is None else self._names[id(m.bias)])
