@@ -1,0 +1,302 @@
+"""The memory plan: bytes per learner rank and per generator, from the model's config and the recipe.
+
+Pure arithmetic (no torch, no I/O), so ``asyncrl doctor`` can say before the first step whether a
+recipe fits the devices it will run on, and what to change when it does not. Every term is an
+estimate of the largest tensors alive at the peak, with the assumptions stated where it is computed;
+allocator fragmentation, CUDA/NCCL workspaces and the Python runtime are not in it (the doctor adds
+the runtime it measures on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+MASTER_BYTES = 4
+"""The learner's sharded parameters, their gradients and both AdamW moments are float32 whatever
+``model.dtype``: the model is built in float32 and FSDP2's mixed precision casts only the gathered
+copies used for compute (TorchTitan's ``mixed_precision_param``), reducing in float32."""
+
+GiB = 2**30
+
+Checkpointing = Literal["none", "selective", "full"]
+
+
+class PlanError(ValueError):
+    """A config.json the plan cannot read (one line, naming the key)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """What the plan needs from an HF ``config.json`` (Qwen3 and Llama: the learner's models)."""
+
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
+        def need(key: str) -> int:
+            v = cfg.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"config.json: {key!r} must be a positive integer, got {v!r}")
+            return v
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        return cls(
+            arch=str(cfg.get("model_type", "")),
+            hidden=hidden,
+            layers=need("num_hidden_layers"),
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            intermediate=need("intermediate_size"),
+            vocab=need("vocab_size"),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def block_params(self) -> int:
+        """One decoder block: q, k, v, o projections, SwiGLU's three matrices, two RMSNorms, and
+        Qwen3's per-head q/k norms (no biases: the learner refuses models that have them)."""
+        h = self.hidden
+        attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        qk_norm = 2 * self.head_dim if self.arch == "qwen3" else 0
+        return attention + qk_norm + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Embedding, blocks, final norm, and the output projection unless tied to the embedding."""
+        out = 0 if self.tied else self.embedding_params
+        return self.embedding_params + self.layers * self.block_params + self.hidden + out
+
+    @property
+    def largest_fsdp_unit(self) -> int:
+        """Parameters of the largest FSDP2 unit TorchTitan makes: each block; the embedding; the final
+        norm with the output projection (one unit with the embedding when tied)."""
+        head = self.hidden + (0 if self.tied else self.embedding_params)
+        if self.tied:
+            return max(self.block_params, self.embedding_params + head)
+        return max(self.block_params, self.embedding_params, head)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_dim * dtype_bytes
+
+
+def saved_per_layer(dims: ModelDims, checkpointing: Checkpointing) -> int:
+    """Elements one decoder block keeps for its backward, per token.
+
+    - ``none``: the attention norm's input and output (2h), the fused q/k/v projection's output
+      (q + 2kv), q and k after their norms and RoPE (q + kv), the attention output (q); the FFN
+      norm's input and output (2h), SwiGLU's gate, silu(gate), up and their product (4I):
+      ``4h + 3q + 3kv + 4I``.
+    - ``selective`` (TorchTitan's per-op SAC): the block's input (h) and the outputs of the ops it
+      saves: every other matmul (q/k/v (q + 2kv), the gate (I), the down projection (h)) and the
+      attention (q): ``2h + 2q + 2kv + I``.
+    - ``full``: the block's input only (h).
+
+    Attention is the fused kind (flash/varlen/flex on GPU, SDPA's fused CPU kernel): no L × L
+    score matrix is kept; its float32 log-sum-exp (a few floats per token) is left out."""
+    h, q, kv, i = dims.hidden, dims.q_dim, dims.kv_dim, dims.intermediate
+    if checkpointing == "none":
+        return 4 * h + 3 * q + 3 * kv + 4 * i
+    if checkpointing == "selective":
+        return 2 * h + 2 * q + 2 * kv + i
+    if checkpointing == "full":
+        return h
+    raise ValueError(f"unknown activation checkpointing {checkpointing!r}")
+
+
+def activation_bytes_per_token(
+    dims: ModelDims, checkpointing: Checkpointing, compute_bytes: int
+) -> int:
+    """Activation bytes per micro-batch token at the backward's peak, in the compute dtype:
+    every layer's saved tensors, plus (with checkpointing) one block recomputed in full while its
+    backward runs, plus the final norm's input and output (the hidden states log π is taken from)."""
+    recomputed = 0 if checkpointing == "none" else saved_per_layer(dims, "none")
+    per_token = dims.layers * saved_per_layer(dims, checkpointing) + recomputed + 2 * dims.hidden
+    return per_token * compute_bytes
+
+
+def logits_chunk_bytes(vocab: int, chunk_tokens: int) -> int:
+    """One chunk of float32 logits and the three softmax-sized temporaries its backward makes: the
+    budget :func:`asyncrl.learner.logprobs.chunk_tokens` sizes chunks by."""
+    return chunk_tokens * vocab * 4 * 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerPlan:
+    """Bytes at the peak of one learner rank's step (see :func:`learner_plan` for each term)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    reference: int
+    fsdp_gather: int
+    activations: int
+    logits: int
+    weight_snapshot: int
+    tokens: int
+    """Tokens of the largest micro-batch: ``max(micro_batch_tokens, max_seq_len)``."""
+    activation_bytes_per_token: int
+
+    def items(self) -> list[tuple[str, int]]:
+        every = [
+            ("params", self.params),
+            ("grads", self.grads),
+            ("AdamW", self.optimizer),
+            ("reference", self.reference),
+            ("FSDP gather", self.fsdp_gather),
+            ("activations", self.activations),
+            ("logits chunk", self.logits),
+            ("weight snapshot", self.weight_snapshot),
+        ]
+        return [(k, v) for k, v in every if v]
+
+    @property
+    def total(self) -> int:
+        return sum(v for _, v in self.items())
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the activations (what does not scale with micro-batch tokens)."""
+        return self.total - self.activations
+
+
+def learner_plan(
+    dims: ModelDims,
+    *,
+    ranks: int,
+    compute_dtype: str,
+    micro_batch_tokens: int,
+    max_seq_len: int,
+    checkpointing: Checkpointing,
+    chunk_tokens: int,
+    reference_model: bool = False,
+    rank0: bool = True,
+    weights_dtype: str = "bfloat16",
+    weights_overlap: bool = True,
+) -> LearnerPlan:
+    """Bytes on one learner rank at the peak of a step, FSDP2 over ``ranks``.
+
+    - params, grads, AdamW (two moments): float32 shards, ``4·P/N`` each, ``8·P/N`` for AdamW
+      (:data:`MASTER_BYTES`); a frozen reference model (``algorithm.kl_coef > 0``) another ``4·P/N``.
+    - FSDP gather: the largest FSDP unit in the compute dtype, three times: the unit being computed,
+      the next one prefetched, and the unsharded gradient before its reduce-scatter.
+    - activations: :func:`activation_bytes_per_token` × the largest micro-batch, ``max(
+      micro_batch_tokens, max_seq_len)`` tokens (a longer sequence gets a micro-batch of its own).
+    - logits chunk: :func:`logits_chunk_bytes` of ``chunk_tokens`` (or of the micro-batch, if smaller).
+    - weight snapshot (rank 0 only): the weight broadcaster's full copy of the model in the wire
+      dtype, twice when it overlaps (version v still sending while v+1 is gathered).
+    """
+    compute = DTYPE_BYTES[compute_dtype]
+    p = dims.params
+    shard = math.ceil(p / ranks)
+    tokens = max(micro_batch_tokens, max_seq_len)
+    per_token = activation_bytes_per_token(dims, checkpointing, compute)
+    snapshots = (2 if weights_overlap else 1) if rank0 else 0
+    return LearnerPlan(
+        params=MASTER_BYTES * shard,
+        grads=MASTER_BYTES * shard,
+        optimizer=2 * MASTER_BYTES * shard,
+        reference=MASTER_BYTES * shard if reference_model else 0,
+        fsdp_gather=3 * dims.largest_fsdp_unit * compute,
+        activations=tokens * per_token,
+        logits=logits_chunk_bytes(dims.vocab, min(chunk_tokens, tokens)),
+        weight_snapshot=snapshots * p * DTYPE_BYTES[weights_dtype],
+        tokens=tokens,
+        activation_bytes_per_token=per_token,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorPlan:
+    """Bytes one generator needs per device (per GPU of a TP group; the host for the built-in one)."""
+
+    weights: int
+    staging: int
+    kv_cache: int
+    sequences: int
+    """Sequences whose KV the plan holds at once."""
+    tokens_per_sequence: int
+
+    def items(self) -> list[tuple[str, int]]:
+        every = [("weights", self.weights), ("staged weights", self.staging)]
+        return [(k, v) for k, v in [*every, ("KV cache", self.kv_cache)] if v]
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.staging + self.kv_cache
+
+
+def in_flight_sequences(*, max_concurrent_groups: int, group_size: int, generators: int) -> int:
+    """Sequences a rollout worker keeps in flight on each of its generators (it spreads its
+    ``max_concurrent_groups`` groups over them)."""
+    return math.ceil(max_concurrent_groups * group_size / max(generators, 1))
+
+
+def generator_plan(
+    dims: ModelDims,
+    *,
+    kind: Literal["builtin", "sglang"],
+    dtype_bytes: int,
+    sequences: int,
+    seq_len: int,
+    tp: int = 1,
+    max_batch_size: int = 0,
+) -> GeneratorPlan:
+    """Weights plus the KV cache of the batch, per device.
+
+    - ``sglang``: weights and KV split over ``tp`` GPUs; the KV of every in-flight sequence at
+      ``seq_len`` tokens (SGLang sizes its pool to its memory and queues what does not fit, so this
+      is the demand to compare with the pool, not an allocation).
+    - ``builtin`` (CPU, float32): the running batch is at most ``max_batch_size`` sequences; its slot
+      cache grows by doubling, so rows round up to a power of two, each ``seq_len`` long; a weight
+      update stages a second copy of the weights before swapping it in.
+    """
+    if kind == "builtin":
+        running = min(sequences, max_batch_size) if max_batch_size else sequences
+        rows = 1 << max(running - 1, 0).bit_length()
+        weights = dims.params * dtype_bytes
+        return GeneratorPlan(
+            weights=weights,
+            staging=weights,
+            kv_cache=rows * seq_len * dims.kv_bytes_per_token(dtype_bytes),
+            sequences=rows,
+            tokens_per_sequence=seq_len,
+        )
+    return GeneratorPlan(
+        weights=math.ceil(dims.params * dtype_bytes / tp),
+        staging=0,
+        kv_cache=math.ceil(sequences * seq_len * dims.kv_bytes_per_token(dtype_bytes) / tp),
+        sequences=sequences,
+        tokens_per_sequence=seq_len,
+    )
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for a report line: 3 significant figures below 10, one decimal above."""
+    g = n / GiB
+    return f"{g:.1f}" if g >= 10 else f"{g:.3g}"

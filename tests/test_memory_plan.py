@@ -1,0 +1,205 @@
+"""asyncrl.memory: the doctor's memory plan against numbers computed by hand for Qwen3-0.6B and 8B.
+
+The configurations are those of the published models' config.json files:
+
+- Qwen3-0.6B: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072,
+  vocabulary 151,936, tied embeddings (tools/make_tiny_model.py FLAVOURS["qwen3-0.6b"]);
+- Qwen3-8B: hidden 4096, 36 layers, 32 heads, 8 KV heads, head_dim 128, intermediate 12288,
+  vocabulary 151,936, untied embeddings.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.learner.logprobs import chunk_tokens
+from asyncrl.memory import (
+    ModelDims,
+    PlanError,
+    activation_bytes_per_token,
+    generator_plan,
+    in_flight_sequences,
+    learner_plan,
+    saved_per_layer,
+)
+
+QWEN3_0_6B = {
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+QWEN3_8B = {
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+
+
+def test_parameter_counts():
+    small = ModelDims.from_hf_config(QWEN3_0_6B)
+    # block: q 1024·2048 + k, v 2·1024·1024 + o 2048·1024 + qk norms 2·128 + FFN 3·1024·3072
+    # + two norms 2·1024 = 15,730,944; 28 blocks + embedding 151,936·1024 + final norm 1024
+    assert small.block_params == 15_730_944
+    assert small.params == 28 * 15_730_944 + 155_582_464 + 1024 == 596_049_920  # "0.6B"
+    big = ModelDims.from_hf_config(QWEN3_8B)
+    # q 4096² + k, v 2·4096·1024 + o 4096² + 256 + FFN 3·4096·12288 + 2·4096
+    assert big.block_params == 192_946_432
+    # 36 blocks + embedding and output 2·622,329,856 (untied) + final norm: "8.2B"
+    assert big.params == 36 * 192_946_432 + 2 * 622_329_856 + 4096 == 8_190_735_360
+    # the largest FSDP unit: tied, embedding + norm + output together; untied, norm + output
+    assert small.largest_fsdp_unit == 155_582_464 + 1024
+    assert big.largest_fsdp_unit == 622_329_856 + 4096
+
+
+def test_saved_activations_per_layer_and_token():
+    big = ModelDims.from_hf_config(QWEN3_8B)  # h 4096, q 4096, kv 1024, I 12288
+    assert saved_per_layer(big, "none") == 4 * 4096 + 3 * 4096 + 3 * 1024 + 4 * 12288 == 80_896
+    assert saved_per_layer(big, "selective") == 2 * 4096 + 2 * 4096 + 2 * 1024 + 12288 == 30_720
+    assert saved_per_layer(big, "full") == 4096
+    # bytes per token in bfloat16: 36 layers' saved tensors (+ one block recomputed in full with
+    # checkpointing) + the final norm's input and output
+    assert activation_bytes_per_token(big, "none", 2) == 2 * (36 * 80_896 + 2 * 4096) == 5_840_896
+    assert activation_bytes_per_token(big, "selective", 2) == 2 * (36 * 30_720 + 80_896 + 8192)
+    assert activation_bytes_per_token(big, "full", 2) == 2 * (36 * 4096 + 80_896 + 8192) == 473_088
+
+
+def test_qwen3_8b_on_16_ranks_rank_0():
+    """recipes/multinode.yaml: 16 ranks, bfloat16, 65,536-token micro-batches, full checkpointing."""
+    big = ModelDims.from_hf_config(QWEN3_8B)
+    chunk = chunk_tokens(151_936, 256.0)
+    assert chunk == 110  # 256 MiB // (16 bytes × 151,936)
+    plan = learner_plan(
+        big,
+        ranks=16,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=65_536,
+        max_seq_len=8192,
+        checkpointing="full",
+        chunk_tokens=chunk,
+        weights_dtype="bfloat16",
+    )
+    shard = 8_190_735_360 // 16  # 511,920,960 parameters per rank
+    assert plan.params == plan.grads == 4 * shard == 2_047_683_840
+    assert plan.optimizer == 8 * shard == 4_095_367_680
+    assert plan.reference == 0
+    assert plan.fsdp_gather == 3 * 622_333_952 * 2 == 3_734_003_712
+    assert plan.tokens == 65_536
+    assert plan.activations == 65_536 * 473_088 == 31_004_295_168
+    assert plan.logits == 110 * 151_936 * 16 == 267_407_360
+    assert plan.weight_snapshot == 2 * 8_190_735_360 * 2 == 32_762_941_440  # overlap: two copies
+    assert plan.total == 75_959_383_040  # 70.7 GiB: fits an 80 GB GPU
+    other = learner_plan(
+        big,
+        ranks=16,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=65_536,
+        max_seq_len=8192,
+        checkpointing="full",
+        chunk_tokens=chunk,
+        rank0=False,
+    )
+    assert other.total == plan.total - plan.weight_snapshot
+    # without checkpointing the activations alone are 65,536 × 5,840,896 bytes (356.5 GiB)
+    none = learner_plan(
+        big,
+        ranks=16,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=65_536,
+        max_seq_len=8192,
+        checkpointing="none",
+        chunk_tokens=chunk,
+    )
+    assert none.activations == 382_788_960_256
+    # everything but activations (what a smaller micro-batch cannot shrink):
+    # 2·2,047,683,840 + 4,095,367,680 + 3,734,003,712 + 267,407,360 + 32,762,941,440 bytes
+    assert none.fixed == 44_955_087_872
+
+
+def test_qwen3_0_6b_on_4_ranks_with_a_reference_model_and_no_overlap():
+    """recipes/qwen3_0.6b_gsm8k.yaml's learner, plus a KL reference and a synchronous broadcast."""
+    small = ModelDims.from_hf_config(QWEN3_0_6B)
+    plan = learner_plan(
+        small,
+        ranks=4,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=32_768,
+        max_seq_len=4096,
+        checkpointing="none",
+        chunk_tokens=110,
+        reference_model=True,
+        weights_overlap=False,
+    )
+    shard = 596_049_920 // 4  # 149,012,480
+    assert plan.params == plan.grads == plan.reference == 4 * shard == 596_049_920
+    assert plan.optimizer == 1_192_099_840
+    assert plan.fsdp_gather == 3 * 155_583_488 * 2 == 933_500_928
+    # none: 4·1024 + 3·2048 + 3·1024 + 4·3072 = 25,600 per layer; (28·25,600 + 2·1024)·2 bytes
+    assert plan.activation_bytes_per_token == 1_437_696
+    assert plan.activations == 32_768 * 1_437_696 == 47_110_422_528
+    assert plan.weight_snapshot == 596_049_920 * 2 == 1_192_099_840
+    # params, grads, reference + AdamW, snapshot + gather + activations + logits chunk
+    assert plan.total == 52_483_680_256  # 48.9 GiB
+
+
+def test_float32_learner_and_a_sequence_longer_than_the_micro_batch():
+    small = ModelDims.from_hf_config(QWEN3_0_6B)
+    plan = learner_plan(
+        small,
+        ranks=1,
+        compute_dtype="float32",
+        micro_batch_tokens=1024,
+        max_seq_len=4096,  # a 4,096-token sequence gets a micro-batch of its own
+        checkpointing="full",
+        chunk_tokens=110,
+    )
+    assert plan.tokens == 4096
+    assert plan.params == 4 * 596_049_920
+    assert plan.fsdp_gather == 3 * 155_583_488 * 4
+    assert plan.activations == 4096 * 4 * (28 * 1024 + 25_600 + 2048)
+    assert plan.weight_snapshot == 2 * 596_049_920 * 2  # the wire dtype: bfloat16
+
+
+def test_generators():
+    small = ModelDims.from_hf_config(QWEN3_0_6B)
+    # recipes/qwen3_0.6b_gsm8k.yaml: 256 groups of 8 over 4 servers = 512 sequences each
+    seqs = in_flight_sequences(max_concurrent_groups=256, group_size=8, generators=4)
+    assert seqs == 512
+    sg = generator_plan(small, kind="sglang", dtype_bytes=2, sequences=seqs, seq_len=4096)
+    assert sg.weights == 596_049_920 * 2
+    assert small.kv_bytes_per_token(2) == 2 * 28 * 1024 * 2 == 114_688
+    assert sg.kv_cache == 512 * 4096 * 114_688
+    assert sg.staging == 0
+    big = ModelDims.from_hf_config(QWEN3_8B)
+    tp2 = generator_plan(big, kind="sglang", dtype_bytes=2, sequences=10, seq_len=8192, tp=2)
+    assert tp2.weights == 8_190_735_360  # 16.4 GB of bfloat16 weights over 2 GPUs
+    assert tp2.kv_cache == 10 * 8192 * (2 * 36 * 1024 * 2) // 2
+    # the built-in engine (float32): 200 in flight, 128 running, slot rows 128 (a power of two);
+    # the weights twice (a staged update)
+    bi = generator_plan(
+        small, kind="builtin", dtype_bytes=4, sequences=200, seq_len=64, max_batch_size=128
+    )
+    assert bi.weights == bi.staging == 596_049_920 * 4
+    assert bi.sequences == 128
+    assert bi.kv_cache == 128 * 64 * (2 * 28 * 1024 * 4)
+    assert (
+        generator_plan(small, kind="builtin", dtype_bytes=4, sequences=5, seq_len=64).sequences == 8
+    )
+
+
+def test_a_config_without_a_needed_key_is_one_line():
+    cfg = dict(QWEN3_8B)
+    del cfg["intermediate_size"]
+    with pytest.raises(PlanError, match="'intermediate_size' must be a positive integer"):
+        ModelDims.from_hf_config(cfg)
