@@ -84,6 +84,20 @@ class _Pending:
         return out
 
 
+def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
+    """Before the first NCCL communicator: the NCCL settings SGLang's servers run with, unless set
+    by hand (asyncrl.gpu). Process-wide, as NCCL reads them once; returns what it set."""
+    import torch
+
+    from asyncrl.gpu import trainer_nccl_env, uses_nccl
+
+    env = trainer_nccl_env(
+        os.environ, uses_nccl=uses_nccl(recipe.weights.backend, cuda=torch.cuda.is_available())
+    )
+    os.environ.update(env)
+    return env
+
+
 def train(
     recipe: Recipe,
     *,
@@ -100,6 +114,7 @@ def train(
     from asyncrl.metrics import MetricsSink
 
     t0 = time.monotonic()
+    match_sglang_nccl(recipe)
     rank, _ = ensure_distributed(collective_timeout_s(recipe))
     trainer = Trainer(recipe)
     if rank == 0:
