@@ -1,0 +1,635 @@
+"""`asyncrl doctor RECIPE [key=value ...]`: a preflight on the machine a run will use, before step 1.
+
+One line per check, ✓ or ✗ with the fix: the recipe and its files, the devices and their memory,
+the model and the attention it will train with, a memory plan per learner rank and per generator
+against the device memory (:mod:`asyncrl.memory`), the SGLang servers (reachable, version, TP size,
+radix cache against ``weights.pause_mode``, weight-version label), NCCL on both sides
+(:mod:`asyncrl.gpu`), the ports the learner will bind, and the TLS files. On a machine without a GPU
+the same checks run where they apply (host memory, gloo).
+
+Exit codes: 0 every check passes; 2 one does not (a plan that does not fit, a server to relaunch, a
+port in use...), named on the last line. Never a traceback: a check that cannot run says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from asyncrl import gpu, memory
+from asyncrl import recipe as recipe_mod
+from asyncrl.memory import GiB, ModelDims, gib
+from asyncrl.recipe import Recipe
+
+MIN_SGLANG = (0, 5, 19)
+"""The first SGLang with per-token ``weight_versions`` spans (README "SGLang servers")."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """Where learner ranks run: the visible GPUs' free memory, or the host's available RAM."""
+
+    cuda: bool
+    gpus: list[tuple[str, int, int, tuple[int, int]]]  # (name, free, total, capability)
+    host_available: int
+    host_total: int
+
+    @property
+    def learner_memory(self) -> int:
+        return min(free for _, free, _, _ in self.gpus) if self.cuda else self.host_available
+
+
+@dataclass(kw_only=True)
+class Doctor:
+    """Runs the checks for one recipe. ``sglang_python``: SGLang's own interpreter, when it lives in
+    another environment, to read its NCCL."""
+
+    recipe: Recipe
+    recipe_path: str
+    sglang_python: str = ""
+    timeout_s: float = 10.0
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    checks: list[Check] = field(default_factory=list)
+    dims: ModelDims | None = None
+    device: Device | None = None
+    servers: dict[str, dict] = field(default_factory=dict)  # url -> /server_info (or {})
+
+    def run(self, emit: Callable[[Check], None] = lambda c: None) -> list[Check]:
+        steps = [
+            ("files", self.check_files),
+            ("device", self.check_device),
+            ("model", self.check_model),
+            ("attention", self.check_attention),
+            ("generators", self.check_generators),
+            ("learner memory", self.check_learner_memory),
+            ("generator memory", self.check_generator_memory),
+            ("NCCL", self.check_nccl),
+            ("ports", self.check_ports),
+            ("TLS", self.check_tls),
+        ]
+        for name, fn in steps:
+            try:
+                results = fn()
+            except Exception as e:  # a check that cannot run is a failed check, not a traceback
+                results = [Check(name=name, ok=False, detail=f"could not run: {e!r}")]
+            for c in results:
+                self.checks.append(c)
+                emit(c)
+        return self.checks
+
+    # ---- recipe, files, device, model --------------------------------------------------------
+
+    def check_files(self) -> list[Check]:
+        try:
+            recipe_mod.validate(self.recipe, check_files=True)
+        except recipe_mod.RecipeError as e:
+            return [Check(name="files", ok=False, detail=str(e))]
+        return [Check(name="files", ok=True, detail="model, data and TLS files exist")]
+
+    def check_device(self) -> list[Check]:
+        import torch
+
+        total, available = host_memory()
+        gpus = []
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                free, tot = torch.cuda.mem_get_info(i)
+                name = torch.cuda.get_device_name(i)
+                gpus.append((name, free, tot, torch.cuda.get_device_capability(i)))
+        self.device = Device(cuda=bool(gpus), gpus=gpus, host_available=available, host_total=total)
+        host = f"host RAM {gib(available)} GiB available of {gib(total)} GiB"
+        if not gpus:
+            return [
+                Check(
+                    name="device",
+                    ok=True,
+                    detail=f"no GPU: a CPU run, {os.cpu_count()} cores, {host}",
+                )
+            ]
+        listed = "; ".join(
+            f"{i}: {n} (sm {c[0]}{c[1]}), {gib(f)} GiB free of {gib(t)}"
+            for i, (n, f, t, c) in enumerate(gpus)
+        )
+        return [Check(name="device", ok=True, detail=f"{len(gpus)} GPUs: {listed}; {host}")]
+
+    def check_model(self) -> list[Check]:
+        from asyncrl.learner.model import ModelConfigError, build_spec, read_hf_config
+
+        path = self.recipe.resolve(self.recipe.model.path)
+        try:
+            cfg = read_hf_config(path)
+            self.dims = ModelDims.from_hf_config(cfg)
+            build_spec(path, attention="auto", max_seq_len=1)  # the structure; attention below
+        except (ModelConfigError, memory.PlanError) as e:
+            return [Check(name="model", ok=False, detail=str(e))]
+        d = self.dims
+        tied = "tied" if d.tied else "untied"
+        return [
+            Check(
+                name="model",
+                ok=True,
+                detail=f"{d.arch}, {_count(d.params)} parameters (hidden {d.hidden}, "
+                f"{d.layers} layers, {d.heads}/{d.kv_heads} heads, vocabulary {d.vocab:,}, "
+                f"{tied} embeddings)",
+            )
+        ]
+
+    def check_attention(self) -> list[Check]:
+        from asyncrl.learner import cpu_shims
+        from asyncrl.learner.attention import choose_attention, module_importable
+        from asyncrl.learner.model import ModelConfigError, build_spec
+
+        if self.dims is None:
+            return [Check(name="attention", ok=False, detail="cannot tell without the model")]
+        kind = self.recipe.model.attention
+        on_cpu = cpu_shims.ON_CPU
+        try:  # what the learner will refuse (flex or varlen on CPU, varlen without its kernels)
+            build_spec(self.recipe.resolve(self.recipe.model.path), attention=kind, max_seq_len=1)
+        except ModelConfigError as e:
+            return [Check(name="attention", ok=False, detail=str(e))]
+        cap = None if on_cpu or not self.device or not self.device.gpus else self.device.gpus[0][3]
+        try:
+            chosen, why = choose_attention(
+                kind, on_cpu=on_cpu, capability=cap, importable=module_importable
+            )
+        except ValueError as e:
+            return [Check(name="attention", ok=False, detail=str(e))]
+        return [Check(name="attention", ok=True, detail=f"{chosen}: {why}")]
+
+    # ---- generators --------------------------------------------------------------------------
+
+    def check_generators(self) -> list[Check]:
+        g = self.recipe.generator
+        if g.kind == "builtin":
+            n = self.recipe.rollout.workers * g.engines_per_worker
+            return [
+                Check(
+                    name="generators",
+                    ok=True,
+                    detail=f"built-in engines: {n} started by the rollout workers "
+                    f"({self.recipe.rollout.workers} × {g.engines_per_worker}), nothing to reach",
+                )
+            ]
+        return [self._check_server(url) for url in g.urls]
+
+    def _check_server(self, url: str) -> Check:
+        from asyncrl.rollout.client import parse_version_label
+        from asyncrl.weights.client import GeneratorError, WeightsClient
+        from asyncrl.weights.rendezvous import LayoutError, server_ranks
+        from asyncrl.wire import GeneratorInfo
+
+        name = f"SGLang {url}"
+        client = WeightsClient(GeneratorInfo(url=url), timeout_s=self.timeout_s)
+        try:
+            info = client.model_info()
+            server = client.server_info() or {}
+        except GeneratorError as e:
+            fix = "start it, or fix generator.urls" if e.dead else "is it an SGLang server?"
+            return Check(name=name, ok=False, detail=f"{e}; {fix}")
+        finally:
+            client.close()
+        self.servers[url] = server
+        problems, facts = [], []
+        if info.get("engine") == "asyncrl":
+            facts.append("asyncrl built-in engine (one rank, no radix cache)")
+        else:
+            version = str(server.get("version", "?"))
+            facts.append(f"sglang {version}")
+            if _version_tuple(version) < MIN_SGLANG:
+                problems.append(
+                    f"sglang {version} has no per-token weight versions: use SGLang >= 0.5.19"
+                )
+            try:
+                facts.append(f"tp {server_ranks(server)}")
+            except LayoutError as e:
+                problems.append(str(e))
+            radix_off = bool(server.get("disable_radix_cache", False))
+            facts.append("radix cache off" if radix_off else "radix cache on")
+            if self.recipe.weights.pause_mode == "in_place" and not radix_off:
+                problems.append(
+                    "weights.pause_mode in_place needs the radix cache off: relaunch it with "
+                    "--disable-radix-cache, or set weights.pause_mode=retract"
+                )
+        label = info.get("weight_version")
+        facts.append(f"weight version {label!r}")
+        if label not in (None, "default") and parse_version_label(label) is None:
+            problems.append(
+                f"weight version {label!r} is not a number: relaunch it with --weight-version 0"
+            )
+        if problems:
+            return Check(name=name, ok=False, detail="; ".join(problems))
+        return Check(name=name, ok=True, detail=", ".join(facts))
+
+    # ---- memory ------------------------------------------------------------------------------
+
+    def learner_plans(self, **changes: Any) -> tuple[memory.LearnerPlan, memory.LearnerPlan]:
+        """(rank 0's plan, another rank's plan) for this recipe, with ``changes`` to its learner
+        section (to price a fix)."""
+        from asyncrl.learner.logprobs import chunk_tokens
+
+        assert self.dims is not None
+        r = self.recipe
+        lc = dataclasses.replace(r.learner, **changes)
+        kw: dict[str, Any] = dict(
+            ranks=lc.ranks,
+            compute_dtype=r.model.dtype,
+            micro_batch_tokens=lc.micro_batch_tokens,
+            max_seq_len=r.model.max_seq_len,
+            checkpointing=lc.activation_checkpointing,
+            chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
+            reference_model=r.algorithm.kl_coef > 0,
+            weights_dtype=r.weights.dtype,
+            weights_overlap=r.weights.overlap,
+        )
+        rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.loss != "sft", **kw)
+        return rank0, memory.learner_plan(self.dims, rank0=False, **kw)
+
+    def generator_plan(self) -> memory.GeneratorPlan | None:
+        assert self.dims is not None
+        r, g = self.recipe, self.recipe.generator
+        if r.algorithm.loss == "sft":
+            return None
+        builtin = g.kind == "builtin"
+        n = g.engines_per_worker if builtin else len(g.urls)
+        seqs = memory.in_flight_sequences(
+            max_concurrent_groups=r.rollout.max_concurrent_groups,
+            group_size=r.rollout.group_size,
+            generators=n,
+        )
+        if builtin:
+            return memory.generator_plan(
+                self.dims,
+                kind="builtin",
+                dtype_bytes=4,  # the built-in engine runs float32
+                sequences=seqs,
+                seq_len=r.model.max_seq_len,
+                max_batch_size=g.max_batch_size,
+            )
+        tps = [self.servers[u].get("tp_size", 1) for u in g.urls if self.servers.get(u)]
+        return memory.generator_plan(
+            self.dims,
+            kind="sglang",
+            dtype_bytes=memory.DTYPE_BYTES[r.weights.dtype],
+            sequences=seqs,
+            seq_len=r.model.max_seq_len,
+            tp=max(min(tps), 1) if tps else 1,
+        )
+
+    def engines_here(self) -> int:
+        """Built-in engines `asyncrl run` starts on this host."""
+        r = self.recipe
+        builtin = r.generator.kind == "builtin" and r.algorithm.loss != "sft"
+        return r.rollout.workers * r.generator.engines_per_worker if builtin else 0
+
+    def learner_need(self, **changes: Any) -> tuple[int, int]:
+        """(bytes the learner needs where it is compared, bytes there). On a GPU: rank 0's plan
+        against the smallest free GPU memory. On CPU every rank, every built-in engine and one
+        runtime per process share the host's available RAM."""
+        assert self.device is not None
+        rank0, other = self.learner_plans(**changes)
+        if self.device.cuda:
+            return rank0.total, self.device.learner_memory
+        need = rank0.total + (self.recipe.learner.ranks - 1) * other.total
+        return need + self.engines_need(), self.device.host_available
+
+    def engines_need(self) -> int:
+        """Host bytes of the built-in engines and of every process's runtime on the host."""
+        gen = self.generator_plan() if self.dims is not None else None
+        engines = self.engines_here()
+        ranks = 0 if self.device is not None and self.device.cuda else self.recipe.learner.ranks
+        gen_total = gen.total if gen is not None and engines else 0
+        return engines * gen_total + (ranks + engines) * runtime_bytes()
+
+    def check_learner_memory(self) -> list[Check]:
+        if self.dims is None or self.device is None:
+            return [Check(name="learner memory", ok=False, detail="no plan without the model")]
+        r = self.recipe
+        rank0, _ = self.learner_plans()
+        parts = " + ".join(f"{k} {gib(v)}" for k, v in rank0.items())
+        ac = r.learner.activation_checkpointing
+        what = f"(activations: {rank0.tokens:,} tokens, checkpointing {ac})"
+        need, have = self.learner_need()
+        if self.device.cuda:
+            where = f"{gib(have)} GiB free on the smallest GPU"
+        else:
+            where = (
+                f"{gib(have)} GiB available on the host, with {r.learner.ranks} rank(s), "
+                f"{self.engines_here()} built-in engine(s) and a runtime each"
+            )
+        line = f"rank 0 needs {gib(rank0.total)} GiB = {parts} {what}; in all {gib(need)} GiB of {where}"
+        if need <= have:
+            return [Check(name="learner memory", ok=True, detail=line)]
+        return [Check(name="learner memory", ok=False, detail=f"{line}; {self.fixes(need, have)}")]
+
+    def fixes(self, need: int, have: int) -> str:
+        """What to change so that the learner fits, each priced with the same plan."""
+        r = self.recipe
+        rank0, _ = self.learner_plans()
+        biggest = max(rank0.items(), key=lambda kv: kv[1])
+        out = []
+        if r.learner.activation_checkpointing != "full":
+            need_full, _ = self.learner_need(activation_checkpointing="full")
+            if need_full <= have:
+                out.append(f"set learner.activation_checkpointing=full ({gib(need_full)} GiB)")
+        lo, hi = r.model.max_seq_len, r.learner.micro_batch_tokens - 1
+        if lo <= hi and self.learner_need(micro_batch_tokens=lo)[0] <= have:
+            while lo < hi:  # the largest micro-batch that fits (the need grows with it)
+                mid = (lo + hi + 1) // 2
+                lo, hi = (
+                    (mid, hi)
+                    if self.learner_need(micro_batch_tokens=mid)[0] <= have
+                    else (lo, mid - 1)
+                )
+            out.append(f"set learner.micro_batch_tokens={lo}")
+        if not out:
+            out.append(
+                "more learner ranks (FSDP shards params, grads and AdamW), "
+                "learner.activation_checkpointing=full, or a shorter model.max_seq_len"
+            )
+        return (
+            f"does not fit by {gib(need - have)} GiB (largest: {biggest[0]} {gib(biggest[1])} "
+            f"GiB): " + "; or ".join(out)
+        )
+
+    def check_generator_memory(self) -> list[Check]:
+        if self.dims is None or self.device is None:
+            return [Check(name="generator memory", ok=False, detail="no plan without the model")]
+        gen = self.generator_plan()
+        if gen is None:
+            return [Check(name="generator memory", ok=True, detail="sft: no generators")]
+        r = self.recipe
+        parts = " + ".join(f"{k} {gib(v)}" for k, v in gen.items())
+        seqs = f"{gen.sequences} sequences × {gen.tokens_per_sequence} tokens"
+        if r.generator.kind == "builtin":
+            line = f"each built-in engine: {gib(gen.total)} GiB = {parts} ({seqs}, float32)"
+            if self.device.cuda and self.engines_need() > self.device.host_available:
+                line += (
+                    f"; {self.engines_here()} of them do not fit the host's "
+                    f"{gib(self.device.host_available)} GiB: lower generator.max_batch_size or "
+                    "generator.engines_per_worker"
+                )
+                return [Check(name="generator memory", ok=False, detail=line)]
+            return [Check(name="generator memory", ok=True, detail=line)]
+        line = f"per GPU of each server: {gib(gen.total)} GiB = {parts} ({seqs} in flight)"
+        pools = [
+            s["max_total_num_tokens"]
+            for s in self.servers.values()
+            if isinstance(s.get("max_total_num_tokens"), int)
+        ]
+        if pools:
+            fit = min(pools) // max(gen.tokens_per_sequence, 1)
+            note = (
+                f"; the smallest KV pool holds {min(pools):,} tokens: {fit} of the "
+                f"{gen.sequences} sequences at full length (SGLang queues the rest)"
+            )
+        else:
+            note = "; the servers' KV pools are not reported here (SGLang sizes them itself)"
+        return [Check(name="generator memory", ok=True, detail=line + note)]
+
+    # ---- NCCL --------------------------------------------------------------------------------
+
+    def check_nccl(self) -> list[Check]:
+        cuda = bool(self.device and self.device.cuda)
+        backend = self.recipe.weights.backend
+        here = gpu.this_torch()
+        mine = f"torch {here.torch}, NCCL {gpu.format_nccl(here.nccl)}"
+        other = self._sglang_side()
+        if not gpu.uses_nccl(backend, cuda=cuda):
+            detail = f"not used: weights go over gloo (weights.backend {backend}); here {mine}"
+            return [Check(name="NCCL", ok=True, detail=detail + (f"; {other[1]}" if other else ""))]
+        if not cuda:
+            return [
+                Check(
+                    name="NCCL",
+                    ok=False,
+                    detail=f"weights.backend nccl needs a GPU and this machine has none ({mine}): "
+                    "run it on the GPU machine, or set weights.backend=gloo",
+                )
+            ]
+        bad_env = gpu.nccl_env_mismatch(self.environ)
+        if bad_env:
+            return [
+                Check(
+                    name="NCCL",
+                    ok=False,
+                    detail=f"{', '.join(bad_env)} here, but SGLang servers run with "
+                    f"{gpu.SGLANG_NCCL_ENV} unless launched with the same: unset it, or set it "
+                    "for the servers too",
+                )
+            ]
+        if other is None:
+            return [Check(name="NCCL", ok=True, detail=f"learner {mine}; no SGLang servers")]
+        theirs, text = other
+        if theirs is None:
+            return [Check(name="NCCL", ok=True, detail=f"learner {mine}; {text}")]
+        if theirs != here.nccl:
+            return [
+                Check(
+                    name="NCCL",
+                    ok=False,
+                    detail=f"learner {mine}, but {text}: NCCL refuses mismatched versions; "
+                    "install the learner on SGLang's torch (pip install 'asyncrl[gpu]', docs/gpu.md)",
+                )
+            ]
+        return [Check(name="NCCL", ok=True, detail=f"learner {mine}; {text}: the same")]
+
+    def _sglang_side(self) -> tuple[gpu.NcclVersion | None, str] | None:
+        """(the servers' NCCL if it can be read or inferred, how it was found); None: no SGLang."""
+        if self.sglang_python:
+            try:
+                t = gpu.probe_python(self.sglang_python)
+            except RuntimeError as e:
+                return None, f"SGLang's environment: {e}"
+            return t.nccl, f"SGLang's environment torch {t.torch}, NCCL {gpu.format_nccl(t.nccl)}"
+        if self.recipe.generator.kind != "sglang":
+            return None
+        import importlib.metadata as md
+
+        try:
+            v = md.version("sglang")
+            here = gpu.this_torch()
+            return here.nccl, f"SGLang {v} installed in this environment: the same torch"
+        except md.PackageNotFoundError:
+            pass
+        versions = {str(s.get("version")) for s in self.servers.values() if s.get("version")}
+        if len(versions) == 1:
+            (v,) = versions
+            expected = gpu.expected_nccl(v)
+            if expected is not None:
+                return expected, (
+                    f"servers run sglang {v}, which pins torch {gpu.SGLANG_TORCH[v]}: NCCL "
+                    f"{gpu.format_nccl(expected)} if installed as pinned (not readable over HTTP; "
+                    "--sglang-python reads it)"
+                )
+        return None, "the servers' NCCL cannot be read over HTTP: --sglang-python PATH reads it"
+
+    # ---- ports and TLS -----------------------------------------------------------------------
+
+    def check_ports(self) -> list[Check]:
+        r = self.recipe
+        wanted: list[tuple[str, str, int]] = []
+        for key in ("address", "pub_address"):
+            a = getattr(r.buffer, key)
+            if a.startswith(("tcp://", "tls+tcp://")):
+                u = urlsplit(a)
+                wanted.append((f"buffer.{key}", u.hostname or "", u.port or 0))
+        wanted.append(("weights.master_port", r.weights.master_addr, r.weights.master_port))
+        if r.generator.kind == "builtin" and r.generator.base_port:
+            n = r.rollout.workers * r.generator.engines_per_worker
+            for i in range(n):
+                wanted.append(("generator.base_port", r.generator.host, r.generator.base_port + i))
+        busy, elsewhere, free = [], [], []
+        for key, host, port in wanted:
+            if port == 0:
+                continue
+            state = port_state(host, port)
+            (busy if state == "busy" else elsewhere if state == "remote" else free).append(
+                f"{key} {host}:{port}"
+            )
+        if busy:
+            return [
+                Check(
+                    name="ports",
+                    ok=False,
+                    detail=f"in use: {', '.join(busy)}: stop what holds them, or choose other "
+                    "ports (0: a free one at start)",
+                )
+            ]
+        said = [f"free: {', '.join(free)}" if free else "", "port 0: a free one at start"]
+        if elsewhere:
+            said.append(f"not this host's (checked where they run): {', '.join(elsewhere)}")
+        return [Check(name="ports", ok=True, detail="; ".join(s for s in said if s))]
+
+    def check_tls(self) -> list[Check]:
+        import ssl
+
+        from asyncrl.transport import TLS
+
+        tls = TLS.from_config(self.recipe)
+        if tls is None:
+            return [Check(name="TLS", ok=True, detail="not used (tcp:// addresses)")]
+        try:
+            tls.server_config()  # what the buffer service builds (reads and parses the PEM files)
+            tls.client_config(self.recipe.buffer.address)
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.load_cert_chain(tls.cert, tls.key)  # the key is the certificate's
+            ctx.load_verify_locations(tls.ca)
+        except (ValueError, OSError, ssl.SSLError) as e:
+            return [Check(name="TLS", ok=False, detail=f"{e}: fix buffer.tls (docs/multinode.md)")]
+        except Exception as e:  # pynng's own errors for PEM it cannot parse
+            return [
+                Check(name="TLS", ok=False, detail=f"{e!r}: fix buffer.tls (docs/multinode.md)")
+            ]
+        return [
+            Check(
+                name="TLS",
+                ok=True,
+                detail=f"certificate, key (its own) and CA readable: {tls.cert}, {tls.key}, {tls.ca}",
+            )
+        ]
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) host RAM in bytes: /proc/meminfo's MemTotal and MemAvailable."""
+    try:
+        fields = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, v = line.split(":", 1)
+            fields[k] = int(v.split()[0]) * 1024
+        return fields["MemTotal"], fields.get("MemAvailable", fields["MemFree"])
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total
+
+
+def runtime_bytes() -> int:
+    """One process's runtime before any model: this process's resident memory once it has
+    imported torch and TorchTitan (as every learner rank and engine does)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return GiB // 2
+
+
+def port_state(host: str, port: int) -> str:
+    """ "free", "busy" (something listens there) or "remote" (``host`` is not this machine's)."""
+    try:
+        infos = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return "remote"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return "busy" if e.errno == errno.EADDRINUSE else "remote"
+    return "free"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl doctor", description=__doc__.splitlines()[0])
+    p.add_argument("recipe", help="YAML recipe file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.ranks=8")
+    p.add_argument(
+        "--sglang-python",
+        default="",
+        help="SGLang's interpreter when it has its own environment: its NCCL is read from it",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per server request")
+    a = p.parse_args(argv)
+    try:
+        r = recipe_mod.load(a.recipe, a.overrides, check_files=False)
+    except recipe_mod.RecipeError as e:
+        print(f"✗ recipe: {e}")
+        print("asyncrl doctor: the recipe is invalid: fix it first", file=sys.stderr)
+        return 2
+    print(f"✓ recipe: {a.recipe} is valid")
+    doctor = Doctor(
+        recipe=r, recipe_path=a.recipe, sglang_python=a.sglang_python, timeout_s=a.timeout
+    )
+    checks = doctor.run(
+        emit=lambda c: print(f"{'✓' if c.ok else '✗'} {c.name}: {c.detail}", flush=True)
+    )
+    failed = [c.name for c in checks if not c.ok]
+    if failed:
+        n = len(checks) + 1
+        print(
+            f"asyncrl doctor: {len(failed)} of {n} checks fail: {', '.join(failed)}",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"asyncrl doctor: all {len(checks) + 1} checks pass", file=sys.stderr)
+    return 0

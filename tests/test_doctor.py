@@ -1,0 +1,389 @@
+"""`asyncrl doctor`: its checks on this machine, its memory verdicts and fixes, the SGLang server
+checks against a real HTTP server (the built-in engine), and NCCL's settings and versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import trustme
+
+from asyncrl import gpu
+from asyncrl import recipe as recipe_mod
+from asyncrl.doctor import Device, Doctor
+from asyncrl.memory import GiB
+from tests.test_memory_plan import QWEN3_8B
+
+ROOT = Path(__file__).resolve().parents[1]
+ASYNCRL = [sys.executable, "-m", "asyncrl.cli"]
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [*ASYNCRL, "doctor", *args], capture_output=True, text=True, env=env, timeout=240
+    )
+
+
+def _config_only_model(folder: Path, cfg: dict) -> Path:
+    """A model folder with only config.json: all the plan and build_spec read (no weights)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def demo_overrides(tmp_path_factory) -> list[str]:
+    from tools.make_demo import make_demo
+
+    d = make_demo(tmp_path_factory.mktemp("doctor_demo"), train=50, eval=8)
+    return [
+        f"model.path={d / 'model'}",
+        f"data.path={d / 'data/train.jsonl'}",
+        f"data.eval_path={d / 'data/eval.jsonl'}",
+    ]
+
+
+def test_the_demo_recipe_passes_on_this_machine(demo_overrides):
+    p = _doctor(str(ROOT / "recipes/demo.yaml"), *demo_overrides)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    names = [x[2:].split(":", 1)[0] for x in lines]
+    assert names == [
+        "recipe",
+        "files",
+        "device",
+        "model",
+        "attention",
+        "generators",
+        "learner memory",
+        "generator memory",
+        "NCCL",
+        "ports",
+        "TLS",
+    ]
+    assert all(x.startswith("✓ ") for x in lines), p.stdout
+    out = p.stdout
+    assert "attention: sdpa: CPU: per-document SDPA" in out  # choose_attention's own words
+    assert "weights go over gloo" in out and "checkpointing none" in out
+    assert "all 11 checks pass" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_plan_that_does_not_fit_exits_2_naming_it(tmp_path, demo_overrides):
+    model = _config_only_model(tmp_path / "qwen3-8b", QWEN3_8B)
+    # 8.2B parameters' float32 states alone are 131 GB; a million-token micro-batch adds 5.8 TB
+    p = _doctor(
+        str(ROOT / "recipes/demo.yaml"),
+        *demo_overrides,
+        f"model.path={model}",
+        "learner.micro_batch_tokens=1000000",
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("✗ ")]
+    assert line.startswith("✗ learner memory: rank 0 needs ")
+    assert "does not fit by" in line and "(largest: activations" in line
+    assert "more learner ranks" in line  # no checkpointing or micro-batch fits this host
+    assert p.stderr.strip().endswith("1 of 11 checks fail: learner memory")
+    assert "Traceback" not in p.stderr
+
+
+def test_an_invalid_recipe_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("buffer: {max_stalenes: 2}\n")
+    p = _doctor(str(bad))
+    assert p.returncode == 2
+    assert "✗ recipe:" in p.stdout and "did you mean 'max_staleness'" in p.stdout
+    assert "Traceback" not in p.stderr
+
+
+# ---- the memory verdict on a GPU, with the device given (no GPU here) -------------------------
+
+
+def _multinode(tmp_path: Path, *overrides: str) -> Doctor:
+    model = _config_only_model(tmp_path / "Qwen3-8B", QWEN3_8B)
+    r = recipe_mod.load(
+        ROOT / "recipes/multinode.yaml", [f"model.path={model}", *overrides], check_files=False
+    )
+    d = Doctor(recipe=r, recipe_path="multinode.yaml")
+    d.check_model()
+    return d
+
+
+def _gpu(free_gib: float) -> Device:
+    free = int(free_gib * GiB)
+    return Device(
+        cuda=True, gpus=[("H100", free, free, (9, 0))] * 8, host_available=GiB, host_total=GiB
+    )
+
+
+def test_8b_on_16_ranks_fits_an_80_gib_gpu_with_full_checkpointing(tmp_path):
+    d = _multinode(tmp_path)  # the recipe as shipped: activation_checkpointing full
+    d.device = _gpu(80)
+    (c,) = d.check_learner_memory()
+    assert c.ok, c.detail
+    assert c.detail.startswith("rank 0 needs 70.7 GiB")  # 75,959,383,040 bytes (test_memory_plan)
+    assert "checkpointing full" in c.detail
+
+
+def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
+    d = _multinode(tmp_path, "learner.activation_checkpointing=none")
+    d.device = _gpu(80)
+    (c,) = d.check_learner_memory()
+    assert not c.ok
+    # 386.9 GiB needed: activations 356.5 GiB; one 8,192-token sequence alone does not fit 80 GiB
+    # next to the rest (room for 7,009 tokens), so only checkpointing is offered
+    assert "does not fit by" in c.detail and "(largest: activations 356.5 GiB)" in c.detail
+    assert "set learner.activation_checkpointing=full (70.7 GiB)" in c.detail
+    assert "micro_batch_tokens" not in c.detail
+    d.device = _gpu(120)
+    (c,) = d.check_learner_memory()
+    # (120 GiB − 44,955,087,872 bytes) // 5,840,896 bytes per token = 14,363 tokens
+    assert "set learner.micro_batch_tokens=14363" in c.detail
+
+
+# ---- SGLang servers -------------------------------------------------------------------------
+
+
+def test_a_real_server_is_reached_and_described(tiny_qwen3, rollout_engine):
+    """The built-in engine serves SGLang's API (no /server_info: one rank, no radix cache)."""
+    r = recipe_mod.load(
+        ROOT / "recipes/demo.yaml",
+        [
+            f"model.path={tiny_qwen3}",
+            "generator.kind=sglang",
+            f"generator.urls=[{rollout_engine.url}]",
+        ],
+        check_files=False,
+    )
+    d = Doctor(recipe=r, recipe_path="demo.yaml")
+    (c,) = d.check_generators()
+    assert c.ok, c.detail
+    assert c.name == f"SGLang {rollout_engine.url}"
+    assert "asyncrl built-in engine" in c.detail and "weight version 'default'" in c.detail
+
+
+def test_an_unreachable_server_is_named_with_the_fix(tiny_qwen3):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    r = recipe_mod.load(
+        ROOT / "recipes/demo.yaml",
+        [
+            f"model.path={tiny_qwen3}",
+            "generator.kind=sglang",
+            f"generator.urls=[http://127.0.0.1:{port}]",
+        ],
+        check_files=False,
+    )
+    (c,) = Doctor(recipe=r, recipe_path="demo.yaml", timeout_s=2).check_generators()
+    assert not c.ok and "unreachable" in c.detail and "fix generator.urls" in c.detail
+
+
+class _FakeSGLang(BaseHTTPRequestHandler):
+    """SGLang's /model_info and /server_info with a layout no server here can have (TP 4 needs four
+    GPUs; real SGLang on CPU runs TP 1): the only part of this test that is not a real server."""
+
+    server_info: dict = {}
+    label = "0"
+
+    def do_GET(self):  # noqa: N802
+        body = {"/model_info": {"weight_version": self.label, "model_type": "qwen3"}}.get(
+            self.path, self.server_info if self.path == "/server_info" else None
+        )
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(body or {}).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_sglang():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _server_check(tiny_qwen3, url: str, info: dict, label: str = "0", *overrides: str):
+    _FakeSGLang.server_info, _FakeSGLang.label = info, label
+    r = recipe_mod.load(
+        ROOT / "recipes/demo.yaml",
+        [
+            f"model.path={tiny_qwen3}",
+            "generator.kind=sglang",
+            f"generator.urls=[{url}]",
+            *overrides,
+        ],
+        check_files=False,
+    )
+    d = Doctor(recipe=r, recipe_path="demo.yaml")
+    (c,) = d.check_generators()
+    return c, d
+
+
+def test_server_layout_radix_cache_version_and_label(tiny_qwen3, fake_sglang):
+    url = f"http://127.0.0.1:{fake_sglang.server_address[1]}"
+    info = {"version": "0.5.23", "tp_size": 4, "dp_size": 1, "disable_radix_cache": False}
+    c, _ = _server_check(tiny_qwen3, url, info)  # pause_mode in_place (the default)
+    assert not c.ok and "relaunch it with --disable-radix-cache" in c.detail
+    c, d = _server_check(tiny_qwen3, url, info, "0", "weights.pause_mode=retract")
+    assert c.ok and "sglang 0.5.23, tp 4, radix cache on" in c.detail
+    # the generator plan splits weights over the server's 4 GPUs
+    d.check_model()
+    assert d.generator_plan().weights == d.dims.params * 4 // 4  # float32 over 4 GPUs
+    c, _ = _server_check(tiny_qwen3, url, {**info, "disable_radix_cache": True, "dp_size": 2})
+    assert not c.ok and "dp_size 2" in c.detail
+    c, _ = _server_check(
+        tiny_qwen3, url, {**info, "version": "0.5.17", "disable_radix_cache": True}
+    )
+    assert not c.ok and "use SGLang >= 0.5.19" in c.detail
+    c, _ = _server_check(tiny_qwen3, url, {**info, "disable_radix_cache": True}, "latest")
+    assert not c.ok and "relaunch it with --weight-version 0" in c.detail
+
+
+# ---- NCCL -------------------------------------------------------------------------------------
+
+
+def test_trainer_nccl_env_matches_sglang_unless_set_by_hand():
+    assert gpu.trainer_nccl_env({}, uses_nccl=True) == {
+        "NCCL_CUMEM_ENABLE": "0",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+    assert gpu.trainer_nccl_env({"NCCL_CUMEM_ENABLE": "1"}, uses_nccl=True) == {
+        "NCCL_NVLS_ENABLE": "0"
+    }
+    assert gpu.trainer_nccl_env({}, uses_nccl=False) == {}
+    assert gpu.uses_nccl("auto", cuda=True) and not gpu.uses_nccl("auto", cuda=False)
+    assert gpu.uses_nccl("nccl", cuda=False) and not gpu.uses_nccl("gloo", cuda=True)
+    assert gpu.nccl_env_mismatch({"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}) == [
+        "NCCL_CUMEM_ENABLE=1"
+    ]
+
+
+def test_the_learner_sets_them_only_for_an_nccl_weight_group(monkeypatch):
+    from asyncrl.learner.main import match_sglang_nccl
+
+    for k in gpu.SGLANG_NCCL_ENV:
+        monkeypatch.delenv(k, raising=False)
+    gloo = recipe_mod.from_dict({"weights": {"backend": "gloo"}})
+    assert match_sglang_nccl(gloo) == {} and "NCCL_CUMEM_ENABLE" not in os.environ
+    nccl = recipe_mod.from_dict({"weights": {"backend": "nccl"}})
+    assert match_sglang_nccl(nccl) == gpu.SGLANG_NCCL_ENV
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_sglang_versions_map_to_their_nccl():
+    assert gpu.expected_nccl("0.5.23") == (2, 30, 7)
+    assert gpu.expected_nccl("0.5.99") is None
+    assert gpu.TORCH_NCCL["2.13.0"] != gpu.TORCH_NCCL["2.14.1"]  # why one environment
+
+
+def test_nccl_backend_on_a_machine_without_gpu_is_named(tiny_qwen3):
+    r = recipe_mod.load(
+        ROOT / "recipes/demo.yaml",
+        [f"model.path={tiny_qwen3}", "weights.backend=nccl"],
+        check_files=False,
+    )
+    d = Doctor(recipe=r, recipe_path="demo.yaml")
+    d.device = Device(cuda=False, gpus=[], host_available=GiB, host_total=GiB)
+    (c,) = d.check_nccl()
+    assert not c.ok and "needs a GPU" in c.detail and "weights.backend=gloo" in c.detail
+
+
+SGLANG_PY = Path.home() / ".cache/asyncrl/sglang-0.5.23-cpu/bin/python"
+
+
+@pytest.mark.skipif(
+    not SGLANG_PY.exists(), reason="SGLang's CPU venv is not built (make test-sglang)"
+)
+def test_the_nccl_of_sglangs_own_environment_is_read():
+    """SGLang 0.5.23's environment (torch 2.14.1's CUDA wheel, which imports on CPU) carries the
+    NCCL the pin table says; this CPU-only environment carries none."""
+    t = gpu.probe_python(str(SGLANG_PY))
+    assert t.torch.startswith("2.14.1") and t.nccl == gpu.expected_nccl("0.5.23")
+    import torch
+
+    if torch.version.cuda is None:  # asyncrl's CPU venv: no NCCL to compare with
+        assert gpu.this_torch().nccl is None
+
+
+def test_a_missing_interpreter_is_one_line():
+    with pytest.raises(RuntimeError, match="cannot run"):
+        gpu.probe_python("/nonexistent/python")
+
+
+# ---- ports and TLS ----------------------------------------------------------------------------
+
+
+def test_ports_in_use_free_and_elsewhere(tiny_qwen3):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            free = s.getsockname()[1]
+        r = recipe_mod.load(
+            ROOT / "recipes/demo.yaml",
+            [
+                f"model.path={tiny_qwen3}",
+                f"buffer.address=tcp://127.0.0.1:{free}",
+                "weights.master_addr=no-such-host.invalid",
+                "weights.master_port=29610",
+            ],
+            check_files=False,
+        )
+        (c,) = Doctor(recipe=r, recipe_path="demo.yaml").check_ports()
+        assert c.ok and f"free: buffer.address 127.0.0.1:{free}" in c.detail
+        assert "not this host's" in c.detail and "no-such-host.invalid:29610" in c.detail
+        r = recipe_mod.load(
+            ROOT / "recipes/demo.yaml",
+            [f"model.path={tiny_qwen3}", f"buffer.pub_address=tcp://127.0.0.1:{busy}"],
+            check_files=False,
+        )
+        (c,) = Doctor(recipe=r, recipe_path="demo.yaml").check_ports()
+        assert not c.ok and f"in use: buffer.pub_address 127.0.0.1:{busy}" in c.detail
+
+
+def _tls_recipe(tmp_path: Path, tiny_qwen3: Path, key: str) -> recipe_mod.Recipe:
+    return recipe_mod.load(
+        ROOT / "recipes/demo.yaml",
+        [
+            f"model.path={tiny_qwen3}",
+            "buffer.address=tls+tcp://127.0.0.1:0",
+            "buffer.pub_address=tls+tcp://127.0.0.1:0",
+            f"buffer.tls.cert={tmp_path / 'node.pem'}",
+            f"buffer.tls.key={tmp_path / key}",
+            f"buffer.tls.ca={tmp_path / 'ca.pem'}",
+        ],
+        check_files=False,
+    )
+
+
+def test_tls_files_readable_and_the_key_is_the_certificates(tmp_path, tiny_qwen3):
+    ca = trustme.CA()
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    cert = ca.issue_cert("127.0.0.1")
+    (tmp_path / "node.pem").write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
+    (tmp_path / "node.key").write_bytes(cert.private_key_pem.bytes())
+    (tmp_path / "other.key").write_bytes(ca.issue_cert("other").private_key_pem.bytes())
+    (c,) = Doctor(recipe=_tls_recipe(tmp_path, tiny_qwen3, "node.key"), recipe_path="x").check_tls()
+    assert c.ok, c.detail
+    (c,) = Doctor(
+        recipe=_tls_recipe(tmp_path, tiny_qwen3, "other.key"), recipe_path="x"
+    ).check_tls()
+    assert not c.ok and "fix buffer.tls" in c.detail
+    (c,) = Doctor(recipe=_tls_recipe(tmp_path, tiny_qwen3, "gone.key"), recipe_path="x").check_tls()
+    assert not c.ok and "gone.key" in c.detail
