@@ -17,7 +17,7 @@ import trustme
 
 from asyncrl import gpu
 from asyncrl import recipe as recipe_mod
-from asyncrl.doctor import Device, Doctor
+from asyncrl.doctor import Check, Device, Doctor
 from asyncrl.memory import GiB
 from tests.test_memory_plan import QWEN3_8B
 
@@ -153,18 +153,17 @@ def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
 # ---- SGLang servers -------------------------------------------------------------------------
 
 
+def _demo(model: Path, *overrides: str) -> Doctor:
+    """A Doctor for the demo recipe on ``model`` with ``overrides`` (files not checked)."""
+    r = recipe_mod.load(
+        ROOT / "recipes/demo.yaml", [f"model.path={model}", *overrides], check_files=False
+    )
+    return Doctor(recipe=r, recipe_path="demo.yaml")
+
+
 def test_a_real_server_is_reached_and_described(tiny_qwen3, rollout_engine):
     """The built-in engine serves SGLang's API (no /server_info: one rank, no radix cache)."""
-    r = recipe_mod.load(
-        ROOT / "recipes/demo.yaml",
-        [
-            f"model.path={tiny_qwen3}",
-            "generator.kind=sglang",
-            f"generator.urls=[{rollout_engine.url}]",
-        ],
-        check_files=False,
-    )
-    d = Doctor(recipe=r, recipe_path="demo.yaml")
+    d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[{rollout_engine.url}]")
     (c,) = d.check_generators()
     assert c.ok, c.detail
     assert c.name == f"SGLang {rollout_engine.url}"
@@ -175,16 +174,9 @@ def test_an_unreachable_server_is_named_with_the_fix(tiny_qwen3):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    r = recipe_mod.load(
-        ROOT / "recipes/demo.yaml",
-        [
-            f"model.path={tiny_qwen3}",
-            "generator.kind=sglang",
-            f"generator.urls=[http://127.0.0.1:{port}]",
-        ],
-        check_files=False,
-    )
-    (c,) = Doctor(recipe=r, recipe_path="demo.yaml", timeout_s=2).check_generators()
+    d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[http://127.0.0.1:{port}]")
+    d.timeout_s = 2
+    (c,) = d.check_generators()
     assert not c.ok and "unreachable" in c.detail and "fix generator.urls" in c.detail
 
 
@@ -219,17 +211,7 @@ def fake_sglang():
 
 def _server_check(tiny_qwen3, url: str, info: dict, label: str = "0", *overrides: str):
     _FakeSGLang.server_info, _FakeSGLang.label = info, label
-    r = recipe_mod.load(
-        ROOT / "recipes/demo.yaml",
-        [
-            f"model.path={tiny_qwen3}",
-            "generator.kind=sglang",
-            f"generator.urls=[{url}]",
-            *overrides,
-        ],
-        check_files=False,
-    )
-    d = Doctor(recipe=r, recipe_path="demo.yaml")
+    d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[{url}]", *overrides)
     (c,) = d.check_generators()
     return c, d
 
@@ -292,12 +274,7 @@ def test_sglang_versions_map_to_their_nccl():
 
 
 def test_nccl_backend_on_a_machine_without_gpu_is_named(tiny_qwen3):
-    r = recipe_mod.load(
-        ROOT / "recipes/demo.yaml",
-        [f"model.path={tiny_qwen3}", "weights.backend=nccl"],
-        check_files=False,
-    )
-    d = Doctor(recipe=r, recipe_path="demo.yaml")
+    d = _demo(tiny_qwen3, "weights.backend=nccl")
     d.device = Device(cuda=False, gpus=[], host_available=GiB, host_total=GiB)
     (c,) = d.check_nccl()
     assert not c.ok and "needs a GPU" in c.detail and "weights.backend=gloo" in c.detail
@@ -336,41 +313,30 @@ def test_ports_in_use_free_and_elsewhere(tiny_qwen3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             free = s.getsockname()[1]
-        r = recipe_mod.load(
-            ROOT / "recipes/demo.yaml",
-            [
-                f"model.path={tiny_qwen3}",
-                f"buffer.address=tcp://127.0.0.1:{free}",
-                "weights.master_addr=no-such-host.invalid",
-                "weights.master_port=29610",
-            ],
-            check_files=False,
+        d = _demo(
+            tiny_qwen3,
+            f"buffer.address=tcp://127.0.0.1:{free}",
+            "weights.master_addr=no-such-host.invalid",
+            "weights.master_port=29610",
         )
-        (c,) = Doctor(recipe=r, recipe_path="demo.yaml").check_ports()
+        (c,) = d.check_ports()
         assert c.ok and f"free: buffer.address 127.0.0.1:{free}" in c.detail
         assert "not this host's" in c.detail and "no-such-host.invalid:29610" in c.detail
-        r = recipe_mod.load(
-            ROOT / "recipes/demo.yaml",
-            [f"model.path={tiny_qwen3}", f"buffer.pub_address=tcp://127.0.0.1:{busy}"],
-            check_files=False,
-        )
-        (c,) = Doctor(recipe=r, recipe_path="demo.yaml").check_ports()
+        (c,) = _demo(tiny_qwen3, f"buffer.pub_address=tcp://127.0.0.1:{busy}").check_ports()
         assert not c.ok and f"in use: buffer.pub_address 127.0.0.1:{busy}" in c.detail
 
 
-def _tls_recipe(tmp_path: Path, tiny_qwen3: Path, key: str) -> recipe_mod.Recipe:
-    return recipe_mod.load(
-        ROOT / "recipes/demo.yaml",
-        [
-            f"model.path={tiny_qwen3}",
-            "buffer.address=tls+tcp://127.0.0.1:0",
-            "buffer.pub_address=tls+tcp://127.0.0.1:0",
-            f"buffer.tls.cert={tmp_path / 'node.pem'}",
-            f"buffer.tls.key={tmp_path / key}",
-            f"buffer.tls.ca={tmp_path / 'ca.pem'}",
-        ],
-        check_files=False,
+def _tls(tmp_path: Path, tiny_qwen3: Path, key: str) -> Check:
+    d = _demo(
+        tiny_qwen3,
+        "buffer.address=tls+tcp://127.0.0.1:0",
+        "buffer.pub_address=tls+tcp://127.0.0.1:0",
+        f"buffer.tls.cert={tmp_path / 'node.pem'}",
+        f"buffer.tls.key={tmp_path / key}",
+        f"buffer.tls.ca={tmp_path / 'ca.pem'}",
     )
+    (c,) = d.check_tls()
+    return c
 
 
 def test_tls_files_readable_and_the_key_is_the_certificates(tmp_path, tiny_qwen3):
@@ -380,11 +346,9 @@ def test_tls_files_readable_and_the_key_is_the_certificates(tmp_path, tiny_qwen3
     (tmp_path / "node.pem").write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
     (tmp_path / "node.key").write_bytes(cert.private_key_pem.bytes())
     (tmp_path / "other.key").write_bytes(ca.issue_cert("other").private_key_pem.bytes())
-    (c,) = Doctor(recipe=_tls_recipe(tmp_path, tiny_qwen3, "node.key"), recipe_path="x").check_tls()
+    c = _tls(tmp_path, tiny_qwen3, "node.key")
     assert c.ok, c.detail
-    (c,) = Doctor(
-        recipe=_tls_recipe(tmp_path, tiny_qwen3, "other.key"), recipe_path="x"
-    ).check_tls()
+    c = _tls(tmp_path, tiny_qwen3, "other.key")
     assert not c.ok and "fix buffer.tls" in c.detail
-    (c,) = Doctor(recipe=_tls_recipe(tmp_path, tiny_qwen3, "gone.key"), recipe_path="x").check_tls()
+    c = _tls(tmp_path, tiny_qwen3, "gone.key")
     assert not c.ok and "gone.key" in c.detail

@@ -75,21 +75,25 @@ def test_saved_activations_per_layer_and_token():
     assert activation_bytes_per_token(big, "full", 2) == 2 * (36 * 4096 + 80_896 + 8192) == 473_088
 
 
-def test_qwen3_8b_on_16_ranks_rank_0():
-    """recipes/multinode.yaml: 16 ranks, bfloat16, 65,536-token micro-batches, full checkpointing."""
-    big = ModelDims.from_hf_config(QWEN3_8B)
-    chunk = chunk_tokens(151_936, 256.0)
-    assert chunk == 110  # 256 MiB // (16 bytes × 151,936)
-    plan = learner_plan(
-        big,
+def _plan_8b(checkpointing: str, *, rank0: bool = True):
+    """recipes/multinode.yaml's learner: 16 ranks, bfloat16, 65,536-token micro-batches."""
+    return learner_plan(
+        ModelDims.from_hf_config(QWEN3_8B),
         ranks=16,
         compute_dtype="bfloat16",
         micro_batch_tokens=65_536,
         max_seq_len=8192,
-        checkpointing="full",
-        chunk_tokens=chunk,
+        checkpointing=checkpointing,
+        chunk_tokens=chunk_tokens(151_936, 256.0),
+        rank0=rank0,
         weights_dtype="bfloat16",
     )
+
+
+def test_qwen3_8b_on_16_ranks_rank_0():
+    """recipes/multinode.yaml: 16 ranks, bfloat16, 65,536-token micro-batches, full checkpointing."""
+    assert chunk_tokens(151_936, 256.0) == 110  # 256 MiB // (16 bytes × 151,936)
+    plan = _plan_8b("full")
     shard = 8_190_735_360 // 16  # 511,920,960 parameters per rank
     assert plan.params == plan.grads == 4 * shard == 2_047_683_840
     assert plan.optimizer == 8 * shard == 4_095_367_680
@@ -100,27 +104,10 @@ def test_qwen3_8b_on_16_ranks_rank_0():
     assert plan.logits == 110 * 151_936 * 16 == 267_407_360
     assert plan.weight_snapshot == 2 * 8_190_735_360 * 2 == 32_762_941_440  # overlap: two copies
     assert plan.total == 75_959_383_040  # 70.7 GiB: fits an 80 GB GPU
-    other = learner_plan(
-        big,
-        ranks=16,
-        compute_dtype="bfloat16",
-        micro_batch_tokens=65_536,
-        max_seq_len=8192,
-        checkpointing="full",
-        chunk_tokens=chunk,
-        rank0=False,
-    )
+    other = _plan_8b("full", rank0=False)
     assert other.total == plan.total - plan.weight_snapshot
     # without checkpointing the activations alone are 65,536 × 5,840,896 bytes (356.5 GiB)
-    none = learner_plan(
-        big,
-        ranks=16,
-        compute_dtype="bfloat16",
-        micro_batch_tokens=65_536,
-        max_seq_len=8192,
-        checkpointing="none",
-        chunk_tokens=chunk,
-    )
+    none = _plan_8b("none")
     assert none.activations == 382_788_960_256
     # everything but activations (what a smaller micro-batch cannot shrink):
     # 2·2,047,683,840 + 4,095,367,680 + 3,734,003,712 + 267,407,360 + 32,762,941,440 bytes
