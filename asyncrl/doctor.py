@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import math
 import os
 import socket
 import sys
@@ -256,9 +257,19 @@ class Doctor:
             reference_model=r.algorithm.kl_coef > 0,
             weights_dtype=r.weights.dtype,
             weights_overlap=r.weights.overlap,
+            samples_per_update=self.samples_per_update(),
+            checkpoint_async=lc.checkpoint_async,
         )
         rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.loss != "sft", **kw)
         return rank0, memory.learner_plan(self.dims, rank0=False, **kw)
+
+    def samples_per_update(self) -> int:
+        """Sequences one optimizer update trains on: sft's batch, or an RL batch's minibatch."""
+        r = self.recipe
+        if r.algorithm.loss == "sft":
+            return r.learner.batch_size
+        per_batch = r.buffer.groups_per_batch * r.rollout.group_size
+        return math.ceil(per_batch / r.learner.minibatches)
 
     def generator_plan(self) -> memory.GeneratorPlan | None:
         assert self.dims is not None
@@ -305,16 +316,20 @@ class Doctor:
         rank0, other = self.learner_plans(**changes)
         if self.device.cuda:
             return rank0.total, self.device.learner_memory
-        need = rank0.total + (self.recipe.learner.ranks - 1) * other.total
+        ranks = self.recipe.learner.ranks
+        need = rank0.total + (ranks - 1) * other.total + ranks * rank0.checkpoint_staging
         return need + self.engines_need(), self.device.host_available
 
     def engines_need(self) -> int:
-        """Host bytes of the built-in engines and of every process's runtime on the host."""
+        """Host bytes of the built-in engines and of every process's runtime on the host; on a GPU
+        machine also the learner ranks' asynchronous checkpoint staging (host memory)."""
         gen = self.generator_plan() if self.dims is not None else None
         engines = self.engines_here()
-        ranks = 0 if self.device is not None and self.device.cuda else self.recipe.learner.ranks
+        gpu_ranks = min(self.recipe.learner.ranks, len(self.device.gpus)) if self.device else 0
+        ranks = self.recipe.learner.ranks if not gpu_ranks else 0
         gen_total = gen.total if gen is not None and engines else 0
-        return engines * gen_total + (ranks + engines) * runtime_bytes()
+        staging = self.learner_plans()[0].checkpoint_staging * gpu_ranks if self.dims else 0
+        return engines * gen_total + (ranks + engines) * runtime_bytes() + staging
 
     def check_learner_memory(self) -> list[Check]:
         if self.dims is None or self.device is None:
@@ -322,6 +337,8 @@ class Doctor:
         r = self.recipe
         rank0, _ = self.learner_plans()
         parts = " + ".join(f"{k} {gib(v)}" for k, v in rank0.items())
+        if rank0.checkpoint_staging:
+            parts += f" (+ async checkpoint staging {gib(rank0.checkpoint_staging)} on the host)"
         ac = r.learner.activation_checkpointing
         what = f"(activations: {rank0.tokens:,} tokens, checkpointing {ac})"
         need, have = self.learner_need()
@@ -333,9 +350,22 @@ class Doctor:
                 f"{self.engines_here()} built-in engine(s) and a runtime each"
             )
         line = f"rank 0 needs {gib(rank0.total)} GiB = {parts} {what}; in all {gib(need)} GiB of {where}"
-        if need <= have:
-            return [Check(name="learner memory", ok=True, detail=line)]
-        return [Check(name="learner memory", ok=False, detail=f"{line}; {self.fixes(need, have)}")]
+        if need > have:
+            return [
+                Check(name="learner memory", ok=False, detail=f"{line}; {self.fixes(need, have)}")
+            ]
+        host = self.engines_need()
+        if self.device.cuda and host > self.device.host_available:
+            return [
+                Check(
+                    name="learner memory",
+                    ok=False,
+                    detail=f"{line}; but the host needs {gib(host)} GiB of its "
+                    f"{gib(self.device.host_available)} GiB (checkpoint staging, engines, runtimes): "
+                    "set learner.checkpoint_async=false",
+                )
+            ]
+        return [Check(name="learner memory", ok=True, detail=line)]
 
     def fixes(self, need: int, have: int) -> str:
         """What to change so that the learner fits, each priced with the same plan."""
@@ -347,7 +377,11 @@ class Doctor:
             need_full, _ = self.learner_need(activation_checkpointing="full")
             if need_full <= have:
                 out.append(f"set learner.activation_checkpointing=full ({gib(need_full)} GiB)")
-        lo, hi = r.model.max_seq_len, r.learner.micro_batch_tokens - 1
+        if r.learner.checkpoint_async and not self.device.cuda:
+            need_sync, _ = self.learner_need(checkpoint_async=False)
+            if need_sync <= have:
+                out.append(f"set learner.checkpoint_async=false ({gib(need_sync)} GiB)")
+        lo, hi = r.model.max_seq_len, min(r.learner.micro_batch_tokens, rank0.tokens) - 1
         if lo <= hi and self.learner_need(micro_batch_tokens=lo)[0] <= have:
             while lo < hi:  # the largest micro-batch that fits (the need grows with it)
                 mid = (lo + hi + 1) // 2

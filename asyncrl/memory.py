@@ -159,8 +159,10 @@ class LearnerPlan:
     logits: int
     weight_snapshot: int
     tokens: int
-    """Tokens of the largest micro-batch: ``max(micro_batch_tokens, max_seq_len)``."""
+    """Tokens of the largest micro-batch (see :func:`learner_plan`)."""
     activation_bytes_per_token: int
+    checkpoint_staging: int = 0
+    """Host bytes an asynchronous checkpoint stages (not in :attr:`total`: not on the GPU)."""
 
     def items(self) -> list[tuple[str, int]]:
         every = [
@@ -198,6 +200,8 @@ def learner_plan(
     rank0: bool = True,
     weights_dtype: str = "bfloat16",
     weights_overlap: bool = True,
+    samples_per_update: int = 0,
+    checkpoint_async: bool = False,
 ) -> LearnerPlan:
     """Bytes on one learner rank at the peak of a step, FSDP2 over ``ranks``.
 
@@ -206,15 +210,21 @@ def learner_plan(
     - FSDP gather: the largest FSDP unit in the compute dtype, three times: the unit being computed,
       the next one prefetched, and the unsharded gradient before its reduce-scatter.
     - activations: :func:`activation_bytes_per_token` × the largest micro-batch, ``max(
-      micro_batch_tokens, max_seq_len)`` tokens (a longer sequence gets a micro-batch of its own).
+      micro_batch_tokens, max_seq_len)`` tokens (a longer sequence gets a micro-batch of its own),
+      and no more than this rank's share of one update, ``ceil(samples_per_update / ranks)``
+      sequences of ``max_seq_len`` (when ``samples_per_update`` is given).
     - logits chunk: :func:`logits_chunk_bytes` of ``chunk_tokens`` (or of the micro-batch, if smaller).
     - weight snapshot (rank 0 only): the weight broadcaster's full copy of the model in the wire
       dtype, twice when it overlaps (version v still sending while v+1 is gathered).
+    - checkpoint staging (host memory, not in ``total``): an asynchronous DCP save copies this
+      rank's float32 parameter and AdamW shards to the host, ``12·P/N``.
     """
     compute = DTYPE_BYTES[compute_dtype]
     p = dims.params
     shard = math.ceil(p / ranks)
     tokens = max(micro_batch_tokens, max_seq_len)
+    if samples_per_update:
+        tokens = min(tokens, math.ceil(samples_per_update / ranks) * max_seq_len)
     per_token = activation_bytes_per_token(dims, checkpointing, compute)
     snapshots = (2 if weights_overlap else 1) if rank0 else 0
     return LearnerPlan(
@@ -228,6 +238,7 @@ def learner_plan(
         weight_snapshot=snapshots * p * DTYPE_BYTES[weights_dtype],
         tokens=tokens,
         activation_bytes_per_token=per_token,
+        checkpoint_staging=3 * MASTER_BYTES * shard if checkpoint_async else 0,
     )
 
 

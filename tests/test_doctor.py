@@ -117,10 +117,10 @@ def _multinode(tmp_path: Path, *overrides: str) -> Doctor:
     return d
 
 
-def _gpu(free_gib: float) -> Device:
-    free = int(free_gib * GiB)
+def _gpu(free_gib: float, host_gib: float = 2048) -> Device:
+    free, host = int(free_gib * GiB), int(host_gib * GiB)
     return Device(
-        cuda=True, gpus=[("H100", free, free, (9, 0))] * 8, host_available=GiB, host_total=GiB
+        cuda=True, gpus=[("H100", free, free, (9, 0))] * 8, host_available=host, host_total=host
     )
 
 
@@ -131,6 +131,18 @@ def test_8b_on_16_ranks_fits_an_80_gib_gpu_with_full_checkpointing(tmp_path):
     assert c.ok, c.detail
     assert c.detail.startswith("rank 0 needs 70.7 GiB")  # 75,959,383,040 bytes (test_memory_plan)
     assert "checkpointing full" in c.detail
+
+
+def test_async_checkpoint_staging_must_fit_the_host(tmp_path):
+    """8 ranks per node each stage 12·P/16 = 6.1 GB of float32 shards on the host for a save."""
+    d = _multinode(tmp_path)
+    d.device = _gpu(80, host_gib=32)
+    (c,) = d.check_learner_memory()
+    assert not c.ok and "set learner.checkpoint_async=false" in c.detail
+    d = _multinode(tmp_path, "learner.checkpoint_async=false")
+    d.device = _gpu(80, host_gib=32)
+    (c,) = d.check_learner_memory()
+    assert c.ok, c.detail
 
 
 def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):

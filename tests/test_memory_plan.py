@@ -106,6 +106,7 @@ def test_qwen3_8b_on_16_ranks_rank_0():
     assert plan.total == 75_959_383_040  # 70.7 GiB: fits an 80 GB GPU
     other = _plan_8b("full", rank0=False)
     assert other.total == plan.total - plan.weight_snapshot
+    assert plan.checkpoint_staging == 0  # a synchronous checkpoint stages nothing
     # without checkpointing the activations alone are 65,536 × 5,840,896 bytes (356.5 GiB)
     none = _plan_8b("none")
     assert none.activations == 382_788_960_256
@@ -190,3 +191,23 @@ def test_a_config_without_a_needed_key_is_one_line():
     del cfg["intermediate_size"]
     with pytest.raises(PlanError, match="'intermediate_size' must be a positive integer"):
         ModelDims.from_hf_config(cfg)
+
+
+def test_a_small_batch_bounds_the_micro_batch_and_an_async_checkpoint_stages_on_the_host():
+    """tools/bench/model_scale.py's Qwen3-0.6B run: 4 groups of 4 per step, one rank, 64 tokens."""
+    plan = learner_plan(
+        ModelDims.from_hf_config(QWEN3_0_6B),
+        ranks=1,
+        compute_dtype="float32",
+        micro_batch_tokens=8192,
+        max_seq_len=64,
+        checkpointing="none",
+        chunk_tokens=110,
+        samples_per_update=16,
+        checkpoint_async=True,
+    )
+    assert plan.tokens == 16 * 64  # not 8,192: the whole update is 16 sequences of at most 64
+    assert plan.activations == 1024 * 4 * (28 * 25_600 + 2048)
+    # float32 parameters and both AdamW moments copied to the host: 12 bytes × 596,049,920
+    assert plan.checkpoint_staging == 7_152_599_040
+    assert plan.total == sum(v for _, v in plan.items())  # staging is host memory, not in total
