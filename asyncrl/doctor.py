@@ -62,7 +62,6 @@ class Doctor:
     another environment, to read its NCCL."""
 
     recipe: Recipe
-    recipe_path: str
     sglang_python: str = ""
     timeout_s: float = 10.0
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -412,7 +411,9 @@ class Doctor:
         seqs = f"{gen.sequences} sequences × {gen.tokens_per_sequence} tokens"
         if r.generator.kind == "builtin":
             line = f"each built-in engine: {gib(gen.total)} GiB = {parts} ({seqs}, float32)"
-            if self.device.cuda and self.engines_need() > self.device.host_available:
+            alone = self.engines_here() * gen.total  # on CPU the learner line adds the ranks
+            host_need = self.engines_need() if self.device.cuda else alone
+            if host_need > self.device.host_available:
                 line += (
                     f"; {self.engines_here()} of them do not fit the host's "
                     f"{gib(self.device.host_available)} GiB: lower generator.max_batch_size or "
@@ -651,9 +652,7 @@ def main(argv: list[str]) -> int:
         print("asyncrl doctor: the recipe is invalid: fix it first", file=sys.stderr)
         return 2
     print(f"✓ recipe: {a.recipe} is valid")
-    doctor = Doctor(
-        recipe=r, recipe_path=a.recipe, sglang_python=a.sglang_python, timeout_s=a.timeout
-    )
+    doctor = Doctor(recipe=r, sglang_python=a.sglang_python, timeout_s=a.timeout)
     checks = doctor.run(
         emit=lambda c: print(f"{'✓' if c.ok else '✗'} {c.name}: {c.detail}", flush=True)
     )

@@ -79,19 +79,23 @@ def test_the_demo_recipe_passes_on_this_machine(demo_overrides):
 
 def test_a_plan_that_does_not_fit_exits_2_naming_it(tmp_path, demo_overrides):
     model = _config_only_model(tmp_path / "qwen3-8b", QWEN3_8B)
-    # 8.2B parameters' float32 states alone are 131 GB; a million-token micro-batch adds 5.8 TB
+    # 8.2B parameters' float32 states alone are 131 GB; million-token sequences add 11.7 TB of
+    # float32 activations per micro-batch: no machine holds it
     p = _doctor(
         str(ROOT / "recipes/demo.yaml"),
         *demo_overrides,
         f"model.path={model}",
+        "model.max_seq_len=1000000",
         "learner.micro_batch_tokens=1000000",
     )
     assert p.returncode == 2, p.stdout + p.stderr
-    (line,) = [x for x in p.stdout.splitlines() if x.startswith("✗ ")]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("✗ learner memory"))
     assert line.startswith("✗ learner memory: rank 0 needs ")
     assert "does not fit by" in line and "(largest: activations" in line
     assert "more learner ranks" in line  # no checkpointing or micro-batch fits this host
-    assert p.stderr.strip().endswith("1 of 11 checks fail: learner memory")
+    # the built-in engine alone (float32 weights twice, the KV of 128 such sequences) neither
+    assert "✗ generator memory: each built-in engine: " in p.stdout
+    assert p.stderr.strip().endswith("2 of 11 checks fail: learner memory, generator memory")
     assert "Traceback" not in p.stderr
 
 
@@ -112,7 +116,7 @@ def _multinode(tmp_path: Path, *overrides: str) -> Doctor:
     r = recipe_mod.load(
         ROOT / "recipes/multinode.yaml", [f"model.path={model}", *overrides], check_files=False
     )
-    d = Doctor(recipe=r, recipe_path="multinode.yaml")
+    d = Doctor(recipe=r)
     d.check_model()
     return d
 
@@ -170,7 +174,7 @@ def _demo(model: Path, *overrides: str) -> Doctor:
     r = recipe_mod.load(
         ROOT / "recipes/demo.yaml", [f"model.path={model}", *overrides], check_files=False
     )
-    return Doctor(recipe=r, recipe_path="demo.yaml")
+    return Doctor(recipe=r)
 
 
 def test_a_real_server_is_reached_and_described(tiny_qwen3, rollout_engine):
