@@ -1,4 +1,4 @@
-"""`asyncrl`: one console script, one subcommand per process kind (DESIGN §1).
+"""`asyncrl`: one console script, one subcommand per process kind (docs/design.md §1).
 
 Each subcommand lives in its own module and is imported only when run, so `asyncrl check` starts
 fast and a part that is not built yet is reported, not crashed on. Every process starts with

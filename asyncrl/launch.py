@@ -1,4 +1,4 @@
-"""`asyncrl run RECIPE [key=value ...]`: the whole system on one machine (DESIGN §1).
+"""`asyncrl run RECIPE [key=value ...]`: the whole system on one machine (docs/design.md §1).
 
 Starts the learner (alone, or under torchrun when ``learner.ranks > 1``) and ``rollout.workers``
 rollout workers (each starts its built-in engines) as child processes, each in its own process group

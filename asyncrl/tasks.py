@@ -3,7 +3,7 @@
 Each task makes ``(prompt, answer)`` pairs from a seeded RNG, plus an SFT target (``completion``) that
 may differ from the answer on purpose: for ``sort``, a pure-sorting SFT model samples almost never right
 at temperature 1 and RL then has no signal, while a *noisy* target (mostly "copy the input", sometimes
-"sort it") teaches both behaviours and leaves RL to choose (/work/shared/reference/cpu-rl-feasibility.md).
+"sort it") teaches both behaviours and leaves RL to choose (the demo: README, BENCHMARKS.md).
 
 The held-out split is disjoint from training by construction: a prompt is held out iff a hash of the
 prompt text falls in the held-out bucket, so no seed or size can leak a held-out prompt into training.

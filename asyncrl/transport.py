@@ -1,4 +1,4 @@
-"""nng sockets for asyncrl's messages, under trio (DESIGN §3).
+"""nng sockets for asyncrl's messages, under trio (docs/design.md §3).
 
 Four roles, each a thin shell around one pynng socket and :mod:`asyncrl.wire`:
 
@@ -12,11 +12,11 @@ Four roles, each a thin shell around one pynng socket and :mod:`asyncrl.wire`:
 Addresses are ``tcp://``, ``ipc://``, ``inproc://`` or ``tls+tcp://`` (mutual TLS, :class:`TLS`).
 Port 0 is allowed for listeners: ``.address`` holds the real address after ``listen()``.
 A small request's round trip under trio takes ~220 µs here, the same as raw pynng's (thread wake-ups,
-not Python: reference/transport.md); batch where throughput matters.
+not Python: measured in BENCHMARKS.md, wire); batch where throughput matters.
 
 Timeouts: every Req/Rep wait takes its bound as an argument, at the line that waits, and nng itself
 ends the operation when it passes. That is the one place asyncrl does not use a trio timeout scope
-(STYLE.md): on the hot path a scope per request cost as much as the rest of the machinery (~7 µs
+(the project's trio style): on the hot path a scope per request cost as much as the rest of the machinery (~7 µs
 each side). An enclosing trio scope still cancels any wait.
 """
 

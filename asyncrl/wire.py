@@ -1,4 +1,4 @@
-"""Every message a process can send another, and the one codec for them (DESIGN §3).
+"""Every message a process can send another, and the one codec for them (docs/design.md §3).
 
 Messages are msgpack maps ``{"kind": ..., "v": SCHEMA_VERSION, ...fields}``. Nothing is ever pickled.
 
@@ -71,7 +71,7 @@ class Sample:
 
     @property
     def behavior_version(self) -> int:
-        """The oldest version among the policy's own tokens (DESIGN §2)."""
+        """The oldest version among the policy's own tokens (docs/design.md §2)."""
         mask = self.loss_mask > 0
         if not mask.any():
             return int(self.versions.min()) if len(self.versions) else 0

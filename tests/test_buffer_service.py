@@ -337,7 +337,7 @@ def test_tls_from_the_recipe(tmp_path) -> None:
 
 
 def test_a_restarted_worker_resumes_its_prompts_from_the_learner_checkpoint() -> None:
-    """DESIGN §5: the data position is shared through the learner's checkpoint. Groups carry the
+    """docs/design.md §6: the data position is shared through the learner's checkpoint. Groups carry the
     worker's position; the buffer state (saved with the learner) keeps the newest; after a learner
     restart, a new worker with the same id loads it and serves exactly the prompts not yet done."""
     from asyncrl.rollout.data import PromptSource

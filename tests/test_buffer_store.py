@@ -561,7 +561,7 @@ def test_version_cannot_go_back_and_state_errors_are_clear() -> None:
 
 
 def test_data_positions_survive_a_restore():
-    """The newest data position per worker rides along with the checkpoint (DESIGN §5: a restart
+    """The newest data position per worker rides along with the checkpoint (docs/design.md §6: a restart
     neither repeats nor skips prompts), and a duplicate resend does not move it back."""
     cfg = BufferConfig(groups_per_batch=2, max_staleness=1)
     store = ReplayStore(cfg)

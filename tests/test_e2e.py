@@ -257,7 +257,7 @@ def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
     assert s["steps"] == steps and s["max_staleness_allowed"] == eta
     assert set(s) == SUMMARY_KEYS and s == json.loads((run_dir / "summary.json").read_text())
     assert s["max_staleness_seen"] is not None and s["max_staleness_seen"] <= eta
-    # DESIGN §7 staleness metrics, as W&B shows them (the offline run read back)
+    # the staleness metrics (docs/design.md §8), as W&B shows them (the offline run read back)
     runs = metrics.read_wandb_offline(run_dir)
     (learner,) = [w for w in runs if w["job_type"] == "learner"]
     rows = [h for h in learner["history"] if "buffer/staleness_max" in h]

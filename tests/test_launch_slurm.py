@@ -72,7 +72,7 @@ def test_learner_nodes_run_torchrun_and_generator_nodes_run_servers_and_a_worker
     assert "--disable-radix-cache" in inner
     # the workers take the addresses the learner writes once it listens, not a guess; the last
     # job's file is removed before the learner starts
-    learner_file = "/shared/asyncrl/runs/multinode_qwen3_8b_gsm8k/learner.json"
+    learner_file = "/nfs/asyncrl/runs/multinode_qwen3_8b_gsm8k/learner.json"
     assert "rollout" in inner and f"--learner-file {learner_file}" in inner
     assert "--buffer" not in inner
     out = p.stdout.splitlines()

@@ -3,7 +3,7 @@
     python tools/make_demo.py [--out build/demo] [--task sort] [--seed 0]
 
 writes ``OUT/model`` (Qwen3ForCausalLM: hidden 128, 2 layers, 4 heads / 4 KV heads, intermediate 512,
-tied embeddings, 64 positions: the model of /work/shared/reference/cpu-rl-feasibility.md, with the
+tied embeddings, 64 positions: small enough to learn by RL in a minute on 2 cores, with the
 char tokenizer of tools/make_tiny_model.py) and ``OUT/data/{train,eval}.jsonl``. Idempotent: existing
 outputs made with the same arguments are kept, so `make demo` can be re-run cheaply.
 """

@@ -1,4 +1,4 @@
-"""The buffer's nng service, run by learner rank 0 (DESIGN §3).
+"""The buffer's nng service, run by learner rank 0 (docs/design.md §3).
 
 The learner's training loop is synchronous torch code, so the service runs trio in a background
 thread (a Req/Rep server for workers, a Pub/Sub publisher for versions) and offers the learner a

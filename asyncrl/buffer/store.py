@@ -1,4 +1,4 @@
-"""The staleness-bounded replay store (DESIGN §2, §3): pure logic, no I/O, time passed in as ``now``.
+"""The staleness-bounded replay store (docs/design.md §2, §3): pure logic, no I/O, time passed in as ``now``.
 
 Admission control keeps the bound without waste. Every group the buffer lets a worker start takes a
 *slot* until it is trained on or dropped; slots in use are

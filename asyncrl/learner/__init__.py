@@ -1,4 +1,4 @@
-"""The TorchTitan learner (DESIGN §4).
+"""The TorchTitan learner (docs/design.md §5).
 
 Importing the package applies the CPU shims first (``cpu_shims``): TorchTitan copies its device type at
 import time, so the patch must precede every other TorchTitan import.

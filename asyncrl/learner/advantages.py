@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN §4): one per-sample advantage from the rewards of a batch of groups.
+"""Advantage estimators (docs/off-policy.md): one per-sample advantage from the rewards of a batch of groups.
 
 A group is the n samples of one prompt. Every estimator is a function of the flat rewards ``r`` and
 each sample's group index ``g``, so groups of different sizes are handled alike. Conventions shared

@@ -2,7 +2,7 @@
 
 Import this module before any other ``torchtitan`` import (``asyncrl.learner`` does it for you). Every
 shim is a no-op on a machine with CUDA, so the same code runs unchanged on GPUs.
-See /work/shared/reference/torchtitan-cpu.md §0–§1 for the errors each one avoids.
+Each shim below says which error it avoids.
 """
 
 from __future__ import annotations

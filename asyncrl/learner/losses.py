@@ -1,4 +1,4 @@
-"""Policy losses (DESIGN §4) on packed, flat token tensors.
+"""Policy losses (docs/off-policy.md) on packed, flat token tensors.
 
 Every tensor is 1-D over the completion tokens of one micro-batch (packed, no padding); ``seq_ids``
 says which sequence each token belongs to and ``mask`` which tokens are trained on (the sample's

@@ -1,4 +1,4 @@
-"""Rollout workers (DESIGN §5): prompts → workflows → generators → rewards → whole groups to the buffer.
+"""Rollout workers (docs/design.md §6): prompts → workflows → generators → rewards → whole groups to the buffer.
 
 - :mod:`asyncrl.rollout.client`: SGLang ``/generate`` client (logprobs, per-token versions, abort
   resume, load spreading) for SGLang servers and the built-in engine alike.

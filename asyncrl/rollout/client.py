@@ -1,4 +1,4 @@
-"""The generator client: SGLang's ``/generate`` over httpx on trio (DESIGN §3, reference/sglang.md §5).
+"""The generator client: SGLang's ``/generate`` over httpx on trio (docs/design.md §3).
 
 One :class:`GeneratorPool` drives any number of SGLang servers or built-in engines (same HTTP API):
 

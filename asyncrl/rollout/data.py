@@ -1,5 +1,5 @@
 """Prompts for rollouts: HuggingFace ``datasets`` from local jsonl/json/parquet, with a resumable
-position (DESIGN §5).
+position (docs/design.md §6).
 
 - A malformed row (not JSON, no prompt, a prompt that is neither text nor chat messages) is reported
   with its file and row number (1-based; the line number for jsonl) and skipped, never fatal.

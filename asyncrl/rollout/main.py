@@ -1,4 +1,4 @@
-"""`asyncrl rollout`: one rollout worker feeding the learner's buffer (DESIGN §1, §5).
+"""`asyncrl rollout`: one rollout worker feeding the learner's buffer (docs/design.md §1, §6).
 
     asyncrl rollout RECIPE [key=value ...] [--buffer ADDRESS --pub ADDRESS | --learner-file FILE]
                     [--worker-id ID] [--shard I/N] [--data-state FILE] [--max-groups N]

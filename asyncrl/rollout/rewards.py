@@ -1,4 +1,4 @@
-"""Rewards: exact match, math answers with math-verify, and user functions (DESIGN §5).
+"""Rewards: exact match, math answers with math-verify, and user functions (docs/design.md §6).
 
 A reward function is called as ``fn(prompt, completion, prompt_ids, completion_ids, **row)``: the
 prompt and completion as text, their token ids, and every field of the dataset row (plus ``answer``

@@ -1,4 +1,4 @@
-"""The rollout worker: a trio nursery of named tasks feeding the learner's buffer (DESIGN §2, §3, §5).
+"""The rollout worker: a trio nursery of named tasks feeding the learner's buffer (docs/design.md §2, §3, §6).
 
 Before anything else every generator is labelled with the version of the weights it holds
 (``GeneratorPool.label``). Tasks:

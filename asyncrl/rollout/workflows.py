@@ -1,4 +1,4 @@
-"""Workflows: how one episode (one sample of a group) is generated (DESIGN §5).
+"""Workflows: how one episode (one sample of a group) is generated (docs/design.md §6).
 
 A workflow owns the loop, as AReaL's ``RolloutWorkflow.arun_episode`` does: it gets an
 :class:`EpisodeContext` (the prompt, the generators, the tokenizer, the tools) and returns an

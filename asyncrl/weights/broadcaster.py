@@ -1,6 +1,6 @@
 """The versioned weight broadcaster: learner rank 0 pushes each new policy version to every generator.
 
-Per version (reference/sglang.md §2.1, §6): every generator is paused in place (no abort, no drain),
+Per version (docs/design.md §4): every generator is paused in place (no abort, no drain),
 a session is opened (``/begin_weight_update``; 404 on old SGLang: no session), the weights go out in
 buckets (one ``/update_weights_from_distributed`` call per bucket, posted concurrently with rank 0's
 broadcast of that bucket), the session is closed and generation continues. Then each generator is

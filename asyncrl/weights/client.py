@@ -1,6 +1,7 @@
 """HTTP control calls the broadcaster makes to one generator (SGLang or the built-in engine).
 
-One method per endpoint of SGLang's weight-update API (reference/sglang.md §1.2), each with a timeout.
+One method per endpoint of SGLang's weight-update API (SGLang 0.5.23's
+http_server.py; docs/design.md §3), each with a timeout.
 Every failure becomes a :class:`GeneratorError` whose ``dead`` flag says whether the server could not
 be reached at all (connection refused or reset, timeout) or answered with an error, so the
 broadcaster can tell "drop it" from "it is alive but refused".

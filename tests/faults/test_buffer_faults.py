@@ -1,4 +1,4 @@
-"""Faults: the buffer service under hostile and broken input (DESIGN §3, "admit no stranger").
+"""Faults: the buffer service under hostile and broken input (docs/design.md §3: validate every field, unpickle nothing).
 
 The service runs in its own process (``learner_stub.py``: the real BufferService, consuming batches)
 behind mutual TLS. One authenticated attacker sends 12,000 malformed, mistyped, mis-sized, replayed

@@ -87,7 +87,7 @@ def reference_logprobs(
     model: torch.nn.Module, prompt: list[int], output: list[int], temperature: float = 1.0
 ) -> torch.Tensor:
     """log softmax(logits / T) of each output token given everything before it (T=0: unscaled),
-    SGLang's definition of the returned behaviour logprob (reference/sglang.md §5.1)."""
+    SGLang's definition of the returned behaviour logprob (srt/layers/sampler.py in 0.5.23)."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].double()

@@ -2,7 +2,7 @@
 
 SGLang runs from its own venv (``build_env.sh`` builds it; torch 2.14.1 there, 2.13 in asyncrl's
 .venv) with the import-only ``sgl_kernel`` stand-in from ``stub/`` on PYTHONPATH and the torch-native
-attention backend (reference/sglang.md §4.3). The server runs in its own process group, so stopping it
+attention backend (``--attention-backend torch_native``). The server runs in its own process group, so stopping it
 also stops its scheduler and detokenizer processes. Process handling is asyncrl's own
 (:class:`asyncrl.launch.Child`, :func:`asyncrl.launch.stop_children`).
 

@@ -1,7 +1,7 @@
 """The engine's endpoints as plain functions: JSON in, ``Reply`` out, no HTTP here.
 
-Paths, request fields, defaults and response shapes follow SGLang 0.5.23 (reference/sglang.md §1, §5,
-§7). Every handler validates its input and answers 4xx with a message naming the field, so a bad
+Paths, request fields, defaults and response shapes follow SGLang 0.5.23
+(python/sglang/srt/entrypoints/http_server.py, managers/io_struct.py; docs/design.md §3). Every handler validates its input and answers 4xx with a message naming the field, so a bad
 request never reaches the decode loop.
 """
 
