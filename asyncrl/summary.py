@@ -98,20 +98,27 @@ def link_latest_export(run_dir: Path) -> Path | None:
     return link
 
 
-def eval_held_out(r: Recipe, model_dir: Path | None) -> float | None:
-    """Greedy held-out success of ``model_dir`` (None if there is no model or no eval file)."""
-    if model_dir is None or not r.data.eval_path or not r.run.eval_prompts:
+def eval_held_out(r: Recipe, model_dir: Path | None, *, run_dir: Path) -> float | None:
+    """Greedy held-out score of ``model_dir`` on a built-in engine of its own (None if there is
+    no model or no held-out prompts): for a model no generator of the run evaluated."""
+    if model_dir is None:
         return None
-    from asyncrl import evaluate
+    from asyncrl.evaluate import evaluate_model
 
-    rows = evaluate.load_rows(
-        r.resolve(r.data.eval_path),
-        prompt_key=r.data.prompt_key,
-        answer_key=r.data.answer_key,
-        n=r.run.eval_prompts,
-    )
-    res = evaluate.evaluate(model_dir, rows, max_new_tokens=r.rollout.max_new_tokens)
-    return res.success
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    report = evaluate_model(r, model_dir, log_path=logs / "engine-eval.log")
+    return None if report is None else report.score
+
+
+def held_out_scores(run_dir: Path) -> dict[int, float]:
+    """version -> ``eval/success`` of every held-out evaluation logged in the run (the last one
+    logged for a version wins)."""
+    return {
+        int(rec["step"]): float(rec["eval/success"])
+        for rec in _all_records(run_dir)
+        if rec.get("process") == "eval" and isinstance(rec.get("eval/success"), int | float)
+    }
 
 
 def summary_version(run_dir: Path) -> int:
@@ -125,8 +132,8 @@ def summary_version(run_dir: Path) -> int:
 
 
 def log_eval(run_dir: Path, success: dict[int, float | None]) -> None:
-    """Held-out success at the first and last version, as ``eval/success`` lines of process
-    ``eval`` in metrics.jsonl (the reward plot shows them next to the sampled training reward)."""
+    """Held-out success by version, as ``eval/success`` lines of process ``eval`` in
+    metrics.jsonl (the reward plot shows them next to the sampled training reward)."""
     from asyncrl.metrics import MetricsSink
 
     values = {v: s for v, s in success.items() if s is not None}
@@ -265,10 +272,19 @@ def finish_run(
     run_dir = Path(run_dir)
     if outcome == "completed":
         link_latest_export(run_dir)
-    start_model = r.resolve(r.model.path) if r.model.path else None
-    reward_start = _eval_or_none(r, start_model)
-    reward_end = _eval_or_none(r, find_export(run_dir)) if outcome == "completed" else None
-    log_eval(run_dir, {0: reward_start, summary_version(run_dir): reward_end})
+    # the generators evaluated the versions they held (asyncrl.learner.evaluator); what they did
+    # not (an SFT run, generators gone at the end) is evaluated here on an engine of its own
+    scores = held_out_scores(run_dir)
+    last = summary_version(run_dir)
+    reward_start = scores.get(0)
+    if reward_start is None:
+        start_model = Path(r.resolve(r.model.path)) if r.model.path else None
+        reward_start = _eval_or_none(r, start_model, run_dir)
+        log_eval(run_dir, {0: reward_start})
+    reward_end = scores.get(last) if outcome == "completed" else None
+    if reward_end is None and outcome == "completed":
+        reward_end = _eval_or_none(r, find_export(run_dir), run_dir)
+        log_eval(run_dir, {last: reward_end})
     summary = summarize(
         r,
         run_dir=run_dir,
@@ -287,11 +303,11 @@ def finish_run(
     return summary
 
 
-def _eval_or_none(r: Recipe, model_dir: Path | None) -> float | None:
+def _eval_or_none(r: Recipe, model_dir: Path | None, run_dir: Path) -> float | None:
     """:func:`eval_held_out`, or None with a one-line reason: a failed evaluation must not cost the
     run its summary."""
     try:
-        return eval_held_out(r, model_dir)
+        return eval_held_out(r, model_dir, run_dir=run_dir)
     except Exception as e:
         print(f"held-out evaluation of {model_dir} failed: {e}", file=sys.stderr)
         return None

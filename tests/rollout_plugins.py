@@ -23,6 +23,11 @@ def length_reward(prompt, completion, prompt_ids, completion_ids, **row):
     return float(len(completion_ids))
 
 
+def completion_is_answer(prompt, completion, prompt_ids, completion_ids, *, answer=None, **row):
+    """1 if the completion's text is the answer, however it ended (a random model rarely ends)."""
+    return float(completion == answer)
+
+
 def nan_reward(prompt, completion, prompt_ids, completion_ids, **row):
     return float("nan")
 

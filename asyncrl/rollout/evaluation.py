@@ -1,0 +1,218 @@
+"""Held-out evaluation through the generators: the recipe's prompts, chat template, stop rules,
+workflow and reward, decoded greedily (docs/design.md §6).
+
+It runs the same path as a rollout (render the prompt, ``workflow.run_episode``, the reward
+function) with temperature 0 and one sample per prompt, so a held-out score means what the training
+reward means. The learner evaluates a version while its generators hold it
+(:mod:`asyncrl.learner.evaluator`); :mod:`asyncrl.evaluate` evaluates an export on a built-in
+engine of its own. Every token's version is checked: a sample with a token of another version is
+not scored (counted in ``other_version``), so a score is always the score of one version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from asyncrl.recipe import Recipe
+from asyncrl.rollout.client import Batcher, GeneratorError, GeneratorPool, SamplingParams
+from asyncrl.rollout.data import load_rows, render_prompt
+from asyncrl.rollout.rewards import RewardRunner, load_reward
+from asyncrl.rollout.tools import ToolRegistry, load_tools
+from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow, load_workflow
+
+log = logging.getLogger(__name__)
+
+BATCH = 16
+"""Prompts whose first requests go to a generator as one HTTP call (as a group's episodes do)."""
+
+EXAMPLES = 5
+"""(prompt, answer, completion) triples a report keeps, for the log."""
+
+
+@dataclass(kw_only=True)
+class EvalReport:
+    """One evaluation of one version."""
+
+    version: int  # the weights every scored token came from
+    score: float  # mean reward over the prompts (exact_match: the fraction solved)
+    prompts: int
+    failed: int = 0  # generation or reward failures (scored 0)
+    other_version: int = 0  # samples with a token of another version (scored 0)
+    tokens: int = 0
+    seconds: float = 0.0
+    examples: list[dict[str, str]] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """The ``eval/*`` values, logged at step = the version evaluated."""
+        return {
+            "eval/success": self.score,
+            "eval/prompts": self.prompts,
+            "eval/failed": self.failed,
+            "eval/other_version": self.other_version,
+            "eval/seconds": self.seconds,
+            "eval/tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
+        }
+
+
+def eval_rows(r: Recipe) -> list[dict[str, Any]]:
+    """The first ``run.eval_prompts`` rows of ``data.eval_path`` ([] without one, or with
+    ``eval_prompts: 0``); malformed rows are reported and skipped as in training data."""
+    n = r.run.eval_prompts
+    if not n or not r.data.eval_path:
+        return []
+    ds, _, _ = load_rows(r.resolve(r.data.eval_path), prompt_key=r.data.prompt_key)
+    return [dict(ds[i]) for i in range(min(n, len(ds)))]
+
+
+@dataclass(kw_only=True)
+class Evaluation:
+    """What an evaluation needs besides the generators, built once from the recipe."""
+
+    rows: list[dict[str, Any]]
+    tokenizer: Any
+    workflow: Workflow
+    reward: RewardRunner
+    params: SamplingParams  # the recipe's, at temperature 0
+    tools: ToolRegistry
+    prompt_key: str = "prompt"
+    chat_template: bool = False
+    max_turns: int = 1
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def from_recipe(cls, r: Recipe, *, tokenizer: Any = None) -> Evaluation | None:
+        """None when the recipe has no held-out prompts."""
+        rows = eval_rows(r)
+        if not rows:
+            return None
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(r.resolve(r.model.path))
+        ro = r.rollout
+        return cls(
+            rows=rows,
+            tokenizer=tokenizer,
+            workflow=load_workflow(ro.workflow),
+            reward=RewardRunner(
+                load_reward(ro.reward), timeout_s=ro.reward_timeout_s, answer_key=r.data.answer_key
+            ),
+            params=dataclasses.replace(SamplingParams.from_recipe(ro), temperature=0.0),
+            tools=ToolRegistry(load_tools(ro.tools)),
+            prompt_key=r.data.prompt_key,
+            chat_template=r.data.chat_template,
+            max_turns=ro.max_turns,
+            request_timeout_s=ro.request_timeout_s,
+        )
+
+    def run(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
+        """Evaluate ``version`` on the generators at ``urls`` that hold it (blocking: runs its own
+        trio loop; raises ``trio.TooSlowError`` after ``timeout_s``)."""
+        return trio.run(functools.partial(self.arun, urls, version=version, timeout_s=timeout_s))
+
+    async def arun(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
+        t0 = time.monotonic()
+        report = EvalReport(version=version, score=0.0, prompts=len(self.rows))
+        scores = [0.0] * len(self.rows)
+        rendered = await trio.to_thread.run_sync(self._render_all)
+        with trio.fail_after(timeout_s):
+            async with GeneratorPool(urls, timeout_s=self.request_timeout_s) as pool:
+                pool.min_version = version  # a generator behind it is not asked
+                await pool.refresh_versions()
+                if not pool.any_eligible():  # not waited for: the caller holds the version
+                    raise GeneratorError(f"no generator holds version {version}: {pool.behind()}")
+                async with trio.open_nursery() as nursery:
+                    for start in range(0, len(self.rows), BATCH):
+                        batcher = Batcher()
+                        for i in range(start, min(start + BATCH, len(self.rows))):
+                            nursery.start_soon(
+                                self._one, pool, batcher, i, rendered[i], scores, report
+                            )
+        report.score = sum(scores) / max(len(scores), 1)
+        report.seconds = time.monotonic() - t0
+        return report
+
+    def _render_all(self) -> list[tuple[str, list[int]] | Exception]:
+        out: list[tuple[str, list[int]] | Exception] = []
+        for row in self.rows:
+            try:
+                out.append(
+                    render_prompt(
+                        row,
+                        self.tokenizer,
+                        prompt_key=self.prompt_key,
+                        chat_template=self.chat_template,
+                        tools=self.tools.schemas() or None,
+                    )
+                )
+            except Exception as e:  # reported per prompt, scored 0
+                out.append(e)
+        return out
+
+    async def _one(
+        self,
+        pool: GeneratorPool,
+        batcher: Batcher,
+        i: int,
+        rendered: tuple[str, list[int]] | Exception,
+        scores: list[float],
+        report: EvalReport,
+    ) -> None:
+        """Prompt ``i``: one greedy episode and its reward into ``scores[i]`` (0 if it fails)."""
+        row = self.rows[i]
+        try:
+            if isinstance(rendered, Exception):
+                raise rendered
+            text, ids = rendered
+            ctx = EpisodeContext(
+                prompt_ids=list(ids),
+                prompt_text=text,
+                row=row,
+                pool=pool,
+                params=self.params,
+                tokenizer=self.tokenizer,
+                tools=self.tools,
+                max_turns=self.max_turns,
+                rid=f"eval-{report.version}-{i}",
+                batcher=batcher,
+            )
+            ep = await self.workflow.run_episode(ctx)
+            if not isinstance(ep, Episode):
+                raise TypeError(f"the workflow returned {type(ep).__name__}, not an Episode")
+            ep.check()
+        except Exception as e:  # one prompt's failure is a 0, never the whole evaluation
+            report.failed += 1
+            log.warning("held-out prompt %d failed: %s: %s", i, type(e).__name__, e)
+            return
+        report.tokens += len(ep.completion_ids)
+        if any(v != report.version for v in ep.versions):
+            report.other_version += 1
+            return
+        tok = self.tokenizer
+        r = await self.reward.score(
+            prompt=text,
+            completion=None,
+            prompt_ids=list(ids),
+            completion_ids=list(ep.completion_ids),
+            row=row,
+            extra={"finish_reason": ep.finish_reason},
+            decode=lambda out: tok.decode(out, skip_special_tokens=True),
+        )
+        if r.failure:
+            report.failed += 1
+        scores[i] = r.value
+        if len(report.examples) < EXAMPLES:
+            report.examples.append(
+                {
+                    "prompt": text,
+                    "answer": str(row.get(self.reward.answer_key, "")),
+                    "completion": tok.decode(ep.completion_ids, skip_special_tokens=True),
+                }
+            )

@@ -1,0 +1,110 @@
+"""Held-out evaluation through real built-in engines: greedy decoding that gives what transformers
+gives, the recipe's reward, failures scored 0 and counted, and tokens of another version never
+scored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from asyncrl import recipe as recipe_mod
+from asyncrl.evaluate import evaluate_model, main
+from asyncrl.rollout.engine import start_engine_process
+from asyncrl.rollout.evaluation import Evaluation
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"{a}{b}{c}" for a in "abcd" for b in "efg" for c in "hi"]  # 24 distinct prompts
+NEW_TOKENS = 8
+
+
+def hf_greedy_texts(model_dir, prompts: list[str]) -> list[str]:
+    """transformers' greedy completions, one prompt at a time (no padding), cut at EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            enc = tok(p, return_tensors="pt")
+            ids = model.generate(
+                **enc,
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )[0, enc["input_ids"].shape[1] :].tolist()
+            if tok.eos_token_id in ids:
+                ids = ids[: ids.index(tok.eos_token_id)]
+            out.append(tok.decode(ids, skip_special_tokens=True))
+    return out
+
+
+def make_recipe(tmp_path, model_dir, answers: list[str], reward: str, **run):
+    path = tmp_path / "eval.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": p, "answer": a}) + "\n"
+            for p, a in zip(PROMPTS, answers, strict=False)
+        )
+    )
+    data = {
+        "run": {"output_dir": str(tmp_path), "eval_prompts": len(answers), **run},
+        "model": {"path": str(model_dir)},
+        "data": {"eval_path": str(path)},
+        "rollout": {"reward": reward, "max_new_tokens": NEW_TOKENS},
+    }
+    return recipe_mod.from_dict(data), data
+
+
+@pytest.fixture(scope="module")
+def engine_at_3(tiny_qwen3):
+    """An engine that holds version 3 (as one the learner has updated three times)."""
+    with start_engine_process(tiny_qwen3, weight_version="3", timeout_s=120) as ep:
+        yield ep
+
+
+def test_greedy_scores_match_transformers_prompt_by_prompt(tiny_qwen3, tmp_path):
+    texts = hf_greedy_texts(tiny_qwen3, PROMPTS)
+    # every other answer is transformers' own completion: the score is 1/2 only if the engine
+    # decodes exactly as transformers does on every one of the 24 prompts
+    answers = [t if i % 2 == 0 else t + "#" for i, t in enumerate(texts)]
+    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "rollout_plugins:completion_is_answer")
+    report = evaluate_model(r, tiny_qwen3)
+    assert report is not None
+    assert (report.prompts, report.failed, report.other_version) == (24, 0, 0)
+    assert report.score == 0.5
+    assert report.version == 0 and report.tokens > 0 and report.examples
+
+
+def test_tokens_of_another_version_are_never_scored(engine_at_3, tiny_qwen3, tmp_path):
+    answers = hf_greedy_texts(tiny_qwen3, PROMPTS[:6])
+    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "rollout_plugins:completion_is_answer")
+    evaluation = Evaluation.from_recipe(r)
+    held = evaluation.run([engine_at_3.url], version=3, timeout_s=60)
+    assert (held.score, held.other_version) == (1.0, 0)
+    # asked for version 2, the engine (at 3, newer) serves, and none of its samples is scored
+    other = evaluation.run([engine_at_3.url], version=2, timeout_s=60)
+    assert (other.score, other.other_version, other.failed) == (0.0, 6, 0)
+
+
+def test_a_failing_reward_is_a_counted_zero(engine_at_3, tiny_qwen3, tmp_path):
+    r, _ = make_recipe(tmp_path, tiny_qwen3, ["x"] * 5, "rollout_plugins:raising_reward")
+    report = Evaluation.from_recipe(r).run([engine_at_3.url], version=3, timeout_s=60)
+    assert (report.score, report.failed, report.prompts) == (0.0, 5, 5)
+
+
+def test_the_command_prints_the_score_and_names_a_missing_model(tiny_qwen3, tmp_path, capsys):
+    texts = hf_greedy_texts(tiny_qwen3, PROMPTS[:4])
+    _, data = make_recipe(tmp_path, tiny_qwen3, texts, "rollout_plugins:completion_is_answer")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    assert main([str(recipe)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["score"] == 1.0 and out["eval/prompts"] == 4
+    assert main([str(recipe), "--model", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
