@@ -250,7 +250,9 @@ def _rl_overrides(demo: Path, out: Path, *extra: str) -> list[str]:
 
 def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
     eta, steps = 2, 8
-    ov = _rl_overrides(demo_dir, tmp_path, f"run.steps={steps}", f"buffer.max_staleness={eta}")
+    ov = _rl_overrides(
+        demo_dir, tmp_path, f"run.steps={steps}", f"buffer.max_staleness={eta}", "run.eval_every=4"
+    )
     s = launch.run(ROOT / "recipes/demo.yaml", ov, progress=False)
     run_dir = tmp_path / "demo"
     assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
@@ -267,6 +269,15 @@ def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
     assert all("drift/tokens/0" in h for h in rows)  # trained tokens per staleness bucket
     assert any(w["job_type"].startswith("worker") for w in runs)  # the rollout worker's run
     assert (run_dir / "plots/staleness.png").is_file() and (run_dir / "plots/reward.png").is_file()
+    # held-out evaluation on the generators, at the start, every 4 versions and at the end, each
+    # while they held the version evaluated; the summary's rewards are the first and the last
+    evals = metrics.read_metrics(run_dir, process="eval")
+    assert [e["step"] for e in evals] == [0, 4, 8]
+    assert all(e["eval/prompts"] == 16 and e["eval/other_version"] == 0 for e in evals)
+    assert s["reward_start"] == evals[0]["eval/success"]
+    assert s["reward_end"] == evals[-1]["eval/success"]
+    (ev,) = [w for w in runs if w["job_type"] == "eval"]
+    assert [h["step"] for h in ev["history"] if "eval/success" in h] == [0, 4, 8]
     _no_children_left(run_dir)
 
 

@@ -324,3 +324,39 @@ def test_weight_group_layout_follows_each_servers_tensor_parallel_size():
         server_ranks({"tp_size": 2, "dp_size": 2})
     with pytest.raises(LayoutError, match="pp_size 2"):
         server_ranks({"tp_size": 1, "pp_size": 2})
+
+
+def engine_version(url: str) -> str:
+    return httpx.get(url + "/model_info", timeout=30).json()["weight_version"]
+
+
+def test_generators_hold_a_version_while_after_sync_runs(tiny_qwen3, tmp_path):
+    """The held-out evaluation's guarantee (asyncrl.learner.evaluator): while ``after_sync(v)``
+    runs the generators hold v, and the learner goes on: the versions it publishes meanwhile do
+    not wait; the newest goes out when the hook returns (the one before it is skipped)."""
+    tr = make_trainer(tiny_qwen3, tmp_path)
+    vocab = tr.spec.model.vocab_size
+    in_hook, release = threading.Event(), threading.Event()
+
+    def hold(report) -> None:
+        if report.version == 1:
+            in_hook.set()
+            release.wait(120)
+
+    with start_engine_process(tiny_qwen3, weight_version="0", timeout_s=120) as ep:
+        b = WeightBroadcaster(WeightsConfig(timeout_s=30.0), after_sync=hold)
+        b.add_generator(wire.GeneratorInfo(url=ep.url, kind="builtin"))
+        tr.add_publisher(b.on_step)
+        tr.step(sft_batch(0, vocab, seed=1))
+        assert in_hook.wait(120)
+        tr.step(sft_batch(1, vocab, seed=2))  # returns: publish does not wait for the hook
+        tr.step(sft_batch(2, vocab, seed=3))
+        assert tr.version == 3 and not b.wait(timeout=0)
+        assert engine_version(ep.url) == "1"
+        release.set()
+        assert b.wait(timeout=120)
+        assert [r.version for r in b.reports] == [1, 3] and b.skipped == 1
+        assert not b.reports[-1].error and engine_version(ep.url) == "3"
+        assert engine_checksum(ep.url) == checksum(drop_tied(tr.hf_state_dict()).items())
+        b.close()
+    tr.close()

@@ -8,6 +8,7 @@ where it listens, loop pull → step → export → announce → checkpoint → 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -125,6 +126,7 @@ def train(
     sink = None
     broadcaster = None
     report = None
+    evaluator = None
     outcome = ""  # set at a clean end: "completed", or "stopped" (SIGTERM before the last version)
     weights_metrics = _Pending()
     is_rl = recipe.algorithm.loss != "sft"
@@ -143,11 +145,16 @@ def train(
             )
             report.announce()
             report.start()
+        if is_rl and rank == 0:  # held-out prompts, on the generators while they hold a version
+            evaluator = _evaluator(recipe, report)
         if is_rl:  # weights to the generators after every step (every rank joins the gather)
             from asyncrl.weights.broadcaster import WeightBroadcaster
 
             broadcaster = WeightBroadcaster(
-                recipe.weights, export_dir=trainer.run_dir / "hf", metrics=weights_metrics
+                recipe.weights,
+                export_dir=trainer.run_dir / "hf",
+                metrics=weights_metrics,
+                after_sync=evaluator.after_sync if evaluator is not None else None,
             )
             trainer.add_publisher(broadcaster.on_step)
             on_register = getattr(trainer.source, "on_register", None)
@@ -157,6 +164,7 @@ def train(
             trainer.add_publisher(fn)
         crash_at = int(os.environ.get(CRASH_ENV, "-1"))
         saved_at = -1
+        first_batch = True
         _stop_on_signals()
         while trainer.version < recipe.run.steps:
             if report is not None:
@@ -173,6 +181,14 @@ def train(
             if batch is source_mod.PUBLISH:  # a generator joined while we wait: weights first
                 broadcaster.on_step(trainer.version, trainer, force=True)
                 continue
+            if evaluator is not None and first_batch:
+                # the generators that made the first batch hold the weights the learner starts
+                # from, unless a version went out already (then after_sync evaluated it)
+                urls = [u for u, st in broadcaster.generators().items() if st != "dropped"]
+                broadcaster.between_versions(
+                    functools.partial(evaluator.evaluate, trainer.version, urls)
+                )
+            first_batch = False
             result = trainer.step(batch)
             exported = trainer.maybe_export()
             if rank == 0:
@@ -194,6 +210,12 @@ def train(
         if rank == 0:
             trainer.source.set_version(trainer.version, str(final.resolve()))
         outcome = "completed" if trainer.version >= recipe.run.steps else "stopped"
+        if broadcaster is not None and outcome == "completed":
+            # the last version on the generators (and evaluated there) before the workers end;
+            # on_step is a collective: every rank decides alike, from the version alone
+            if trainer.version % recipe.weights.every:
+                broadcaster.on_step(trainer.version, trainer, force=True)
+            broadcaster.wait()
         if report is not None and outcome == "completed":
             report.end()
         return 0
@@ -202,6 +224,8 @@ def train(
             report.close()
         if broadcaster is not None:
             broadcaster.close()
+        if evaluator is not None and evaluator.metrics is not None:
+            evaluator.metrics.close()
         trainer.close()
         if rank == 0 and outcome:  # while the buffer still answers the workers' last releases
             _finish(recipe, trainer, outcome=outcome, wall_seconds=time.monotonic() - t0)
@@ -212,6 +236,28 @@ def train(
             stop_source()
         if sink is not None:
             sink.close()
+
+
+def _evaluator(recipe: Recipe, report: LearnerReport | None) -> Any:
+    """Rank 0's held-out evaluator (None without held-out prompts); its scores go to the metrics
+    as process ``eval`` at step = the version evaluated."""
+    from asyncrl.learner.evaluator import Evaluator
+    from asyncrl.learner.trainer import LearnerError
+    from asyncrl.metrics import MetricsSink
+    from asyncrl.rollout.data import DataError
+    from asyncrl.rollout.plugins import PluginError
+
+    if not recipe.data.eval_path or not recipe.run.eval_prompts:
+        return None
+    try:
+        evaluator = Evaluator.from_recipe(
+            recipe, note=report.display.note if report is not None else None
+        )
+    except (DataError, PluginError) as e:
+        raise LearnerError(f"held-out evaluation: {e}") from None
+    if evaluator is not None:
+        evaluator.metrics = MetricsSink.from_recipe(recipe, process="eval")
+    return evaluator
 
 
 def _finish(recipe: Recipe, trainer: Any, *, outcome: str, wall_seconds: float) -> None:

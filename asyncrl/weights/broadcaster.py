@@ -13,12 +13,15 @@ exported HF checkpoint from disk, then rejoins the group at the next version.
 
 Overlap: :meth:`WeightBroadcaster.publish` copies the snapshot on the caller's (training) thread and
 sends it from a background thread while the learner computes the next version; at most one version is
-in flight (the next publish waits for it). ``overlap: false`` sends synchronously.
+in flight (the next publish waits for its transfer). ``overlap: false`` sends synchronously. A hook
+(``after_sync``: the held-out evaluation) may hold the generators on a version after it is out; the
+learner does not wait for it: what it publishes meanwhile goes out when the hold ends, newest only.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import os
 import threading
@@ -241,10 +244,14 @@ class WeightBroadcaster:
         verify: bool = True,
         on_event: Callable[[str, dict], None] | None = None,
         api_key: str | None = None,
+        after_sync: Callable[[SyncReport], None] | None = None,
     ):
         """``metrics``: an object with ``log(dict, step=)`` (asyncrl.metrics.MetricsSink) or None.
         ``export_dir``: where the learner exports HF checkpoints (rejoining generators load the newest).
-        ``on_event(name, fields)``: progress callback ("bucket_sent", "dropped", "synced", ...)."""
+        ``on_event(name, fields)``: progress callback ("bucket_sent", "dropped", "synced", ...).
+        ``after_sync(report)``: runs on the sender thread after each version, before the next one
+        goes out, so the generators hold ``report.version`` while it runs (the held-out
+        evaluation, asyncrl.learner.evaluator)."""
         self.cfg = cfg
         self.export_dir = Path(export_dir) if export_dir is not None else None
         self.metrics = metrics
@@ -254,6 +261,7 @@ class WeightBroadcaster:
         self.verify = verify
         self.on_event = on_event
         self.api_key = api_key
+        self.after_sync = after_sync
         self.dtype = buckets.parse_dtype(cfg.dtype)
         self.backend = rendezvous.default_backend() if cfg.backend == "auto" else cfg.backend
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
@@ -272,6 +280,13 @@ class WeightBroadcaster:
         self._nonce = f"{os.getpid():x}{int(time.time()) % 65536:04x}"
         self._last_forced = -float("inf")
         self._inflight: cf.Future | None = None
+        # the hold (after_sync): a version published meanwhile waits as the pending one
+        self._hold_lock = threading.Lock()
+        self._holding = False
+        self._pending: Callable[[], SyncReport] | None = None
+        self._sent = threading.Event()  # the version in flight is out (set: none in flight)
+        self._sent.set()
+        self.skipped = 0  # versions replaced by a newer one while the generators were held
         # with overlap the transfer runs beside the learner's step: at a lower priority
         init = _background_priority if cfg.overlap else None
         self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-sync", initializer=init)
@@ -361,7 +376,10 @@ class WeightBroadcaster:
         ``owned``: the caller hands the tensors over and never changes them (``hf_state_dict()``
         returns fresh copies), so even the bucket copy happens off the training thread. Otherwise
         they are copied before this returns, as the learner may step right after. Waits for the
-        previous version's broadcast first (at most one in flight). A no-op on ranks other than 0.
+        previous version's transfer first (at most one in flight). While the generators are held
+        on a version (``after_sync`` runs, e.g. the held-out evaluation), it does not wait: the
+        version goes out when the hold ends, and a newer one published meanwhile replaces it
+        (counted in ``skipped``). A no-op on ranks other than 0.
         """
         if self.rank != 0:
             return
@@ -375,11 +393,62 @@ class WeightBroadcaster:
             snap = self._snapshot(version, named_tensors)
             send = lambda: self._sync_logged(snap)  # noqa: E731
         job = lambda: self._on_side_stream(ready, send)  # noqa: E731
+        self._sent.wait()
+        with self._hold_lock:
+            if self._holding:
+                if self._pending is not None:
+                    self.skipped += 1
+                self._pending = job
+                self.last_version = version
+                return
         self.wait()
         self.last_version = version
-        self._inflight = self._sender.submit(job)
+        self._sent.clear()
+        self._inflight = self._sender.submit(self._run, job, None)
         if not self.cfg.overlap:
             self.wait()
+
+    def between_versions(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the sender thread once the version in flight (if any) is out, holding the
+        generators on it while ``fn`` runs, as ``after_sync`` does (rank 0; the run's first
+        held-out evaluation, of the weights the generators started from). Call it from the
+        thread that publishes. Its failure is logged, never raised."""
+        if self.rank != 0 or self._closed:
+            return
+        self.wait()
+        with self._hold_lock:
+            self._holding = True
+        self._inflight = self._sender.submit(self._run, None, fn)
+
+    def _run(self, job: Callable[[], SyncReport] | None, hold: Callable[[], None] | None) -> None:
+        """Sender thread: send a version; hold the generators on it while ``after_sync`` runs
+        (``publish`` meanwhile keeps the newest version as pending); send the pending one; again."""
+        try:
+            while True:
+                if job is not None:
+                    report = job()
+                    job = None
+                    if self.after_sync is not None:
+                        with self._hold_lock:
+                            self._holding = True
+                        hold = functools.partial(self.after_sync, report)
+                    self._sent.set()
+                if hold is not None:
+                    try:
+                        hold()
+                    except Exception:  # the hook's failure must not stop the weights
+                        log.exception("weights: the hold after a version raised")
+                    hold = None
+                with self._hold_lock:
+                    job, self._pending = self._pending, None
+                    self._holding = False
+                    if job is None:
+                        return
+                    self._sent.clear()
+        finally:  # even on an error: publish() must never wait for a sender that has stopped
+            with self._hold_lock:
+                self._holding = False
+            self._sent.set()
 
     def _on_side_stream(self, ready: Any, send: Callable[[], SyncReport]) -> SyncReport:
         """Run a version's send on a CUDA stream of its own (sender thread), after ``ready``: on the
