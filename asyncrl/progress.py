@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import sys
 import time
@@ -34,7 +35,7 @@ class Display:
         every_s: float = PLAIN_EVERY_S,
     ):
         self.total, self.label, self.every_s = total, label, every_s
-        self._last_line = 0.0
+        self._last_line = -math.inf  # the first update prints, however young the clock
         self._progress = None
         if enabled and sys.stderr.isatty():
             from rich.progress import (
