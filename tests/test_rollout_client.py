@@ -10,7 +10,7 @@ import pytest
 from labels import get_label, set_label
 from numerics import assert_logits_close
 
-from asyncrl.rollout.client import (
+from asyncrl.rollout.sglang_protocol import (
     GeneratorError,
     GeneratorResponseError,
     SamplingParams,
@@ -288,7 +288,7 @@ def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
     engine (SGLang's list form), and each gets exactly what it gets when sent alone."""
     import trio
 
-    from asyncrl.rollout.client import Batcher, GeneratorError, GeneratorPool
+    from asyncrl.rollout.client import Batcher, GeneratorPool
 
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]

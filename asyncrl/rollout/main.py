@@ -37,10 +37,11 @@ import trio
 from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
 from asyncrl.recipe import Recipe, RecipeError
-from asyncrl.rollout.client import GeneratorError, GeneratorPool, SamplingParams
+from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import DataError, PromptSource
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.rewards import RewardRunner, load_reward
+from asyncrl.rollout.sglang_protocol import GeneratorError, SamplingParams
 from asyncrl.rollout.tools import ToolRegistry, load_tools
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, WorkerError
 from asyncrl.rollout.workflows import load_workflow

@@ -46,9 +46,10 @@ import trio
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferError
 from asyncrl.progress import Throttle
-from asyncrl.rollout.client import Batcher, GeneratorPool, SamplingParams
+from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptSource, render_prompt
 from asyncrl.rollout.rewards import RewardRunner
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
 from asyncrl.transport import Subscriber, TransportTimeout
