@@ -32,7 +32,7 @@ import httpx
 import trio
 
 from asyncrl.rollout.sglang_protocol import (
-    GeneratorError,
+    GeneratorPoolError,
     GeneratorResponseError,
     SamplingParams,
     Segment,
@@ -50,7 +50,7 @@ _SHARDS = 16  # httpx clients per pool; see GeneratorPool.__init__
 _SHARD = 32  # keep-alive connections per client
 
 
-class GeneratorRefused(GeneratorError):
+class GeneratorRefused(GeneratorPoolError):
     """A generator answered with HTTP 4xx: the request itself is bad (e.g. a prompt too long)."""
 
 
@@ -238,7 +238,7 @@ class GeneratorPool:
         g.version_read_at = trio.current_time()  # claimed: concurrent waiters do not ask again
         r = await self._http.get(g.url + "/model_info", timeout=5.0)
         if r.status_code != 200:
-            raise GeneratorError(f"{g.url}/model_info: HTTP {r.status_code}: {r.text[:200]}")
+            raise GeneratorPoolError(f"{g.url}/model_info: HTTP {r.status_code}: {r.text[:200]}")
         try:
             body = r.json()
         except ValueError:
@@ -251,7 +251,7 @@ class GeneratorPool:
         """Before generating (and before the worker registers them with the learner, so that no
         broadcast races the label): read every generator's version; one that says ``"default"``
         was launched from the base model and is labelled ``"0"`` without aborting anything
-        (:func:`version_at_join`). Raises :class:`GeneratorError` naming the generator."""
+        (:func:`version_at_join`). Raises :class:`GeneratorPoolError` naming the generator."""
         for g in self.generators.values():
             try:
                 label = await self._model_info_version(g)
@@ -263,12 +263,12 @@ class GeneratorPool:
                     )
                     reply = r.json() if r.status_code == 200 else None
                     if not (isinstance(reply, dict) and reply.get("new_version") == str(v)):
-                        raise GeneratorError(
+                        raise GeneratorPoolError(
                             f"/update_weight_version: HTTP {r.status_code}: {r.text[:200]}"
                         )
                     log.info("generator %s: weight_version %r labelled %r", g.url, label, str(v))
-            except (httpx.HTTPError, ValueError, GeneratorError) as e:
-                raise GeneratorError(f"generator {g.url}: {e}") from None
+            except (httpx.HTTPError, ValueError, GeneratorPoolError) as e:
+                raise GeneratorPoolError(f"generator {g.url}: {e}") from None
             g.version = v
             log.info("generator %s holds version %d", g.url, v)
 
@@ -283,7 +283,7 @@ class GeneratorPool:
                 continue
             try:
                 g.version = parse_version_label(await self._model_info_version(g))
-            except (httpx.HTTPError, GeneratorError) as e:
+            except (httpx.HTTPError, GeneratorPoolError) as e:
                 log.info("generator %s: /model_info: %s", g.url, e)
 
     def any_eligible(self) -> bool:
@@ -323,7 +323,7 @@ class GeneratorPool:
     # -- requests --------------------------------------------------------------------------------
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until every generator answers ``/health`` (raises :class:`GeneratorError`)."""
+        """Wait until every generator answers ``/health`` (raises :class:`GeneratorPoolError`)."""
         with trio.move_on_after(timeout_s):
             for g in self.generators.values():
                 while True:
@@ -336,7 +336,7 @@ class GeneratorPool:
                     await trio.sleep(0.2)
             return
         down = [g.url for g in self.generators.values()]
-        raise GeneratorError(f"generators not ready after {timeout_s:.0f}s: {', '.join(down)}")
+        raise GeneratorPoolError(f"generators not ready after {timeout_s:.0f}s: {', '.join(down)}")
 
     async def _request(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
@@ -359,7 +359,7 @@ class GeneratorPool:
                     wake = min(wake, trio.current_time() + self.version_poll_s)
                 if wake >= deadline:
                     errs = "; ".join(f"{x.url}: {x.last_error}" for x in gens)
-                    raise GeneratorError(
+                    raise GeneratorPoolError(
                         f"no generator within the version bound before the timeout "
                         f"({self.behind()})"
                         if behind
@@ -440,7 +440,7 @@ class GeneratorPool:
             except GeneratorRefused:  # find the bad one: each goes again on its own
                 batch.outcomes = [_ALONE] * len(ps)
                 return
-            except GeneratorError as e:
+            except GeneratorPoolError as e:
                 batch.outcomes = [e] * len(ps)
                 return
             if not isinstance(body, list) or len(body) != len(ps):
@@ -459,7 +459,7 @@ class GeneratorPool:
                 except UnlabelledTokens as e:
                     self._refused(g, e)
                     outcomes.append(e)
-                except GeneratorError as e:
+                except GeneratorPoolError as e:
                     outcomes.append(e)
             batch.outcomes = outcomes
         except BaseException:  # cancelled while sending: stop the members' work, let them redo it
@@ -484,7 +484,7 @@ class GeneratorPool:
 
         ``rid`` prefixes the SGLang request ids (``{rid}.{n}``), so ``abort(rid)`` stops them all.
         With a ``batcher``, requests made in the same tick by other calls with it share one HTTP call.
-        Raises :class:`GeneratorError` on a refused request or when no generator answers within
+        Raises :class:`GeneratorPoolError` on a refused request or when no generator answers within
         ``timeout_s``.
         """
         budget = params.max_new_tokens if max_new_tokens is None else max_new_tokens

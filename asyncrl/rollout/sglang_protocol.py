@@ -19,11 +19,12 @@ from typing import Any
 from asyncrl.wire import FINISH_REASONS
 
 
-class GeneratorError(RuntimeError):
-    """A request the generators refused (HTTP 4xx, a malformed response) or could not serve in time."""
+class GeneratorPoolError(RuntimeError):
+    """The generator pool could not serve: a request the generators refused (HTTP 4xx, a malformed
+    response) or could not serve in time, or a generator it cannot use (an unknown version label)."""
 
 
-class GeneratorResponseError(GeneratorError):
+class GeneratorResponseError(GeneratorPoolError):
     """A ``/generate`` response that does not follow SGLang's schema; the text says which field."""
 
 
@@ -151,7 +152,7 @@ def version_at_join(label: Any) -> tuple[int, bool]:
         return v, False
     if label == BASE_LABEL:
         return 0, True
-    raise GeneratorError(
+    raise GeneratorPoolError(
         f"weight_version {label!r} is not a policy version: launch the server with "
         f"--weight-version N, N being the version of its weights (0 for model.path)"
     )

@@ -35,22 +35,24 @@ from asyncrl.wire.messages import (
 
 
 def _token_arrays() -> dict[str, TokenArray]:
-    hints = typing.get_type_hints(Sample, include_extras=True)
+    """The :class:`Sample` fields marked as per-token arrays, in field order."""
     out = {}
-    for name, hint in hints.items():
+    for name, hint in typing.get_type_hints(Sample, include_extras=True).items():
         marks = [x for x in typing.get_args(hint)[1:] if isinstance(x, TokenArray)]
         if typing.get_origin(hint) is typing.Annotated and marks:
             out[name] = marks[0]
     return out
 
 
-TOKEN_ARRAYS: dict[str, np.dtype] = {k: t.dtype for k, t in _token_arrays().items()}
-"""A sample's per-token arrays and their dtypes, in the order they sit in ``tokens`` (every dtype
-is 4 bytes)."""
-_OVER_PROMPT = frozenset(k for k, t in _token_arrays().items() if t.over == "prompt")
+_MARKED = _token_arrays()
+TOKEN_ARRAYS: dict[str, np.dtype] = {k: t.dtype for k, t in _MARKED.items()}
+"""A sample's per-token arrays and their dtypes, in the order they sit in ``tokens``."""
+_OVER_PROMPT = frozenset(k for k, t in _MARKED.items() if t.over == "prompt")
 _PER_TOKEN = tuple(  # the arrays that must have one entry per completion token
-    k for k, t in _token_arrays().items() if t.over == "completion" and k != "completion_ids"
+    k for k, t in _MARKED.items() if t.over == "completion" and k != "completion_ids"
 )
+_PROMPT_ITEM_BYTES = sum(t.dtype.itemsize for t in _MARKED.values() if t.over == "prompt")
+_COMPLETION_ITEM_BYTES = sum(t.dtype.itemsize for t in _MARKED.values() if t.over == "completion")
 _I32 = np.dtype("<i4")
 _F64 = np.dtype("<f8")
 _GROUP_OWN = validate.Schema(Group, skip=frozenset({"samples"}))  # a group's fields in ``groups``
@@ -294,7 +296,8 @@ def to_columns(kind: str, groups: Sequence[Group]) -> Encoded:
             "completion_len": np.array(c.completion_lens, dtype=_I32).tobytes(),
         },
         tokens=list(itertools.chain.from_iterable(c.arrays[k] for k in TOKEN_ARRAYS)),
-        tokens_bytes=4 * (sum(c.prompt_lens) + 4 * sum(c.completion_lens)),
+        tokens_bytes=_PROMPT_ITEM_BYTES * sum(c.prompt_lens)
+        + _COMPLETION_ITEM_BYTES * sum(c.completion_lens),
     )
 
 
@@ -376,7 +379,7 @@ def from_columns(d: dict, tokens: Any, where: str) -> list[Group]:
     prompt_total, total = sum(lens["prompt_len"]), sum(lens["completion_len"])
     if tokens is None:
         tokens = validate.required(d, "tokens", bytes, where)
-    need = 4 * (prompt_total + 4 * total)
+    need = _PROMPT_ITEM_BYTES * prompt_total + _COMPLETION_ITEM_BYTES * total
     if len(tokens) != need:
         raise WireError(
             f"{where}.tokens: {len(tokens)} bytes, but prompt_len and completion_len call for "
@@ -386,7 +389,7 @@ def from_columns(d: dict, tokens: Any, where: str) -> list[Group]:
     for k, dt in TOKEN_ARRAYS.items():
         count = prompt_total if k in _OVER_PROMPT else total
         arrays[k] = np.frombuffer(tokens, dtype=dt, count=count, offset=pos)
-        pos += count * 4
+        pos += count * dt.itemsize
     lp, ver, mask = arrays["behavior_logprobs"], arrays["versions"], arrays["loss_mask"]
     c = _Columns(
         ids=ids,
