@@ -14,7 +14,7 @@ import trustme
 from test_buffer_store import make_group
 
 from asyncrl import wire
-from asyncrl.buffer.client import BufferClient, BufferError
+from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.buffer.service import BufferService
 from asyncrl.recipe import BufferConfig, TLSConfig
 from asyncrl.transport import TLS, Subscriber, TransportTimeout, free_tcp_address
@@ -112,9 +112,9 @@ def test_end_of_run_is_announced_and_refuses_new_starts(service: BufferService) 
                     while not isinstance(msg := await sub.receive(timeout_s=5), wire.End):
                         pass
             assert (msg.version, msg.message) == (4, "trained 4 versions")
-            with pytest.raises(BufferError, match="run_ended: trained 4 versions"):
+            with pytest.raises(BufferRefused, match="run_ended: trained 4 versions"):
                 await c.acquire(1)
-            with pytest.raises(BufferError, match="run_ended"):
+            with pytest.raises(BufferRefused, match="run_ended"):
                 await c.register([wire.GeneratorInfo(url="http://127.0.0.1:1")])
             assert isinstance(await c.release(grant.lease_id, grant.k), wire.Ok)
             assert (await c.status()).stats["ended"]
@@ -135,7 +135,7 @@ def test_register_runs_callbacks(service: BufferService) -> None:
                 raise RuntimeError("rendezvous refused")
 
             service.on_register(broken)
-            with pytest.raises(BufferError, match="register_failed: RuntimeError: rendezvous"):
+            with pytest.raises(BufferRefused, match="register_failed: RuntimeError: rendezvous"):
                 await c.register([])
             assert (await c.acquire(1)).k == 1  # still serving
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.rollout.engine.sampling import TOP_K_OFF, SamplingError, SamplingParams, sample
+from asyncrl.rollout.engine.sampling import TOP_K_OFF, EngineSamplingParams, SamplingError, sample
 
 
-def _p(**kw) -> SamplingParams:
-    return SamplingParams.parse(kw, vocab_size=8)
+def _p(**kw) -> EngineSamplingParams:
+    return EngineSamplingParams.parse(kw, vocab_size=8)
 
 
 LOGITS = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]])
 
 
-def _support(params: SamplingParams, draws: int = 400) -> set[int]:
+def _support(params: EngineSamplingParams, draws: int = 400) -> set[int]:
     g = torch.Generator().manual_seed(0)
     out = sample(LOGITS.expand(draws, -1), [params] * draws, [None] * draws, g)
     return set(out.tokens)

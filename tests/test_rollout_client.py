@@ -10,8 +10,8 @@ import pytest
 from labels import get_label, set_label
 from numerics import assert_logits_close
 
-from asyncrl.rollout.client import (
-    GeneratorError,
+from asyncrl.rollout.sglang_protocol import (
+    GeneratorPoolError,
     GeneratorResponseError,
     SamplingParams,
     UnlabelledTokens,
@@ -104,7 +104,9 @@ def test_the_version_a_generator_holds_when_a_worker_joins_it():
     assert version_at_join("7") == (7, False)  # labelled: e.g. it outlived a worker restart
     assert version_at_join("v0") == (0, False)
     assert version_at_join("default") == (0, True)  # launched from model.path: label it "0"
-    with pytest.raises(GeneratorError, match="'latest' is not a policy version.*--weight-version"):
+    with pytest.raises(
+        GeneratorPoolError, match="'latest' is not a policy version.*--weight-version"
+    ):
         version_at_join("latest")
 
 
@@ -288,7 +290,7 @@ def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
     engine (SGLang's list form), and each gets exactly what it gets when sent alone."""
     import trio
 
-    from asyncrl.rollout.client import Batcher, GeneratorError, GeneratorPool
+    from asyncrl.rollout.client import Batcher, GeneratorPool
 
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -305,7 +307,7 @@ def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
             async def one(i, p):
                 try:
                     got[i] = await pool.generate(p, params, rid=f"b{i}", batcher=batcher)
-                except GeneratorError as e:
+                except GeneratorPoolError as e:
                     errors[i] = str(e)
 
             async with trio.open_nursery() as n:
@@ -388,7 +390,7 @@ def test_a_label_that_names_no_version_is_refused_at_join(engine):
         async with GeneratorPool([engine.url]) as pool:
             await pool.label()
 
-    with pytest.raises(GeneratorError, match=f"{engine.url}: weight_version 'latest'"):
+    with pytest.raises(GeneratorPoolError, match=f"{engine.url}: weight_version 'latest'"):
         trio.run(go)
 
 
@@ -422,7 +424,7 @@ def test_requests_wait_for_a_generator_within_the_version_bound(engine, caplog):
                 await trio.to_thread.run_sync(set_label, engine.url, "3")  # the broadcaster
             # nothing within the bound before the timeout: an error that says why
             pool.timeout_s, pool.min_version = 0.5, 9
-            with pytest.raises(GeneratorError, match=r"version bound.*holds v3; .*v9 or newer"):
+            with pytest.raises(GeneratorPoolError, match=r"version bound.*holds v3; .*v9 or newer"):
                 await pool.generate([5, 6, 7], params)
             return out["c"], g.version
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from asyncrl.rollout.data import DataError, PromptSource, load_rows, render_prompt
+from asyncrl.rollout.data import PromptDataError, PromptSource, load_prompt_rows, render_prompt
 
 
 def _write(path, lines):
@@ -28,7 +28,7 @@ def test_malformed_rows_are_reported_with_file_and_line(tmp_path, caplog):
         ],
     )
     with caplog.at_level(logging.WARNING):
-        ds, numbers, skipped = load_rows(f)
+        ds, numbers, skipped = load_prompt_rows(f)
     assert [r["prompt"] for r in ds] == ["a=", "d="]
     assert numbers == [1, 6]
     assert len(skipped) == 3
@@ -47,17 +47,17 @@ def test_parquet_and_chat_messages(tmp_path):
     ]
     path = tmp_path / "d.parquet"
     datasets.Dataset.from_list(rows).to_parquet(str(path))
-    ds, numbers, skipped = load_rows(path)
+    ds, numbers, skipped = load_prompt_rows(path)
     assert len(ds) == 1 and numbers == [1]
     assert skipped and f"{path}:2:" in skipped[0]
 
 
 def test_no_usable_rows_is_one_line_error(tmp_path):
     f = _write(tmp_path / "bad.jsonl", ["nope"])
-    with pytest.raises(DataError, match="no usable rows"):
-        load_rows(f)
-    with pytest.raises(DataError, match="not found"):
-        load_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(PromptDataError, match="no usable rows"):
+        load_prompt_rows(f)
+    with pytest.raises(PromptDataError, match="not found"):
+        load_prompt_rows(tmp_path / "missing.jsonl")
 
 
 def _source(n=10, **kw):
@@ -92,7 +92,7 @@ def test_restart_neither_repeats_nor_skips():
 
 def test_state_for_other_data_is_refused():
     src = _source(10)
-    with pytest.raises(DataError, match="num_rows"):
+    with pytest.raises(PromptDataError, match="num_rows"):
         _source(11).load_state_dict(src.state_dict())
 
 

@@ -14,9 +14,10 @@ from labels import get_label, set_label
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient
 from asyncrl.recipe import BufferConfig
-from asyncrl.rollout.client import GeneratorPool, SamplingParams
+from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.rewards import RewardRunner, load_reward
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
 from asyncrl.rollout.workflows import SingleTurn, load_workflow
 from asyncrl.transport import RepServer, ReqClient, Subscriber

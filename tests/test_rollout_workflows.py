@@ -7,7 +7,8 @@ import torch
 import trio
 from numerics import assert_logits_close
 
-from asyncrl.rollout.client import GeneratorPool, SamplingParams
+from asyncrl.rollout.client import GeneratorPool
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import ToolCall, ToolRegistry, parse_tagged_tool_call, tool_from_function
 from asyncrl.rollout.workflows import EpisodeContext, SingleTurn, load_workflow
 

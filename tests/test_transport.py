@@ -187,7 +187,7 @@ def test_large_messages_are_read_in_place_and_outlive_their_sockets():
     gc.collect()
     for got in (kept[0], echoed):
         for a, b in zip(got.samples, sent, strict=True):
-            for name in wire._ARRAYS:
+            for name in wire.TOKEN_ARRAYS:
                 x = getattr(a, name)
                 assert np.array_equal(x, getattr(b, name)), name
                 assert not x.flags.writeable

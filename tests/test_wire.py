@@ -445,7 +445,7 @@ def test_group_columns_without_building_samples():
     put = _valid_messages(random.Random(4))[1]
     back = wire.decode(wire.encode(put))
     g, want = back.groups[1], put.groups[1]
-    for name in wire._ARRAYS:
+    for name in wire.TOKEN_ARRAYS:
         got = wire.group_tokens(g, name)  # a view, read before any sample exists
         assert g.samples._items is None
         concat = np.concatenate([getattr(s, name) for s in want.samples])

@@ -2,7 +2,7 @@
 
 Each call is one Req/Rep exchange bounded by a timeout. :meth:`BufferClient.put` resends the same
 groups (same ids) after a timeout: the buffer deduplicates by id, so a group is stored once however
-often it is sent. An Error reply raises :class:`BufferError`; it is never retried.
+often it is sent. An Error reply raises :class:`BufferRefused`; it is never retried.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import trio
 from asyncrl import wire
 from asyncrl.transport import TLS, ReqClient, TransportTimeout
 
-__all__ = ["BufferClient", "BufferError"]
+__all__ = ["BufferClient", "BufferRefused"]
 
 
-class BufferError(RuntimeError):
+class BufferRefused(RuntimeError):
     """The buffer answered with ``wire.Error`` (``code`` says which kind of refusal)."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -36,9 +36,9 @@ class BufferClient:
     ) -> wire.Message:
         reply = await self._req.request(msg, timeout_s=timeout_s)
         if isinstance(reply, wire.Error):
-            raise BufferError(reply.code, reply.message)
+            raise BufferRefused(reply.code, reply.message)
         if not isinstance(reply, expect):
-            raise BufferError("unexpected_reply", f"expected {expect.kind}, got {reply.kind}")
+            raise BufferRefused("unexpected_reply", f"expected {expect.kind}, got {reply.kind}")
         return reply
 
     async def acquire(self, n: int, *, request_id: str = "") -> wire.Grant:

@@ -1,7 +1,8 @@
 """The staleness-bounded replay store (docs/design.md §2, §3): pure logic, no I/O, time passed in as ``now``.
 
-Admission control keeps the bound without waste. Every group the buffer lets a worker start takes a
-*slot* until it is trained on or dropped; slots in use are
+Admission control keeps the bound without waste. A worker holds a *lease*: ``k`` *starts*, each the
+right to start one group, until the lease expires. Every start counts against the bound from the
+moment it is granted until its group is trained on or dropped (or the start is returned unused):
 
     started = consumed + stored + in_flight        (in_flight: unused starts of live leases)
 
@@ -16,7 +17,7 @@ Admission alone is not a proof (groups arrive out of order), so the bound is enf
 data: a group's *behaviour version* is the oldest of its own tokens' versions and of its lease's
 version (the version at which its start was granted), and a group whose behaviour version is below
 ``version - max_staleness`` is rejected at put time or dropped before a batch is formed. Every drop
-frees its slot, so the worker can start a replacement and training never stalls on waste. Leases
+returns its start, so the worker can start a replacement and training never stalls on waste. Leases
 expire and return their unused starts; a lease whose version is already too old to train on is
 closed when the version moves on.
 
@@ -159,7 +160,7 @@ class ReplayStore:
 
     @property
     def bound(self) -> int:
-        """Most slots that may be in use at this version: (v + eta + 1) * B."""
+        """Most starts that may be in use at this version: (v + eta + 1) * B."""
         return (self._version + self.cfg.max_staleness + 1) * self.cfg.groups_per_batch
 
     @property
@@ -222,7 +223,7 @@ class ReplayStore:
         """The learner's policy version after an optimizer step; returns whether it changed.
 
         Leases too old to train on are closed (their starts return), groups too old are dropped
-        (their slots return), and the ids kept for deduplication are trimmed to the window in which
+        (their starts return), and the ids kept for deduplication are trimmed to the window in which
         a resent group could still be accepted.
         """
         if version < self._version:
@@ -370,7 +371,7 @@ class ReplayStore:
         version = min(oldest, lease_version)
         if version < self.min_version:
             return self._reject(g, oldest, "stale", self._too_old(version))
-        if lease is None:  # a late arrival takes a fresh slot, so only while under the bound
+        if lease is None:  # a late arrival takes a fresh start, so only while under the bound
             if self.capacity < 1:
                 return self._reject(
                     g, oldest, "lease_expired", f"lease {g.lease_id} closed and no capacity left"
@@ -378,7 +379,7 @@ class ReplayStore:
             self._c.values["late_accepted"] += 1
         self._seen[g.id] = oldest
         if self.cfg.dynamic_sampling and len(g.samples) > 1 and len(set(g.rewards)) == 1:
-            _bump(self._c.dropped, "equal_rewards")  # never stored, so its slot is free again
+            _bump(self._c.dropped, "equal_rewards")  # never stored, so its start is free again
             self.dropped_ids.append((g.id, "equal_rewards"))
             return None
         self._seq += 1

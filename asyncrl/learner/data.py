@@ -24,7 +24,9 @@ class DataError(ValueError):
     """A data file or row the sft source cannot use (one-line message naming the file and row)."""
 
 
-def load_rows(path: str | Path, *, prompt_key: str, completion_key: str) -> list[dict[str, str]]:
+def load_sft_rows(
+    path: str | Path, *, prompt_key: str, completion_key: str
+) -> list[dict[str, str]]:
     """Rows ``{prompt, completion}`` of a jsonl/json/parquet file, checked to have both keys."""
     path = Path(path)
     if path.suffix == ".parquet":
@@ -80,7 +82,7 @@ class SFTSource:
                 for r in tasks.examples(d.task, split="train", n=n, seed=recipe.run.seed)
             ]
         elif d.path:
-            rows = load_rows(
+            rows = load_sft_rows(
                 recipe.resolve(d.path), prompt_key=d.prompt_key, completion_key=d.completion_key
             )
         else:

@@ -1,7 +1,9 @@
 """Rollout workers (docs/design.md §6): prompts → workflows → generators → rewards → whole groups to the buffer.
 
-- :mod:`asyncrl.rollout.client`: SGLang ``/generate`` client (logprobs, per-token versions, abort
-  resume, load spreading) for SGLang servers and the built-in engine alike.
+- :mod:`asyncrl.rollout.client`: the generator pool, SGLang ``/generate`` over HTTP (version bound,
+  abort resume, load spreading, batching) for SGLang servers and the built-in engine alike;
+  :mod:`asyncrl.rollout.sglang_protocol`: the protocol itself, pure (requests, parsed responses,
+  per-token versions).
 - :mod:`asyncrl.rollout.workflows` and :mod:`asyncrl.rollout.tools`: single-turn and multi-turn
   (tool-calling) episodes; user workflows and tools by import path.
 - :mod:`asyncrl.rollout.rewards`: exact match, math-verify, user rewards, run with timeouts.

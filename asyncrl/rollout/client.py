@@ -2,25 +2,21 @@
 
 One :class:`GeneratorPool` drives any number of SGLang servers or built-in engines (same HTTP API):
 
-- it parses ``output_token_logprobs`` triples into token ids and behaviour logprobs, and
-  ``meta_info.weight_versions`` spans into one policy version per token. A token's version is the
-  one its generator stated, never a guess: a response with a token no numeric span covers (a server
-  that was never labelled says ``"default"``; SGLang older than 0.5.19 sends no spans) is refused
-  and the request resubmitted to a generator that states its version (counted: ``unlabelled``);
+- a response whose tokens' versions the generator did not state (:class:`UnlabelledTokens`, see
+  :mod:`asyncrl.rollout.sglang_protocol`, which holds all of the protocol's parsing) is refused and
+  the request resubmitted to a generator that states its version (counted: ``unlabelled``);
 - every generator is labelled with the version it holds before it generates (:meth:`GeneratorPool.
   label`: a server launched from the base model without ``--weight-version`` is labelled ``"0"``),
   and a request goes only to a generator whose version is at least ``min_version`` (the worker sets
   it to the learner's version minus η); while none is, requests wait and ``/model_info`` is polled;
 - an ``abort`` finish (a weight update paused the server in ``abort`` mode) is not the end: the
   request is re-sent as prompt + partial output with the remaining token budget, keeping the tokens,
-  logprobs and versions already received (AReaL's interruptible generation, sglang.md §3.3 and §6.6);
+  logprobs and versions already received (AReaL's interruptible generation);
 - requests go to the least-loaded generator that is up; an unreachable one is marked down and tried
   again after a back-off, and the request moves to another generator;
 - the requests one group's episodes make in the same scheduling tick (all n first turns, typically)
   travel as one batched ``/generate`` (SGLang's list form, :class:`Batcher`): per request, httpx cost
   the worker as much CPU as the engine spent decoding a short completion.
-
-Parsing is pure (:func:`parse_generate_response`) so it is tested on recorded SGLang responses.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,24 +31,26 @@ from typing import Any
 import httpx
 import trio
 
+from asyncrl.rollout.sglang_protocol import (
+    GeneratorPoolError,
+    GeneratorResponseError,
+    SamplingParams,
+    Segment,
+    UnlabelledTokens,
+    batched_payload,
+    generate_payload,
+    parse_generate_response,
+    parse_version_label,
+    version_at_join,
+)
+
 log = logging.getLogger(__name__)
-
-FINISH_REASONS = ("stop", "length", "abort")
-
 
 _SHARDS = 16  # httpx clients per pool; see GeneratorPool.__init__
 _SHARD = 32  # keep-alive connections per client
 
 
-class GeneratorError(RuntimeError):
-    """A request the generators refused (HTTP 4xx, a malformed response) or could not serve in time."""
-
-
-class GeneratorResponseError(GeneratorError):
-    """A ``/generate`` response that does not follow SGLang's schema; the text says which field."""
-
-
-class GeneratorRefused(GeneratorError):
+class GeneratorRefused(GeneratorPoolError):
     """A generator answered with HTTP 4xx: the request itself is bad (e.g. a prompt too long)."""
 
 
@@ -73,227 +70,6 @@ class Batcher:
 
     def __init__(self) -> None:
         self.open: _Batch | None = None
-
-
-# --------------------------------------------------------------------------------------------------
-# Request
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class SamplingParams:
-    """The subset of SGLang ``sampling_params`` a rollout sets. Unknown keys are a 400 in SGLang,
-    so only these are ever sent."""
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # fixed-length generation: benchmarks, and tests that must not stop
-
-    def to_json(self, *, max_new_tokens: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-        }
-        if self.stop:
-            d["stop"] = list(self.stop)
-        if self.stop_token_ids:
-            d["stop_token_ids"] = list(self.stop_token_ids)
-        if self.ignore_eos:
-            d["ignore_eos"] = True
-        return d
-
-    @classmethod
-    def from_recipe(cls, rollout: Any) -> SamplingParams:
-        """From a :class:`asyncrl.recipe.RolloutConfig`."""
-        return cls(
-            max_new_tokens=rollout.max_new_tokens,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            min_p=rollout.min_p,
-            stop=list(rollout.stop),
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# Response parsing (pure)
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class Segment:
-    """One ``/generate`` response: the tokens one HTTP request produced."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str  # stop | length | abort
-    matched_stop: int | str | None = None
-    abort_message: str = ""
-    prompt_tokens: int = 0
-    num_retractions: int = 0
-    weight_version: int | None = None  # what the generator held when it answered (None: unlabelled)
-
-
-_LABEL = re.compile(r"^v?(\d+)$")
-
-BASE_LABEL = "default"
-"""SGLang's ``weight_version`` for the weights a server was launched with, when its launch did not
-say (``--weight-version``'s default). asyncrl launches generators from ``model.path``, version 0."""
-
-
-class UnlabelledTokens(GeneratorResponseError):
-    """Tokens whose version the generator did not state as a number: refused, never guessed."""
-
-
-def parse_version_label(label: Any) -> int | None:
-    """The policy version in SGLang's free-string ``weight_version``: asyncrl labels generators
-    ``"7"`` (``"v7"`` is read as 7 too). Anything else (``"default"``: a server never labelled)
-    is None: the version is not known."""
-    if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
-        return label
-    if isinstance(label, str):
-        m = _LABEL.match(label.strip())
-        if m:
-            return int(m.group(1))
-    return None
-
-
-def version_at_join(label: Any) -> tuple[int, bool]:
-    """What a generator holds when a worker joins it: (version, must it be labelled with it first).
-
-    A numeric label is kept (e.g. an SGLang server that outlived a worker's restart holds what the
-    broadcaster sent it). ``"default"`` means the weights it was launched with, which must be
-    ``model.path``'s (version 0): it is labelled ``"0"`` before anyone generates on it. Any other
-    label names weights asyncrl cannot place: refused."""
-    v = parse_version_label(label)
-    if v is not None:
-        return v, False
-    if label == BASE_LABEL:
-        return 0, True
-    raise GeneratorError(
-        f"weight_version {label!r} is not a policy version: launch the server with "
-        f"--weight-version N, N being the version of its weights (0 for model.path)"
-    )
-
-
-def spans_to_versions(spans: Any, n: int) -> list[int]:
-    """``[{"version","start","end"}, ...]`` over output-token indices → one version per token.
-
-    Raises :class:`UnlabelledTokens` when a token has no span with a numeric version (no spans at
-    all: SGLang older than 0.5.19) and :class:`GeneratorResponseError` when a span is malformed.
-    """
-    if n == 0:
-        return []
-    if spans is None:
-        raise UnlabelledTokens(
-            "meta_info.weight_versions: missing (SGLang older than 0.5.19 sends no version spans)"
-        )
-    if not isinstance(spans, list):
-        raise GeneratorResponseError("meta_info.weight_versions: expected a list of spans")
-    versions: list[int | None] = [None] * n
-    for i, s in enumerate(spans):
-        if not isinstance(s, dict) or not {"version", "start", "end"} <= s.keys():
-            raise GeneratorResponseError(
-                f"meta_info.weight_versions[{i}]: expected {{version, start, end}}, got {s!r}"
-            )
-        start, end = s["start"], s["end"]
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
-            raise GeneratorResponseError(
-                f"meta_info.weight_versions[{i}]: span [{start}, {end}) is outside [0, {n})"
-            )
-        v = parse_version_label(s["version"])
-        if v is None and start < end:
-            raise UnlabelledTokens(
-                f"meta_info.weight_versions[{i}]: version {s['version']!r} of tokens "
-                f"[{start}, {end}) is not a number (a generator that was never labelled)"
-            )
-        versions[start:end] = [v] * (end - start)
-    if None in versions:
-        first = versions.index(None)
-        raise UnlabelledTokens(f"meta_info.weight_versions: token {first} of {n} has no span")
-    return versions  # type: ignore[return-value]  (no None left)
-
-
-def parse_finish_reason(fr: Any) -> tuple[str, int | str | None, str]:
-    """SGLang's ``finish_reason`` → (stop | length | abort, matched stop, abort message)."""
-    if not isinstance(fr, dict) or fr.get("type") not in FINISH_REASONS:
-        raise GeneratorResponseError(f"meta_info.finish_reason: unexpected value {fr!r}")
-    kind = fr["type"]
-    if kind == "abort":
-        return kind, None, str(fr.get("message") or "")
-    return kind, fr.get("matched"), ""
-
-
-def _raise_bad_triple(triples: list) -> None:
-    """Name the first entry of ``output_token_logprobs`` that is not ``[logprob, token_id, ...]``."""
-    for i, t in enumerate(triples):
-        if not (isinstance(t, list | tuple) and len(t) >= 2):
-            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: not a triple")
-        lp, tok = t[0], t[1]
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: bad token id")
-        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
-            raise GeneratorResponseError(
-                f"meta_info.output_token_logprobs[{i}]: logprob {lp!r} is not a finite number"
-            )
-    raise GeneratorResponseError("meta_info.output_token_logprobs: malformed")  # pragma: no cover
-
-
-def parse_generate_response(body: Any) -> Segment:
-    """Parse one non-streaming ``/generate`` response (sglang.md §5.2).
-
-    Tokens and logprobs come from ``meta_info.output_token_logprobs`` (positional triples
-    ``[logprob, token_id, text]``), checked against ``output_ids``; versions from
-    ``meta_info.weight_versions`` (see :func:`spans_to_versions`).
-    """
-    if isinstance(body, list):
-        if len(body) != 1:
-            raise GeneratorResponseError(f"expected one response, got a list of {len(body)}")
-        body = body[0]
-    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-        raise GeneratorResponseError("expected an object with meta_info")
-    meta = body["meta_info"]
-    triples = meta.get("output_token_logprobs")
-    if not isinstance(triples, list):
-        raise GeneratorResponseError(
-            "meta_info.output_token_logprobs: missing (was return_logprob sent?)"
-        )
-    try:  # the fast path: a well-formed response (every one, in practice)
-        ids = [t[1] for t in triples]
-        lps = [float(t[0]) for t in triples]
-        ok = all(type(t) is int and t >= 0 for t in ids) and all(map(math.isfinite, lps))
-    except (TypeError, IndexError, ValueError):
-        ok = False
-    if not ok:
-        _raise_bad_triple(triples)
-    lps = [lp if lp <= 0.0 else 0.0 for lp in lps]
-    out_ids = body.get("output_ids")
-    if out_ids is not None and list(out_ids) != ids:
-        raise GeneratorResponseError(
-            f"output_ids ({len(out_ids)} tokens) disagree with meta_info.output_token_logprobs "
-            f"({len(ids)} tokens)"
-        )
-    kind, matched, message = parse_finish_reason(meta.get("finish_reason"))
-    return Segment(
-        output_ids=ids,
-        logprobs=lps,
-        versions=spans_to_versions(meta.get("weight_versions"), len(ids)),
-        finish_reason=kind,
-        matched_stop=matched,
-        abort_message=message,
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
-        num_retractions=int(meta.get("num_retractions") or 0),
-        weight_version=parse_version_label(meta.get("weight_version")),
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -462,7 +238,7 @@ class GeneratorPool:
         g.version_read_at = trio.current_time()  # claimed: concurrent waiters do not ask again
         r = await self._http.get(g.url + "/model_info", timeout=5.0)
         if r.status_code != 200:
-            raise GeneratorError(f"{g.url}/model_info: HTTP {r.status_code}: {r.text[:200]}")
+            raise GeneratorPoolError(f"{g.url}/model_info: HTTP {r.status_code}: {r.text[:200]}")
         try:
             body = r.json()
         except ValueError:
@@ -475,7 +251,7 @@ class GeneratorPool:
         """Before generating (and before the worker registers them with the learner, so that no
         broadcast races the label): read every generator's version; one that says ``"default"``
         was launched from the base model and is labelled ``"0"`` without aborting anything
-        (:func:`version_at_join`). Raises :class:`GeneratorError` naming the generator."""
+        (:func:`version_at_join`). Raises :class:`GeneratorPoolError` naming the generator."""
         for g in self.generators.values():
             try:
                 label = await self._model_info_version(g)
@@ -487,12 +263,12 @@ class GeneratorPool:
                     )
                     reply = r.json() if r.status_code == 200 else None
                     if not (isinstance(reply, dict) and reply.get("new_version") == str(v)):
-                        raise GeneratorError(
+                        raise GeneratorPoolError(
                             f"/update_weight_version: HTTP {r.status_code}: {r.text[:200]}"
                         )
                     log.info("generator %s: weight_version %r labelled %r", g.url, label, str(v))
-            except (httpx.HTTPError, ValueError, GeneratorError) as e:
-                raise GeneratorError(f"generator {g.url}: {e}") from None
+            except (httpx.HTTPError, ValueError, GeneratorPoolError) as e:
+                raise GeneratorPoolError(f"generator {g.url}: {e}") from None
             g.version = v
             log.info("generator %s holds version %d", g.url, v)
 
@@ -507,7 +283,7 @@ class GeneratorPool:
                 continue
             try:
                 g.version = parse_version_label(await self._model_info_version(g))
-            except (httpx.HTTPError, GeneratorError) as e:
+            except (httpx.HTTPError, GeneratorPoolError) as e:
                 log.info("generator %s: /model_info: %s", g.url, e)
 
     def any_eligible(self) -> bool:
@@ -547,7 +323,7 @@ class GeneratorPool:
     # -- requests --------------------------------------------------------------------------------
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until every generator answers ``/health`` (raises :class:`GeneratorError`)."""
+        """Wait until every generator answers ``/health`` (raises :class:`GeneratorPoolError`)."""
         with trio.move_on_after(timeout_s):
             for g in self.generators.values():
                 while True:
@@ -560,7 +336,7 @@ class GeneratorPool:
                     await trio.sleep(0.2)
             return
         down = [g.url for g in self.generators.values()]
-        raise GeneratorError(f"generators not ready after {timeout_s:.0f}s: {', '.join(down)}")
+        raise GeneratorPoolError(f"generators not ready after {timeout_s:.0f}s: {', '.join(down)}")
 
     async def _request(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
@@ -583,7 +359,7 @@ class GeneratorPool:
                     wake = min(wake, trio.current_time() + self.version_poll_s)
                 if wake >= deadline:
                     errs = "; ".join(f"{x.url}: {x.last_error}" for x in gens)
-                    raise GeneratorError(
+                    raise GeneratorPoolError(
                         f"no generator within the version bound before the timeout "
                         f"({self.behind()})"
                         if behind
@@ -659,14 +435,12 @@ class GeneratorPool:
             if len(ps) == 1:
                 batch.outcomes = [_ALONE]
                 return
-            per_item = ("input_ids", "sampling_params", "rid")  # the rest is the same for all
-            merged = {**ps[0], **{k: [p[k] for p in ps] for k in per_item}}
             try:
-                body, g = await self._request(merged, prefer, deadline)
+                body, g = await self._request(batched_payload(ps), prefer, deadline)
             except GeneratorRefused:  # find the bad one: each goes again on its own
                 batch.outcomes = [_ALONE] * len(ps)
                 return
-            except GeneratorError as e:
+            except GeneratorPoolError as e:
                 batch.outcomes = [e] * len(ps)
                 return
             if not isinstance(body, list) or len(body) != len(ps):
@@ -685,7 +459,7 @@ class GeneratorPool:
                 except UnlabelledTokens as e:
                     self._refused(g, e)
                     outcomes.append(e)
-                except GeneratorError as e:
+                except GeneratorPoolError as e:
                     outcomes.append(e)
             batch.outcomes = outcomes
         except BaseException:  # cancelled while sending: stop the members' work, let them redo it
@@ -710,7 +484,7 @@ class GeneratorPool:
 
         ``rid`` prefixes the SGLang request ids (``{rid}.{n}``), so ``abort(rid)`` stops them all.
         With a ``batcher``, requests made in the same tick by other calls with it share one HTTP call.
-        Raises :class:`GeneratorError` on a refused request or when no generator answers within
+        Raises :class:`GeneratorPoolError` on a refused request or when no generator answers within
         ``timeout_s``.
         """
         budget = params.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -727,13 +501,9 @@ class GeneratorPool:
                 if remaining <= 0:
                     finish = "length"
                     break
-                payload = {
-                    "input_ids": list(input_ids) + ids,
-                    "sampling_params": params.to_json(max_new_tokens=remaining),
-                    "return_logprob": True,
-                    "stream": False,
-                    "rid": f"{rid}.{n}",
-                }
+                payload = generate_payload(
+                    list(input_ids) + ids, params, max_new_tokens=remaining, rid=f"{rid}.{n}"
+                )
                 try:
                     if batcher is None:
                         seg, url = await self._post(payload, url, deadline)

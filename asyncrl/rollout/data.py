@@ -24,8 +24,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
-    """The data cannot be used at all (missing file, no usable rows); one line naming the file."""
+class PromptDataError(ValueError):
+    """The prompt data cannot be used at all (missing file, no usable rows); one line naming the file."""
 
 
 @dataclass(kw_only=True)
@@ -49,7 +49,9 @@ def _valid_prompt(p: Any) -> str:
     return f"the prompt is a {type(p).__name__}, expected text or a list of chat messages"
 
 
-def load_rows(path: str | Path, *, prompt_key: str = "prompt") -> tuple[Any, list[int], list[str]]:
+def load_prompt_rows(
+    path: str | Path, *, prompt_key: str = "prompt"
+) -> tuple[Any, list[int], list[str]]:
     """Read a data file into a ``datasets.Dataset`` of good rows.
 
     Returns (dataset, the file row number of each dataset row, reports of skipped rows).
@@ -58,7 +60,7 @@ def load_rows(path: str | Path, *, prompt_key: str = "prompt") -> tuple[Any, lis
 
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: data file not found")
+        raise PromptDataError(f"{path}: data file not found")
     skipped: list[str] = []
     good: list[dict] = []
     numbers: list[int] = []
@@ -89,28 +91,32 @@ def load_rows(path: str | Path, *, prompt_key: str = "prompt") -> tuple[Any, lis
         try:
             rows = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise PromptDataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(rows, list):
-            raise DataError(f"{path}: expected a JSON list of rows")
+            raise PromptDataError(f"{path}: expected a JSON list of rows")
         for n, row in enumerate(rows, start=1):
             take(row, n)
     elif path.suffix == ".parquet":
         try:
             table = datasets.Dataset.from_parquet(str(path))
         except Exception as e:
-            raise DataError(f"{path}: cannot read parquet ({type(e).__name__}: {e})") from None
+            raise PromptDataError(
+                f"{path}: cannot read parquet ({type(e).__name__}: {e})"
+            ) from None
         for n, row in enumerate(table, start=1):
             take(row, n)
     else:
-        raise DataError(f"{path}: expected a .jsonl, .json or .parquet file")
+        raise PromptDataError(f"{path}: expected a .jsonl, .json or .parquet file")
     for s in skipped:
         log.warning("skipping a malformed row: %s", s)
     if not good:
-        raise DataError(f"{path}: no usable rows ({len(skipped)} malformed)")
+        raise PromptDataError(f"{path}: no usable rows ({len(skipped)} malformed)")
     try:
         ds = datasets.Dataset.from_list(good)
     except Exception as e:  # e.g. a field that is a number in one row and text in another
-        raise DataError(f"{path}: rows do not share one schema ({type(e).__name__}: {e})") from None
+        raise PromptDataError(
+            f"{path}: rows do not share one schema ({type(e).__name__}: {e})"
+        ) from None
     return ds, numbers, skipped
 
 
@@ -136,7 +142,7 @@ class PromptSource:
         self.shuffle, self.seed, self.shard = shuffle, seed, (i, n)
         self.mine = list(range(len(rows)))[i::n]
         if not self.mine:
-            raise DataError(f"{name}: {len(rows)} rows cannot fill shard {i} of {n}")
+            raise PromptDataError(f"{name}: {len(rows)} rows cannot fill shard {i} of {n}")
         self.next_index = 0
         self.outstanding: set[int] = set()
         self._retry: deque[int] = deque()
@@ -154,7 +160,7 @@ class PromptSource:
         seed: int = 0,
         shard: tuple[int, int] = (0, 1),
     ) -> PromptSource:
-        ds, numbers, skipped = load_rows(path, prompt_key=prompt_key)
+        ds, numbers, skipped = load_prompt_rows(path, prompt_key=prompt_key)
         src = cls(ds, name=str(path), row_numbers=numbers, shuffle=shuffle, seed=seed, shard=shard)
         src.skipped = skipped
         return src
@@ -213,7 +219,7 @@ class PromptSource:
             ("shuffle", self.shuffle),
         ):
             if state.get(key) != mine:
-                raise DataError(
+                raise PromptDataError(
                     f"{self.name}: saved data position has {key}={state.get(key)!r}, "
                     f"this data has {mine!r}: not the same data set or settings"
                 )

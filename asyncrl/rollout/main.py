@@ -37,10 +37,11 @@ import trio
 from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
 from asyncrl.recipe import Recipe, RecipeError
-from asyncrl.rollout.client import GeneratorError, GeneratorPool, SamplingParams
-from asyncrl.rollout.data import DataError, PromptSource
+from asyncrl.rollout.client import GeneratorPool
+from asyncrl.rollout.data import PromptDataError, PromptSource
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.rewards import RewardRunner, load_reward
+from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
 from asyncrl.rollout.tools import ToolRegistry, load_tools
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, WorkerError
 from asyncrl.rollout.workflows import load_workflow
@@ -179,7 +180,7 @@ def start_engines(
     if errors:
         for e in engines:
             e.stop()
-        raise GeneratorError(f"built-in engine failed to start: {errors[0]}")
+        raise GeneratorPoolError(f"built-in engine failed to start: {errors[0]}")
     return engines
 
 
@@ -352,7 +353,7 @@ async def load_data_state(
     acknowledged (it is kept in the buffer state, so in the learner's checkpoint). Waits for the buffer to answer (the learner may
     still be starting); a buffer without ``data_states`` means a fresh start.
     """
-    from asyncrl.buffer.client import BufferError
+    from asyncrl.buffer.client import BufferRefused
     from asyncrl.transport import TransportTimeout
 
     status = None
@@ -361,7 +362,7 @@ async def load_data_state(
         while status is None:
             try:
                 status = await buffer.status()
-            except (TransportTimeout, BufferError) as e:
+            except (TransportTimeout, BufferRefused) as e:
                 quiet.warning("status", "waiting for the buffer service: %s", e)
                 await trio.sleep(1.0)
     if status is None:
@@ -372,7 +373,7 @@ async def load_data_state(
     try:
         source.load_state_dict(state)
         log.info("resumed the data position from the learner's checkpoint: %s", state)
-    except (DataError, KeyError, TypeError, ValueError) as e:
+    except (PromptDataError, KeyError, TypeError, ValueError) as e:
         log.warning("cannot resume the data position (%s); starting from the beginning", e)
 
 
@@ -470,10 +471,10 @@ def main(argv: list[str]) -> int:
         log.info("delivered %d groups", worker.stats.counters["groups_delivered"])
         print(json.dumps(worker_summary(worker, time.monotonic() - t0)), flush=True)
         return 0
-    except (RecipeError, UsageError, PluginError, DataError) as e:
+    except (RecipeError, UsageError, PluginError, PromptDataError) as e:
         print(f"asyncrl rollout: {e}", file=sys.stderr)
         return 2
-    except (WorkerError, GeneratorError) as e:
+    except (WorkerError, GeneratorPoolError) as e:
         print(f"asyncrl rollout: {e}", file=sys.stderr)
         return 1
     finally:

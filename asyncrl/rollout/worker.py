@@ -44,11 +44,12 @@ import numpy as np
 import trio
 
 from asyncrl import wire
-from asyncrl.buffer.client import BufferClient, BufferError
+from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.progress import Throttle
-from asyncrl.rollout.client import Batcher, GeneratorPool, SamplingParams
+from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptSource, render_prompt
 from asyncrl.rollout.rewards import RewardRunner
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
 from asyncrl.transport import Subscriber, TransportTimeout
@@ -241,7 +242,7 @@ class RolloutWorker:
             )
         self.stop()
 
-    def _ended_by(self, e: BufferError) -> bool:
+    def _ended_by(self, e: BufferRefused) -> bool:
         """A ``run_ended`` reply: the end announcement this worker did not hear."""
         if e.code != "run_ended":
             return False
@@ -292,8 +293,8 @@ class RolloutWorker:
                 self._quiet.ok("register")
                 log.info("registered %d generator(s) with the learner", len(self.generators))
                 return
-            except (TransportTimeout, BufferError) as e:
-                if isinstance(e, BufferError) and self._ended_by(e):
+            except (TransportTimeout, BufferRefused) as e:
+                if isinstance(e, BufferRefused) and self._ended_by(e):
                     return
                 self._quiet.warning("register", "register: %s; retrying", e)
             await self._retry_sleep(attempt)
@@ -357,7 +358,7 @@ class RolloutWorker:
                 self.stats.counters["releases"] += n
                 self._see_version(ok.version)
                 break
-            except BufferError as e:  # e.g. the lease already expired: nothing to give back
+            except BufferRefused as e:  # e.g. the lease already expired: nothing to give back
                 log.info("release %s: %s", lease_id, e)
                 break
             except TransportTimeout:
@@ -381,7 +382,7 @@ class RolloutWorker:
             try:
                 await self.buffer.release(lease_id, n)
                 self.stats.counters["releases"] += n
-            except (TransportTimeout, BufferError):
+            except (TransportTimeout, BufferRefused):
                 pass
             self._granted_open -= n
 
@@ -411,8 +412,8 @@ class RolloutWorker:
                 attempt = 0
                 request_id = uuid.uuid4().hex
                 self._quiet.ok("acquire")
-            except (TransportTimeout, BufferError) as e:
-                if isinstance(e, BufferError) and self._ended_by(e):
+            except (TransportTimeout, BufferRefused) as e:
+                if isinstance(e, BufferRefused) and self._ended_by(e):
                     continue
                 self._quiet.warning("acquire", "acquire: %s; retrying", e)
                 await self._retry_sleep(attempt)
@@ -639,7 +640,7 @@ class RolloutWorker:
                 await self._retry_sleep(min(attempt, 3))
                 attempt += 1
                 continue
-            except BufferError as e:
+            except BufferRefused as e:
                 if len(groups) > 1:  # find the one the buffer cannot read: send them one by one
                     log.warning("put refused (%s); resending one group per message", e)
                     self.cfg.put_batch = 1

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 
 import trio
 
-from asyncrl.rollout.client import Batcher, Completion, GeneratorPool, SamplingParams
+from asyncrl.rollout.client import Batcher, Completion, GeneratorPool
 from asyncrl.rollout.plugins import PluginError, load_object
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import Tool, ToolCall, ToolRegistry, parse_tagged_tool_call
 
 

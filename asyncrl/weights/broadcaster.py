@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.recipe import WeightsConfig
-from asyncrl.rollout.client import parse_version_label
+from asyncrl.rollout.sglang_protocol import parse_version_label
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.client import GeneratorError, GroupSpec, WeightsClient

@@ -11,7 +11,8 @@ import httpx
 import torch
 import trio
 
-from asyncrl.rollout.client import Completion, GeneratorPool, SamplingParams
+from asyncrl.rollout.client import Completion, GeneratorPool
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from tools.sglang_cpu.server import SGLangServer
 
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47]  # token ids of the char tokenizer ("EFGHIJKL"-like)

@@ -9,7 +9,8 @@ import torch
 import trio
 from sglang_helpers import PROMPT, TOL, Served, generate, reference_logprobs
 
-from asyncrl.rollout.client import GeneratorPool, SamplingParams
+from asyncrl.rollout.client import GeneratorPool
+from asyncrl.rollout.sglang_protocol import SamplingParams
 
 pytestmark = pytest.mark.sglang
 
@@ -134,7 +135,7 @@ def test_a_default_server_is_labelled_at_join(served: Served):
     """A server launched without --weight-version says "default"; the worker's label at join makes
     it "0" (/update_weight_version with abort_all_requests false: SGLang's default, true, would
     abort every running request), and a request running meanwhile is not aborted."""
-    from asyncrl.rollout.client import UnlabelledTokens, parse_generate_response
+    from asyncrl.rollout.sglang_protocol import UnlabelledTokens, parse_generate_response
 
     def set_label(label: str) -> dict:
         body = {"new_version": label, "abort_all_requests": False}

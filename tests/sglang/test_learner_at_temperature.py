@@ -14,7 +14,7 @@ from sglang_helpers import PROMPT, TOL, Served, generate
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.learner.packing import make_sequence, pack
-from asyncrl.rollout.client import SamplingParams
+from asyncrl.rollout.sglang_protocol import SamplingParams
 
 pytestmark = pytest.mark.sglang
 

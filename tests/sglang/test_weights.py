@@ -27,7 +27,8 @@ from sglang_helpers import (
 )
 
 from asyncrl.recipe import WeightsConfig
-from asyncrl.rollout.client import Completion, GeneratorPool, SamplingParams
+from asyncrl.rollout.client import Completion, GeneratorPool
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.weights.broadcaster import SyncReport, WeightBroadcaster
 from asyncrl.weights.client import WeightsClient
 from asyncrl.wire import GeneratorInfo

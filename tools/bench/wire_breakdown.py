@@ -96,7 +96,7 @@ def main() -> None:
     parts = {}  # id(Put) -> (its header, its arrays in message order)
     for m in puts:
         samples = [s for g in m.groups for s in g.samples]
-        pieces = [getattr(s, k) for k in wire._ARRAYS for s in samples]
+        pieces = [getattr(s, k) for k in wire.TOKEN_ARRAYS for s in samples]
         data = encoded[id(m)]
         parts[id(m)] = (data[: len(data) - sum(p.nbytes for p in pieces)], pieces)
     encode = wire.encode

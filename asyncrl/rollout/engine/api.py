@@ -20,7 +20,7 @@ import torch
 from asyncrl import malloc
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.replies import BadRequest, Reply
-from asyncrl.rollout.engine.sampling import SamplingError, SamplingParams
+from asyncrl.rollout.engine.sampling import EngineSamplingParams, SamplingError
 from asyncrl.rollout.engine.scheduler import PAUSE_MODES, Request, Scheduler
 from asyncrl.rollout.engine.weights import WeightError, WeightStore
 from asyncrl.weights import buckets
@@ -220,7 +220,7 @@ class Engine:
 
         try:
             sps = [
-                SamplingParams.parse(sp, vocab_size=self.vocab_size)
+                EngineSamplingParams.parse(sp, vocab_size=self.vocab_size)
                 for sp in per_item("sampling_params", None)
             ]
         except SamplingError as e:
@@ -396,7 +396,7 @@ class Engine:
             return Reply(503, None)
         if self.scheduler.paused:
             return Reply(200, None)
-        r = Request(prompt_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        r = Request(prompt_ids=[0], params=EngineSamplingParams(max_new_tokens=1, temperature=0.0))
         self.scheduler.submit([r])
         ok = r.done.wait(60.0)
         return Reply(200 if ok else 503, None)

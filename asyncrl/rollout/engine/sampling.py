@@ -72,7 +72,11 @@ class SamplingError(ValueError):
 
 
 @dataclass
-class SamplingParams:
+class EngineSamplingParams:
+    """One request's ``sampling_params`` as the built-in engine reads them: all of SGLang's keys
+    it supports, checked by :meth:`parse` (the worker's side sends
+    :class:`asyncrl.rollout.sglang_protocol.SamplingParams`)."""
+
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -99,7 +103,7 @@ class SamplingParams:
         return self.top_p < 1.0 or self.top_k < TOP_K_OFF or self.min_p > 0.0
 
     @classmethod
-    def parse(cls, raw: object, *, vocab_size: int) -> SamplingParams:
+    def parse(cls, raw: object, *, vocab_size: int) -> EngineSamplingParams:
         """Validate a ``sampling_params`` JSON object; raise :class:`SamplingError` naming the field."""
         if raw is None:
             raw = {}
@@ -213,7 +217,7 @@ class Sampled:
 
 def sample(
     logits: torch.Tensor,
-    params: list[SamplingParams],
+    params: list[EngineSamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
     *,
@@ -262,7 +266,7 @@ def sample(
     return Sampled(tokens=tokens.tolist(), logprobs=chosen.tolist(), top=top)
 
 
-def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _truncate(probs: torch.Tensor, params: list[EngineSamplingParams]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k, top-p nucleus and min-p floor."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[1]

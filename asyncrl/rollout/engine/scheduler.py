@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from asyncrl.rollout.engine.model import BatchedLM
-from asyncrl.rollout.engine.sampling import SamplingParams, sample
+from asyncrl.rollout.engine.sampling import EngineSamplingParams, sample
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -35,7 +35,7 @@ class Request:
     """One sequence being generated, and everything its response needs."""
 
     prompt_ids: list[int]
-    params: SamplingParams
+    params: EngineSamplingParams
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     return_logprob: bool = False
     logprob_start_len: int = -1

@@ -1,0 +1,269 @@
+"""SGLang's ``/generate`` protocol, as asyncrl speaks it: pure, no I/O (docs/design.md §3).
+
+What a request carries (:class:`SamplingParams`, :func:`generate_payload`, :func:`batched_payload`)
+and what a response means (:func:`parse_generate_response`): ``output_token_logprobs`` triples give
+the token ids and behaviour logprobs, and ``meta_info.weight_versions`` spans give one policy
+version per token. A token's version is the one its generator stated, never a guess: a response
+with a token no numeric span covers (a server that was never labelled says ``"default"``; SGLang
+older than 0.5.19 sends no spans) is refused with :class:`UnlabelledTokens`. The built-in engine
+serves the same protocol, so these functions are tested on recorded SGLang responses and serve both.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.wire import FINISH_REASONS
+
+
+class GeneratorPoolError(RuntimeError):
+    """The generator pool could not serve: a request the generators refused (HTTP 4xx, a malformed
+    response) or could not serve in time, or a generator it cannot use (an unknown version label)."""
+
+
+class GeneratorResponseError(GeneratorPoolError):
+    """A ``/generate`` response that does not follow SGLang's schema; the text says which field."""
+
+
+class UnlabelledTokens(GeneratorResponseError):
+    """Tokens whose version the generator did not state as a number: refused, never guessed."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Request
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """The subset of SGLang ``sampling_params`` a rollout sets. Unknown keys are a 400 in SGLang,
+    so only these are ever sent."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # fixed-length generation: benchmarks, and tests that must not stop
+
+    def to_json(self, *, max_new_tokens: int | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+        }
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            d["ignore_eos"] = True
+        return d
+
+    @classmethod
+    def from_recipe(cls, rollout: Any) -> SamplingParams:
+        """From a :class:`asyncrl.recipe.RolloutConfig`."""
+        return cls(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            min_p=rollout.min_p,
+            stop=list(rollout.stop),
+        )
+
+
+def generate_payload(
+    input_ids: list[int], params: SamplingParams, *, max_new_tokens: int, rid: str
+) -> dict[str, Any]:
+    """One non-streaming ``/generate`` request that asks for logprobs; ``rid`` lets it be aborted."""
+    return {
+        "input_ids": input_ids,
+        "sampling_params": params.to_json(max_new_tokens=max_new_tokens),
+        "return_logprob": True,
+        "stream": False,
+        "rid": rid,
+    }
+
+
+def batched_payload(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several requests as one, in SGLang's list form: the per-request fields become lists (the
+    rest is the same for all); the response is a list in the same order."""
+    per_item = ("input_ids", "sampling_params", "rid")
+    return {**payloads[0], **{k: [p[k] for p in payloads] for k in per_item}}
+
+
+# --------------------------------------------------------------------------------------------------
+# Response
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Segment:
+    """One ``/generate`` response: the tokens one HTTP request produced."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # stop | length | abort
+    matched_stop: int | str | None = None
+    abort_message: str = ""
+    prompt_tokens: int = 0
+    num_retractions: int = 0
+    weight_version: int | None = None  # what the generator held when it answered (None: unlabelled)
+
+
+_LABEL = re.compile(r"^v?(\d+)$")
+
+BASE_LABEL = "default"
+"""SGLang's ``weight_version`` for the weights a server was launched with, when its launch did not
+say (``--weight-version``'s default). asyncrl launches generators from ``model.path``, version 0."""
+
+
+def parse_version_label(label: Any) -> int | None:
+    """The policy version in SGLang's free-string ``weight_version``: asyncrl labels generators
+    ``"7"`` (``"v7"`` is read as 7 too). Anything else (``"default"``: a server never labelled)
+    is None: the version is not known."""
+    if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
+        return label
+    if isinstance(label, str):
+        m = _LABEL.match(label.strip())
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def version_at_join(label: Any) -> tuple[int, bool]:
+    """What a generator holds when a worker joins it: (version, must it be labelled with it first).
+
+    A numeric label is kept (e.g. an SGLang server that outlived a worker's restart holds what the
+    broadcaster sent it). ``"default"`` means the weights it was launched with, which must be
+    ``model.path``'s (version 0): it is labelled ``"0"`` before anyone generates on it. Any other
+    label names weights asyncrl cannot place: refused."""
+    v = parse_version_label(label)
+    if v is not None:
+        return v, False
+    if label == BASE_LABEL:
+        return 0, True
+    raise GeneratorPoolError(
+        f"weight_version {label!r} is not a policy version: launch the server with "
+        f"--weight-version N, N being the version of its weights (0 for model.path)"
+    )
+
+
+def spans_to_versions(spans: Any, n: int) -> list[int]:
+    """``[{"version","start","end"}, ...]`` over output-token indices → one version per token.
+
+    Raises :class:`UnlabelledTokens` when a token has no span with a numeric version (no spans at
+    all: SGLang older than 0.5.19) and :class:`GeneratorResponseError` when a span is malformed.
+    """
+    if n == 0:
+        return []
+    if spans is None:
+        raise UnlabelledTokens(
+            "meta_info.weight_versions: missing (SGLang older than 0.5.19 sends no version spans)"
+        )
+    if not isinstance(spans, list):
+        raise GeneratorResponseError("meta_info.weight_versions: expected a list of spans")
+    versions: list[int | None] = [None] * n
+    for i, s in enumerate(spans):
+        if not isinstance(s, dict) or not {"version", "start", "end"} <= s.keys():
+            raise GeneratorResponseError(
+                f"meta_info.weight_versions[{i}]: expected {{version, start, end}}, got {s!r}"
+            )
+        start, end = s["start"], s["end"]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
+            raise GeneratorResponseError(
+                f"meta_info.weight_versions[{i}]: span [{start}, {end}) is outside [0, {n})"
+            )
+        v = parse_version_label(s["version"])
+        if v is None and start < end:
+            raise UnlabelledTokens(
+                f"meta_info.weight_versions[{i}]: version {s['version']!r} of tokens "
+                f"[{start}, {end}) is not a number (a generator that was never labelled)"
+            )
+        versions[start:end] = [v] * (end - start)
+    if None in versions:
+        first = versions.index(None)
+        raise UnlabelledTokens(f"meta_info.weight_versions: token {first} of {n} has no span")
+    return versions  # type: ignore[return-value]  (no None left)
+
+
+def parse_finish_reason(fr: Any) -> tuple[str, int | str | None, str]:
+    """SGLang's ``finish_reason`` → (stop | length | abort, matched stop, abort message)."""
+    if not isinstance(fr, dict) or fr.get("type") not in FINISH_REASONS:
+        raise GeneratorResponseError(f"meta_info.finish_reason: unexpected value {fr!r}")
+    kind = fr["type"]
+    if kind == "abort":
+        return kind, None, str(fr.get("message") or "")
+    return kind, fr.get("matched"), ""
+
+
+def _raise_bad_triple(triples: list) -> None:
+    """Name the first entry of ``output_token_logprobs`` that is not ``[logprob, token_id, ...]``."""
+    for i, t in enumerate(triples):
+        if not (isinstance(t, list | tuple) and len(t) >= 2):
+            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: not a triple")
+        lp, tok = t[0], t[1]
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise GeneratorResponseError(f"meta_info.output_token_logprobs[{i}]: bad token id")
+        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise GeneratorResponseError(
+                f"meta_info.output_token_logprobs[{i}]: logprob {lp!r} is not a finite number"
+            )
+    raise GeneratorResponseError("meta_info.output_token_logprobs: malformed")  # pragma: no cover
+
+
+def parse_generate_response(body: Any) -> Segment:
+    """Parse one non-streaming ``/generate`` response.
+
+    Tokens and logprobs come from ``meta_info.output_token_logprobs`` (positional triples
+    ``[logprob, token_id, text]``), checked against ``output_ids``; versions from
+    ``meta_info.weight_versions`` (see :func:`spans_to_versions`).
+    """
+    if isinstance(body, list):
+        if len(body) != 1:
+            raise GeneratorResponseError(f"expected one response, got a list of {len(body)}")
+        body = body[0]
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise GeneratorResponseError("expected an object with meta_info")
+    meta = body["meta_info"]
+    triples = meta.get("output_token_logprobs")
+    if not isinstance(triples, list):
+        raise GeneratorResponseError(
+            "meta_info.output_token_logprobs: missing (was return_logprob sent?)"
+        )
+    try:  # the fast path: a well-formed response (every one, in practice)
+        ids = [t[1] for t in triples]
+        lps = [float(t[0]) for t in triples]
+        ok = all(type(t) is int and t >= 0 for t in ids) and all(map(math.isfinite, lps))
+    except (TypeError, IndexError, ValueError):
+        ok = False
+    if not ok:
+        _raise_bad_triple(triples)
+    lps = [lp if lp <= 0.0 else 0.0 for lp in lps]
+    out_ids = body.get("output_ids")
+    if out_ids is not None and list(out_ids) != ids:
+        raise GeneratorResponseError(
+            f"output_ids ({len(out_ids)} tokens) disagree with meta_info.output_token_logprobs "
+            f"({len(ids)} tokens)"
+        )
+    kind, matched, message = parse_finish_reason(meta.get("finish_reason"))
+    return Segment(
+        output_ids=ids,
+        logprobs=lps,
+        versions=spans_to_versions(meta.get("weight_versions"), len(ids)),
+        finish_reason=kind,
+        matched_stop=matched,
+        abort_message=message,
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        num_retractions=int(meta.get("num_retractions") or 0),
+        weight_version=parse_version_label(meta.get("weight_version")),
+    )
