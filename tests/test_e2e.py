@@ -473,7 +473,7 @@ class _Weights:
 
     def logprobs(self, v: int, prompt: list[int], completion: list[int], temperature: float):
         """log softmax(logits / T) of each completion token under version ``v``'s weights: what an
-        engine holding them returns as the behaviour logprob (sglang.md §5.1), one full forward."""
+        engine holding them returns as the behaviour logprob (SGLang 0.5.23, python/sglang/srt/layers/sampler.py), one full forward."""
         import torch
 
         ids = torch.tensor([list(prompt) + list(completion)])

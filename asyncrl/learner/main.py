@@ -244,7 +244,7 @@ def _evaluator(recipe: Recipe, report: LearnerReport | None) -> Any:
     from asyncrl.learner.evaluator import Evaluator
     from asyncrl.learner.trainer import LearnerError
     from asyncrl.metrics import MetricsSink
-    from asyncrl.rollout.data import DataError
+    from asyncrl.rollout.data import PromptDataError
     from asyncrl.rollout.plugins import PluginError
 
     if not recipe.data.eval_path or not recipe.run.eval_prompts:
@@ -253,7 +253,7 @@ def _evaluator(recipe: Recipe, report: LearnerReport | None) -> Any:
         evaluator = Evaluator.from_recipe(
             recipe, note=report.display.note if report is not None else None
         )
-    except (DataError, PluginError) as e:
+    except (PromptDataError, PluginError) as e:
         raise LearnerError(f"held-out evaluation: {e}") from None
     if evaluator is not None:
         evaluator.metrics = MetricsSink.from_recipe(recipe, process="eval")

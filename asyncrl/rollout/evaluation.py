@@ -21,9 +21,10 @@ from typing import Any
 import trio
 
 from asyncrl.recipe import Recipe
-from asyncrl.rollout.client import Batcher, GeneratorError, GeneratorPool, SamplingParams
-from asyncrl.rollout.data import load_rows, render_prompt
+from asyncrl.rollout.client import Batcher, GeneratorPool
+from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.rewards import RewardRunner, load_reward
+from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
 from asyncrl.rollout.tools import ToolRegistry, load_tools
 from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow, load_workflow
 
@@ -67,7 +68,7 @@ def eval_rows(r: Recipe) -> list[dict[str, Any]]:
     n = r.run.eval_prompts
     if not n or not r.data.eval_path:
         return []
-    ds, _, _ = load_rows(r.resolve(r.data.eval_path), prompt_key=r.data.prompt_key)
+    ds, _, _ = load_prompt_rows(r.resolve(r.data.eval_path), prompt_key=r.data.prompt_key)
     return [dict(ds[i]) for i in range(min(n, len(ds)))]
 
 
@@ -127,7 +128,9 @@ class Evaluation:
                 pool.min_version = version  # a generator behind it is not asked
                 await pool.refresh_versions()
                 if not pool.any_eligible():  # not waited for: the caller holds the version
-                    raise GeneratorError(f"no generator holds version {version}: {pool.behind()}")
+                    raise GeneratorPoolError(
+                        f"no generator holds version {version}: {pool.behind()}"
+                    )
                 async with trio.open_nursery() as nursery:
                     for start in range(0, len(self.rows), BATCH):
                         batcher = Batcher()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl import launch  # noqa: E402
 from asyncrl import recipe as recipe_mod  # noqa: E402
-from asyncrl.rollout.data import load_rows  # noqa: E402
+from asyncrl.rollout.data import load_prompt_rows  # noqa: E402
 from asyncrl.rollout.engine import start_engine_process  # noqa: E402
 from asyncrl.rollout.evaluation import Evaluation  # noqa: E402
 from tools.bench.async_vs_sync import ensure_sft  # noqa: E402
@@ -91,7 +91,7 @@ def main() -> None:
     evaluation = Evaluation.from_recipe(r)
     assert evaluation is not None
     ro, b = r.rollout, r.buffer
-    train, _, _ = load_rows(r.resolve(r.data.path), prompt_key=r.data.prompt_key)
+    train, _, _ = load_prompt_rows(r.resolve(r.data.path), prompt_key=r.data.prompt_key)
     sampled = dataclasses.replace(evaluation.params, temperature=ro.temperature)
     prompts = [dict(train[i]) for i in range(b.groups_per_batch)]
     batch = dataclasses.replace(
