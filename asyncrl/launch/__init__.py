@@ -14,319 +14,31 @@ the held-out evaluation, ``plots/*.png`` and ``summary.json``, to which the laun
 
 No orphans: a child gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and every stop signals the
 child's whole process group (torchrun's ranks, a worker's engines), then SIGKILLs what is left.
+
+The parts: ``plan`` (the run folder; which processes, with which arguments), ``children``
+(supervising them: start, restart the dead, stop), ``watch`` (the progress display) and
+``run_summary`` (summary.json at the end).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl import progress as progress_mod
 from asyncrl import recipe as recipe_mod
 from asyncrl import summary as summary_mod
-from asyncrl.recipe import Recipe
+from asyncrl.launch.children import CHILD_ENV, STOP_GRACE_S, USAGE_EXIT, child_env, supervise
+from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
+from asyncrl.launch.run_summary import write_run_summary
+from asyncrl.launch.watch import RunWatch
 
-STOP_GRACE_S = 60.0
-"""How long a child may take to exit after SIGTERM (the learner saves a checkpoint) before SIGKILL."""
-LOG_TAIL_LINES = 30
-USAGE_EXIT = 2
-"""Every asyncrl command exits 2 on a user's mistake; restarting it would fail the same way."""
-
-
-class LaunchError(RuntimeError):
-    """The run could not start or did not finish; the message is one line for the user."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Child processes
-# --------------------------------------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """preexec_fn: SIGTERM this child when the launcher dies, even by SIGKILL (Linux only)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass(kw_only=True)
-class Child:
-    """One child process in its own process group, with its output in ``log``."""
-
-    name: str
-    argv: list[str]
-    log: Path
-    restart_args: list[str] = field(default_factory=list)  # added to argv when it is restarted
-    finishes_run: bool = False  # the learner: its exit 0 is the run's end, not a death
-    proc: subprocess.Popen | None = None
-    stopping: bool = False
-    restarts: int = 0
-
-    def start(self, env: dict[str, str]) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # own process group: pgid == pid
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
-
-    def restart(self, env: dict[str, str], code: int) -> None:
-        """Start again once nothing of the dead child's process group is left (a worker's engines
-        hold ports and memory), marking the restart in its log."""
-        self.signal_group(signal.SIGKILL)
-        deadline = time.monotonic() + 30.0
-        while _group_alive(self.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.restarts += 1
-        with self.log.open("a") as out:
-            out.write(f"\n--- asyncrl run: exited with code {code}; restart {self.restarts} ---\n")
-        self.argv = [*self.argv, *self.restart_args]
-        self.restart_args = []
-        self.start(env)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def tail(self, n: int = LOG_TAIL_LINES) -> str:
-        try:
-            lines = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_children(children: Sequence[Child], *, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every child's group, wait up to ``grace_s`` for all of them, SIGKILL the rest.
-
-    Waits on the groups, not only the direct children: a worker's engines or torchrun's ranks must
-    be gone too before the launcher returns.
-    """
-    started = [c for c in children if c.proc is not None]
-    for c in started:
-        c.stopping = True
-        c.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        for c in started:
-            c.poll()  # reap the direct child so its group can empty
-        if not any(_group_alive(c.pid) for c in started):
-            return
-        time.sleep(0.05)
-    for c in started:
-        c.signal_group(signal.SIGKILL)
-    for c in started:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(timeout=5)  # type: ignore[union-attr]
-
-
-CHILD_ENV = {  # one thread per process (two in one process run many times slower), offline hub
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "PYTHONUNBUFFERED": "1",
-}
-
-
-def child_env(r: Recipe) -> dict[str, str]:
-    """The environment of every child: one thread each, offline hub, W&B mode from the recipe."""
-    env = {**os.environ, **CHILD_ENV, "WANDB_SILENT": "true"}
-    env.setdefault("WANDB_MODE", r.logging.wandb_mode if r.logging.wandb else "disabled")
-    return env
-
-
-# --------------------------------------------------------------------------------------------------
-# The plan: which processes, with which arguments
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class Plan:
-    recipe_path: Path
-    overrides: list[str]
-    run_dir: Path
-    buffer_address: str
-    pub_address: str
-    children: list[Child] = field(default_factory=list)
-
-
-def _local_address(address: str, sock_dir: Path, name: str) -> str:
-    """A recipe address with port 0 becomes an ipc:// socket (no port race); others are kept."""
-    if address.startswith("tcp://") and address.rsplit(":", 1)[-1] == "0":
-        return f"ipc://{sock_dir / name}"
-    return address
-
-
-def make_plan(r: Recipe, recipe_path: Path, overrides: list[str], sock_dir: Path) -> Plan:
-    """The learner and the rollout workers of one machine, as argv lists (nothing started)."""
-    buffer = _local_address(r.buffer.address, sock_dir, "buffer.ipc")
-    pub = _local_address(r.buffer.pub_address, sock_dir, "pub.ipc")
-    common = [*overrides, f"buffer.address={buffer}", f"buffer.pub_address={pub}"]
-    run_dir = r.run_dir.resolve()
-    common.append(f"run.output_dir={run_dir.parent}")
-    logs = run_dir / "logs"
-    py = sys.executable
-    if r.learner.ranks > 1:
-        learner_argv = [
-            py,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={r.learner.ranks}",
-            "-m",
-            "asyncrl.cli",
-            "learner",
-            str(recipe_path),
-            *common,
-        ]
-    else:
-        learner_argv = [py, "-m", "asyncrl.cli", "learner", str(recipe_path), *common]
-    plan = Plan(
-        recipe_path=recipe_path,
-        overrides=overrides,
-        run_dir=run_dir,
-        buffer_address=buffer,
-        pub_address=pub,
-    )
-    plan.children.append(
-        Child(
-            name="learner",
-            argv=learner_argv,
-            log=logs / "learner.log",
-            finishes_run=True,
-            restart_args=[] if r.run.resume else ["run.resume=true"],  # from its last checkpoint
-        )
-    )
-    workers = r.rollout.workers if r.algorithm.loss != "sft" else 0
-    for i in range(workers):
-        argv = [py, "-m", "asyncrl.cli", "rollout", str(recipe_path), "--buffer", buffer]
-        argv += ["--pub", pub, "--worker-id", f"worker{i}", *common]
-        plan.children.append(Child(name=f"rollout{i}", argv=argv, log=logs / f"rollout{i}.log"))
-    return plan
-
-
-# --------------------------------------------------------------------------------------------------
-# Watching the run: the buffer's status (the metrics file: asyncrl.progress)
-# --------------------------------------------------------------------------------------------------
-
-
-def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    """The buffer's Status reply as a dict (version + stats), or None if it does not answer."""
-    from asyncrl import transport, wire
-
-    tls = transport.TLS.from_config(r) if r.buffer.tls.cert else None
-    try:
-        with transport.ReqClient(address, tls=tls, timeout_s=timeout_s) as client:
-            reply = client.request_sync(wire.Status(), timeout_s=timeout_s)
-    except (transport.TransportTimeout, wire.WireError, OSError):
-        return None
-    except Exception:  # pynng errors while the learner starts or stops
-        return None
-    if isinstance(reply, wire.StatusReply):
-        return {"version": reply.version, **reply.stats}
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# The run
-# --------------------------------------------------------------------------------------------------
-
-
-def write_pids(children: Sequence[Child], run_dir: Path) -> None:
-    """logs/pids.json: each child's pid, which is also its process group id (replaced whole: a
-    reader never sees half of it)."""
-    path = run_dir / "logs" / "pids.json"
-    path.with_suffix(".tmp").write_text(json.dumps({c.name: c.pid for c in children}) + "\n")
-    os.replace(path.with_suffix(".tmp"), path)
-
-
-def restart_the_dead(
-    children: Sequence[Child], max_restarts: int, env: dict[str, str], run_dir: Path
-) -> Child | None:
-    """Restart each child that died, if it may be restarted; the first that may not, or None.
-
-    A worker that exited 0 is dead too, unless the learner has ended the run (learner.json says so:
-    the worker heard the end and left while the learner writes its summary). The learner's exit 0
-    is left to the caller (the run is complete)."""
-    for c in children:
-        code = c.poll()
-        if code is None or (code == 0 and (c.finishes_run or _run_ended(run_dir))):
-            continue
-        if code in (0, USAGE_EXIT) or c.restarts >= max_restarts:
-            return c
-        print(
-            f"asyncrl run: {c.name} exited with code {code}; restarting it "
-            f"({c.restarts + 1} of run.max_restarts={max_restarts}); its log: {c.log}",
-            file=sys.stderr,
-        )
-        c.restart(env, code)
-        write_pids(children, run_dir)
-    return None
-
-
-def _run_ended(run_dir: Path) -> bool:
-    info = summary_mod.read_learner_info(run_dir)
-    return info is not None and info.ended_at is not None
-
-
-class _Stop(Exception):
-    """SIGINT or SIGTERM reached the launcher."""
-
-
-def _raise_stop(signum, frame):  # pragma: no cover - signal handler
-    raise _Stop(signal.Signals(signum).name)
-
-
-def prepare_run_dir(r: Recipe, *, overwrite: bool) -> Path:
-    run_dir = r.run_dir.resolve()
-    if run_dir.exists() and any(run_dir.iterdir()) and not r.run.resume:
-        if not overwrite:
-            raise LaunchError(
-                f"run folder {run_dir} exists: pass run.resume=true to continue it, "
-                "--overwrite to start over, or run.name=NEW"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / summary_mod.LEARNER_FILE).unlink(missing_ok=True)  # a finished run's, if resumed
-    return run_dir
+__all__ = ["CHILD_ENV", "LaunchError", "main", "run"]
 
 
 def run(
@@ -344,60 +56,22 @@ def run(
     run_dir = prepare_run_dir(r, overwrite=overwrite)
     (run_dir / "recipe.yaml").write_text(recipe_mod.dump(r))
     t0, started_at = time.monotonic(), time.time()
-    status: dict[str, Any] | None = None
-    outcome = "running"
     sock_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))  # short path: ipc socket names are <108 B
     plan = make_plan(r, recipe_path, overrides, sock_dir)
-    env = child_env(r)
-    display = progress_mod.Display(
-        r.run.steps, enabled=r.logging.progress if progress is None else progress
-    )
-    tail = progress_mod.MetricsTail(run_dir / "metrics.jsonl")
-    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed: Child | None = None
+    enabled = r.logging.progress if progress is None else progress
+    watch = RunWatch(r, plan.buffer_address, run_dir, t0=t0, enabled=enabled)
     try:
-        for child in plan.children:
-            child.start(env)
-        write_pids(plan.children, run_dir)
-        deadline = t0 + r.run.timeout_s
-        healthy = False
-        uses_buffer = r.algorithm.loss != "sft"
-        last_poll = 0.0
-        while True:
-            if plan.children[0].poll() == 0:
-                outcome = "completed"
-                break
-            failed = restart_the_dead(plan.children, r.run.max_restarts, env, run_dir)
-            if failed is not None:
-                outcome = "failed"
-                break
-            if time.monotonic() > deadline:
-                outcome = "timeout"
-                break
-            now = time.monotonic()
-            if now - last_poll >= 1.0:
-                last_poll = now
-                st = buffer_status(plan.buffer_address, r, timeout_s=1.0) if uses_buffer else None
-                if st is not None:
-                    status, healthy = st, True
-                elif uses_buffer and not healthy and now - t0 > r.generator.startup_timeout_s:
-                    raise LaunchError(
-                        f"the learner's buffer at {plan.buffer_address} did not answer within "
-                        f"{r.generator.startup_timeout_s:g} s (generator.startup_timeout_s)"
-                    )
-                tail.update()
-                version = int(status.get("version", 0)) if status else tail.learner_step
-                info = progress_mod.progress_info(tail, r.buffer.max_staleness, sft=not uses_buffer)
-                display.update(version, info)
-            time.sleep(0.1)
-    except _Stop as e:
-        outcome = f"stopped ({e})"
+        outcome, failed = supervise(
+            plan.children,
+            env=child_env(r),
+            run_dir=run_dir,
+            max_restarts=r.run.max_restarts,
+            deadline=t0 + r.run.timeout_s,
+            grace_s=stop_grace_s,
+            tick=watch.tick,
+            before_stop=watch.close,
+        )
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
-        display.close()
-        stop_children(plan.children, grace_s=stop_grace_s)
-        for s, h in old.items():
-            signal.signal(s, h)
         shutil.rmtree(sock_dir, ignore_errors=True)
     if failed is not None:
         print(
@@ -405,30 +79,15 @@ def run(
             f"last lines of {failed.log}:\n{failed.tail()}",
             file=sys.stderr,
         )
-    wall = time.monotonic() - t0
-    info = summary_mod.read_learner_info(run_dir)
-    if info is not None and info.ended_at is not None and info.ended_at >= started_at:
-        wall = info.ended_at - started_at  # to the end of training, not of the learner's evaluation
-    restarts = {c.name: c.restarts for c in plan.children if c.restarts}
-    summary = summary_mod.read_summary(run_dir, since=started_at)  # the learner's, at its end
-    if summary is None:  # the learner could not write it (killed, or failed): the same end, here
-        return summary_mod.finish_run(
-            r,
-            run_dir=run_dir,
-            outcome=outcome,
-            wall_seconds=wall,
-            status=status,
-            restarts=restarts,
-        )
-    # the learner's exit 0 is "completed" here; its summary knows whether it was stopped instead
-    summary_mod.amend(
-        summary,
-        wall_seconds=wall,
-        restarts=restarts,
-        outcome=summary["outcome"] if outcome == "completed" else outcome,
+    return write_run_summary(
+        r,
+        run_dir,
+        outcome=outcome,
+        t0=t0,
+        started_at=started_at,
+        status=watch.status,
+        children=plan.children,
     )
-    summary_mod.write_summary(run_dir, summary)
-    return summary
 
 
 def main(argv: list[str]) -> int:
