@@ -38,6 +38,7 @@ from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
 from asyncrl.launch.run_summary import write_run_summary
 from asyncrl.launch.watch import RunWatch
 
+# CHILD_ENV: the environment test harnesses give the processes they start, as the launcher does
 __all__ = ["CHILD_ENV", "LaunchError", "main", "run"]
 
 

@@ -20,9 +20,10 @@ Before anything else every generator is labelled with the version of the weights
   a restart, refused for unlabelled tokens) for it again (``/model_info``), once a second.
 
 A group is "in flight" from the moment it takes a granted start until the buffer acknowledged or
-rejected it, or it was cancelled and its start released (the accounting: :mod:`.leases`). A group
-whose lease expires while it is still generating is cancelled too (the buffer has taken the start
-back). Making a group is :mod:`.groups`; delivering it, :mod:`.sender`.
+rejected it, or it was cancelled and its start released (the accounting, pure:
+:class:`~asyncrl.rollout.leases.LeaseBook`). A group whose lease expires while it is still generating
+is cancelled too (the buffer has taken the start back). Making a group is
+:class:`~asyncrl.rollout.groups.GroupMaker`; delivering it, :class:`~asyncrl.rollout.sender.Sender`.
 
 The worker runs until the learner ends the run (``wire.End`` on Pub/Sub, or a ``run_ended`` reply):
 then it cancels what is in flight, gives the starts back and returns. A learner that goes away
