@@ -102,9 +102,7 @@ class WeightStore:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._session_open = False
         self._staged: dict[str, torch.Tensor] = {}
-        self._pending_version: str | None = (
-            None  # labels the staged weights when they are swapped in
-        )
+        self._pending_version: str | None = None  # the label of the staged weights, at their swap
         self._lock = threading.Lock()  # one weight operation at a time (HTTP threads)
         self.receiver = Receiver()
 
