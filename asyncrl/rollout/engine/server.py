@@ -4,7 +4,7 @@
                    [--weight-version default] [--seed S]
 
 Stdlib ``ThreadingHTTPServer``: HTTP threads parse JSON and wait on events; all torch work runs in
-the scheduler's one decode thread (and weight receives in the HTTP thread that asked for them).
+the scheduler's one decode thread (and weight receives in the weight store's receiver thread).
 ``--port 0`` binds a free port; the bound port is printed and, with ``--port-file``, written there.
 """
 
