@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl import launch, progress, recipe, summary
+from asyncrl.launch.children import Child, restart_the_dead, stop_children
+from asyncrl.launch.plan import make_plan, prepare_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,11 +75,11 @@ def _grandchild_pid(log: Path, timeout_s: float = 30.0) -> int:
 def test_stop_children_ends_the_whole_process_group(tmp_path, mode):
     script = tmp_path / "tree.py"
     script.write_text(TREE)
-    child = launch.Child(name="c", argv=[sys.executable, str(script), mode], log=tmp_path / "c.log")
+    child = Child(name="c", argv=[sys.executable, str(script), mode], log=tmp_path / "c.log")
     child.start(dict(os.environ))
     grandchild = _grandchild_pid(child.log)
     assert os.getpgid(grandchild) == child.pid  # the grandchild is in the child's group
-    launch.stop_children([child], grace_s=0.5 if mode == "stubborn" else 30)
+    stop_children([child], grace_s=0.5 if mode == "stubborn" else 30)
     assert child.poll() is not None
     assert _wait_gone(grandchild), "grandchild survived"
 
@@ -93,7 +95,7 @@ def test_a_killed_launcher_leaves_no_child(tmp_path):
             import os, sys, time
             sys.path.insert(0, {str(ROOT)!r})
             from pathlib import Path
-            from asyncrl.launch import Child
+            from asyncrl.launch.children import Child
             c = Child(name="c", argv=[sys.executable, {str(script)!r}, "polite"], log=Path({str(tmp_path / "c.log")!r}))
             c.start(dict(os.environ))
             print(c.pid, flush=True)
@@ -116,7 +118,7 @@ def test_a_killed_launcher_leaves_no_child(tmp_path):
     assert _wait_gone(grandchild)
 
 
-def _exited(child: launch.Child, timeout_s: float = 30.0) -> int:
+def _exited(child: Child, timeout_s: float = 30.0) -> int:
     deadline = time.monotonic() + timeout_s
     while (code := child.poll()) is None:
         assert time.monotonic() < deadline, f"{child.name} did not exit"
@@ -135,44 +137,42 @@ def test_a_dead_child_is_restarted_until_its_restarts_run_out(tmp_path, capsys):
         "sys.exit(int(sys.argv[1]))\n"
     )
     (tmp_path / "logs").mkdir()
-    crash = launch.Child(
+    crash = Child(
         name="crash",
         argv=[sys.executable, str(script), "1"],
         log=tmp_path / "c.log",
         restart_args=["run.resume=true"],
     )
-    usage = launch.Child(
-        name="usage", argv=[sys.executable, str(script), "2"], log=tmp_path / "u.log"
-    )
+    usage = Child(name="usage", argv=[sys.executable, str(script), "2"], log=tmp_path / "u.log")
     crash.start(dict(os.environ))
     grandchild = _grandchild_pid(crash.log)
     assert _exited(crash) == 1
-    assert launch.restart_the_dead([crash], 1, dict(os.environ), tmp_path) is None
+    assert restart_the_dead([crash], 1, dict(os.environ), tmp_path) is None
     assert crash.restarts == 1 and _wait_gone(grandchild)  # its group was cleaned up first
     assert json.loads((tmp_path / "logs/pids.json").read_text()) == {"crash": crash.pid}
     assert _exited(crash) == 1
     log = crash.log.read_text()
     assert "exited with code 1; restart 1 ---" in log and "['1', 'run.resume=true']" in log
-    assert launch.restart_the_dead([crash], 1, dict(os.environ), tmp_path) is crash  # out of them
+    assert restart_the_dead([crash], 1, dict(os.environ), tmp_path) is crash  # out of them
     assert (
         "crash exited with code 1; restarting it (1 of run.max_restarts=1)"
         in capsys.readouterr().err
     )
     usage.start(dict(os.environ))
     assert _exited(usage) == 2
-    assert launch.restart_the_dead([usage], 3, dict(os.environ), tmp_path) is usage
+    assert restart_the_dead([usage], 3, dict(os.environ), tmp_path) is usage
     assert usage.restarts == 0
     # exit 0: the learner's ends the run (the caller's business), a worker's is a death
     done = [
-        launch.Child(name=n, argv=[sys.executable, str(script), "0"], log=tmp_path / f"{n}.log")
+        Child(name=n, argv=[sys.executable, str(script), "0"], log=tmp_path / f"{n}.log")
         for n in ("learner", "worker")
     ]
     done[0].finishes_run = True
     for c in done:
         c.start(dict(os.environ))
         assert _exited(c) == 0
-    assert launch.restart_the_dead(done[:1], 3, dict(os.environ), tmp_path) is None
-    assert launch.restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
+    assert restart_the_dead(done[:1], 3, dict(os.environ), tmp_path) is None
+    assert restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
     assert done[0].restarts == done[1].restarts == 0
     # ... until the learner has announced the end (learner.json): then it is the worker's end
     info = summary.LearnerInfo(
@@ -186,10 +186,10 @@ def test_a_dead_child_is_restarted_until_its_restarts_run_out(tmp_path, capsys):
         started_at=time.time(),
     )
     info.write(tmp_path)
-    assert launch.restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
+    assert restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
     info.ended_at = time.time()
     info.write(tmp_path)
-    assert launch.restart_the_dead(done, 3, dict(os.environ), tmp_path) is None
+    assert restart_the_dead(done, 3, dict(os.environ), tmp_path) is None
     assert done[1].restarts == 0
     for c in (crash, usage, *done):
         c.signal_group(signal.SIGKILL)
@@ -204,7 +204,7 @@ def _recipe(tmp_path, tiny_qwen3, *extra):
 
 def test_plan_one_learner_and_the_workers(tmp_path, tiny_qwen3):
     r = _recipe(tmp_path, tiny_qwen3, "rollout.workers=2", f"run.output_dir={tmp_path}")
-    plan = launch.make_plan(r, ROOT / "recipes/demo.yaml", ["run.steps=3"], tmp_path)
+    plan = make_plan(r, ROOT / "recipes/demo.yaml", ["run.steps=3"], tmp_path)
     names = [c.name for c in plan.children]
     assert names == ["learner", "rollout0", "rollout1"]
     learner = plan.children[0].argv
@@ -218,7 +218,7 @@ def test_plan_one_learner_and_the_workers(tmp_path, tiny_qwen3):
 
 def test_plan_uses_torchrun_for_several_ranks_and_no_workers_for_sft(tmp_path, tiny_qwen3):
     r = _recipe(tmp_path, tiny_qwen3, "learner.ranks=2", "algorithm.loss=sft")
-    plan = launch.make_plan(r, ROOT / "recipes/demo.yaml", [], tmp_path)
+    plan = make_plan(r, ROOT / "recipes/demo.yaml", [], tmp_path)
     assert [c.name for c in plan.children] == ["learner"]
     argv = plan.children[0].argv
     assert "torch.distributed.run" in argv and "--nproc-per-node=2" in argv
@@ -226,7 +226,7 @@ def test_plan_uses_torchrun_for_several_ranks_and_no_workers_for_sft(tmp_path, t
 
 def test_explicit_addresses_are_kept(tmp_path, tiny_qwen3):
     r = _recipe(tmp_path, tiny_qwen3, "buffer.address=tcp://127.0.0.1:5555")
-    plan = launch.make_plan(r, ROOT / "recipes/demo.yaml", [], tmp_path)
+    plan = make_plan(r, ROOT / "recipes/demo.yaml", [], tmp_path)
     assert plan.buffer_address == "tcp://127.0.0.1:5555"
 
 
@@ -235,11 +235,11 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path, tiny_qwen3):
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo/metrics.jsonl").write_text("{}\n")
     with pytest.raises(launch.LaunchError, match="run.resume=true"):
-        launch.prepare_run_dir(r, overwrite=False)
+        prepare_run_dir(r, overwrite=False)
     r.run.resume = True
-    assert (launch.prepare_run_dir(r, overwrite=False) / "metrics.jsonl").exists()
+    assert (prepare_run_dir(r, overwrite=False) / "metrics.jsonl").exists()
     r.run.resume = False
-    assert not (launch.prepare_run_dir(r, overwrite=True) / "metrics.jsonl").exists()
+    assert not (prepare_run_dir(r, overwrite=True) / "metrics.jsonl").exists()
 
 
 def test_metrics_tail_reads_whole_lines_only(tmp_path):

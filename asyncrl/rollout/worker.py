@@ -20,8 +20,10 @@ Before anything else every generator is labelled with the version of the weights
   a restart, refused for unlabelled tokens) for it again (``/model_info``), once a second.
 
 A group is "in flight" from the moment it takes a granted start until the buffer acknowledged or
-rejected it, or it was cancelled and its start released. A group whose lease expires while it is
-still generating is cancelled too (the buffer has taken the start back).
+rejected it, or it was cancelled and its start released (the accounting, pure:
+:class:`~asyncrl.rollout.leases.LeaseBook`). A group whose lease expires while it is still generating
+is cancelled too (the buffer has taken the start back). Making a group is
+:class:`~asyncrl.rollout.groups.GroupMaker`; delivering it, :class:`~asyncrl.rollout.sender.Sender`.
 
 The worker runs until the learner ends the run (``wire.End`` on Pub/Sub, or a ``run_ended`` reply):
 then it cancels what is in flight, gives the starts back and returns. A learner that goes away
@@ -31,12 +33,8 @@ once a minute (:class:`~asyncrl.progress.Throttle`), not on every attempt.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,12 +44,15 @@ import trio
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.progress import Throttle
-from asyncrl.rollout.client import Batcher, GeneratorPool
-from asyncrl.rollout.data import PromptSource, render_prompt
+from asyncrl.rollout.client import GeneratorPool
+from asyncrl.rollout.data import PromptSource
+from asyncrl.rollout.groups import GroupMaker
+from asyncrl.rollout.leases import LeaseBook, Permit
 from asyncrl.rollout.rewards import RewardRunner
+from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.tools import Tool, ToolRegistry
-from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
+from asyncrl.rollout.tools import ToolRegistry
+from asyncrl.rollout.workflows import Workflow
 from asyncrl.transport import Subscriber, TransportTimeout
 
 log = logging.getLogger(__name__)
@@ -87,17 +88,10 @@ class WorkerConfig:
     end_release_s: float = 3.0  # after the run's end: bound on giving starts back
 
 
-@dataclass
-class _Permit:
-    lease_id: str
-    version: int
-    expires_at: float  # trio clock
-
-
 @dataclass(eq=False)
 class _GroupRun:
     gid: str
-    permit: _Permit
+    permit: Permit
     scope: trio.CancelScope
     prompt_index: int = -1
     started_at: float = 0.0
@@ -135,9 +129,17 @@ class WorkerStats:
     rewards: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     weights_wait_s: float = 0.0  # admission held: no generator within the version bound
-    max_in_flight_over_granted: int = 0  # must stay <= 0: the admission invariant
-    peak_groups_in_flight: int = 0
     peak_episodes_in_flight: int = 0
+    leases: LeaseBook = field(default_factory=LeaseBook)  # the worker's starts
+
+    @property
+    def max_in_flight_over_granted(self) -> int:
+        """Must stay <= 0: the admission invariant."""
+        return self.leases.max_over_granted
+
+    @property
+    def peak_groups_in_flight(self) -> int:
+        return self.leases.peak_in_flight
 
 
 class RolloutWorker:
@@ -164,34 +166,45 @@ class RolloutWorker:
         self.buffer = buffer
         self.pool = pool
         self.source = source
-        self.tokenizer = tokenizer
-        self.workflow = workflow
-        self.reward = reward
-        self.params = params
-        self.tools = tools or ToolRegistry([])
-        self.max_turns = max_turns
         self.subscriber = subscriber
         self.generators = generators or []
         self.metrics = metrics
-        self.stats = WorkerStats()
+        self.leases = LeaseBook()
+        self.stats = WorkerStats(leases=self.leases)
         self.version = 0
         self.ended: wire.End | None = None  # the learner's end-of-run announcement, once heard
         self.registered = trio.Event()
         self._quiet = Throttle(log)  # retries of an unreachable learner: a line a minute
         self._nonce = uuid.uuid4().hex[:8]  # group ids stay unique across restarts of a worker
         self._seq = 0
-        self._permits: deque[_Permit] = deque()
-        self._granted_open = 0  # starts granted and not yet acked, rejected or released
-        self._runs: dict[str, _GroupRun] = {}
-        self._unsent = 0  # finished groups not yet acknowledged
-        self._episodes_in_flight = 0
+        self._runs: dict[str, _GroupRun] = {}  # the groups being made, by id
         self._consecutive_failures = 0
         self._changed = trio.Event()  # something freed capacity or the version moved
         self._done = trio.Event()
-        self._send, self._receive = trio.open_memory_channel[tuple[wire.Group, _Permit]](
-            float("inf")
+        self.groups = GroupMaker(
+            config,
+            pool=pool,
+            source=source,
+            tokenizer=tokenizer,
+            workflow=workflow,
+            reward=reward,
+            params=params,
+            tools=tools or ToolRegistry([]),
+            max_turns=max_turns,
+            stats=self.stats,
         )
-        self._pending: dict[str, tuple[wire.Group, _Permit]] = {}  # sent, not yet acknowledged
+        self.sender = Sender(
+            buffer=buffer,
+            source=source,
+            stats=self.stats,
+            worker_id=config.worker_id,
+            put_batch=config.put_batch,
+            acked_log=config.acked_log,
+            quiet=self._quiet,
+            retry_sleep=self._retry_sleep,
+            settled=self._settled,
+            saw_version=self._see_version,
+        )
         self._t_last = 0.0
         self._prev = dict(self.stats.counters)
         self._registering = False
@@ -200,7 +213,7 @@ class RolloutWorker:
 
     @property
     def groups_in_flight(self) -> int:
-        return len(self._runs) + self._unsent
+        return self.leases.in_flight
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> WorkerStats:
         """Run until cancelled or ``max_groups`` delivered; returns the counters.
@@ -216,7 +229,7 @@ class RolloutWorker:
                 if self.subscriber is not None:
                     nursery.start_soon(self._version_loop, name="versions")
                 nursery.start_soon(self._admission_loop, name="admission")
-                nursery.start_soon(self._sender_loop, name="sender")
+                nursery.start_soon(self.sender.run, name="sender")
                 nursery.start_soon(self._metrics_loop, name="metrics")
                 nursery.start_soon(self._generator_versions_loop, name="generator-versions")
                 task_status.started()
@@ -249,24 +262,23 @@ class RolloutWorker:
         self._end(wire.End(version=self.version, message=str(e).split(": ", 1)[-1]))
         return True
 
-    # -- capacity book-keeping -------------------------------------------------------------------
-
-    def _check_invariant(self) -> None:
-        s = self.stats
-        excess = self.groups_in_flight - self._granted_open
-        s.max_in_flight_over_granted = max(s.max_in_flight_over_granted, excess)
-        s.peak_groups_in_flight = max(s.peak_groups_in_flight, self.groups_in_flight)
-        s.peak_episodes_in_flight = max(s.peak_episodes_in_flight, self._episodes_in_flight)
+    # -- capacity ----------------------------------------------------------------------------------
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _finish(self, n: int = 1) -> None:
-        """``n`` starts are spent (acked, rejected or released): capacity for new groups."""
-        self._granted_open -= n
-        self._check_invariant()
+    def _spent(self, n: int = 1) -> None:
+        """``n`` starts were given back or taken back: capacity for new groups."""
+        self.leases.spend(n)
         self._wake()
+
+    def _settled(self, group: wire.Group) -> None:
+        """The buffer acknowledged or rejected ``group``: its start is spent."""
+        self.leases.settled(group.id)
+        self._wake()
+        if self.cfg.max_groups and self.stats.counters["groups_delivered"] >= self.cfg.max_groups:
+            self._done.set()
 
     # -- tasks -----------------------------------------------------------------------------------
 
@@ -319,8 +331,9 @@ class RolloutWorker:
             if run.permit.version < oldest_ok and not run.cancelled:
                 run.cancelled = "stale"
                 run.scope.cancel()
-        while self._permits and self._permits[0].version < oldest_ok:
-            p = self._permits.popleft()  # never started: give it back, it is worthless now
+        for p in self.leases.take_stale(
+            oldest_ok
+        ):  # never started: give it back, it is worthless now
             self._nursery.start_soon(self._release, p.lease_id, 1, name="release")
 
     async def _version_loop(self) -> None:
@@ -363,42 +376,28 @@ class RolloutWorker:
                 break
             except TransportTimeout:
                 await self._retry_sleep(attempt)
-        self._finish(n)
+        self._spent(n)
 
     async def _release_all(self) -> None:
         """On the way out: give back every start not delivered (unused, running, unacknowledged)."""
-        by_lease: dict[str, int] = {}
-        permits = list(self._permits) + [r.permit for r in self._runs.values()]
-        permits += [p for _, p in self._pending.values()]
-        while True:  # finished groups the sender had not taken yet
-            try:
-                permits.append(self._receive.receive_nowait()[1])
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-        self._permits.clear()
-        for p in permits:
-            by_lease[p.lease_id] = by_lease.get(p.lease_id, 0) + 1
-        for lease_id, n in by_lease.items():
+        for lease_id, n in self.leases.surrender().items():
             try:
                 await self.buffer.release(lease_id, n)
                 self.stats.counters["releases"] += n
             except (TransportTimeout, BufferRefused):
                 pass
-            self._granted_open -= n
 
     async def _admission_loop(self) -> None:
         await self.registered.wait()  # see _register_loop
         attempt = 0
         request_id = uuid.uuid4().hex  # kept until answered: a resend is not a second request
         while True:
-            now = trio.current_time()
-            while self._permits and self._permits[0].expires_at <= now:
-                self._permits.popleft()  # the buffer took these starts back
-                self._finish()
+            if self.leases.expire(trio.current_time()):  # the buffer took these starts back
+                self._wake()
             cap = self.cfg.max_concurrent_groups
-            while self._permits and self.groups_in_flight < cap and not self._done.is_set():
-                self._start_group(self._permits.popleft())
-            want = cap - self.groups_in_flight - len(self._permits)
+            while self.leases.can_start(cap) and not self._done.is_set():
+                self._start_group()
+            want = self.leases.wanted(cap)
             if want <= 0 or self._done.is_set():
                 with trio.move_on_after(1.0):
                     await self._changed.wait()
@@ -429,9 +428,7 @@ class RolloutWorker:
                 raise WorkerError(f"the buffer granted {grant.k} starts for {want} asked")
             # the buffer's clock started the lease before our reply arrived: keep a margin
             expires = trio.current_time() + 0.95 * grant.lease_seconds
-            self._granted_open += grant.k
-            for _ in range(grant.k):
-                self._permits.append(_Permit(grant.lease_id, grant.version, expires))
+            self.leases.grant(grant.lease_id, grant.version, grant.k, expires)
 
     async def _wait_for_weights(self) -> None:
         """No generator holds weights within the bound: take no lease until one does (the
@@ -444,16 +441,17 @@ class RolloutWorker:
                 await self._changed.wait()
         self.stats.weights_wait_s += trio.current_time() - t0
 
-    def _start_group(self, permit: _Permit) -> None:
+    def _start_group(self) -> None:
+        """A group task on the oldest unused start."""
         self._seq += 1
         gid = f"{self.cfg.worker_id}-{self._nonce}-{self._seq}"
+        permit = self.leases.start(gid)
         run = _GroupRun(gid=gid, permit=permit, scope=trio.CancelScope())
         run.started_at = trio.current_time()
         deadline = permit.expires_at
         run.scope.deadline = deadline  # a lease that ends takes the start back: stop generating
         self._runs[gid] = run
         self.stats.counters["groups_started"] += 1
-        self._check_invariant()
         self._nursery.start_soon(self._group_task, run, name=f"group-{gid}")
 
     async def _group_task(self, run: _GroupRun) -> None:
@@ -461,7 +459,9 @@ class RolloutWorker:
         failed = ""
         with run.scope:
             try:
-                group = await self._make_group(run)
+                prompt = await self.groups.take_prompt()
+                run.prompt_index = prompt.item.index
+                group = await self.groups.make(run.gid, run.permit.lease_id, prompt)
             except Exception as e:  # one bad group must not stop the worker
                 failed = f"{type(e).__name__}: {e}"
         if run.scope.cancelled_caught and not run.cancelled:
@@ -469,9 +469,10 @@ class RolloutWorker:
         del self._runs[run.gid]
         if group is not None and not run.cancelled:
             self._consecutive_failures = 0
-            self._unsent += 1
-            self._send.send_nowait((group, run.permit))
+            self.leases.finished(run.gid)
+            self.sender.submit(group)
             return
+        self.leases.dropped(run.gid)
         if run.prompt_index >= 0:
             self.source.give_back(run.prompt_index)  # not trained on: its prompt is served again
         c = self.stats.counters
@@ -488,200 +489,9 @@ class RolloutWorker:
                 )
         with trio.CancelScope(shield=True):
             if run.cancelled == "lease":
-                self._finish()  # the buffer already took the start back
+                self._spent()  # the buffer already took the start back
             else:
                 await self._release(run.permit.lease_id, 1)
-
-    def _tool_schemas(self) -> list[dict]:
-        """What the chat template shows the model: the workflow's own tools, else the recipe's."""
-        own = getattr(self.workflow, "tools", None)
-        if isinstance(own, list) and own and all(isinstance(t, Tool) for t in own):
-            return [t.schema() for t in own]
-        return self.tools.schemas()
-
-    async def _take_prompt(self, run: _GroupRun) -> tuple[Any, str, list[int]]:
-        """The next usable prompt; rows that cannot be rendered are reported and skipped."""
-        for _ in range(1000):
-            item = self.source.take()
-            try:
-                render = functools.partial(
-                    render_prompt,
-                    item.row,
-                    self.tokenizer,
-                    prompt_key=self.cfg.prompt_key,
-                    chat_template=self.cfg.chat_template,
-                    tools=self._tool_schemas() or None,
-                )
-                text, ids = await trio.to_thread.run_sync(render)
-                if self.cfg.max_prompt_tokens and len(ids) > self.cfg.max_prompt_tokens:
-                    raise ValueError(
-                        f"the prompt has {len(ids)} tokens, over {self.cfg.max_prompt_tokens}"
-                    )
-            except Exception as e:
-                self.stats.counters["prompts_skipped"] += 1
-                self.source.done(item.index)
-                log.warning("skipping a malformed row: %s: %s", item.where, e)
-                continue
-            run.prompt_index = item.index
-            return item, text, ids
-        raise WorkerError("1000 prompts in a row could not be rendered")
-
-    async def _make_group(self, run: _GroupRun) -> wire.Group:
-        item, prompt_text, prompt_ids = await self._take_prompt(run)
-        n = self.cfg.group_size
-        samples: list[wire.Sample | None] = [None] * n
-        batcher = Batcher()  # the n episodes' first requests go to the generator as one
-        async with trio.open_nursery() as nursery:
-            for i in range(n):
-                nursery.start_soon(
-                    self._episode, run, i, item.row, prompt_text, prompt_ids, samples, batcher
-                )
-        return wire.Group(
-            id=run.gid,
-            lease_id=run.permit.lease_id,
-            samples=[s for s in samples if s is not None],
-            prompt_index=item.index,
-            metadata={"worker_id": self.cfg.worker_id, "prompt": item.where},
-        )
-
-    async def _episode(
-        self,
-        run: _GroupRun,
-        i: int,
-        row: dict[str, Any],
-        prompt_text: str,
-        prompt_ids: list[int],
-        out: list[wire.Sample | None],
-        batcher: Batcher,
-    ) -> None:
-        ctx = EpisodeContext(
-            prompt_ids=list(prompt_ids),
-            prompt_text=prompt_text,
-            row=row,
-            pool=self.pool,
-            params=self.params,
-            tokenizer=self.tokenizer,
-            tools=self.tools,
-            max_turns=self.max_turns,
-            rid=f"{run.gid}/{i}",
-            batcher=batcher,
-        )
-        self._episodes_in_flight += 1
-        self._check_invariant()
-        try:
-            ep = await self.workflow.run_episode(ctx)
-        finally:
-            self._episodes_in_flight -= 1
-        if not isinstance(ep, Episode):
-            raise TypeError(f"the workflow returned {type(ep).__name__}, not an Episode")
-        ep.check()
-        c = self.stats.counters
-        c["episodes"] += 1
-        c["tokens_generated"] += sum(ep.loss_mask)
-        c["resumes"] += int(ep.metadata.get("resumes", 0))
-        tok = self.tokenizer
-        r = await self.reward.score(
-            prompt=prompt_text,
-            completion=None,  # decoded in the reward's thread
-            prompt_ids=list(prompt_ids),
-            completion_ids=list(ep.completion_ids),
-            row=row,
-            extra={"finish_reason": ep.finish_reason},
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        )
-        meta = dict(ep.metadata)
-        if r.failure:
-            c["reward_failures"] += 1
-            meta["reward_failure"] = r.failure
-        self.stats.rewards.append(r.value)
-        self.stats.lengths.append(len(ep.completion_ids))
-        out[i] = wire.Sample(
-            id=f"{run.gid}/{i}",
-            group_id=run.gid,
-            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
-            completion_ids=np.asarray(ep.completion_ids, dtype=np.int32),
-            behavior_logprobs=np.asarray(ep.logprobs, dtype=np.float32),
-            versions=np.asarray(ep.versions, dtype=np.int32),
-            loss_mask=np.asarray(ep.loss_mask, dtype=np.float32),
-            reward=r.value,
-            finish_reason=ep.finish_reason,
-            metadata=meta,
-        )
-
-    async def _sender_loop(self) -> None:
-        """Put finished groups; resend the same ids until each is acked or rejected."""
-        pending = self._pending
-        attempt = 0
-        while True:
-            if not pending:
-                g, p = await self._receive.receive()
-                pending[g.id] = (g, p)
-            while len(pending) < self.cfg.put_batch:  # take whatever else is ready
-                try:
-                    g, p = self._receive.receive_nowait()
-                except trio.WouldBlock:
-                    break
-                pending[g.id] = (g, p)
-            batch = list(pending.values())[: self.cfg.put_batch]
-            groups = [g for g, _ in batch]
-            state = self.source.state_dict()
-            state["seq"] = self.stats.counters["put_messages"]  # later snapshots win
-            sent = {g.prompt_index for g in groups}
-            state["outstanding"] = [i for i in state["outstanding"] if i not in sent]
-            for g in groups:  # the data position as if these were delivered (see data.py)
-                g.metadata["data_state"] = state
-            try:
-                self.stats.counters["put_messages"] += 1
-                if attempt:
-                    self.stats.counters["put_resends"] += 1
-                ack = await self.buffer.put(groups, attempts=1)  # resending is ours, below
-            except TransportTimeout as e:
-                self._quiet.warning("put", "put of %d group(s): %s; resending", len(groups), e)
-                await self._retry_sleep(min(attempt, 3))
-                attempt += 1
-                continue
-            except BufferRefused as e:
-                if len(groups) > 1:  # find the one the buffer cannot read: send them one by one
-                    log.warning("put refused (%s); resending one group per message", e)
-                    self.cfg.put_batch = 1
-                    continue
-                log.error("group %s refused by the buffer: %s; dropped", groups[0].id, e)
-                ack = wire.Ack(group_ids=[], rejected={groups[0].id: str(e)})
-            attempt = 0
-            self._quiet.ok("put")
-            self._see_version(ack.version)
-            self._log_acked([gid for gid in ack.group_ids if gid in pending])
-            for gid in ack.group_ids:
-                if gid in pending:
-                    g, _ = pending.pop(gid)
-                    self.source.done(g.prompt_index)
-                    self.stats.counters["groups_delivered"] += 1
-                    self._unsent -= 1
-                    self._finish()
-            for gid, why in ack.rejected.items():
-                if gid in pending:
-                    g, _ = pending.pop(gid)
-                    self.source.done(g.prompt_index)
-                    self.stats.counters["groups_rejected"] += 1
-                    log.warning("group %s rejected: %s", gid, why)
-                    self._unsent -= 1
-                    self._finish()
-            if (
-                self.cfg.max_groups
-                and self.stats.counters["groups_delivered"] >= self.cfg.max_groups
-            ):
-                self._done.set()
-
-    def _log_acked(self, ids: list[str]) -> None:
-        """One line per Ack: what the buffer now owns (an audit compares it with what was trained)."""
-        if not (ids and self.cfg.acked_log):
-            return
-        line = json.dumps({"worker_id": self.cfg.worker_id, "acked": ids, "t": time.time()})
-        try:
-            with open(self.cfg.acked_log, "a") as f:
-                f.write(line + "\n")
-        except OSError as e:  # the audit must never stop rollouts
-            log.warning("acked log %s: %s", self.cfg.acked_log, e)
 
     # -- metrics ---------------------------------------------------------------------------------
 
@@ -693,7 +503,7 @@ class RolloutWorker:
         prev = self._prev
         out: dict[str, float] = {
             "rollout/tokens_per_s": (c["tokens_generated"] - prev["tokens_generated"]) / dt,
-            "rollout/episodes_in_flight": self._episodes_in_flight,
+            "rollout/episodes_in_flight": self.groups.episodes_in_flight,
             "rollout/groups_in_flight": self.groups_in_flight,
             "rollout/version": self.version,
             "rollout/weights_wait_s": self.stats.weights_wait_s,

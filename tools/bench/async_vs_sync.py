@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl import launch, plots  # noqa: E402
+from asyncrl import launch, plots, recipe  # noqa: E402
 from tools.make_demo import make_demo  # noqa: E402
 
 GEN_IDLE = plots.GEN_IDLE
@@ -62,7 +62,7 @@ def one_run(eta: int, steps: int, overrides: list[str]) -> dict:
     s = launch.run(ROOT / "recipes/demo.yaml", ov, overwrite=True, progress=False)
     run_dir = Path(s.get("run_dir") or ROOT / "runs" / name)
     records = plots.read_metrics(run_dir / "metrics.jsonl")
-    r = launch.recipe_mod.load(ROOT / "recipes/demo.yaml", ov)
+    r = recipe.load(ROOT / "recipes/demo.yaml", ov)
     per_step = r.buffer.groups_per_batch * r.rollout.group_size
     samples = s["steps"] * per_step
     # steady state: the learner's steps after its first (start-up excluded), over their time

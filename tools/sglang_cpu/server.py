@@ -4,7 +4,7 @@ SGLang runs from its own venv (``build_env.sh`` builds it; torch 2.14.1 there, 2
 .venv) with the import-only ``sgl_kernel`` stand-in from ``stub/`` on PYTHONPATH and the torch-native
 attention backend (``--attention-backend torch_native``). The server runs in its own process group, so stopping it
 also stops its scheduler and detokenizer processes. Process handling is asyncrl's own
-(:class:`asyncrl.launch.Child`, :func:`asyncrl.launch.stop_children`).
+(:class:`asyncrl.launch.children.Child`, :func:`asyncrl.launch.children.stop_children`).
 
     .venv/bin/python tools/sglang_cpu/server.py MODEL_DIR [--port P]   # serve until Ctrl-C
 """
@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.launch import Child, stop_children  # noqa: E402
+from asyncrl.launch.children import Child, stop_children  # noqa: E402
 from asyncrl.transport import free_port  # noqa: E402
 
 BUILD_ENV = HERE / "build_env.sh"

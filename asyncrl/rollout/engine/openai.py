@@ -76,7 +76,7 @@ def v1_completions(engine: Engine, body: dict) -> Reply:
     if n_lp:
         gen["top_logprobs_num"] = n_lp
     gen["return_text_in_logprobs"] = True
-    reply = engine.generate(gen)
+    reply = engine.generation.generate(gen)
     if reply.status != 200:
         return reply
     outs = reply.body if isinstance(reply.body, list) else [reply.body]

@@ -4,7 +4,7 @@
                    [--weight-version default] [--seed S]
 
 Stdlib ``ThreadingHTTPServer``: HTTP threads parse JSON and wait on events; all torch work runs in
-the scheduler's one decode thread (and weight receives in the HTTP thread that asked for them).
+the scheduler's one decode thread (and weight receives in the weight store's receiver thread).
 ``--port 0`` binds a free port; the bound port is printed and, with ``--port-file``, written there.
 """
 
@@ -33,29 +33,29 @@ MAX_BODY = 256 << 20
 
 
 def _routes(engine: Engine) -> dict[str, Callable[[dict], Reply]]:
-    e = engine
+    g, w = engine.generation, engine.weights
     return {
-        "/generate": e.generate,
-        "/model_info": lambda b: Reply(200, e.model_info()),
-        "/get_model_info": lambda b: Reply(200, e.model_info()),
-        "/engine_stats": lambda b: Reply(200, e.stats(_float(b.get("since")))),
-        "/health": lambda b: e.health(),
-        "/health_generate": lambda b: e.health_generate(),
-        "/abort_request": e.abort_request,
-        "/flush_cache": lambda b: e.flush_cache(),
-        "/pause_generation": e.pause_generation,
-        "/continue_generation": e.continue_generation,
-        "/init_weights_update_group": e.init_weights_update_group,
-        "/destroy_weights_update_group": e.destroy_weights_update_group,
-        "/begin_weight_update": e.begin_weight_update,
-        "/end_weight_update": e.end_weight_update,
-        "/update_weights_from_distributed": e.update_weights_from_distributed,
-        "/update_weights_from_disk": e.update_weights_from_disk,
-        "/update_weight_version": e.update_weight_version,
-        "/get_weights_by_name": e.get_weights_by_name,
-        "/weights_checker": e.weights_checker,
-        "/v1/models": lambda b: openai.v1_models(e),
-        "/v1/completions": lambda b: openai.v1_completions(e, b),
+        "/generate": g.generate,
+        "/model_info": lambda b: Reply(200, g.model_info()),
+        "/get_model_info": lambda b: Reply(200, g.model_info()),
+        "/engine_stats": lambda b: Reply(200, g.stats(_float(b.get("since")))),
+        "/health": lambda b: g.health(),
+        "/health_generate": lambda b: g.health_generate(),
+        "/abort_request": g.abort_request,
+        "/flush_cache": lambda b: g.flush_cache(),
+        "/pause_generation": g.pause_generation,
+        "/continue_generation": g.continue_generation,
+        "/init_weights_update_group": w.init_weights_update_group,
+        "/destroy_weights_update_group": w.destroy_weights_update_group,
+        "/begin_weight_update": w.begin_weight_update,
+        "/end_weight_update": w.end_weight_update,
+        "/update_weights_from_distributed": w.update_weights_from_distributed,
+        "/update_weights_from_disk": w.update_weights_from_disk,
+        "/update_weight_version": w.update_weight_version,
+        "/get_weights_by_name": w.get_weights_by_name,
+        "/weights_checker": w.weights_checker,
+        "/v1/models": lambda b: openai.v1_models(engine),
+        "/v1/completions": lambda b: openai.v1_completions(engine, b),
     }
 
 

@@ -1,29 +1,48 @@
-"""The engine's staged weight receiver: tensors arrive in a side copy while decoding goes on.
+"""The engine's weight store: update groups, the update session, and a staging copy of the tensors.
 
 An HTTP thread joins the trainer's group (SGLang's rendezvous, ``asyncrl.weights.rendezvous``),
-receives each broadcast into freshly allocated tensors and keeps them in ``staged``. Nothing the decode
-thread reads is touched until :meth:`WeightStore.apply_staged` runs in the decode thread between two
-steps; it only re-points each parameter at its new tensor, so the swap costs microseconds whatever the
-model size.
+receives each broadcast into freshly allocated tensors and stages them while decoding goes on.
+Nothing the decode thread reads is touched until the session ends: :meth:`WeightStore.apply` then
+runs in the decode thread between two steps and only re-points each parameter at its new tensor, so
+the swap costs microseconds whatever the model size.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.weights import buckets, rendezvous
 
+NO_SESSION = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+
 
 class WeightError(ValueError):
     """A weight-update request the engine refuses; the message goes back as ``message``."""
+
+
+class DecodeLoop(Protocol):
+    """What the store asks of the decode loop (the engine implements it)."""
+
+    @property
+    def version(self) -> str: ...
+
+    def swap(self, staged: dict[str, torch.Tensor], version: str | None) -> float:
+        """Install ``staged`` (and label it ``version``) between two decode steps; the pause (s)."""
+
+    def set_version(self, version: str) -> None: ...
+
+    def abort_all(self) -> None: ...
 
 
 class Receiver:
@@ -62,10 +81,18 @@ class Receiver:
 
 
 class WeightStore:
-    """HF-named parameters of the served model, the weight-update groups, and the staging area."""
+    """HF-named parameters of the served model, the weight-update groups, and the update session.
 
-    def __init__(self, model: torch.nn.Module):
+    The session is SGLang's begin/update/end protocol as a small state machine, one weight
+    operation at a time (``_lock``): closed --begin--> open --update (receive, stage)--> open
+    --end (swap the staged tensors in, label them)--> closed. A failed update discards what the
+    session staged and closes it, so the engine keeps serving one consistent version; a new group
+    (a restarted learner) abandons a session its predecessor left open.
+    """
+
+    def __init__(self, model: torch.nn.Module, loop: DecodeLoop):
         self.model = model
+        self.loop = loop
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.aliases: dict[str, str] = {}
         ptr = {p.data_ptr(): n for n, p in self.params.items()}
@@ -73,10 +100,10 @@ class WeightStore:
             if name not in self.params and t.data_ptr() in ptr:
                 self.aliases[name] = ptr[t.data_ptr()]
         self.groups: dict[str, dist.ProcessGroup] = {}
-        self.session_open = False
-        self.staged: dict[str, torch.Tensor] = {}
-        self.pending_version: str | None = None
-        self.lock = threading.Lock()  # one weight operation at a time (HTTP threads)
+        self._session_open = False
+        self._staged: dict[str, torch.Tensor] = {}
+        self._pending_version: str | None = None  # the label of the staged weights, at their swap
+        self._lock = threading.Lock()  # one weight operation at a time (HTTP threads)
         self.receiver = Receiver()
 
     def resolve(self, name: str) -> str | None:
@@ -110,12 +137,114 @@ class WeightStore:
                 timeout_s=timeout_s,
             )
         )
+        with self._lock:
+            if self._session_open:
+                # A new group is a new (or restarted) learner: a session the old one left open (it
+                # was killed mid-update) is abandoned, or every begin would fail from now on.
+                print(
+                    "asyncrl engine: new group; abandoning an open update session", file=sys.stderr
+                )
+                self._close_session()
 
     def destroy_group(self, group_name: str) -> None:
         pg = self.groups.pop(group_name, None)
         if pg is None:
             raise WeightError(f"no weight-update group named {group_name!r}")
         rendezvous.destroy_process_group(pg)
+
+    # ---- the update session ----------------------------------------------------------------------
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._session_open:
+                raise WeightError("a weight-update session is already open")
+            self._close_session()
+            self._session_open = True
+
+    def update(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None,
+        version: str | None,
+        abort_all: bool,
+    ) -> None:
+        """Receive one update call's tensors into the open session (nothing is served yet)."""
+        with self._lock:
+            if not self._session_open:
+                raise WeightError(
+                    NO_SESSION
+                )  # nothing was received: the trainer must not broadcast
+            if group_name not in self.groups:
+                raise WeightError(
+                    f"no weight-update group named {group_name!r}; "
+                    "call init_weights_update_group first"
+                )
+            if abort_all:
+                self.loop.abort_all()
+            try:
+                self.stage(
+                    self.receive_distributed(
+                        names=names,
+                        dtypes=dtypes,
+                        shapes=shapes,
+                        group_name=group_name,
+                        load_format=load_format,
+                    )
+                )
+            except Exception as e:
+                # unlike SGLang (which is left partially updated), nothing was swapped in yet: drop
+                # the whole session's staging so the engine keeps serving one consistent version
+                self._close_session()
+                raise WeightError(
+                    f"Failed to update parameter online: {e}. The staged update was discarded and the "
+                    f"weight-update session closed; still serving version {self.loop.version}."
+                ) from e
+            if version is not None:
+                self._pending_version = version
+
+    def end(self) -> float:
+        """Swap what the session staged in (between two decode steps); the pause it caused (s)."""
+        with self._lock:
+            if not self._session_open:
+                raise WeightError(
+                    "no weight-update session is open (call begin_weight_update first)"
+                )
+            staged, version = self._staged, self._pending_version
+            self._close_session()
+            return self._swap(staged, version)
+
+    def relabel(self, version: str) -> None:
+        """Label the staged weights if a session holds some (at their swap), else the served ones."""
+        with self._lock:
+            if self._session_open and self._staged:
+                self._pending_version = version
+            else:
+                self.loop.set_version(version)
+
+    def load_from_disk(self, model_path: str, *, version: str | None, abort_all: bool) -> float:
+        """Serve an HF folder's weights now, outside any session; the pause it caused (s)."""
+        with self._lock:
+            try:
+                staged = self._checked(self.load_disk(model_path))
+            except Exception as e:
+                raise WeightError(f"Failed to update model weights: {e}.") from e
+            if abort_all:
+                self.loop.abort_all()
+            return self._swap(staged, version)
+
+    def _swap(self, staged: dict[str, torch.Tensor], version: str | None) -> float:
+        if not staged and version is None:
+            return 0.0
+        return self.loop.swap(staged, version)
+
+    def _close_session(self) -> None:
+        self._session_open = False
+        self._staged = {}
+        self._pending_version = None
 
     # ---- receiving -------------------------------------------------------------------------------
 
@@ -149,7 +278,11 @@ class WeightStore:
         return out
 
     def stage(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Check names and shapes, convert dtypes, and keep the tensors for the next swap."""
+        """Keep checked tensors for the session's swap."""
+        self._staged.update(self._checked(named))
+
+    def _checked(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Resolve names, check shapes, convert dtypes: parameter name -> tensor to install."""
         bad = []
         ready = {}
         for name, t in named:
@@ -166,7 +299,7 @@ class WeightStore:
             raise WeightError(
                 "; ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
             )
-        self.staged.update(ready)
+        return ready
 
     def load_disk(self, model_path: str) -> list[tuple[str, torch.Tensor]]:
         """Read every ``*.safetensors`` file of an HF folder (or one file)."""
@@ -180,11 +313,6 @@ class WeightStore:
         for f in files:
             out.extend(load_file(str(f)).items())
         return out
-
-    def take_staged(self) -> tuple[dict[str, torch.Tensor], str | None]:
-        staged, version = self.staged, self.pending_version
-        self.staged, self.pending_version = {}, None
-        return staged, version
 
     def apply(self, staged: dict[str, torch.Tensor]) -> None:
         """Re-point parameters at staged tensors. Decode thread only, between two steps."""

@@ -1,0 +1,109 @@
+"""`asyncrl run RECIPE [key=value ...]`: the whole system on one machine (docs/design.md §1).
+
+Starts the learner (alone, or under torchrun when ``learner.ranks > 1``) and ``rollout.workers``
+rollout workers (each starts its built-in engines) as child processes, each in its own process group
+with one thread, waits until the learner's buffer answers, shows progress, and stops everything when
+the learner finishes, on Ctrl-C / SIGTERM, or when a child dies for good (printing its log's tail).
+A child that dies is first restarted, up to ``run.max_restarts`` times: a rollout worker with the same
+command (it resumes its data position from the buffer), the learner with ``run.resume=true`` (from its
+last checkpoint; the workers reconnect by themselves). Exit code 2 (a user's mistake: a bad recipe,
+plugin or data file) is never restarted: the same command would fail the same way. The run folder
+``runs/<name>/`` gets ``metrics.jsonl``, ``wandb/``, checkpoints, ``logs/*.log`` and, from the
+learner at its end (:func:`asyncrl.summary.finish_run`, done here only if the learner could not),
+the held-out evaluation, ``plots/*.png`` and ``summary.json``, to which the launcher adds its restarts.
+
+No orphans: a child gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and every stop signals the
+child's whole process group (torchrun's ranks, a worker's engines), then SIGKILLs what is left.
+
+The parts: ``plan`` (the run folder; which processes, with which arguments), ``children``
+(supervising them: start, restart the dead, stop), ``watch`` (the progress display) and
+``run_summary`` (summary.json at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl import recipe as recipe_mod
+from asyncrl import summary as summary_mod
+from asyncrl.launch.children import CHILD_ENV, STOP_GRACE_S, USAGE_EXIT, child_env, supervise
+from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
+from asyncrl.launch.run_summary import write_run_summary
+from asyncrl.launch.watch import RunWatch
+
+# CHILD_ENV: the environment test harnesses give the processes they start, as the launcher does
+__all__ = ["CHILD_ENV", "LaunchError", "main", "run"]
+
+
+def run(
+    recipe_path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    stop_grace_s: float = STOP_GRACE_S,
+) -> dict[str, Any]:
+    """Run a recipe to completion on this machine; returns the summary (also in summary.json)."""
+    recipe_path = Path(recipe_path).resolve()
+    overrides = list(overrides)
+    r = recipe_mod.load(recipe_path, overrides)
+    run_dir = prepare_run_dir(r, overwrite=overwrite)
+    (run_dir / "recipe.yaml").write_text(recipe_mod.dump(r))
+    t0, started_at = time.monotonic(), time.time()
+    sock_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))  # short path: ipc socket names are <108 B
+    plan = make_plan(r, recipe_path, overrides, sock_dir)
+    enabled = r.logging.progress if progress is None else progress
+    watch = RunWatch(r, plan.buffer_address, run_dir, t0=t0, enabled=enabled)
+    try:
+        outcome, failed = supervise(
+            plan.children,
+            env=child_env(r),
+            run_dir=run_dir,
+            max_restarts=r.run.max_restarts,
+            deadline=t0 + r.run.timeout_s,
+            grace_s=stop_grace_s,
+            tick=watch.tick,
+            before_stop=watch.close,
+        )
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    if failed is not None:
+        print(
+            f"asyncrl run: {failed.name} exited with code {failed.poll()}; "
+            f"last lines of {failed.log}:\n{failed.tail()}",
+            file=sys.stderr,
+        )
+    return write_run_summary(
+        r,
+        run_dir,
+        outcome=outcome,
+        t0=t0,
+        started_at=started_at,
+        status=watch.status,
+        children=plan.children,
+    )
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="asyncrl run", description=__doc__.splitlines()[0])
+    p.add_argument("recipe", help="YAML recipe file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_intermixed_args(argv)
+    try:
+        summary = run(
+            a.recipe, a.overrides, overwrite=a.overwrite, progress=False if a.no_progress else None
+        )
+    except (recipe_mod.RecipeError, LaunchError) as e:
+        print(f"asyncrl run: {e}", file=sys.stderr)
+        return USAGE_EXIT
+    print(summary_mod.summary_line(summary))
+    return 0 if summary["outcome"] == "completed" else 1

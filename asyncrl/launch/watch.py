@@ -1,0 +1,72 @@
+"""What `asyncrl run` shows while it runs: the buffer's status and the metrics file, once a second, on
+the progress display (:mod:`asyncrl.progress`); and the bound on the learner's start-up."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl import progress as progress_mod
+from asyncrl.launch.plan import LaunchError
+from asyncrl.recipe import Recipe
+
+POLL_EVERY_S = 1.0
+
+
+def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The buffer's Status reply as a dict (version + stats), or None if it does not answer."""
+    from asyncrl import transport, wire
+
+    tls = transport.TLS.from_config(r) if r.buffer.tls.cert else None
+    try:
+        with transport.ReqClient(address, tls=tls, timeout_s=timeout_s) as client:
+            reply = client.request_sync(wire.Status(), timeout_s=timeout_s)
+    except (transport.TransportTimeout, wire.WireError, OSError):
+        return None
+    except Exception:  # pynng errors while the learner starts or stops
+        return None
+    if isinstance(reply, wire.StatusReply):
+        return {"version": reply.version, **reply.stats}
+    return None
+
+
+class RunWatch:
+    """The run's progress, polled at most once per ``POLL_EVERY_S``; ``status`` is the buffer's
+    last answer (None before the first)."""
+
+    def __init__(self, r: Recipe, buffer_address: str, run_dir: Path, *, t0: float, enabled: bool):
+        self.r, self.buffer_address, self.t0 = r, buffer_address, t0
+        self.uses_buffer = r.algorithm.loss != "sft"
+        self.status: dict[str, Any] | None = None
+        self.healthy = False
+        self.display = progress_mod.Display(r.run.steps, enabled=enabled)
+        self.tail = progress_mod.MetricsTail(run_dir / "metrics.jsonl")
+        self._last_poll = 0.0
+
+    def tick(self) -> None:
+        """Poll and redraw if a second has passed; LaunchError if the buffer never answered within
+        ``generator.startup_timeout_s``."""
+        r, now = self.r, time.monotonic()
+        if now - self._last_poll < POLL_EVERY_S:
+            return
+        self._last_poll = now
+        st = buffer_status(self.buffer_address, r, timeout_s=1.0) if self.uses_buffer else None
+        if st is not None:
+            self.status, self.healthy = st, True
+        elif (
+            self.uses_buffer and not self.healthy and now - self.t0 > r.generator.startup_timeout_s
+        ):
+            raise LaunchError(
+                f"the learner's buffer at {self.buffer_address} did not answer within "
+                f"{r.generator.startup_timeout_s:g} s (generator.startup_timeout_s)"
+            )
+        self.tail.update()
+        version = int(self.status.get("version", 0)) if self.status else self.tail.learner_step
+        info = progress_mod.progress_info(
+            self.tail, r.buffer.max_staleness, sft=not self.uses_buffer
+        )
+        self.display.update(version, info)
+
+    def close(self) -> None:
+        self.display.close()

@@ -1,0 +1,182 @@
+"""Group production: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
+one whole ``wire.Group``. No buffer here: the worker decides when a group may start, and the
+sender delivers it."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from asyncrl import wire
+from asyncrl.rollout.client import Batcher, GeneratorPool
+from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
+from asyncrl.rollout.rewards import RewardRunner
+from asyncrl.rollout.sglang_protocol import SamplingParams
+from asyncrl.rollout.tools import Tool, ToolRegistry
+from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
+
+if TYPE_CHECKING:
+    from asyncrl.rollout.worker import WorkerConfig, WorkerStats
+
+log = logging.getLogger("asyncrl.rollout.worker")  # one logger for the worker's parts
+
+
+class PromptsUnusable(RuntimeError):
+    """Too many prompts in a row could not be rendered."""
+
+
+@dataclass
+class Prompt:
+    """A dataset row rendered for the model."""
+
+    item: PromptItem
+    text: str
+    ids: list[int]
+
+
+class GroupMaker:
+    """Makes groups; counts episodes, tokens, rewards and skipped prompts in ``stats``."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        pool: GeneratorPool,
+        source: PromptSource,
+        tokenizer: Any,
+        workflow: Workflow,
+        reward: RewardRunner,
+        params: SamplingParams,
+        tools: ToolRegistry,
+        max_turns: int,
+        stats: WorkerStats,
+    ) -> None:
+        self.cfg = config
+        self.pool = pool
+        self.source = source
+        self.tokenizer = tokenizer
+        self.workflow = workflow
+        self.reward = reward
+        self.params = params
+        self.tools = tools
+        self.max_turns = max_turns
+        self.stats = stats
+        self.episodes_in_flight = 0
+
+    def _tool_schemas(self) -> list[dict]:
+        """What the chat template shows the model: the workflow's own tools, else the recipe's."""
+        own = getattr(self.workflow, "tools", None)
+        if isinstance(own, list) and own and all(isinstance(t, Tool) for t in own):
+            return [t.schema() for t in own]
+        return self.tools.schemas()
+
+    async def take_prompt(self) -> Prompt:
+        """The next usable prompt; rows that cannot be rendered are reported and skipped."""
+        for _ in range(1000):
+            item = self.source.take()
+            try:
+                render = functools.partial(
+                    render_prompt,
+                    item.row,
+                    self.tokenizer,
+                    prompt_key=self.cfg.prompt_key,
+                    chat_template=self.cfg.chat_template,
+                    tools=self._tool_schemas() or None,
+                )
+                text, ids = await trio.to_thread.run_sync(render)
+                if self.cfg.max_prompt_tokens and len(ids) > self.cfg.max_prompt_tokens:
+                    raise ValueError(
+                        f"the prompt has {len(ids)} tokens, over {self.cfg.max_prompt_tokens}"
+                    )
+            except Exception as e:
+                self.stats.counters["prompts_skipped"] += 1
+                self.source.done(item.index)
+                log.warning("skipping a malformed row: %s: %s", item.where, e)
+                continue
+            return Prompt(item, text, ids)
+        raise PromptsUnusable("1000 prompts in a row could not be rendered")
+
+    async def make(self, group_id: str, lease_id: str, prompt: Prompt) -> wire.Group:
+        """``group_size`` episodes of ``prompt``, each with its reward, as one group."""
+        n = self.cfg.group_size
+        samples: list[wire.Sample | None] = [None] * n
+        batcher = Batcher()  # the n episodes' first requests go to the generator as one
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(self._episode, group_id, i, prompt, samples, batcher)
+        return wire.Group(
+            id=group_id,
+            lease_id=lease_id,
+            samples=[s for s in samples if s is not None],
+            prompt_index=prompt.item.index,
+            metadata={"worker_id": self.cfg.worker_id, "prompt": prompt.item.where},
+        )
+
+    async def _episode(
+        self,
+        group_id: str,
+        i: int,
+        prompt: Prompt,
+        out: list[wire.Sample | None],
+        batcher: Batcher,
+    ) -> None:
+        row, prompt_text, prompt_ids = prompt.item.row, prompt.text, prompt.ids
+        ctx = EpisodeContext(
+            prompt_ids=list(prompt_ids),
+            prompt_text=prompt_text,
+            row=row,
+            pool=self.pool,
+            params=self.params,
+            tokenizer=self.tokenizer,
+            tools=self.tools,
+            max_turns=self.max_turns,
+            rid=f"{group_id}/{i}",
+            batcher=batcher,
+        )
+        self.episodes_in_flight += 1
+        s = self.stats
+        s.peak_episodes_in_flight = max(s.peak_episodes_in_flight, self.episodes_in_flight)
+        try:
+            ep = await self.workflow.run_episode(ctx)
+        finally:
+            self.episodes_in_flight -= 1
+        if not isinstance(ep, Episode):
+            raise TypeError(f"the workflow returned {type(ep).__name__}, not an Episode")
+        ep.check()
+        c = self.stats.counters
+        c["episodes"] += 1
+        c["tokens_generated"] += sum(ep.loss_mask)
+        c["resumes"] += int(ep.metadata.get("resumes", 0))
+        tok = self.tokenizer
+        r = await self.reward.score(
+            prompt=prompt_text,
+            completion=None,  # decoded in the reward's thread
+            prompt_ids=list(prompt_ids),
+            completion_ids=list(ep.completion_ids),
+            row=row,
+            extra={"finish_reason": ep.finish_reason},
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        )
+        meta = dict(ep.metadata)
+        if r.failure:
+            c["reward_failures"] += 1
+            meta["reward_failure"] = r.failure
+        self.stats.rewards.append(r.value)
+        self.stats.lengths.append(len(ep.completion_ids))
+        out[i] = wire.Sample(
+            id=f"{group_id}/{i}",
+            group_id=group_id,
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            completion_ids=np.asarray(ep.completion_ids, dtype=np.int32),
+            behavior_logprobs=np.asarray(ep.logprobs, dtype=np.float32),
+            versions=np.asarray(ep.versions, dtype=np.int32),
+            loss_mask=np.asarray(ep.loss_mask, dtype=np.float32),
+            reward=r.value,
+            finish_reason=ep.finish_reason,
+            metadata=meta,
+        )
