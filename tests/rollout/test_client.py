@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from labels import get_label, set_label
-from numerics import assert_logits_close
 
 from asyncrl.rollout.client import (
     GeneratorError,
@@ -20,8 +18,10 @@ from asyncrl.rollout.client import (
     spans_to_versions,
     version_at_join,
 )
+from tests.labels import get_label, set_label
+from tests.numerics import assert_logits_close
 
-RECORDED = Path(__file__).parent / "data" / "sglang-recorded"
+RECORDED = Path(__file__).parents[1] / "data" / "sglang-recorded"
 
 
 def _recorded(name: str) -> dict:

@@ -7,9 +7,7 @@ from contextlib import asynccontextmanager, contextmanager
 
 import numpy as np
 import pytest
-import rollout_plugins
 import trio
-from labels import get_label, set_label
 
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient
@@ -20,6 +18,8 @@ from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
 from asyncrl.rollout.workflows import SingleTurn, load_workflow
 from asyncrl.transport import RepServer, ReqClient, Subscriber
+from tests import rollout_plugins
+from tests.labels import get_label, set_label
 
 WAIT_S = 60.0  # generous bound for "should happen": the machine is loaded
 
@@ -219,8 +219,12 @@ def test_failing_rewards_are_recorded_and_the_worker_goes_on(engine, tokenizer):
         return await take_batch(svc), stats
 
     for reward, timeout, why in [
-        ("rollout_plugins:raising_reward", 10.0, "ValueError: this reward is broken on purpose"),
-        ("rollout_plugins:sleeping_reward", 0.3, "timed out after 0.3s"),
+        (
+            "tests.rollout_plugins:raising_reward",
+            10.0,
+            "ValueError: this reward is broken on purpose",
+        ),
+        ("tests.rollout_plugins:sleeping_reward", 0.3, "timed out after 0.3s"),
     ]:
         rollout_plugins.RELEASE.clear()
         try:
@@ -288,8 +292,8 @@ def test_multi_turn_groups_through_the_worker(engine, tokenizer):
             engine,
             chat,
             svc.address,
-            workflow=load_workflow("rollout_plugins:tool_workflow"),
-            reward="rollout_plugins:length_reward",
+            workflow=load_workflow("tests.rollout_plugins:tool_workflow"),
+            reward="tests.rollout_plugins:length_reward",
             max_new_tokens=80,
             max_groups=2,
             chat_template=True,

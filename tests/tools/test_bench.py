@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = sorted((Path(__file__).resolve().parents[1] / "tools" / "bench").glob("*.py"))
+BENCH = sorted((Path(__file__).resolve().parents[2] / "tools" / "bench").glob("*.py"))
 
 
 @pytest.mark.parametrize("script", BENCH, ids=[p.stem for p in BENCH])
