@@ -24,7 +24,7 @@ GRAD_RTOL = 1e-5
 """Two float32 gradients of one batch summed in another order (micro-batch split, ranks, kernels):
 per tensor, max |Δg| ≤ GRAD_RTOL · max |g|. Reordering a sum of n terms errs by about √n·ε of the
 terms' scale (n ≈ 10²–10³ token contributions here: 1–4e-6); the bound is ~100·ε. Measured: ≤ 6.1e-7
-on an AMD EPYC (tests/test_learner_step.py's split test)."""
+on an AMD EPYC (tests/learner/test_step.py's split test)."""
 
 LOGPROB_ATOL = 1e-5
 """Two float32 forward passes of one tiny model (hidden ≤ 256, ≤ 4 layers, logits |x| ≲ 5) that differ

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import trustme
-from test_e2e import SUMMARY_KEYS, _paths, _pgroup_alive
 
 from asyncrl.launch import CHILD_ENV
+from tests.test_e2e import SUMMARY_KEYS, _paths, _pgroup_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

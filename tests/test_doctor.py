@@ -19,6 +19,7 @@ from asyncrl import gpu
 from asyncrl import recipe as recipe_mod
 from asyncrl.doctor import Check, Device, Doctor
 from asyncrl.memory import GiB
+from tests.labels import get_label
 from tests.test_memory_plan import QWEN3_8B
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +184,9 @@ def test_a_real_server_is_reached_and_described(tiny_qwen3, rollout_engine):
     (c,) = d.check_generators()
     assert c.ok, c.detail
     assert c.name == f"SGLang {rollout_engine.url}"
-    assert "asyncrl built-in engine" in c.detail and "weight version 'default'" in c.detail
+    # the shared engine says "default" until a rollout test labels it (test order must not matter)
+    label = get_label(rollout_engine.url)
+    assert "asyncrl built-in engine" in c.detail and f"weight version '{label}'" in c.detail
 
 
 def test_an_unreachable_server_is_named_with_the_fix(tiny_qwen3):

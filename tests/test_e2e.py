@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from numerics import GRAD_RTOL
 
 from asyncrl import launch, metrics
+from tests.numerics import GRAD_RTOL
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -381,7 +381,7 @@ def test_killed_children_are_restarted_and_the_run_completes(tmp_path, demo_dir,
         t_kill, first = time.monotonic(), trained_processes()
         # the restarted worker's groups are trained, well within the dead one's lease_seconds
         # (120): whether those leases would have blocked it depends on timing here; the fresh
-        # registration that takes them back is checked exactly in test_buffer_service
+        # registration that takes them back is checked exactly in tests/buffer/test_service.py
         _wait_for(lambda: p.poll() is not None or trained_processes() - first, 90, "new groups")
         worker_recover_s = time.monotonic() - t_kill
         at = trained()
@@ -497,10 +497,9 @@ def test_after_a_worker_restart_every_trained_token_carries_its_engines_version(
     tokens with the learner's version: this test failed, twice out of two runs (24 of 128 trained
     samples stamped v7 were sampled by version 0's weights, |Δ| up to 0.62; the learner's
     ``drift/mismatch_kl`` reached 8.1e-3), within every staleness bound on paper."""
-    from numerics import LOGPROB_ATOL
-
     from asyncrl import recipe
     from asyncrl.learner.source import decode_batch
+    from tests.numerics import LOGPROB_ATOL
 
     steps, eta = 16, 2
     rec = tmp_path / "batches"

@@ -4,9 +4,9 @@ learner (`asyncrl learner`: buffer service + weight broadcaster). Its episodes g
 the broadcaster drops it and goes on, and a server started again on the same address rejoins at the
 learner's current weights, found by the worker and the broadcaster by themselves.
 
-(A worker's own built-in engine that dies ends that worker, by design: tests/test_rollout_main.py.)
+(A worker's own built-in engine that dies ends that worker, by design: tests/rollout/test_main.py.)
 
-(SIGKILL in the middle of a weight update is tests/test_weights_broadcast.py's faults test.)
+(SIGKILL in the middle of a weight update is tests/weights/test_broadcast.py's faults test.)
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   length and greedy/sampled), test_abort_resume.py (the abort finish with its ``message``, partial
   tokens/logprobs/spans, HTTP 200; then the resubmitted sample), test_weights.py (spans over two
   versions, ``num_retractions`` > 0 with ``retract``).
-- ``/health`` (pool.wait_ready, WeightsClient.health): test_generate.py::test_wait_ready,
+- ``/health`` (pool.wait_ready, WeightsClient.health): test_generate.py::test_client_wait_ready,
   test_failure.py (down after a kill).
 - ``/model_info`` ``weight_version`` (WeightsClient.weight_version, GeneratorPool.label and its
   polling while a server is behind the version bound): test_weights.py, test_generate.py

@@ -93,11 +93,15 @@ def test_client_stop_token_and_stop_string(served: Served):
 
 
 def test_client_wait_ready(served: Served):
+    """The pool's readiness check reads SGLang's ``/health``: it returns (no GeneratorError) once
+    the server answers it with 200."""
+
     async def run():
         async with GeneratorPool([served.url]) as pool:
             await pool.wait_ready(30)
+        return httpx.get(served.url + "/health", timeout=10).status_code
 
-    trio.run(run)
+    assert trio.run(run) == 200
 
 
 def test_client_batched_group_matches_single_requests(served: Served):

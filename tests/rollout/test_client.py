@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from labels import get_label, set_label
-from numerics import assert_logits_close
 
 from asyncrl.rollout.sglang_protocol import (
     GeneratorPoolError,
@@ -20,8 +18,10 @@ from asyncrl.rollout.sglang_protocol import (
     spans_to_versions,
     version_at_join,
 )
+from tests.labels import get_label, set_label
+from tests.numerics import assert_logits_close
 
-RECORDED = Path(__file__).parent / "data" / "sglang-recorded"
+RECORDED = Path(__file__).parents[1] / "data" / "sglang-recorded"
 
 
 def _recorded(name: str) -> dict:
@@ -263,6 +263,33 @@ def test_unreachable_generator_is_marked_down_and_requests_move(engine):
     dead_state = pool.generators[dead]
     assert dead_state.failures >= 1 and dead_state.down_until > 0
     assert "ConnectError" in dead_state.last_error
+
+
+def test_wait_ready_returns_for_a_serving_engine_and_names_one_that_never_answers(engine):
+    import socket
+
+    import httpx
+    import trio
+
+    from asyncrl.rollout.client import GeneratorPool
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def go():
+        async with GeneratorPool([engine.url]) as pool:
+            await pool.wait_ready(30)
+        healthy = httpx.get(engine.url + "/health", timeout=10).status_code
+        async with GeneratorPool([engine.url, dead]) as pool:
+            t0 = trio.current_time()
+            with pytest.raises(GeneratorError, match="not ready after 1s") as e:
+                await pool.wait_ready(1)
+            return healthy, str(e.value), trio.current_time() - t0
+
+    healthy, err, waited = trio.run(go)
+    assert healthy == 200  # what wait_ready waited for
+    assert dead in err and waited >= 1  # the whole timeout, then the generator that never answered
 
 
 def test_requests_spread_by_load():

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import rollout_plugins
 import trio
 
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.rewards import RewardRunner, exact_match, load_reward, math_verify_reward
+from tests import rollout_plugins
 
 
 def _score(runner: RewardRunner, completion: str, row: dict, **extra):
@@ -39,17 +39,17 @@ def test_answer_key_and_row_fields_reach_the_reward():
     runner = RewardRunner(load_reward("exact_match"), timeout_s=10, answer_key="solution")
     r = _score(runner, "2", {"prompt": "1+1=", "solution": "2"}, finish_reason="stop")
     assert (r.value, r.failure) == (1.0, "")
-    runner = RewardRunner(load_reward("rollout_plugins:length_reward"), timeout_s=10)
+    runner = RewardRunner(load_reward("tests.rollout_plugins:length_reward"), timeout_s=10)
     assert _score(runner, "abc", {"prompt": "1+1="}).value == 3.0
 
 
 def test_async_user_reward():
-    runner = RewardRunner(load_reward("rollout_plugins:async_reward"), timeout_s=10)
+    runner = RewardRunner(load_reward("tests.rollout_plugins:async_reward"), timeout_s=10)
     assert _score(runner, "x", {"answer": "x"}).value == 1.0
 
 
 def test_raising_reward_is_a_recorded_failure():
-    runner = RewardRunner(load_reward("rollout_plugins:raising_reward"), timeout_s=10)
+    runner = RewardRunner(load_reward("tests.rollout_plugins:raising_reward"), timeout_s=10)
     r = _score(runner, "x", {})
     assert r.value == 0.0
     assert "ValueError" in r.failure and "broken on purpose" in r.failure
@@ -58,7 +58,7 @@ def test_raising_reward_is_a_recorded_failure():
 
 def test_sleeping_reward_times_out_and_is_recorded():
     rollout_plugins.RELEASE.clear()
-    runner = RewardRunner(load_reward("rollout_plugins:sleeping_reward"), timeout_s=0.2)
+    runner = RewardRunner(load_reward("tests.rollout_plugins:sleeping_reward"), timeout_s=0.2)
     try:
         r = _score(runner, "x", {})
     finally:
@@ -68,7 +68,7 @@ def test_sleeping_reward_times_out_and_is_recorded():
 
 
 def test_non_number_reward_is_a_failure():
-    runner = RewardRunner(load_reward("rollout_plugins:nan_reward"), timeout_s=10)
+    runner = RewardRunner(load_reward("tests.rollout_plugins:nan_reward"), timeout_s=10)
     r = _score(runner, "x", {})
     assert r.value == 0.0 and "finite" in r.failure
 
@@ -78,8 +78,8 @@ def test_non_number_reward_is_a_failure():
     [
         ("no_such_reward", "rollout.reward: 'no_such_reward' is not one of"),
         ("no_such_module_xyz:f", "cannot import module"),
-        ("rollout_plugins:missing", "has no 'missing'"),
-        ("rollout_plugins:RELEASE", "is not a function"),
+        ("tests.rollout_plugins:missing", "has no 'missing'"),
+        ("tests.rollout_plugins:RELEASE", "is not a function"),
     ],
 )
 def test_bad_reward_names_give_one_line_errors(spec, match):

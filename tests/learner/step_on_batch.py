@@ -1,12 +1,12 @@
 """Run one learner step on a recorded batch, alone or under torchrun, and save what it produced.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/step_on_batch.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/learner/step_on_batch.py \
         RECIPE BATCH OUT_DIR
 
 Every rank builds the trainer and steps on the same batch (``asyncrl.learner.source.encode_batch``
 bytes); rank 0 writes ``OUT_DIR/metrics.json`` and ``OUT_DIR/weights.safetensors`` (HF names),
 and every rank ``OUT_DIR/kept-rank<r>.json``: what it kept of a rank-0-only bfloat16 gather.
-Used by tests/test_learner_collectives.py to compare a multi-rank step with a one-rank step.
+Used by tests/learner/test_distributed.py to compare a multi-rank step with a one-rank step.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.rollout.engine import EngineConfig, serve
 
-RECORDED = Path(__file__).parent / "data" / "sglang-recorded"  # real SGLang 0.5.23 responses
+RECORDED = Path(__file__).parents[2] / "data" / "sglang-recorded"  # real SGLang 0.5.23 responses
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import assert_grads_close
 
 from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
+from tests.numerics import assert_grads_close
 
 F64 = torch.float64
 

@@ -9,12 +9,12 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
-from engine_streams import GenerateStream
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.rollout.engine import EngineConfig, serve, start_engine_process
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
+from tests.engine_streams import GenerateStream
 
 GROUP = "weight_update_group"
 

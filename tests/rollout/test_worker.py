@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import asynccontextmanager, contextmanager
 
 import numpy as np
 import pytest
-import rollout_plugins
 import trio
-from labels import get_label, set_label
 
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient
@@ -21,6 +18,8 @@ from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
 from asyncrl.rollout.workflows import SingleTurn, load_workflow
 from asyncrl.transport import RepServer, ReqClient, Subscriber
+from tests import rollout_plugins
+from tests.labels import get_label, set_label
 
 WAIT_S = 60.0  # generous bound for "should happen": the machine is loaded
 
@@ -130,6 +129,20 @@ def check_group(g: wire.Group, n: int):
         assert (s.behavior_logprobs <= 0).all()
 
 
+def check_every_group_had_a_start(stats: dict) -> None:
+    """The worker's admission invariant as the buffer saw it: every group it stored arrived under
+    a live lease with a start left (none late, none refused), and every start is accounted for."""
+    assert stats["late_accepted"] == 0 and stats["rejected"] == {}, stats
+    assert stats["arrived"] == stats["stored_total"]
+    assert stats["granted"] == (
+        stats["arrived"]
+        + stats["released"]
+        + stats["expired"]
+        + stats["closed_stale"]
+        + stats["grants_in_flight"]
+    )
+
+
 def test_never_more_groups_in_flight_than_granted(engine, tokenizer):
     """eta = 0 and 2 groups per batch: the buffer grants 2 starts per version, no more."""
 
@@ -139,28 +152,32 @@ def test_never_more_groups_in_flight_than_granted(engine, tokenizer):
         ) as w:
             async with trio.open_nursery() as n:
                 n.start_soon(w.run)
-                # version 0 admits exactly 2 groups; the worker then waits on grants of 0
+                # version 0 admits exactly 2 groups; the worker then asks and is told to wait
                 first = await take_batch(svc)
-                await wait_for(lambda: w.stats.counters["grants_zero"] >= 2, "admission wait")
-                assert w.stats.counters["groups_started"] == 2
+                await wait_for(lambda: svc.stats()["admission_waits"] >= 2, "admission wait")
+                assert svc.stats()["granted"] == 2
                 # the next version (announced on Pub/Sub) admits 2 more
                 await new_version(svc, engine, 1)
                 second = await take_batch(svc)
-                await wait_for(lambda: w.stats.counters["groups_delivered"] == 4, "4 acked")
                 w.stop()
-            return first + second, svc.stats(), w.stats
+            return first + second, svc.stats()
 
     with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
-        groups, stats, ws = trio.run(go, svc)
-    assert ws.max_in_flight_over_granted <= 0
-    assert ws.peak_groups_in_flight <= 2
-    assert ws.counters["groups_started"] == 4
-    assert stats["stored_total"] == 4 and stats["duplicates"] == 0
+        groups, stats = trio.run(go, svc)
+    check_every_group_had_a_start(stats)
+    assert stats["granted"] == 4 and stats["stored_total"] == 4 and stats["duplicates"] == 0
+    assert stats["staleness_max"] == 0  # batch k holds only groups started at version k
     assert len({g.id for g in groups}) == 4
     for g in groups:
         check_group(g, 3)
         assert all((s.loss_mask == 1).all() for s in g.samples)
-        assert json.dumps(g.metadata["data_state"])  # the data position travels with the group
+    # the data position travels with each group; the buffer keeps the newest for a restart
+    states = [g.metadata["data_state"] for g in groups]
+    newest = max(states, key=lambda st: st["seq"])
+    assert stats["data_states"] == {"w0": newest}
+    assert newest["num_rows"] == len(rows()) and newest["next_index"] >= 4
+    for g, st in zip(groups, states, strict=True):
+        assert g.prompt_index < st["next_index"] and g.prompt_index not in st["outstanding"]
 
 
 @asynccontextmanager
@@ -199,11 +216,10 @@ def test_unacked_groups_are_resent_and_stored_once(engine, tokenizer):
     with serve_buffer(groups_per_batch=4, max_staleness=0) as svc:
         groups, stats, ws, dropped = trio.run(go, svc)
     assert dropped == 2
-    assert ws.counters["put_resends"] >= 2
-    assert ws.counters["groups_delivered"] == 4
     ids = [g.id for g in groups]
     assert len(set(ids)) == stats["stored_total"] == 4
     assert stats["duplicates"] >= 2  # the resends reached the buffer and were recognised
+    check_every_group_had_a_start(stats)
 
 
 def test_failing_rewards_are_recorded_and_the_worker_goes_on(engine, tokenizer):
@@ -216,24 +232,28 @@ def test_failing_rewards_are_recorded_and_the_worker_goes_on(engine, tokenizer):
             reward_timeout_s=timeout,
             max_groups=2,
         ) as w:
-            stats = await w.run()
-        return await take_batch(svc), stats
+            await w.run()
+        return await take_batch(svc), svc.stats()
 
     for reward, timeout, why in [
-        ("rollout_plugins:raising_reward", 10.0, "ValueError: this reward is broken on purpose"),
-        ("rollout_plugins:sleeping_reward", 0.3, "timed out after 0.3s"),
+        (
+            "tests.rollout_plugins:raising_reward",
+            10.0,
+            "ValueError: this reward is broken on purpose",
+        ),
+        ("tests.rollout_plugins:sleeping_reward", 0.3, "timed out after 0.3s"),
     ]:
         rollout_plugins.RELEASE.clear()
         try:
             with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
-                groups, ws = trio.run(run, svc, reward, timeout)
+                groups, stats = trio.run(run, svc, reward, timeout)
         finally:
             rollout_plugins.RELEASE.set()
-        assert ws.counters["groups_delivered"] == 2
-        assert ws.counters["reward_failures"] == 6
-        for g in groups:
-            for s in g.samples:
-                assert s.reward == 0.0 and why in s.metadata["reward_failure"]
+        assert stats["stored_total"] == 2 and len(groups) == 2
+        samples = [s for g in groups for s in g.samples]
+        assert len(samples) == 6  # every sample's failure is recorded on the sample itself
+        for s in samples:
+            assert s.reward == 0.0 and why in s.metadata["reward_failure"]
 
 
 def test_groups_that_became_stale_are_cancelled_and_released(engine, tokenizer):
@@ -255,23 +275,22 @@ def test_groups_that_became_stale_are_cancelled_and_released(engine, tokenizer):
 
                 await wait_for(lambda: len(old_requests()) >= 3, "episodes on the engine")
                 reqs = old_requests()
-                assert w.stats.counters["groups_started"] == 2
+                assert svc.stats()["granted"] == 2
                 await new_version(svc, engine, 1)
-                await wait_for(lambda: w.stats.counters["groups_cancelled_stale"] == 2, "cancelled")
                 # their requests are aborted on the engine, not left to run to the end
                 await wait_for(lambda: all(r.finish for r in reqs), "old requests ended")
                 assert any(r.finish["type"] == "abort" for r in reqs)
                 assert not any(r.finish["type"] == "length" for r in reqs)
-                await wait_for(lambda: w.stats.counters["groups_started"] == 4, "replaced")
-                assert w.stats.counters["groups_delivered"] == 0
+                # the buffer took the stale starts back and granted 2 replacements at version 1
+                await wait_for(lambda: svc.stats()["granted"] == 4, "replaced")
                 w.stop()
-            return svc.stats(), w.stats
+            return svc.stats()
 
     with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
-        stats, ws = trio.run(go, svc)
-    assert stats["closed_stale"] == 2  # the buffer took the stale starts back as well
-    assert stats["stored_total"] == 0
-    assert ws.max_in_flight_over_granted <= 0
+        stats = trio.run(go, svc)
+    assert stats["closed_stale"] == 2  # the stale starts came back, and
+    assert stats["stored_total"] == 0 and stats["arrived"] == 0  # no stale group was delivered
+    check_every_group_had_a_start(stats)
 
 
 def test_multi_turn_groups_through_the_worker(engine, tokenizer):
@@ -289,8 +308,8 @@ def test_multi_turn_groups_through_the_worker(engine, tokenizer):
             engine,
             chat,
             svc.address,
-            workflow=load_workflow("rollout_plugins:tool_workflow"),
-            reward="rollout_plugins:length_reward",
+            workflow=load_workflow("tests.rollout_plugins:tool_workflow"),
+            reward="tests.rollout_plugins:length_reward",
             max_new_tokens=80,
             max_groups=2,
             chat_template=True,
@@ -351,14 +370,14 @@ def test_worker_registers_again_after_a_learner_restart(engine, tokenizer, tmp_p
                     await wait_for(lambda: (2, "w0") in registered, "registered again")
                     await wait_for(lambda: svc.stats()["stored_total"] == 2, "stored by the second")
                     w.stop()
+                    stats = svc.stats()
                 finally:
                     await trio.to_thread.run_sync(svc.stop)
-        return w.stats
+        return stats
 
-    ws = trio.run(go)
+    stats = trio.run(go)
     assert registered[0] == (1, "w0") and (2, "w0") in registered
-    assert ws.counters["registrations"] >= 2
-    assert ws.max_in_flight_over_granted <= 0
+    check_every_group_had_a_start(stats)
 
 
 def test_no_lease_is_taken_until_a_generator_holds_weights_within_the_bound(engine, tokenizer):
@@ -373,12 +392,12 @@ def test_no_lease_is_taken_until_a_generator_holds_weights_within_the_bound(engi
         ) as w:
             async with trio.open_nursery() as n:
                 n.start_soon(w.run)
-                await wait_for(lambda: w.stats.counters["registrations"] == 1, "registered")
+                await wait_for(lambda: svc.stats()["workers_registered"] == 1, "registered")
                 assert get_label(engine.url) == "0"  # labelled at join, before registering
                 await wait_for(lambda: w.pool.min_version == 4, "the learner's version heard")
                 t0 = w.stats.weights_wait_s
                 await wait_for(lambda: w.stats.weights_wait_s > t0 + 0.5, "a visible wait")
-                assert w.stats.counters["acquires"] == 0 and svc.stats()["started"] == 0
+                assert svc.stats()["acquires"] == 0 and svc.stats()["started"] == 0
                 assert w.snapshot()["rollout/weights_wait_s"] > 0.5
                 await trio.to_thread.run_sync(set_label, engine.url, "5")  # the broadcaster
                 groups = await take_batch(svc)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 from safetensors.torch import load_file
 
 from asyncrl import recipe as recipe_mod
 from asyncrl import tasks
 from asyncrl.metrics import read_metrics
+from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 
 STEPS = 3
 
@@ -187,7 +187,7 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(fixture, chunk_mb, 
         str(tmp_path / "batch.bin"),
         str(tmp_path),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "metrics.json").read_text())

@@ -1,6 +1,6 @@
-"""torchrun worker for tests/test_weights_broadcast.py: a 2-rank learner publishing to engines.
+"""torchrun worker for tests/weights/test_broadcast.py: a 2-rank learner publishing to engines.
 
-    torchrun --nproc_per_node 2 tests/weights_ranks_worker.py MODEL_DIR OUT_DIR URL[,URL...]
+    torchrun --nproc_per_node 2 tests/weights/ranks_worker.py MODEL_DIR OUT_DIR URL[,URL...]
 
 Every rank builds the Trainer and a WeightBroadcaster (only rank 0 sends), takes two SFT steps and
 exports the final weights; rank 0 writes ``OUT_DIR/result.json`` with the reports and the checksum of
@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_weights_broadcast import make_trainer, sft_batch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncrl import wire  # noqa: E402
 from asyncrl.recipe import WeightsConfig  # noqa: E402
 from asyncrl.weights.broadcaster import WeightBroadcaster, drop_tied  # noqa: E402
 from asyncrl.weights.buckets import checksum  # noqa: E402
+from tests.weights.test_broadcast import make_trainer, sft_batch  # noqa: E402
 
 
 def main() -> None:

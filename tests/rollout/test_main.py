@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import trio
 import yaml
-from test_rollout_worker import serve_buffer, take_batch
 
 from asyncrl.rollout import main as rollout_main
+from tests.rollout.test_worker import serve_buffer, take_batch
 
 
 def _recipe(tmp_path, model, **rollout):
@@ -189,8 +189,9 @@ def test_a_worker_joining_a_run_starts_its_engine_from_the_learners_newest_expor
     left by a learner resumed from an older checkpoint): the worker's engine starts from v3, says
     so, and the delivered tokens are v3's, as its weights' logprobs show (not only the label)."""
     import torch
-    from numerics import LOGPROB_ATOL
     from transformers import AutoModelForCausalLM
+
+    from tests.numerics import LOGPROB_ATOL
 
     recipe = _recipe(tmp_path, tiny_qwen3, temperature=1.0)
     hf = tmp_path / "runs/t/hf"

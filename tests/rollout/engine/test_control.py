@@ -12,9 +12,9 @@ import threading
 
 import httpx
 import pytest
-from engine_streams import GenerateStream
 
 from asyncrl.rollout.engine import EngineConfig, serve
+from tests.engine_streams import GenerateStream
 
 LONG = {
     "input_ids": [9, 10, 11],

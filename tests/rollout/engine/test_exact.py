@@ -8,10 +8,10 @@ import threading
 import httpx
 import pytest
 import torch
-from numerics import assert_logits_close
 from transformers import AutoModelForCausalLM
 
 from asyncrl.rollout.engine import EngineConfig, serve
+from tests.numerics import assert_logits_close
 
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9], [12, 13, 14, 15, 16]]
 MAX_NEW = [12, 5, 20, 9]

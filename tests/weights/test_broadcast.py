@@ -288,7 +288,7 @@ def test_two_rank_learner_under_torchrun(engines, tiny_qwen3, tmp_path):
     import sys
     from pathlib import Path
 
-    worker = Path(__file__).with_name("weights_ranks_worker.py")
+    worker = Path(__file__).with_name("ranks_worker.py")
     urls = ",".join(e.url for e in engines)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(worker), str(tiny_qwen3), str(tmp_path), urls]

@@ -6,11 +6,11 @@ import dataclasses
 import json
 
 import trio
-from test_buffer_store import make_group
 
 from asyncrl.buffer.client import BufferClient
 from asyncrl.buffer.service import BufferService
 from asyncrl.recipe import BufferConfig
+from tests.buffer.test_store import make_group
 
 
 def config() -> BufferConfig:

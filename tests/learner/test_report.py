@@ -15,7 +15,7 @@ from asyncrl import recipe, summary
 from asyncrl.buffer.service import BufferService
 from asyncrl.learner import report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
-from numerics import assert_logits_close
 
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import ToolCall, ToolRegistry, parse_tagged_tool_call, tool_from_function
 from asyncrl.rollout.workflows import EpisodeContext, SingleTurn, load_workflow
+from tests.numerics import assert_logits_close
 
 
 @pytest.fixture
@@ -82,10 +82,10 @@ def test_single_turn_greedy_equals_direct_engine_request(engine, hf):
 
 
 def test_multi_turn_masks_exactly_the_tool_tokens(engine, hf):
-    import rollout_plugins
+    from tests import rollout_plugins
 
     model, tok = hf
-    wf = load_workflow("rollout_plugins:tool_workflow")
+    wf = load_workflow("tests.rollout_plugins:tool_workflow")
     params = SamplingParams(max_new_tokens=200, temperature=1.0)
     prompt_ids, ep = run_episode(engine, tok, wf, "q: ", params, max_turns=3)
     ep.check()

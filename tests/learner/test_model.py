@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from numerics import assert_logits_close
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.learner.packing import make_sequence, pack
+from tests.numerics import assert_logits_close
 
 FIXTURES = ["tiny_qwen3", "tiny_qwen3_untied", "tiny_llama", "tiny_llama_tied"]
 

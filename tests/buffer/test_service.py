@@ -11,13 +11,13 @@ import pynng
 import pytest
 import trio
 import trustme
-from test_buffer_store import make_group
 
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.buffer.service import BufferService
 from asyncrl.recipe import BufferConfig, TLSConfig
 from asyncrl.transport import TLS, Subscriber, TransportTimeout, free_tcp_address
+from tests.buffer.test_store import make_group
 
 
 def config(**kw) -> BufferConfig:

@@ -8,7 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from numerics import (
+
+from asyncrl import wire
+from asyncrl.buffer.store import Batch
+from asyncrl.learner.losses import LOSSES
+from tests.learner.test_model import make_trainer
+from tests.numerics import (
     F32_EPS,
     LOGPROB_ATOL,
     assert_adam_steps_agree,
@@ -16,11 +21,6 @@ from numerics import (
     assert_grads_close,
     weights_and_grads,
 )
-from test_learner_model import make_trainer
-
-from asyncrl import wire
-from asyncrl.buffer.store import Batch
-from asyncrl.learner.losses import LOSSES
 
 
 def rl_batch(vocab: int, *, groups: int = 3, n: int = 4, seed: int = 0, logp=None) -> Batch:
@@ -187,7 +187,7 @@ def _distance(a: dict, b: dict) -> float:
 def test_decoupled_ppo_has_a_trust_region_only_with_several_updates(tiny_qwen3, tmp_path):
     """One update per batch: π_prox is the policy being trained, r = π/π_prox ≡ 1, nothing clips and
     decoupled PPO's gradient is tis's (equal to float32 rounding here; exactly, in float64, in
-    tests/test_losses.py). Four mini-batch updates: π_prox is recomputed before the first, the clip
+    tests/learner/test_losses.py). Four mini-batch updates: π_prox is recomputed before the first, the clip
     acts from the second on, and the step moves away from tis's."""
     vocab = None
     out = {}

@@ -212,9 +212,26 @@ class StoreMachine(RuleBasedStateMachine):
     def release(self, pick: int, n: int) -> None:
         held = [k for k, x in self.leases.items() if x["left"]]
         lid = held[pick % len(held)]
+        left = self.leases[lid]["left"]
+        self.store.expire(self.now)  # as release does first: the counters below see only it
+        before = self.store.stats()
         reply = self.store.release(lid, n, now=self.now)
-        assert isinstance(reply, wire.Ok | wire.Error)
-        self.leases[lid]["left"] -= min(n, self.leases[lid]["left"])
+        after = self.store.stats()
+        freed = after["released"] - before["released"]
+        if isinstance(reply, wire.Error):  # a lease granted after the checkpoint a crash rewound to
+            assert reply.code == "unknown_lease" and lid in reply.message, reply
+            assert after == before
+        else:
+            assert reply.version == self.store.version
+            if "already closed" in reply.message:  # expired or closed stale: nothing to give back
+                assert freed == 0
+            else:  # a live lease gives back all the worker holds (its started groups keep their
+                # starts until they arrive), never more than asked
+                assert reply.message == f"released {freed}"
+                assert min(n, left) <= freed <= n
+            assert after["grants_in_flight"] == before["grants_in_flight"] - freed
+            assert after["started"] == before["started"] - freed
+        self.leases[lid]["left"] -= min(n, left)
 
     @rule(dt=st.sampled_from([0.5, 3.0, 11.0]))
     def tick(self, dt: float) -> None:

@@ -1,0 +1,67 @@
+"""The benchmarks in tools/bench/ run, and print the JSON line BENCHMARKS.md reads.
+
+The benchmarks are run by hand (their figures go to BENCHMARKS.md), so nothing else notices when a
+refactor breaks one. Those that measure in seconds run here at a tiny size, and their last line is
+checked; the rest need an engine, a model or whole RL runs (minutes at any size), so for them
+``--help`` exercises everything up to the measurement: imports and options.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench"
+
+# name -> the smallest run that still goes through every phase
+TINY = {
+    "buffer": [
+        *("--clients", "1", "--groups", "16", "--put-batch", "2", "--lease", "4"),
+        *("--samples", "1", "--prompt", "4", "--tokens", "8", "--batch", "4", "--eta", "0"),
+    ],
+    "wire_breakdown": ["--messages", "4", "--repeat", "1"],
+}
+HELP_ONLY = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in TINY)
+
+
+def _run(name: str, *args: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
+def _last_json(r: subprocess.CompletedProcess) -> dict:
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_buffer_bench_moves_every_group_within_the_bound() -> None:
+    out = _last_json(_run("buffer", *TINY["buffer"]))
+    assert out["bench"] == "buffer" and out["clients"] == 1 and out["put_batch"] == 2
+    assert out["rejected_groups"] == 0 and out["staleness_max"] == 0  # --eta 0
+    assert out["groups_per_s"] > 0 and out["raw_groups_per_s"] > 0
+    assert out["ratio_vs_raw"] == pytest.approx(out["groups_per_s"] / out["raw_groups_per_s"], 0.01)
+    assert 0 < out["put_p50_ms"] <= out["put_p99_ms"]
+
+
+def test_wire_breakdown_bench_reports_every_phase() -> None:
+    out = _last_json(_run("wire_breakdown", *TINY["wire_breakdown"]))
+    assert out["bench"] == "wire_breakdown"
+    for phase in ("raw", "full", "cached-encode", "cached-both", "copy-only", "copy-only-cached"):
+        assert out[f"{phase}_us"] > 0
+        busy = out[f"{phase}_cores_busy"]
+        assert len(busy) <= 2 and all(0.0 <= b <= 1.0 for b in busy)  # none without /proc/stat
+
+
+@pytest.mark.parametrize("name", HELP_ONLY)
+def test_bench_starts(name: str) -> None:
+    r = _run(name, "--help")
+    assert "usage:" in r.stdout
