@@ -2,7 +2,7 @@
 
 The buffer grants starts in leases (``wire.Grant``); the worker may have a group in flight only on a
 start it holds. Pure book-keeping (no I/O, no clock of its own: callers pass times), so the
-admission invariant is tested directly (tests/test_rollout_leases.py): never more groups in flight
+admission invariant is tested directly (tests/rollout/test_leases.py): never more groups in flight
 than starts granted and not yet spent. A group is in flight from the moment it takes a start until
 the buffer acknowledged or rejected it (``settled``), or it failed or was cancelled (``dropped``).
 A start is spent when its group is settled, when it is given back (``spend`` once the release was

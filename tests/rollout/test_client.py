@@ -283,7 +283,7 @@ def test_wait_ready_returns_for_a_serving_engine_and_names_one_that_never_answer
         healthy = httpx.get(engine.url + "/health", timeout=10).status_code
         async with GeneratorPool([engine.url, dead]) as pool:
             t0 = trio.current_time()
-            with pytest.raises(GeneratorError, match="not ready after 1s") as e:
+            with pytest.raises(GeneratorPoolError, match="not ready after 1s") as e:
                 await pool.wait_ready(1)
             return healthy, str(e.value), trio.current_time() - t0
 

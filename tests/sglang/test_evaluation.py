@@ -47,7 +47,7 @@ def test_evaluation_on_sglang_scores_what_sglang_decodes(served: Served, tmp_pat
             "model": {"path": str(served.model_dir)},
             "data": {"eval_path": str(path)},
             "rollout": {
-                "reward": "rollout_plugins:completion_is_answer",
+                "reward": "tests.rollout_plugins:completion_is_answer",
                 "max_new_tokens": NEW_TOKENS,
             },
         }

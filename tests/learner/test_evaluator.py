@@ -1,5 +1,5 @@
 """Which versions the learner evaluates: the first one, every ``run.eval_every``-th, the last; each
-once. (Evaluating on real generators: tests/test_rollout_evaluation.py and tests/test_e2e.py.)"""
+once. (Evaluating on real generators: tests/rollout/test_evaluation.py and tests/test_e2e.py.)"""
 
 from __future__ import annotations
 

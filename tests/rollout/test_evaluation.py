@@ -73,7 +73,7 @@ def test_greedy_scores_match_transformers_prompt_by_prompt(tiny_qwen3, tmp_path)
     # every other answer is transformers' own completion: the score is 1/2 only if the engine
     # decodes exactly as transformers does on every one of the 24 prompts
     answers = [t if i % 2 == 0 else t + "#" for i, t in enumerate(texts)]
-    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "rollout_plugins:completion_is_answer")
+    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "tests.rollout_plugins:completion_is_answer")
     report = evaluate_model(r, tiny_qwen3)
     assert report is not None
     assert (report.prompts, report.failed, report.other_version) == (24, 0, 0)
@@ -83,7 +83,7 @@ def test_greedy_scores_match_transformers_prompt_by_prompt(tiny_qwen3, tmp_path)
 
 def test_tokens_of_another_version_are_never_scored(engine_at_3, tiny_qwen3, tmp_path):
     answers = hf_greedy_texts(tiny_qwen3, PROMPTS[:6])
-    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "rollout_plugins:completion_is_answer")
+    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "tests.rollout_plugins:completion_is_answer")
     evaluation = Evaluation.from_recipe(r)
     held = evaluation.run([engine_at_3.url], version=3, timeout_s=60)
     assert (held.score, held.other_version) == (1.0, 0)
@@ -93,14 +93,14 @@ def test_tokens_of_another_version_are_never_scored(engine_at_3, tiny_qwen3, tmp
 
 
 def test_a_failing_reward_is_a_counted_zero(engine_at_3, tiny_qwen3, tmp_path):
-    r, _ = make_recipe(tmp_path, tiny_qwen3, ["x"] * 5, "rollout_plugins:raising_reward")
+    r, _ = make_recipe(tmp_path, tiny_qwen3, ["x"] * 5, "tests.rollout_plugins:raising_reward")
     report = Evaluation.from_recipe(r).run([engine_at_3.url], version=3, timeout_s=60)
     assert (report.score, report.failed, report.prompts) == (0.0, 5, 5)
 
 
 def test_the_command_prints_the_score_and_names_a_missing_model(tiny_qwen3, tmp_path, capsys):
     texts = hf_greedy_texts(tiny_qwen3, PROMPTS[:4])
-    _, data = make_recipe(tmp_path, tiny_qwen3, texts, "rollout_plugins:completion_is_answer")
+    _, data = make_recipe(tmp_path, tiny_qwen3, texts, "tests.rollout_plugins:completion_is_answer")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(data))
     assert main([str(recipe)]) == 0
