@@ -12,8 +12,8 @@ Writes (each only if its metrics are present; a missing key never fails the tool
 - ``learning.png``: loss, entropy, grad norm, response length.
 
 Each line of metrics.jsonl is one JSON object of flat ``section/name`` keys; the x axis is the
-record's ``version`` (or ``step``), else its position. Keys are found by the patterns below, so a sink
-that renames ``generator/idle_frac`` to ``rollout/generator_idle_fraction`` still plots.
+record's ``version`` (or ``step``), else its position. The keys read are asyncrl's own, by name
+(:mod:`asyncrl.metric_names`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
-from collections.abc import Iterable
 from pathlib import Path
+
+from asyncrl import metric_names as names
 
 X_KEYS = ("version", "step", "learner/version", "_step")
 
@@ -64,17 +64,6 @@ def _is_hist(v) -> bool:
     )
 
 
-def _hist_buckets(h: dict) -> dict[int, float]:
-    """Integer staleness bucket -> count, from a histogram's bins (bin centres rounded)."""
-    counts, edges = h["hist"], h["edges"]
-    out: dict[int, float] = {}
-    for i, c in enumerate(counts):
-        if i + 1 < len(edges) and _num(c) is not None and c:
-            b = max(0, round((edges[i] + edges[i + 1]) / 2))
-            out[b] = out.get(b, 0.0) + float(c)
-    return out
-
-
 def _num(v) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float):
         return None
@@ -89,51 +78,28 @@ def _x(rec: dict, i: int) -> float:
     return float(i)
 
 
-def find_key(records: list[dict], patterns: Iterable[str]) -> str | None:
-    """The first key (in pattern order) that fully matches a pattern and has a number somewhere."""
-    keys = sorted({k for r in records for k, v in r.items() if _num(v) is not None})
-    for pat in patterns:
-        rx = re.compile(pat)
-        for k in keys:
-            if rx.fullmatch(k):
-                return k
-    return None
-
-
-def series(records: list[dict], patterns: Iterable[str]) -> tuple[str, list[float], list[float]]:
-    """(key, xs, ys) of the first matching key; empty lists if none matches."""
-    key = find_key(records, patterns)
-    if key is None:
-        return "", [], []
+def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(xs, ys) of ``key`` in the records that hold a number under it."""
     xs, ys = [], []
     for i, r in enumerate(records):
         v = _num(r.get(key))
         if v is not None:
             xs.append(_x(r, i))
             ys.append(v)
-    return key, xs, ys
+    return xs, ys
 
 
-REWARD = [r"(train/|rollout/|learner/)?reward(/mean|_mean)?", r".*reward.*mean"]
-EVAL = [r"eval/(success|reward|accuracy)", r"eval.*(success|reward)"]
-STALE_MEAN = [r"(buffer/|learner/)?staleness/mean", r".*staleness.*mean"]
-STALE_MAX = [r"(buffer/|learner/)?staleness/max", r".*staleness.*max(?!_allowed)"]
-STALE_HIST = r"(?:.*/)?staleness(?:/|_)(?:hist|histogram)/(\d+)|drift/tokens/(\d+)"
-"""Per-bucket counts: a staleness histogram, or the learner's trained tokens per staleness bucket."""
-ETA = [r".*max_staleness(_allowed)?", r".*staleness/(bound|eta)"]
-DROPPED = [r".*(dropped|cancelled).*stale.*", r".*stale.*(dropped|cancelled).*"]
-GEN_TPS = [
-    r".*generated_tokens_per_s",
-    r"rollout/tokens_per_s",
-    r".*gen.*tokens.*per_s.*",
-    r".*gen.*tok.*s",
-]
-TRAIN_TPS = [r".*trained_tokens_per_s", r".*train.*tokens.*per_s.*"]
-LEARNER_IDLE = [r"learner/idle_frac(tion)?", r".*learner.*idle.*"]
-GEN_IDLE = [r"(generator|rollout)/idle_frac(tion)?", r".*(generator|rollout).*idle.*"]
-SYNC_S = [r"weights/sync_s(econds)?", r".*weight.*sync.*s(econds)?", r".*broadcast.*s(econds)?"]
-PAUSE = r"(?:.*/)?pause_s(?:econds)?(?:/(.+))?"
-DRIFT = r"drift/(mismatch_kl|kv_mixed_kl|staleness_kl/(\d+))"
+def family(records: list[dict], prefix: str) -> list[str]:
+    """The keys of a family (``prefix`` + bucket) that hold a number somewhere, sorted."""
+    keys = {
+        k for r in records for k, v in r.items() if k.startswith(prefix) and _num(v) is not None
+    }
+    return sorted(keys, key=lambda k: (not k[len(prefix) :].isdigit(), _bucket(k, prefix), k))
+
+
+def _bucket(key: str, prefix: str) -> int:
+    tail = key[len(prefix) :]
+    return int(tail) if tail.isdigit() else -1
 
 
 def _plt():
@@ -145,8 +111,8 @@ def _plt():
     return plt
 
 
-def _line(ax, records, patterns, label=None, **kw) -> bool:
-    key, xs, ys = series(records, patterns)
+def _line(ax, records, key, label=None, **kw) -> bool:
+    xs, ys = series(records, key)
     if xs:
         ax.plot(xs, ys, label=label or key, **kw)
     return bool(xs)
@@ -155,8 +121,8 @@ def _line(ax, records, patterns, label=None, **kw) -> bool:
 def plot_reward(records, out: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = _line(ax, records, REWARD, label="train reward (sampled)", alpha=0.6)
-    key, xs, ys = series(records, EVAL)
+    drawn = _line(ax, records, names.REWARD_MEAN, label="train reward (sampled)", alpha=0.6)
+    xs, ys = series(records, names.EVAL_SUCCESS)
     if xs:
         ax.plot(xs, ys, "o-", label="held-out success (greedy)", color="C3")
     if not (drawn or xs):
@@ -169,15 +135,13 @@ def plot_reward(records, out: Path) -> Path | None:
 
 def plot_staleness(records, out: Path) -> Path | None:
     plt = _plt()
-    rx = re.compile(STALE_HIST)
-    cols: list[tuple[float, dict[int, float]]] = []  # (x, bucket -> count) per record
+    hist = names.STALENESS_HIST
+    cols: list[tuple[float, dict[int, float]]] = []  # (x, bucket -> groups) per record
     for i, r in enumerate(records):
         col: dict[int, float] = {}
         for k, v in r.items():
-            if (m := rx.fullmatch(k)) and _num(v) is not None:
-                col[int(m.group(1) or m.group(2))] = float(v)
-            elif "staleness" in k and _is_hist(v):
-                col.update(_hist_buckets(v))
+            if k.startswith(hist) and k[len(hist) :].isdigit() and _num(v) is not None:
+                col[int(k[len(hist) :])] = float(v)
         if col:
             cols.append((_x(r, i), col))
     buckets = sorted({b for _, col in cols for b in col})
@@ -195,40 +159,31 @@ def plot_staleness(records, out: Path) -> Path | None:
             extent=(x0 - 0.5, x1 + 0.5, -0.5, max(buckets) + 0.5),
             cmap="Blues",
         )
-        fig.colorbar(im, ax=ax, label="tokens or samples")
+        fig.colorbar(im, ax=ax, label="groups")
         drawn = True
-    drawn |= _line(ax, records, STALE_MEAN, label="mean", color="C1")
-    drawn |= _line(ax, records, STALE_MAX, label="max", color="C3", drawstyle="steps-post")
-    key, xs, ys = series(records, ETA)
+    drawn |= _line(ax, records, names.STALENESS_MEAN, label="mean", color="C1")
+    drawn |= _line(
+        ax, records, names.STALENESS_MAX, label="max", color="C3", drawstyle="steps-post"
+    )
+    _, ys = series(records, names.STALENESS_BOUND)
     if ys:
         ax.axhline(max(ys), ls="--", color="k", label=f"bound eta = {max(ys):g}")
     if not drawn:
         plt.close(fig)
         return None
-    key, xs, ys = series(records, DROPPED)
-    title = f"Staleness ({key}: {ys[-1]:g} at the end)" if ys else "Staleness"
-    ax.set(xlabel="policy version", ylabel="staleness (versions)", title=title)
+    ax.set(xlabel="policy version", ylabel="staleness (versions)", title="Staleness")
     ax.legend(loc="upper left")
     return _save(fig, out / "staleness.png")
 
 
-WAIT_S = [r"buffer/wait_s", r".*batch_wait_s", r".*wait_for_batch.*"]
-
-
 def learner_idle_series(records: list[dict]) -> tuple[list[float], list[float]]:
-    """Learner idle fraction per step: a logged one if there is, else derived from the learner's
-    step records as (seconds waiting for the batch) / (wall seconds since the previous step)."""
-    key, xs, ys = series(records, LEARNER_IDLE)
-    if xs:
-        return xs, ys
+    """Learner idle fraction per step, from its step records: (seconds waiting for the batch) /
+    (wall seconds since the previous step)."""
     learner = [r for r in records if r.get("process") == "learner" and _num(r.get("time"))]
-    wkey = find_key(learner, WAIT_S)
-    if wkey is None:
-        return [], []
     xs, ys = [], []
     prev = None
     for i, r in enumerate(learner):
-        wait = _num(r.get(wkey))
+        wait = _num(r.get(names.BATCH_WAIT_S))
         if wait is None:
             continue
         if prev is not None and r["time"] > prev:
@@ -241,13 +196,13 @@ def learner_idle_series(records: list[dict]) -> tuple[list[float], list[float]]:
 def plot_throughput(records, out: Path) -> Path | None:
     plt = _plt()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    d1 = _line(a1, records, GEN_TPS, label="generated tokens/s")
-    d1 |= _line(a1, records, TRAIN_TPS, label="trained tokens/s")
+    d1 = _line(a1, records, names.GENERATED_TOKENS_PER_S, label="generated tokens/s")
+    d1 |= _line(a1, records, names.TRAINED_TOKENS_PER_S, label="trained tokens/s")
     xs, ys = learner_idle_series(records)
     if xs:
         a2.plot(xs, ys, label="learner idle (waiting for data)")
     d2 = bool(xs)
-    d2 |= _line(a2, records, GEN_IDLE, label="generator idle")
+    d2 |= _line(a2, records, names.GENERATOR_IDLE, label="generator idle")
     if not (d1 or d2):
         plt.close(fig)
         return None
@@ -262,11 +217,9 @@ def plot_throughput(records, out: Path) -> Path | None:
 def plot_weight_sync(records, out: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = _line(ax, records, SYNC_S, label="weight sync (learner)", marker=".")
-    rx = re.compile(PAUSE)
-    pause_keys = sorted({k for r in records for k in r if rx.fullmatch(k)})
-    for k in pause_keys[:8]:
-        drawn |= _line(ax, records, [re.escape(k)], label=f"pause {k}", marker=".")
+    drawn = _line(ax, records, names.WEIGHT_SYNC_S, label="weight sync (learner)", marker=".")
+    for k in family(records, names.PAUSE_S)[:8]:
+        drawn |= _line(ax, records, k, label=f"pause {k[len(names.PAUSE_S) :]}", marker=".")
     if not drawn:
         plt.close(fig)
         return None
@@ -277,11 +230,8 @@ def plot_weight_sync(records, out: Path) -> Path | None:
 
 def plot_drift(records, out: Path) -> Path | None:
     plt = _plt()
-    rx = re.compile(DRIFT)
-    keys = sorted(
-        {k for r in records for k in r if rx.fullmatch(k)},
-        key=lambda k: int(m.group(2)) if (m := rx.fullmatch(k)) and m.group(2) else -1,
-    )
+    keys = [k for k in (names.DRIFT_MISMATCH, names.DRIFT_KV_MIXED) if series(records, k)[0]]
+    keys += family(records, names.DRIFT_BY_STALENESS)
     if not keys:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -290,7 +240,7 @@ def plot_drift(records, out: Path) -> Path | None:
             "drift/mismatch_kl": "staleness 0 (engine mismatch)",
             "drift/kv_mixed_kl": "staleness 0, across an update (KV of older weights)",
         }.get(k, k.split("/", 1)[1])
-        _line(ax, records, [re.escape(k)], label=label)
+        _line(ax, records, k, label=label)
     ax.set(xlabel="policy version", ylabel="KL(mu || pi_prox)", title="Drift by staleness")
     ax.legend(loc="best")
     return _save(fig, out / "drift.png")
@@ -303,24 +253,18 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-LOSS = [r"loss", r"learner/loss", r".*/loss"]
-ENTROPY = [r"loss/entropy", r".*entropy.*"]
-GRAD_NORM = [r"grad_norm", r".*grad_norm.*"]
-LENGTH = [r"rollout/response_length_mean", r".*response_length.*mean.*"]
-
-
 def plot_learning(records, out: Path) -> Path | None:
     """Loss, entropy, grad norm and response length, one small panel each."""
-    panels = [("loss", LOSS), ("entropy", ENTROPY), ("grad norm", GRAD_NORM)]
-    panels.append(("response length", LENGTH))
-    present = [(t, pats) for t, pats in panels if series(records, pats)[1]]
+    panels = [("loss", names.LOSS), ("entropy", names.ENTROPY), ("grad norm", names.GRAD_NORM)]
+    panels.append(("response length", names.RESPONSE_LENGTH_MEAN))
+    present = [(t, key) for t, key in panels if series(records, key)[1]]
     if not present:
         return None
     plt = _plt()
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.2 * len(present)), sharex=True)
     axes = axes if len(present) > 1 else [axes]
-    for ax, (title, pats) in zip(axes, present, strict=True):
-        _line(ax, records, pats)
+    for ax, (title, key) in zip(axes, present, strict=True):
+        _line(ax, records, key)
         ax.set_ylabel(title)
     axes[0].set_title("Learning")
     axes[-1].set_xlabel("policy version")

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from asyncrl import metric_names as names
 
 PLAIN_EVERY_S = 15.0
 """Without a terminal, one progress line per this many seconds."""
@@ -110,21 +111,13 @@ class MetricsTail:
         for k, v in rec.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 self.latest[k] = v
-                if _is_staleness_max(k):
+                if k == names.STALENESS_MAX:
                     m = self.max_staleness_seen
                     self.max_staleness_seen = v if m is None else max(m, v)
 
-    def get(self, *patterns: str) -> float | None:
-        from asyncrl.plots import find_key
-
-        key = find_key([self.latest], patterns)
-        return None if key is None else float(self.latest[key])
-
-
-def _is_staleness_max(key: str) -> bool:
-    from asyncrl.plots import STALE_MAX
-
-    return any(re.fullmatch(p, key) for p in STALE_MAX)
+    def get(self, key: str) -> float | None:
+        v = self.latest.get(key)
+        return None if v is None else float(v)
 
 
 def fmt(v: float | None, spec: str) -> str:
@@ -134,15 +127,13 @@ def fmt(v: float | None, spec: str) -> str:
 
 def progress_info(tail: MetricsTail, eta: int, *, sft: bool = False) -> str:
     """The run's latest reward, staleness and throughput, as `asyncrl run` and the learner show."""
-    from asyncrl import plots
-
     if sft:
-        loss, tps = tail.get(r"loss"), tail.get(*plots.TRAIN_TPS)
+        loss, tps = tail.get(names.LOSS), tail.get(names.TRAINED_TOKENS_PER_S)
         return f"loss {fmt(loss, '.3f')}  train {fmt(tps, ',.0f')} tok/s"
 
-    reward = tail.get(*plots.REWARD)
-    smean, smax = tail.get(*plots.STALE_MEAN), tail.max_staleness_seen
-    gen, train = tail.get(*plots.GEN_TPS), tail.get(*plots.TRAIN_TPS)
+    reward = tail.get(names.REWARD_MEAN)
+    smean, smax = tail.get(names.STALENESS_MEAN), tail.max_staleness_seen
+    gen, train = tail.get(names.GENERATED_TOKENS_PER_S), tail.get(names.TRAINED_TOKENS_PER_S)
     return (
         f"reward {fmt(reward, '.2f')}  staleness {fmt(smean, '.1f')} (max {fmt(smax, 'g')}"
         f"/{eta})  gen {fmt(gen, ',.0f')} tok/s  train {fmt(train, ',.0f')} tok/s"

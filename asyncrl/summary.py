@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl import metric_names as names
 from asyncrl.recipe import Recipe
 
 LEARNER_FILE = "learner.json"
@@ -115,9 +116,9 @@ def held_out_scores(run_dir: Path) -> dict[int, float]:
     """version -> ``eval/success`` of every held-out evaluation logged in the run (the last one
     logged for a version wins)."""
     return {
-        int(rec["step"]): float(rec["eval/success"])
+        int(rec["step"]): float(rec[names.EVAL_SUCCESS])
         for rec in _all_records(run_dir)
-        if rec.get("process") == "eval" and isinstance(rec.get("eval/success"), int | float)
+        if rec.get("process") == "eval" and isinstance(rec.get(names.EVAL_SUCCESS), int | float)
     }
 
 
@@ -141,7 +142,7 @@ def log_eval(run_dir: Path, success: dict[int, float | None]) -> None:
         return
     with MetricsSink(run_dir, name="", group="", use_wandb=False, process="eval") as sink:
         for v, s in sorted(values.items()):
-            sink.log({"eval/success": s}, step=v)
+            sink.log({names.EVAL_SUCCESS: s}, step=v)
 
 
 def _all_records(run_dir: Path) -> list[dict]:
@@ -166,7 +167,7 @@ def summarize(
     from asyncrl import plots
 
     records = _all_records(run_dir)
-    _, _, smax = plots.series(records, plots.STALE_MAX)
+    _, smax = plots.series(records, names.STALENESS_MAX)
     # the learner logs every version it reaches (step = version); the buffer's last polled status
     # may be a second old when the learner finishes
     learner_steps = [
@@ -177,8 +178,10 @@ def summarize(
     status_version = status.get("version") if status else None
     cands = learner_steps + ([int(status_version)] if isinstance(status_version, int) else [])
     version = max(cands) if cands else 0
-    trained_tokens = _sum_key(records, [r"learner/tokens", r".*trained_tokens", r"loss/tokens"])
-    _, _, tps = plots.series(records, plots.TRAIN_TPS)
+    learner = [rec for rec in records if rec.get("process") == "learner"]
+    _, tokens = plots.series(learner, names.TRAINED_TOKENS)
+    trained_tokens = float(sum(tokens)) if tokens else None
+    _, tps = plots.series(records, names.TRAINED_TOKENS_PER_S)
     times = [
         rec["time"]
         for rec in records
@@ -229,15 +232,6 @@ def amend(
         if tokens and wall_seconds > 0:
             summary["trained_tokens_per_s"] = tokens / wall_seconds
     return summary
-
-
-def _sum_key(records: list[dict], patterns: list[str]) -> float | None:
-    from asyncrl import plots
-
-    key = plots.find_key([rec for rec in records if rec.get("process") == "learner"], patterns)
-    if key is None:
-        return None
-    return float(sum(rec[key] for rec in records if isinstance(rec.get(key), int | float)))
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:

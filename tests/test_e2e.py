@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import launch, metrics
+from asyncrl import launch, metric_names, metrics
 from tests.numerics import GRAD_RTOL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,6 +278,13 @@ def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
     assert s["reward_end"] == evals[-1]["eval/success"]
     (ev,) = [w for w in runs if w["job_type"] == "eval"]
     assert [h["step"] for h in ev["history"] if "eval/success" in h] == [0, 4, 8]
+    # every metric asyncrl reads back (plots, summary, progress) is logged under its name; the
+    # drift buckets past staleness 0 only when tokens fall in them
+    logged = {k for rec in metrics.read_metrics(run_dir) for k in rec}
+    optional = {metric_names.DRIFT_KV_MIXED, metric_names.DRIFT_BY_STALENESS}
+    for name in set(metric_names.READ_BY_ASYNCRL) - optional:
+        ok = any(k.startswith(name) for k in logged) if name.endswith("/") else name in logged
+        assert ok, f"{name} is not logged"
     _no_children_left(run_dir)
 
 

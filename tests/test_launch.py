@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import launch, progress, recipe, summary
+from asyncrl import launch, metric_names, progress, recipe, summary
 from asyncrl.launch.children import Child, restart_the_dead, stop_children
 from asyncrl.launch.plan import make_plan, prepare_run_dir
 
@@ -246,15 +246,16 @@ def test_metrics_tail_reads_whole_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     tail = progress.MetricsTail(path)
     tail.update()  # no file yet: nothing, no error
+    smax, reward = metric_names.STALENESS_MAX, metric_names.REWARD_MEAN
     with path.open("w") as f:
-        f.write(json.dumps({"step": 1, "staleness/max": 2, "reward/mean": 0.25}) + "\n")
-        f.write('{"step": 2, "staleness/max": 3')
+        f.write(json.dumps({"step": 1, smax: 2, reward: 0.25}) + "\n")
+        f.write(f'{{"step": 2, "{smax}": 3')
     tail.update()
-    assert tail.max_staleness_seen == 2 and tail.get(r"reward/mean") == 0.25
+    assert tail.max_staleness_seen == 2 and tail.get(reward) == 0.25
     with path.open("a") as f:
-        f.write(', "reward/mean": 0.5}\n')
+        f.write(f', "{reward}": 0.5}}\n')
     tail.update()
-    assert tail.max_staleness_seen == 3 and tail.get(r"reward/mean") == 0.5
+    assert tail.max_staleness_seen == 3 and tail.get(reward) == 0.5
 
 
 def test_cli_bad_recipe_is_one_line(tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from asyncrl import metric_names as names
 from asyncrl import plots
 
 
@@ -13,30 +14,38 @@ def _write(path, records, tail=""):
 
 
 def _full_records(n=12, eta=4):
+    """The learner's, a worker's and the evaluation's records, by the names asyncrl emits."""
     recs = []
     for v in range(n):
         recs.append(
             {
-                "version": v,
-                "reward/mean": v / n,
-                "staleness/mean": min(v, eta) / 2,
-                "staleness/max": min(v, eta),
-                **{f"staleness/hist/{k}": float(k <= min(v, eta)) for k in range(eta + 1)},
-                "buffer/max_staleness": eta,
-                "buffer/dropped_stale": 0,
-                "throughput/generated_tokens_per_s": 900.0 + v,
-                "throughput/trained_tokens_per_s": 800.0,
-                "learner/idle_frac": 0.1,
-                "generator/idle_frac": 0.05,
-                "weights/sync_s": 0.02,
-                "weights/pause_s/gen0": 0.001,
-                "drift/mismatch_kl": 1e-6,
-                "drift/staleness_kl/1": 1e-3,
-                "loss": 1.0 / (v + 1),
-                "grad_norm": 0.5,
+                "step": v,
+                "time": 100.0 + v,
+                "process": "learner",
+                names.STALENESS_MEAN: min(v, eta) / 2,
+                names.STALENESS_MAX: min(v, eta),
+                **{f"{names.STALENESS_HIST}{k}": float(k <= min(v, eta)) for k in range(eta + 1)},
+                names.STALENESS_BOUND: eta,
+                names.TRAINED_TOKENS_PER_S: 800.0,
+                names.BATCH_WAIT_S: 0.1,
+                names.WEIGHT_SYNC_S: 0.02,
+                f"{names.PAUSE_S}127.0.0.1:30000": 0.001,
+                names.DRIFT_MISMATCH: 1e-6,
+                f"{names.DRIFT_BY_STALENESS}1": 1e-3,
+                names.LOSS: 1.0 / (v + 1),
+                names.GRAD_NORM: 0.5,
             }
         )
-    recs.append({"version": n, "eval/success": 0.8})
+        recs.append(
+            {
+                "step": v,
+                "process": "worker0",
+                names.REWARD_MEAN: v / n,
+                names.GENERATED_TOKENS_PER_S: 900.0 + v,
+                names.GENERATOR_IDLE: 0.05,
+            }
+        )
+    recs.append({"step": n, "process": "eval", names.EVAL_SUCCESS: 0.8})
     return recs
 
 
@@ -57,17 +66,22 @@ def test_all_plots_from_full_metrics(tmp_path):
 
 
 def test_missing_keys_and_a_torn_last_line_are_not_errors(tmp_path):
-    recs = [{"version": 0, "reward/mean": 0.1}, {"step": 1, "reward/mean": None, "text": "x"}]
+    recs = [{"version": 0, names.REWARD_MEAN: 0.1}, {"step": 1, names.REWARD_MEAN: None, "x": "y"}]
     m = _write(tmp_path / "metrics.jsonl", recs, tail='{"version": 2, "rew')
     written = plots.make_plots(m, tmp_path / "out")
     assert [p.name for p in written] == ["reward.png"]
 
 
-def test_series_picks_keys_by_pattern_and_x_by_version():
-    recs = [{"version": 5, "rollout/generator_idle_fraction": 0.5}, {"foo": 1}]
-    key, xs, ys = plots.series(recs, plots.GEN_IDLE)
-    assert key == "rollout/generator_idle_fraction" and xs == [5.0] and ys == [0.5]
-    assert plots.series(recs, plots.SYNC_S) == ("", [], [])
+def test_series_reads_a_key_by_name_and_x_by_version():
+    recs = [{"version": 5, names.GENERATOR_IDLE: 0.5}, {"foo": 1}, {"step": 7, "generator/idle": 1}]
+    assert plots.series(recs, names.GENERATOR_IDLE) == ([5.0], [0.5])
+    assert plots.series(recs, names.WEIGHT_SYNC_S) == ([], [])
+    pauses = [{"step": 1, f"{names.PAUSE_S}b:2": 0.1, f"{names.PAUSE_S}a:1": 0.2, "x": 3}]
+    assert plots.family(pauses, names.PAUSE_S) == [f"{names.PAUSE_S}a:1", f"{names.PAUSE_S}b:2"]
+    drift = [{f"{names.DRIFT_BY_STALENESS}{k}": 0.1 for k in (10, 2, 1)}]
+    assert plots.family(drift, names.DRIFT_BY_STALENESS) == [
+        f"{names.DRIFT_BY_STALENESS}{k}" for k in (1, 2, 10)
+    ]
 
 
 def test_nested_records_are_flattened(tmp_path):
@@ -80,26 +94,21 @@ def test_cli_reports_a_missing_file(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_staleness_histograms_from_the_metrics_sink(tmp_path):
+def test_staleness_heat_map_from_the_learners_records(tmp_path):
     from asyncrl.metrics import MetricsSink
 
     with MetricsSink(tmp_path, name="t", group="t", use_wandb=False) as sink:
         for v in range(4):
-            sink.log({"staleness/mean": v / 2}, step=v)
-            sink.log_histogram("staleness/hist", [0, 1, 1, min(v, 2)], step=v, bins=3)
-    recs = plots.read_metrics(tmp_path / "metrics.jsonl")
-    hist = next(r["staleness/hist"] for r in recs if "staleness/hist" in r)
-    assert plots._hist_buckets(hist) == {0: 2.0, 1: 2.0}
+            hist = {f"{names.STALENESS_HIST}{k}": float(k <= min(v, 2)) for k in range(3)}
+            sink.log({names.STALENESS_MEAN: v / 2, **hist}, step=v)
     assert [p.name for p in plots.make_plots(tmp_path / "metrics.jsonl")] == ["staleness.png"]
 
 
-def test_learner_idle_is_derived_from_batch_waits_when_not_logged():
+def test_learner_idle_is_derived_from_its_batch_waits():
     recs = [
-        {"step": 1, "time": 100.0, "process": "learner", "buffer/wait_s": 5.0},
-        {"step": 2, "time": 102.0, "process": "learner", "buffer/wait_s": 0.5},
-        {"step": 2, "time": 102.5, "process": "worker0", "rollout/reward_mean": 0.5},
-        {"step": 3, "time": 106.0, "process": "learner", "buffer/wait_s": 3.0},
+        {"step": 1, "time": 100.0, "process": "learner", names.BATCH_WAIT_S: 5.0},
+        {"step": 2, "time": 102.0, "process": "learner", names.BATCH_WAIT_S: 0.5},
+        {"step": 2, "time": 102.5, "process": "worker0", names.REWARD_MEAN: 0.5},
+        {"step": 3, "time": 106.0, "process": "learner", names.BATCH_WAIT_S: 3.0},
     ]
     assert plots.learner_idle_series(recs) == ([2.0, 3.0], [0.25, 0.75])
-    logged = [{"step": 1, "learner/idle_fraction": 0.1}]
-    assert plots.learner_idle_series(logged) == ([1.0], [0.1])

@@ -480,6 +480,7 @@ class ReplayStore:
                 "tokens": sum(s.num_tokens for g in groups for s in g.samples),
                 "staleness_mean": sum(staleness) / n,
                 "staleness_max": max(staleness),
+                "max_staleness": self.cfg.max_staleness,  # the bound, for the staleness plot
                 "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
                 # The same flat, for sinks that keep only numbers (one key per staleness 0..eta).
                 **{

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from asyncrl import metric_names as names
+
 
 def drift_sums(
     behavior_logp: Tensor,
@@ -67,9 +69,10 @@ def finalize_drift(sums: Tensor) -> dict[str, float]:
     out: dict[str, float] = {}
     n, k1, k3 = (sums[:, i] for i in range(3))
     eta = sums.shape[0] - 2
-    names = ["drift/mismatch_kl", *(f"drift/staleness_kl/{k}" for k in range(1, eta + 1))]
-    names.append("drift/kv_mixed_kl")
-    for k, name in enumerate(names):
+    keys = [names.DRIFT_MISMATCH]
+    keys += [f"{names.DRIFT_BY_STALENESS}{k}" for k in range(1, eta + 1)]
+    keys.append(names.DRIFT_KV_MIXED)
+    for k, name in enumerate(keys):
         out[f"drift/tokens/{k if k <= eta else 'kv_mixed'}"] = float(n[k])
         if n[k] > 0:
             out[name] = float(k3[k] / n[k])

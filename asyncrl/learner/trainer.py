@@ -48,6 +48,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from asyncrl import malloc
+from asyncrl import metric_names as names
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
@@ -691,12 +692,12 @@ class Trainer:
         summed = dict(zip(keys, local[2 : 2 + len(keys)].tolist(), strict=True))
         dt = time.perf_counter() - t0
         metrics = {
-            "loss": loss_total,
-            "grad_norm": float(np.mean(totals.grad_norms)),
+            names.LOSS: loss_total,
+            names.GRAD_NORM: float(np.mean(totals.grad_norms)),
             "lr": float(totals.lrs[0]),
             "learner/step_s": dt,
-            "learner/tokens": tokens_total,
-            "learner/trained_tokens_per_s": tokens_total / dt if dt > 0 else 0.0,
+            names.TRAINED_TOKENS: tokens_total,
+            names.TRAINED_TOKENS_PER_S: tokens_total / dt if dt > 0 else 0.0,
             "learner/micro_batches": float(totals.micro_batches),
             "learner/updates": float(updates),
             "learner/sequences": float(len(seqs)),

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from asyncrl import metric_names as names
 from asyncrl.recipe import Recipe
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
@@ -53,7 +54,7 @@ class EvalReport:
     def metrics(self) -> dict[str, float]:
         """The ``eval/*`` values, logged at step = the version evaluated."""
         return {
-            "eval/success": self.score,
+            names.EVAL_SUCCESS: self.score,
             "eval/prompts": self.prompts,
             "eval/failed": self.failed,
             "eval/other_version": self.other_version,

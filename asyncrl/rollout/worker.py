@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from asyncrl import metric_names as names
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.progress import Throttle
@@ -502,15 +503,15 @@ class RolloutWorker:
         c = self.stats.counters
         prev = self._prev
         out: dict[str, float] = {
-            "rollout/tokens_per_s": (c["tokens_generated"] - prev["tokens_generated"]) / dt,
+            names.GENERATED_TOKENS_PER_S: (c["tokens_generated"] - prev["tokens_generated"]) / dt,
             "rollout/episodes_in_flight": self.groups.episodes_in_flight,
             "rollout/groups_in_flight": self.groups_in_flight,
             "rollout/version": self.version,
             "rollout/weights_wait_s": self.stats.weights_wait_s,
         }
         if self.stats.rewards:
-            out["rollout/reward_mean"] = float(np.mean(self.stats.rewards))
-            out["rollout/response_length_mean"] = float(np.mean(self.stats.lengths))
+            out[names.REWARD_MEAN] = float(np.mean(self.stats.rewards))
+            out[names.RESPONSE_LENGTH_MEAN] = float(np.mean(self.stats.lengths))
             out["rollout/response_length_max"] = float(np.max(self.stats.lengths))
         out.update({f"rollout/{k}": float(v) for k, v in c.items()})
         out["rollout/failures"] = float(

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from asyncrl import metric_names
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.sglang_protocol import parse_version_label
 from asyncrl.transport import free_port
@@ -932,7 +933,7 @@ class WeightBroadcaster:
             members = [m for m in self._members.values() if m.state != "removed"]
         lags = [r.version - (m.version or 0) for m in members]
         values: dict[str, Any] = {
-            "weights/sync_s": r.sync_s,
+            metric_names.WEIGHT_SYNC_S: r.sync_s,
             "weights/bytes": r.nbytes,
             "weights/snapshot_s": r.snapshot_s,
             "weights/generators": sum(m.state == "member" for m in members),
@@ -947,7 +948,7 @@ class WeightBroadcaster:
         if r.sync_s > 0:
             values["weights/gbps"] = r.nbytes / r.sync_s / 1e9
         for url, s in r.pause_s.items():
-            values[f"weights/pause_s/{url.split('://')[-1]}"] = s
+            values[f"{metric_names.PAUSE_S}{url.split('://')[-1]}"] = s
         if r.pause_s:
             values["weights/pause_s/max"] = max(r.pause_s.values())
         try:

@@ -24,9 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl import launch, plots, recipe  # noqa: E402
+from asyncrl import metric_names as names  # noqa: E402
 from tools.make_demo import make_demo  # noqa: E402
-
-GEN_IDLE = plots.GEN_IDLE
 
 
 def ensure_sft() -> None:
@@ -36,13 +35,6 @@ def ensure_sft() -> None:
         s = launch.run(ROOT / "recipes/demo_sft.yaml", [], overwrite=True, progress=False)
         if s["outcome"] != "completed":
             raise SystemExit(f"async_vs_sync: the SFT stage did not complete: {s['outcome']}")
-
-
-def _mean(records: list[dict], patterns: list[str], *, skip_first: int = 2) -> float | None:
-    """Mean of a metric over the run, leaving out the first records (start-up, compilation)."""
-    _, _, ys = plots.series(records, patterns)
-    ys = ys[skip_first:] if len(ys) > skip_first else ys
-    return sum(ys) / len(ys) if ys else None
 
 
 def _mean_of(ys: list[float], *, skip_first: int = 2) -> float | None:
@@ -77,7 +69,7 @@ def one_run(eta: int, steps: int, overrides: list[str]) -> dict:
         "trained_samples": samples,
         "trained_samples_per_s": timed * per_step / train_s if train_s else None,
         "learner_idle": _mean_of(plots.learner_idle_series(records)[1]),
-        "generator_idle": _mean(records, GEN_IDLE),
+        "generator_idle": _mean_of(plots.series(records, names.GENERATOR_IDLE)[1]),
         "max_staleness_seen": s["max_staleness_seen"],
         "reward_start": s["reward_start"],
         "reward_end": s["reward_end"],

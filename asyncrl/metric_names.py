@@ -1,0 +1,58 @@
+"""The metric keys that asyncrl itself reads back: the plots, summary.json, the progress line and
+the benchmarks read these exact names, and the processes emit them under these names
+(tests/test_e2e.py::test_rl_run_bounds_staleness_and_logs_it checks that a real run logs every one).
+The other keys are for people (README "Reading the dashboard"). A name ending in ``/`` is a family:
+one key per bucket, the bucket after the slash.
+"""
+
+from __future__ import annotations
+
+# -- the rollout worker, one record per interval (process worker…) -------------------------------
+REWARD_MEAN = "rollout/reward_mean"
+RESPONSE_LENGTH_MEAN = "rollout/response_length_mean"
+GENERATED_TOKENS_PER_S = "rollout/tokens_per_s"
+GENERATOR_IDLE = "rollout/generator_idle_fraction"
+
+# -- the held-out evaluation, at step = the version evaluated (process eval) ----------------------
+EVAL_SUCCESS = "eval/success"
+
+# -- the learner, one record per version (process learner) ---------------------------------------
+LOSS = "loss"
+ENTROPY = "loss/entropy"
+GRAD_NORM = "grad_norm"
+TRAINED_TOKENS = "learner/tokens"
+TRAINED_TOKENS_PER_S = "learner/trained_tokens_per_s"
+BATCH_WAIT_S = "buffer/wait_s"  # rank 0 waiting for the batch it trained on
+STALENESS_MEAN = "buffer/staleness_mean"
+STALENESS_MAX = "buffer/staleness_max"
+STALENESS_BOUND = "buffer/max_staleness"  # eta
+STALENESS_HIST = "staleness_hist/"  # the batch's groups by staleness 0..eta
+DRIFT_MISMATCH = "drift/mismatch_kl"
+DRIFT_KV_MIXED = "drift/kv_mixed_kl"
+DRIFT_BY_STALENESS = "drift/staleness_kl/"  # 1..eta
+WEIGHT_SYNC_S = "weights/sync_s"
+PAUSE_S = "weights/pause_s/"  # per generator (host:port)
+
+READ_BY_ASYNCRL = (
+    REWARD_MEAN,
+    RESPONSE_LENGTH_MEAN,
+    GENERATED_TOKENS_PER_S,
+    GENERATOR_IDLE,
+    EVAL_SUCCESS,
+    LOSS,
+    ENTROPY,
+    GRAD_NORM,
+    TRAINED_TOKENS,
+    TRAINED_TOKENS_PER_S,
+    BATCH_WAIT_S,
+    STALENESS_MEAN,
+    STALENESS_MAX,
+    STALENESS_BOUND,
+    STALENESS_HIST,
+    DRIFT_MISMATCH,
+    DRIFT_KV_MIXED,
+    DRIFT_BY_STALENESS,
+    WEIGHT_SYNC_S,
+    PAUSE_S,
+)
+"""Every name above: a real RL run logs each (a family: at least one bucket)."""
