@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from asyncrl.recipe import Checkpointing, GeneratorKind
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -21,8 +23,6 @@ MASTER_BYTES = 4
 copies used for compute (TorchTitan's ``mixed_precision_param``), reducing in float32."""
 
 GiB = 2**30
-
-Checkpointing = Literal["none", "selective", "full"]
 
 
 class PlanError(ValueError):
@@ -271,7 +271,7 @@ def in_flight_sequences(*, max_concurrent_groups: int, group_size: int, generato
 def generator_plan(
     dims: ModelDims,
     *,
-    kind: Literal["builtin", "sglang"],
+    kind: GeneratorKind,
     dtype_bytes: int,
     sequences: int,
     seq_len: int,

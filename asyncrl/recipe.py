@@ -18,6 +18,16 @@ from typing import Any, Literal
 
 import yaml
 
+# The single list of each choice's names: every other module derives its own from these with
+# ``typing.get_args`` (losses, advantages, the engine's pause modes, the memory plan).
+Dtype = Literal["float32", "bfloat16", "float16"]
+GeneratorKind = Literal["builtin", "sglang"]
+Loss = Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft"]
+Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+Aggregation = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+Checkpointing = Literal["none", "selective", "full"]
+PauseMode = Literal["in_place", "retract"]
+
 
 class RecipeError(ValueError):
     """A recipe is invalid. ``str(e)`` is one line naming the file, the key and the problem."""
@@ -67,7 +77,7 @@ class RunConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = _f("", doc="HuggingFace model folder: config.json, safetensors, tokenizer")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32")
+    dtype: Dtype = _f("float32")
     attention: Literal["auto", "sdpa", "flex", "varlen"] = _f("auto")
     max_seq_len: int = _f(4096, lo=1)
 
@@ -112,7 +122,7 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class GeneratorConfig:
-    kind: Literal["builtin", "sglang"] = _f("builtin")
+    kind: GeneratorKind = _f("builtin")
     urls: list[str] = _f(factory=list, doc="SGLang server URLs (kind: sglang)")
     engines_per_worker: int = _f(1, lo=0, doc="built-in engines each worker starts (kind: builtin)")
     host: str = _f("127.0.0.1")
@@ -161,10 +171,10 @@ class BufferConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    loss: Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft"] = _f("decoupled_ppo")
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = _f("grpo")
-    aggregation: Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
-        _f("auto", doc="auto: seq_mean_token_mean for gspo (its definition), token_mean otherwise")
+    loss: Loss = _f("decoupled_ppo")
+    advantage: Advantage = _f("grpo")
+    aggregation: Aggregation = _f(
+        "auto", doc="auto: seq_mean_token_mean for gspo (its definition), token_mean otherwise"
     )
     clip_low: float = _f(0.2, lo=0)
     clip_high: float = _f(0.28, lo=0, doc="clip-higher (DAPO) when > clip_low")
@@ -209,7 +219,7 @@ class LearnerConfig:
         "> 1 recomputes π_prox before the first (decoupled_ppo's trust region needs it)",
     )
     epochs: int = _f(1, lo=1, doc="passes over each batch (each pass: `minibatches` updates)")
-    activation_checkpointing: Literal["none", "selective", "full"] = _f(
+    activation_checkpointing: Checkpointing = _f(
         "none",
         doc="recompute each block's activations in the backward (TorchTitan's SelectiveAC / FullAC)",
     )
@@ -233,7 +243,7 @@ class WeightsConfig:
     backend: Literal["auto", "gloo", "nccl"] = _f("auto")
     bucket_mb: float = _f(512.0, lo=0, lo_open=True, doc="MiB per update call (as slime)")
     load_format: Literal["list", "flattened_bucket"] = _f("list", doc="per tensor (as slime)")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32")
+    dtype: Dtype = _f("float32")
     timeout_s: float = _f(60.0, lo=0, lo_open=True, doc="a generator slower than this is dropped")
     overlap: bool = _f(True, doc="broadcast version v while the learner computes v+1")
     verify: Literal["sampled", "full", "off"] = _f(
@@ -241,7 +251,7 @@ class WeightsConfig:
         doc="after each version, compare a checksum of the generators' weights with what was sent: "
         "sampled (4096 values per tensor, cheap at any size), full (every byte), off",
     )
-    pause_mode: Literal["in_place", "retract"] = _f(
+    pause_mode: PauseMode = _f(
         "in_place",
         doc="SGLang pause during an update. in_place: requests keep their KV (run SGLang with "
         "--disable-radix-cache, or new requests may reuse prefixes the old weights computed); "

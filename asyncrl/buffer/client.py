@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import trio
 
-from asyncrl import wire
+from asyncrl import backoff, wire
 from asyncrl.transport import TLS, ReqClient, TransportTimeout
 
 __all__ = ["BufferClient", "BufferRefused"]
@@ -62,7 +62,7 @@ class BufferClient:
             except TransportTimeout:
                 if attempt == attempts - 1:
                     raise
-                await trio.sleep(min(backoff_s * 2**attempt, 2.0))
+                await trio.sleep(backoff.delay_s(attempt, first=backoff_s, cap=2.0))
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def release(self, lease_id: str, n: int) -> wire.Ok:

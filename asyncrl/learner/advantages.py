@@ -15,12 +15,11 @@ The advantage is per sample; the learner broadcasts it to the sample's completio
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+from asyncrl.recipe import Advantage as AdvantageKind
 
 
 def _group_stats(r: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:

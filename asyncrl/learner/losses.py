@@ -21,14 +21,15 @@ then :func:`finalize_stats` turns them into the logged means.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from asyncrl.recipe import AlgorithmConfig
+from asyncrl.recipe import Aggregation, AlgorithmConfig, Loss
 
-LOSSES = ("ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOSSES: tuple[str, ...] = get_args(Loss)
+AGGREGATIONS: tuple[str, ...] = tuple(a for a in get_args(Aggregation) if a != "auto")
 
 
 def needs_prox(name: str) -> bool:

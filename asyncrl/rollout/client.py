@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import trio
 
+from asyncrl import backoff
 from asyncrl.rollout.sglang_protocol import (
     GeneratorPoolError,
     GeneratorResponseError,
@@ -198,10 +199,10 @@ class GeneratorPool:
     def _mark_down(self, g: GeneratorState, why: str) -> None:
         g.failures += 1
         g.last_error = why
-        backoff = min(self.retry_s * 2 ** (g.failures - 1), self.max_retry_s)
-        g.down_until = trio.current_time() + backoff
+        wait_s = backoff.delay_s(g.failures - 1, first=self.retry_s, cap=self.max_retry_s)
+        g.down_until = trio.current_time() + wait_s
         g.version = None  # it may come back restarted, holding other weights: ask it then
-        log.warning("generator %s is down (%s); retrying it in %.1fs", g.url, why, backoff)
+        log.warning("generator %s is down (%s); retrying it in %.1fs", g.url, why, wait_s)
 
     def _mark_up(self, g: GeneratorState) -> None:
         if g.failures:
@@ -527,7 +528,7 @@ class GeneratorPool:
                     log.warning("request %s: giving up after %d aborts", rid, resumes)
                     break
                 if not seg.output_ids:  # aborted before any progress: do not spin
-                    await trio.sleep(min(0.01 * 2 ** min(resumes, 7), 1.0))
+                    await trio.sleep(backoff.delay_s(resumes, first=0.01, cap=1.0))
         except trio.Cancelled:
             # stop the server's work too (by rid prefix); a server that does not notice the closed
             # connection (the built-in engine, non-streaming) would otherwise finish it for nothing

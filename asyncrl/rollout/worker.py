@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import trio
 
+from asyncrl import backoff, wire
 from asyncrl import metric_names as names
-from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import GeneratorPool
@@ -284,7 +284,7 @@ class RolloutWorker:
     # -- tasks -----------------------------------------------------------------------------------
 
     async def _retry_sleep(self, attempt: int) -> None:
-        await trio.sleep(min(self.cfg.retry_s * 2**attempt, 5.0))
+        await trio.sleep(backoff.delay_s(attempt, first=self.cfg.retry_s, cap=5.0))
 
     async def _register_loop(self) -> None:
         """Register the generators. The first registration of this process is ``fresh``: leases

@@ -27,6 +27,7 @@ from asyncrl.rollout.client import Batcher, Completion, GeneratorPool
 from asyncrl.rollout.plugins import PluginError, load_object
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import Tool, ToolCall, ToolRegistry, parse_tagged_tool_call
+from asyncrl.wire import FINISH_REASONS
 
 
 @dataclass(kw_only=True)
@@ -59,7 +60,7 @@ class Episode:
         for name in ("logprobs", "versions", "loss_mask"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"episode.{name} has {len(getattr(self, name))} entries, not {n}")
-        if self.finish_reason not in ("stop", "length", "abort"):
+        if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"episode.finish_reason {self.finish_reason!r}")
 
 

@@ -10,10 +10,11 @@ broadcaster can tell "drop it" from "it is alive but refused".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 
+from asyncrl.recipe import PauseMode
 from asyncrl.wire import GeneratorInfo
 
 
@@ -118,10 +119,10 @@ class WeightsClient:
         v = self.model_info(timeout_s=timeout_s).get("weight_version")
         return None if v is None else str(v)
 
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: PauseMode) -> None:
         """Pause generation; ``mode`` is "in_place" or "retract", never "abort" (no lost work)."""
-        if mode not in ("in_place", "retract"):
-            raise ValueError(f"pause mode must be in_place or retract, got {mode!r}")
+        if mode not in get_args(PauseMode):
+            raise ValueError(f"pause mode must be one of {get_args(PauseMode)}, got {mode!r}")
         self._call("POST", "/pause_generation", {"mode": mode})
 
     def resume(self) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.learner.advantages import compute_advantages
+from asyncrl.learner.advantages import ESTIMATORS, compute_advantages
+from asyncrl.recipe import Advantage
 
 KINDS = ["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 EPS = 1e-9
@@ -122,3 +124,7 @@ def test_reinforce_pp_is_batch_whitened(groups):
     assert abs(float(a.mean())) < 1e-4
     std = float(a.pow(2).mean().sqrt())
     assert std == pytest.approx(1.0, abs=1e-3) or std == 0.0
+
+
+def test_every_recipe_advantage_has_an_estimator():
+    assert set(ESTIMATORS) == set(typing.get_args(Advantage))

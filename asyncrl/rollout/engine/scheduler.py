@@ -20,14 +20,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
+from asyncrl.recipe import PauseMode
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.sampling import EngineSamplingParams, sample
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+# "abort" is SGLang's third mode; the recipe offers only the two that keep the work.
+PAUSE_MODES: tuple[str, ...] = ("abort", *get_args(PauseMode))
 
 
 @dataclass
