@@ -517,6 +517,7 @@ class ReplayStore:
             "occupancy": len(self._stored),
             "grants_in_flight": self.in_flight,
             "leases_live": len(self._leases),
+            "starts_held": _starts_held(self._leases.values()),
             "started": self.started,
             "bound": self.bound,
             "capacity": self.capacity,
@@ -639,3 +640,11 @@ class ReplayStore:
         store = cls(cfg, nonce=nonce)
         store.load_state_dict(state, now=now, nonce=nonce)
         return store
+
+
+def _starts_held(leases: Any) -> dict[str, int]:
+    """Worker id -> starts its live leases still hold (granted, not yet used or released)."""
+    held: dict[str, int] = {}
+    for x in leases:
+        held[x.worker_id] = held.get(x.worker_id, 0) + x.remaining
+    return held

@@ -127,9 +127,9 @@ def test_worker_killed_leases_expire_others_continue_and_it_rejoins(tmp_path, ti
         )
         after = status(cfg["address"])
         returned = after["expired"] + after["closed_stale"]
-        assert returned > stats_before["expired"] + stats_before["closed_stale"] or (
-            stats_before["grants_in_flight"] == 0
-        )
+        # the starts the killed worker held came back (it may hold none: waiting for weights)
+        victim_held = stats_before["starts_held"].get("worker0", 0)
+        assert returned > stats_before["expired"] + stats_before["closed_stale"] or victim_held == 0
         # The same command again: it rejoins and its new groups are trained.
         n_before = len(trained_ids(out, "worker0"))
         t_restart = time.monotonic()
