@@ -335,8 +335,10 @@ class ReplayStore:
 
     def _note_data_state(self, g: wire.Group) -> None:
         """Keep the newest data position each worker attached to an acknowledged group, so it is
-        checkpointed with the learner and a restarted worker neither repeats nor skips prompts."""
-        worker, state = g.metadata.get("worker_id"), g.metadata.get("data_state")
+        checkpointed with the learner and a restarted worker neither repeats nor skips prompts.
+        Journals written before ``Group.data_state`` existed hold it in ``metadata``."""
+        worker = g.metadata.get("worker_id")
+        state = g.data_state or g.metadata.get("data_state")
         if isinstance(worker, str) and isinstance(state, dict):
             self._data_states[worker] = state
 

@@ -12,7 +12,7 @@ stops them on exit (from the newest HF export the learner has announced, labelle
 version; else from ``model.path``, version 0); with ``kind: sglang`` it drives ``generator.urls``.
 ``--shard I/N`` gives this worker every N-th prompt (default: from a ``workerI`` id and
 ``rollout.workers``). ``--data-state`` resumes the data position from a JSON file (a group's
-``metadata["data_state"]``).
+``data_state``).
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ async def load_data_state(
     """Resume the data position the learner's checkpoint holds for this worker, if it holds one.
 
     Contract with the buffer: ``StatusReply.stats["data_states"][worker_id]`` is the
-    ``metadata["data_state"]`` of this worker's newest group that the restored buffer
+    ``Group.data_state`` of this worker's newest group that the restored buffer
     acknowledged (it is kept in the buffer state, so in the learner's checkpoint). Waits for the buffer to answer (the learner may
     still be starting); a buffer without ``data_states`` means a fresh start.
     """

@@ -78,7 +78,7 @@ class Sender:
             sent = {g.prompt_index for g in groups}
             state["outstanding"] = [i for i in state["outstanding"] if i not in sent]
             for g in groups:  # the data position as if these were delivered (see data.py)
-                g.metadata["data_state"] = state
+                g.data_state = state
             try:
                 counters["put_messages"] += 1
                 if attempt:

@@ -93,6 +93,9 @@ class Group:
     lease_id: str = ""
     samples: Sequence[Sample]  # a list, or a decoded group's SampleList (asyncrl.wire.columns)
     prompt_index: int = -1  # position in the dataset, for the resumable data position
+    # the worker's prompt-source state as if this group were delivered ({}: none); the buffer keeps
+    # each worker's newest so a restarted worker neither repeats nor skips prompts
+    data_state: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

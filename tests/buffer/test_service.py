@@ -358,7 +358,8 @@ def test_a_restarted_worker_resumes_its_prompts_from_the_learner_checkpoint() ->
         for i, it in enumerate(items[:3]):
             g = make_group(f"g{i}", grant.lease_id, versions=[0])
             g.prompt_index = it.index
-            g.metadata = {"worker_id": "w", "data_state": source.state_dict()}
+            g.metadata = {"worker_id": "w"}
+            g.data_state = source.state_dict()
             groups.append(g)
         assert run(_put, address, groups).group_ids == ["g0", "g1", "g2"]
         saved = json.loads(json.dumps(first.state_dict()))  # what the learner checkpoints

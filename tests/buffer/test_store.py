@@ -577,16 +577,22 @@ def test_version_cannot_go_back_and_state_errors_are_clear() -> None:
         ReplayStore.from_state(cfg(), {"format": 1, "version": 0}, now=0)
 
 
-def test_data_positions_survive_a_restore():
+@pytest.mark.parametrize("in_metadata", [False, True], ids=["field", "old-journal-metadata"])
+def test_data_positions_survive_a_restore(in_metadata: bool):
     """The newest data position per worker rides along with the checkpoint (docs/design.md §6: a restart
-    neither repeats nor skips prompts), and a duplicate resend does not move it back."""
+    neither repeats nor skips prompts), and a duplicate resend does not move it back. Groups
+    journalled before ``Group.data_state`` existed carry it in their metadata."""
     cfg = BufferConfig(groups_per_batch=2, max_staleness=1)
     store = ReplayStore(cfg)
     grant = store.acquire("w0", 3, now=0.0)
 
     def group(i: int, pos: int) -> wire.Group:
         g = make_group(f"g{i}", grant.lease_id, versions=[0, 0])
-        g.metadata = {"worker_id": "w0", "data_state": {"next": pos}}
+        g.metadata = {"worker_id": "w0"}
+        if in_metadata:
+            g.metadata["data_state"] = {"next": pos}
+        else:
+            g.data_state = {"next": pos}
         return g
 
     store.put([group(0, 1)], now=0.0)

@@ -172,7 +172,7 @@ def test_never_more_groups_in_flight_than_granted(engine, tokenizer):
         check_group(g, 3)
         assert all((s.loss_mask == 1).all() for s in g.samples)
     # the data position travels with each group; the buffer keeps the newest for a restart
-    states = [g.metadata["data_state"] for g in groups]
+    states = [g.data_state for g in groups]
     newest = max(states, key=lambda st: st["seq"])
     assert stats["data_states"] == {"w0": newest}
     assert newest["num_rows"] == len(rows()) and newest["next_index"] >= 4
