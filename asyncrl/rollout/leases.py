@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Permit:
+class Start:
     """One granted start: its lease, the version it was granted at, and when the lease ends."""
 
     lease_id: str
@@ -29,10 +29,10 @@ class LeaseBook:
     <= 0; ``peak_in_flight`` is the most groups ever in flight at once."""
 
     def __init__(self) -> None:
-        self.unused: deque[Permit] = deque()  # granted, no group has taken them yet (oldest first)
+        self.unused: deque[Start] = deque()  # granted, no group has taken them yet (oldest first)
         self.open = 0  # granted and not yet spent
-        self.running: dict[str, Permit] = {}  # group id -> its start, while the group is produced
-        self.unsent: dict[str, Permit] = {}  # group id -> its start, until the buffer settles it
+        self.running: dict[str, Start] = {}  # group id -> its start, while the group is produced
+        self.unsent: dict[str, Start] = {}  # group id -> its start, until the buffer settles it
         self.max_over_granted = 0
         self.peak_in_flight = 0
 
@@ -49,7 +49,7 @@ class LeaseBook:
 
     def grant(self, lease_id: str, version: int, k: int, expires_at: float) -> None:
         self.open += k
-        self.unused.extend(Permit(lease_id, version, expires_at) for _ in range(k))
+        self.unused.extend(Start(lease_id, version, expires_at) for _ in range(k))
         self._check()
 
     def expire(self, now: float) -> int:
@@ -62,12 +62,12 @@ class LeaseBook:
             self.spend(n)
         return n
 
-    def start(self, group_id: str) -> Permit:
+    def start(self, group_id: str) -> Start:
         """The group takes the oldest unused start."""
-        permit = self.unused.popleft()
-        self.running[group_id] = permit
+        start = self.unused.popleft()
+        self.running[group_id] = start
         self._check()
-        return permit
+        return start
 
     def finished(self, group_id: str) -> None:
         """The group is whole; it stays in flight until the buffer settles it."""
@@ -78,12 +78,12 @@ class LeaseBook:
         del self.unsent[group_id]
         self.spend(1)
 
-    def dropped(self, group_id: str) -> Permit:
+    def dropped(self, group_id: str) -> Start:
         """The group failed or was cancelled: no longer in flight. Its start stays open until it is
         given back (:meth:`spend`) or its lease ends."""
         return self.running.pop(group_id)
 
-    def take_stale(self, oldest_ok: int) -> list[Permit]:
+    def take_stale(self, oldest_ok: int) -> list[Start]:
         """Unused starts granted below version ``oldest_ok`` (their groups could never be trained),
         oldest first, for the caller to give back; :meth:`spend` them once that is done."""
         out = []

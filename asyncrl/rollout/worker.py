@@ -48,7 +48,7 @@ from asyncrl.progress import Throttle
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.groups import GroupMaker
-from asyncrl.rollout.leases import LeaseBook, Permit
+from asyncrl.rollout.leases import LeaseBook, Start
 from asyncrl.rollout.rewards import RewardRunner
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
@@ -92,7 +92,7 @@ class WorkerConfig:
 @dataclass(eq=False)
 class _GroupRun:
     gid: str
-    permit: Permit
+    start: Start
     scope: trio.CancelScope
     prompt_index: int = -1
     started_at: float = 0.0
@@ -329,7 +329,7 @@ class RolloutWorker:
         """A group whose lease version is below ``version - max_staleness`` cannot be trained."""
         oldest_ok = self.version - self.cfg.max_staleness
         for run in self._runs.values():
-            if run.permit.version < oldest_ok and not run.cancelled:
+            if run.start.version < oldest_ok and not run.cancelled:
                 run.cancelled = "stale"
                 run.scope.cancel()
         for p in self.leases.take_stale(
@@ -446,10 +446,10 @@ class RolloutWorker:
         """A group task on the oldest unused start."""
         self._seq += 1
         gid = f"{self.cfg.worker_id}-{self._nonce}-{self._seq}"
-        permit = self.leases.start(gid)
-        run = _GroupRun(gid=gid, permit=permit, scope=trio.CancelScope())
+        start = self.leases.start(gid)
+        run = _GroupRun(gid=gid, start=start, scope=trio.CancelScope())
         run.started_at = trio.current_time()
-        deadline = permit.expires_at
+        deadline = start.expires_at
         run.scope.deadline = deadline  # a lease that ends takes the start back: stop generating
         self._runs[gid] = run
         self.stats.counters["groups_started"] += 1
@@ -462,7 +462,7 @@ class RolloutWorker:
             try:
                 prompt = await self.groups.take_prompt()
                 run.prompt_index = prompt.item.index
-                group = await self.groups.make(run.gid, run.permit.lease_id, prompt)
+                group = await self.groups.make(run.gid, run.start.lease_id, prompt)
             except Exception as e:  # one bad group must not stop the worker
                 failed = f"{type(e).__name__}: {e}"
         if run.scope.cancelled_caught and not run.cancelled:
@@ -492,7 +492,7 @@ class RolloutWorker:
             if run.cancelled == "lease":
                 self._spent()  # the buffer already took the start back
             else:
-                await self._release(run.permit.lease_id, 1)
+                await self._release(run.start.lease_id, 1)
 
     # -- metrics ---------------------------------------------------------------------------------
 

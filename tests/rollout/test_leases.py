@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from asyncrl.rollout.leases import LeaseBook, Permit
+from asyncrl.rollout.leases import LeaseBook, Start
 
 CAP = 4
 
@@ -18,7 +18,7 @@ def test_a_group_holds_its_start_until_the_buffer_settles_it():
     assert book.wanted(CAP) == CAP
     book.grant("L1", version=3, k=2, expires_at=10.0)
     assert book.open == 2 and book.wanted(CAP) == CAP - 2 and book.can_start(CAP)
-    assert book.start("g1") == Permit("L1", 3, 10.0)
+    assert book.start("g1") == Start("L1", 3, 10.0)
     book.finished("g1")
     assert book.in_flight == 1 and book.open == 2  # sent, not acknowledged: still held
     book.settled("g1")
