@@ -27,7 +27,7 @@ from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
 from asyncrl.rollout.tools import ToolRegistry, load_tools
-from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow, load_workflow
+from asyncrl.rollout.workflows import EpisodeContext, Workflow, load_workflow, play
 
 log = logging.getLogger(__name__)
 
@@ -187,10 +187,7 @@ class Evaluation:
                 rid=f"eval-{report.version}-{i}",
                 batcher=batcher,
             )
-            ep = await self.workflow.run_episode(ctx)
-            if not isinstance(ep, Episode):
-                raise TypeError(f"the workflow returned {type(ep).__name__}, not an Episode")
-            ep.check()
+            ep = await play(self.workflow, ctx)
         except Exception as e:  # one prompt's failure is a 0, never the whole evaluation
             report.failed += 1
             log.warning("held-out prompt %d failed: %s: %s", i, type(e).__name__, e)
@@ -199,16 +196,7 @@ class Evaluation:
         if any(v != report.version for v in ep.versions):
             report.other_version += 1
             return
-        tok = self.tokenizer
-        r = await self.reward.score(
-            prompt=text,
-            completion=None,
-            prompt_ids=list(ids),
-            completion_ids=list(ep.completion_ids),
-            row=row,
-            extra={"finish_reason": ep.finish_reason},
-            decode=lambda out: tok.decode(out, skip_special_tokens=True),
-        )
+        r = await self.reward.score_episode(ctx, ep)
         if r.failure:
             report.failed += 1
         scores[i] = r.value
@@ -217,6 +205,8 @@ class Evaluation:
                 {
                     "prompt": text,
                     "answer": str(row.get(self.reward.answer_key, "")),
-                    "completion": tok.decode(ep.completion_ids, skip_special_tokens=True),
+                    "completion": self.tokenizer.decode(
+                        ep.completion_ids, skip_special_tokens=True
+                    ),
                 }
             )

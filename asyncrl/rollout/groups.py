@@ -18,7 +18,7 @@ from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.rewards import RewardRunner
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import Tool, ToolRegistry
-from asyncrl.rollout.workflows import Episode, EpisodeContext, Workflow
+from asyncrl.rollout.workflows import EpisodeContext, Workflow, play
 
 if TYPE_CHECKING:
     from asyncrl.rollout.worker import WorkerConfig, WorkerStats
@@ -142,26 +142,14 @@ class GroupMaker:
         s = self.stats
         s.peak_episodes_in_flight = max(s.peak_episodes_in_flight, self.episodes_in_flight)
         try:
-            ep = await self.workflow.run_episode(ctx)
+            ep = await play(self.workflow, ctx)
         finally:
             self.episodes_in_flight -= 1
-        if not isinstance(ep, Episode):
-            raise TypeError(f"the workflow returned {type(ep).__name__}, not an Episode")
-        ep.check()
         c = self.stats.counters
         c["episodes"] += 1
         c["tokens_generated"] += sum(ep.loss_mask)
         c["resumes"] += int(ep.metadata.get("resumes", 0))
-        tok = self.tokenizer
-        r = await self.reward.score(
-            prompt=prompt_text,
-            completion=None,  # decoded in the reward's thread
-            prompt_ids=list(prompt_ids),
-            completion_ids=list(ep.completion_ids),
-            row=row,
-            extra={"finish_reason": ep.finish_reason},
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        )
+        r = await self.reward.score_episode(ctx, ep)
         meta = dict(ep.metadata)
         if r.failure:
             c["reward_failures"] += 1

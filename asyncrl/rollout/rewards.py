@@ -18,12 +18,15 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from asyncrl import tasks
 from asyncrl.rollout.plugins import PluginError, load_object
+
+if TYPE_CHECKING:
+    from asyncrl.rollout.workflows import Episode, EpisodeContext
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +211,17 @@ class RewardRunner:
             log.warning("reward %s: %s", self.name, failure)
             return RewardResult(value=0.0, failure=failure, seconds=seconds)
         return RewardResult(value=value, seconds=seconds)
+
+    async def score_episode(self, ctx: EpisodeContext, ep: Episode) -> RewardResult:
+        """The reward of one episode of ``ctx``'s prompt (the completion decoded in the reward's
+        thread): the one way a rollout and a held-out evaluation score."""
+        tok = ctx.tokenizer
+        return await self.score(
+            prompt=ctx.prompt_text,
+            completion=None,
+            prompt_ids=list(ctx.prompt_ids),
+            completion_ids=list(ep.completion_ids),
+            row=ctx.row,
+            extra={"finish_reason": ep.finish_reason},
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        )

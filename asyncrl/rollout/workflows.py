@@ -111,6 +111,16 @@ class Workflow(Protocol):
     async def run_episode(self, ctx: EpisodeContext) -> Episode: ...
 
 
+async def play(workflow: Workflow, ctx: EpisodeContext) -> Episode:
+    """``workflow.run_episode(ctx)``, checked: a workflow is user code, so a malformed episode fails
+    here, where the workflow is named, not later in the learner."""
+    ep = await workflow.run_episode(ctx)
+    if not isinstance(ep, Episode):
+        raise TypeError(f"the workflow returned {type(ep).__name__}, not an Episode")
+    ep.check()
+    return ep
+
+
 class SingleTurn:
     """One generation from the prompt."""
 
