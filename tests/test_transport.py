@@ -83,7 +83,7 @@ def _sample(i: int, n_prompt: int = 5, n_completion: int = 7) -> wire.Sample:
 def _echo(msg: wire.Message) -> wire.Message:
     """Replies with something that depends on the request, so a wrong pairing would show."""
     if isinstance(msg, wire.Acquire):
-        return wire.Grant(lease_id=msg.worker_id, k=msg.n, version=3, lease_seconds=1.0)
+        return wire.Grant(lease_id=msg.worker_id, starts=msg.starts, version=3, lease_seconds=1.0)
     if isinstance(msg, wire.Put):
         return wire.Ack(group_ids=[g.id for g in msg.groups])
     if isinstance(msg, wire.Status):
@@ -118,12 +118,14 @@ def test_req_rep_round_trip_and_concurrency(endpoint):
                 replies: dict[int, wire.Message] = {}
 
                 async def one(i: int) -> None:
-                    replies[i] = await client.request(wire.Acquire(worker_id=f"w{i}", n=i))
+                    replies[i] = await client.request(wire.Acquire(worker_id=f"w{i}", starts=i))
 
                 async with trio.open_nursery() as inner:  # several requests in flight at once
                     for i in range(20):
                         inner.start_soon(one, i)
-                assert all(replies[i].lease_id == f"w{i}" and replies[i].k == i for i in range(20))
+                assert all(
+                    replies[i].lease_id == f"w{i}" and replies[i].starts == i for i in range(20)
+                )
                 sync_reply = await trio.to_thread.run_sync(
                     lambda: client.request_sync(wire.Status(), expect=wire.StatusReply)
                 )
@@ -270,18 +272,18 @@ def test_timed_out_and_cancelled_requests_end_promptly_and_leave_the_client_usab
 
                 start = trio.current_time()
                 with pytest.raises(TransportTimeout, match="acquire"):
-                    await client.request(wire.Acquire(worker_id="slow", n=1), timeout_s=0.3)
+                    await client.request(wire.Acquire(worker_id="slow", starts=1), timeout_s=0.3)
                 assert 0.25 <= trio.current_time() - start < REFUSED_S
                 with trio.move_on_after(0.3) as scope:
-                    await client.request(wire.Acquire(worker_id="slow", n=2))
+                    await client.request(wire.Acquire(worker_id="slow", starts=2))
                 assert scope.cancelled_caught and trio.current_time() - start < 2 * REFUSED_S
                 assert client._idle == []  # both failed contexts were closed
 
                 late.set()  # the server now answers both abandoned requests
                 await _until(lambda: server.stats["replied"] == 7)
                 for i in range(3):
-                    grant = await client.request(wire.Acquire(worker_id=f"w{i}", n=i))
-                    assert (grant.lease_id, grant.k) == (f"w{i}", i)
+                    grant = await client.request(wire.Acquire(worker_id=f"w{i}", starts=i))
+                    assert (grant.lease_id, grant.starts) == (f"w{i}", i)
                 assert (await client.request(wire.Status(), timeout_s=math.inf)).version == 7
                 forever = await trio.to_thread.run_sync(
                     lambda: client.request_sync(wire.Status(), timeout_s=math.inf)

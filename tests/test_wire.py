@@ -75,9 +75,14 @@ def groups(draw) -> wire.Group:
 
 STRATEGIES: dict[str, st.SearchStrategy] = {
     "group": groups(),
-    "acquire": st.builds(wire.Acquire, worker_id=text, n=count, request_id=text),
+    "acquire": st.builds(wire.Acquire, worker_id=text, starts=count, request_id=text),
     "grant": st.builds(
-        wire.Grant, lease_id=text, k=count, version=version, lease_seconds=finite, request_id=text
+        wire.Grant,
+        lease_id=text,
+        starts=count,
+        version=version,
+        lease_seconds=finite,
+        request_id=text,
     ),
     "put": st.builds(wire.Put, worker_id=text, groups=st.lists(groups(), max_size=3)),
     "ack": st.builds(
@@ -86,7 +91,7 @@ STRATEGIES: dict[str, st.SearchStrategy] = {
         rejected=st.dictionaries(text, text, max_size=3),
         version=version,
     ),
-    "release": st.builds(wire.Release, worker_id=text, lease_id=text, n=count),
+    "release": st.builds(wire.Release, worker_id=text, lease_id=text, starts=count),
     "register": st.builds(
         wire.Register,
         worker_id=text,
@@ -179,10 +184,10 @@ def _valid_messages(rng: random.Random) -> list[wire.Message]:
     return [
         group,
         wire.Put(worker_id="w", groups=[group, group]),
-        wire.Acquire(worker_id="w", n=4, request_id="r"),
-        wire.Grant(lease_id="L", k=2, version=3, lease_seconds=30.0),
+        wire.Acquire(worker_id="w", starts=4, request_id="r"),
+        wire.Grant(lease_id="L", starts=2, version=3, lease_seconds=30.0),
         wire.Ack(group_ids=["g"], rejected={"h": "stale"}, version=2),
-        wire.Release(worker_id="w", lease_id="L", n=1),
+        wire.Release(worker_id="w", lease_id="L", starts=1),
         wire.Register(worker_id="w", generators=[wire.GeneratorInfo(url="http://x", world_size=2)]),
         wire.Ok(version=1, message="fine"),
         wire.Error(code="bad_message", message="no"),
@@ -389,12 +394,12 @@ def test_decoded_arrays_are_views_of_the_message_and_read_only():
         (lambda d: d.update(kind="nope"), "unknown message kind"),
         (lambda d: d.update(v=99), "schema version"),
         (lambda d: d.pop("worker_id"), "missing field 'worker_id'"),
-        (lambda d: d.update(n=True), "acquire.n: expected int, got bool"),
-        (lambda d: d.update(n=-1), "acquire.n: -1 is outside"),
+        (lambda d: d.update(starts=True), "acquire.starts: expected int, got bool"),
+        (lambda d: d.update(starts=-1), "acquire.starts: -1 is outside"),
     ],
 )
 def test_decode_errors_name_the_problem(change, needle):
-    d = msgpack.unpackb(wire.encode(wire.Acquire(worker_id="w", n=1)), raw=False)
+    d = msgpack.unpackb(wire.encode(wire.Acquire(worker_id="w", starts=1)), raw=False)
     change(d)
     with pytest.raises(wire.WireError, match=needle):
         wire.decode(msgpack.packb(d))

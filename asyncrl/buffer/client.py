@@ -42,8 +42,8 @@ class BufferClient:
         return reply
 
     async def acquire(self, n: int, *, request_id: str = "") -> wire.Grant:
-        """Ask for up to ``n`` starts; a grant of k = 0 means: at the bound, ask again later."""
-        msg = wire.Acquire(worker_id=self.worker_id, n=n, request_id=request_id)
+        """Ask for up to ``n`` starts; a grant of 0 starts means: at the bound, ask again later."""
+        msg = wire.Acquire(worker_id=self.worker_id, starts=n, request_id=request_id)
         return await self._call(msg, wire.Grant)
 
     async def put(
@@ -66,7 +66,7 @@ class BufferClient:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def release(self, lease_id: str, n: int) -> wire.Ok:
-        msg = wire.Release(worker_id=self.worker_id, lease_id=lease_id, n=n)
+        msg = wire.Release(worker_id=self.worker_id, lease_id=lease_id, starts=n)
         return await self._call(msg, wire.Ok)
 
     async def register(

@@ -340,10 +340,12 @@ class BufferService:
             return ack
         if isinstance(msg, wire.Acquire):
             with self._cond:
-                return self._store.acquire(msg.worker_id, msg.n, now=now, request_id=msg.request_id)
+                return self._store.acquire(
+                    msg.worker_id, msg.starts, now=now, request_id=msg.request_id
+                )
         if isinstance(msg, wire.Release):
             with self._cond:
-                reply = self._store.release(msg.lease_id, msg.n, now=now)
+                reply = self._store.release(msg.lease_id, msg.starts, now=now)
                 if isinstance(reply, wire.Error):
                     self._store.note_bad_message(reply.code)
             return reply

@@ -276,7 +276,11 @@ class ReplayStore:
             if n > 0:
                 self._c.values["admission_waits"] += 1
             return wire.Grant(
-                lease_id="", k=0, version=self._version, lease_seconds=0.0, request_id=request_id
+                lease_id="",
+                starts=0,
+                version=self._version,
+                lease_seconds=0.0,
+                request_id=request_id,
             )
         self._lease_seq += 1
         lease = _Lease(
@@ -294,7 +298,7 @@ class ReplayStore:
     def _grant(self, lease: _Lease) -> wire.Grant:
         return wire.Grant(
             lease_id=lease.id,
-            k=lease.k,
+            starts=lease.k,
             version=lease.version,
             lease_seconds=max(0.0, lease.expires_at - self._now),
             request_id=lease.request_id,

@@ -420,16 +420,16 @@ class RolloutWorker:
                 attempt += 1
                 continue
             self._see_version(grant.version)
-            if grant.k == 0:
+            if grant.starts == 0:
                 self.stats.counters["grants_zero"] += 1
                 with trio.move_on_after(self.cfg.acquire_idle_s):
                     await self._changed.wait()
                 continue
-            if grant.k > want:
-                raise WorkerError(f"the buffer granted {grant.k} starts for {want} asked")
+            if grant.starts > want:
+                raise WorkerError(f"the buffer granted {grant.starts} starts for {want} asked")
             # the buffer's clock started the lease before our reply arrived: keep a margin
             expires = trio.current_time() + 0.95 * grant.lease_seconds
-            self.leases.grant(grant.lease_id, grant.version, grant.k, expires)
+            self.leases.grant(grant.lease_id, grant.version, grant.starts, expires)
 
     async def _wait_for_weights(self) -> None:
         """No generator holds weights within the bound: take no lease until one does (the

@@ -113,22 +113,22 @@ class Group:
 
 @dataclass(kw_only=True)
 class Acquire:
-    """A worker asks for a lease on up to ``n`` group starts."""
+    """A worker asks for a lease on up to ``starts`` group starts."""
 
     kind: ClassVar[str] = "acquire"
     worker_id: str
-    n: Count
+    starts: Count
     request_id: str = ""
 
 
 @dataclass(kw_only=True)
 class Grant:
-    """A lease: ``k`` groups may be started under ``lease_id`` until ``lease_seconds`` pass (k may
-    be 0)."""
+    """A lease: ``starts`` groups may be started under ``lease_id`` until ``lease_seconds`` pass
+    (``starts`` may be 0: at the bound, ask again later)."""
 
     kind: ClassVar[str] = "grant"
     lease_id: str
-    k: Count
+    starts: Count
     version: PolicyVersion
     lease_seconds: float
     request_id: str = ""
@@ -155,12 +155,12 @@ class Ack:
 
 @dataclass(kw_only=True)
 class Release:
-    """A worker gives back ``n`` unused starts of a lease (a cancelled or never-started group)."""
+    """A worker gives back ``starts`` unused starts of a lease (a cancelled or never-started group)."""
 
     kind: ClassVar[str] = "release"
     worker_id: str
     lease_id: str
-    n: Count
+    starts: Count
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,7 @@ def config() -> BufferConfig:
 async def _put(address: str, ids: list[str]) -> list[str]:
     async with BufferClient(address, worker_id="w") as c:
         grant = await c.acquire(len(ids))
-        assert grant.k == len(ids)
+        assert grant.starts == len(ids)
         ack = await c.put(
             [make_group(i, grant.lease_id, versions=[grant.version] * 2) for i in ids]
         )

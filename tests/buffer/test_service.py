@@ -40,9 +40,9 @@ def test_acquire_put_ack_dedup_batch(service: BufferService) -> None:
     async def worker() -> None:
         async with BufferClient(service.address, worker_id="w1") as c:
             grant = await c.acquire(3, request_id="a1")
-            assert (grant.k, grant.version) == (2, 0)  # B = 2 at max_staleness 0
+            assert (grant.starts, grant.version) == (2, 0)  # B = 2 at max_staleness 0
             assert (await c.acquire(3, request_id="a1")).lease_id == grant.lease_id  # resent
-            assert (await c.acquire(1)).k == 0  # at the bound
+            assert (await c.acquire(1)).starts == 0  # at the bound
             groups = [make_group(f"g{i}", grant.lease_id, versions=[0, 0]) for i in range(2)]
             ack = await c.put(groups)
             assert ack.group_ids == ["g0", "g1"] and not ack.rejected
@@ -103,7 +103,7 @@ def test_end_of_run_is_announced_and_refuses_new_starts(service: BufferService) 
             await c.register([wire.GeneratorInfo(url="http://127.0.0.1:1")])
             service.set_version(4)
             grant = await c.acquire(2)
-            assert grant.k == 2
+            assert grant.starts == 2
             assert service.stats()["workers_registered"] == 1
             assert not service.stats()["ended"]
             service.end_run("trained 4 versions")
@@ -116,7 +116,7 @@ def test_end_of_run_is_announced_and_refuses_new_starts(service: BufferService) 
                 await c.acquire(1)
             with pytest.raises(BufferRefused, match="run_ended"):
                 await c.register([wire.GeneratorInfo(url="http://127.0.0.1:1")])
-            assert isinstance(await c.release(grant.lease_id, grant.k), wire.Ok)
+            assert isinstance(await c.release(grant.lease_id, grant.starts), wire.Ok)
             assert (await c.status()).stats["ended"]
 
     run(worker)
@@ -137,7 +137,7 @@ def test_register_runs_callbacks(service: BufferService) -> None:
             service.on_register(broken)
             with pytest.raises(BufferRefused, match="register_failed: RuntimeError: rendezvous"):
                 await c.register([])
-            assert (await c.acquire(1)).k == 1  # still serving
+            assert (await c.acquire(1)).starts == 1  # still serving
 
     run(worker)
     assert calls[0] == ("w7", ["http://127.0.0.1:1234"])
@@ -153,15 +153,15 @@ def test_a_fresh_register_takes_back_the_leases_of_the_dead_process(service: Buf
             BufferClient(service.address, worker_id="w1") as dead,
             BufferClient(service.address, worker_id="w2") as other,
         ):
-            assert (await dead.acquire(1)).k == 1 and (await other.acquire(1)).k == 1
-            assert (await other.acquire(1)).k == 0  # B = 2 at max_staleness 0: all given
+            assert (await dead.acquire(1)).starts == 1 and (await other.acquire(1)).starts == 1
+            assert (await other.acquire(1)).starts == 0  # B = 2 at max_staleness 0: all given
             await dead.register(gen)  # not fresh (e.g. after a learner restart): leases kept
-            assert (await other.acquire(1)).k == 0
+            assert (await other.acquire(1)).starts == 0
         async with BufferClient(service.address, worker_id="w1") as restarted:
             await restarted.register(gen, fresh=True)
             stats = (await restarted.status()).stats
             assert stats["abandoned"] == 1 and stats["leases_live"] == 1  # w2's is kept
-            assert (await restarted.acquire(2)).k == 1  # the start came back
+            assert (await restarted.acquire(2)).starts == 1  # the start came back
 
     run(go)
 
@@ -170,7 +170,7 @@ def _bad_messages(lease_id: str) -> list[tuple[bytes, str]]:
     """Malformed, oversized and out-of-order requests, with the error code each must get."""
     body = lambda kind, **kw: msgpack.packb({"kind": kind, "v": wire.SCHEMA_VERSION, **kw})  # noqa: E731
     ack = wire.encode(wire.Ack(group_ids=["x"]))
-    grant = wire.encode(wire.Grant(lease_id="l", k=1, version=0, lease_seconds=1.0))
+    grant = wire.encode(wire.Grant(lease_id="l", starts=1, version=0, lease_seconds=1.0))
     huge = make_group("huge", lease_id, versions=[0])
     huge.samples[0].prompt_ids = np.zeros(wire.MAX_TOKENS + 1, dtype=np.int32)
     return [
@@ -183,7 +183,7 @@ def _bad_messages(lease_id: str) -> list[tuple[bytes, str]]:
         (body("put", worker_id="w", groups=[{"id": "g", "samples": "no"}]), "bad_message"),
         (ack, "unexpected_kind"),  # a reply sent as a request
         (grant, "unexpected_kind"),
-        (wire.encode(wire.Release(worker_id="w", lease_id="nope", n=1)), "unknown_lease"),
+        (wire.encode(wire.Release(worker_id="w", lease_id="nope", starts=1)), "unknown_lease"),
         (wire.encode(wire.Put(worker_id="w", groups=[huge])), "bad_message"),  # over MAX_TOKENS
     ]
 
@@ -326,7 +326,7 @@ def test_tls_from_the_recipe(tmp_path) -> None:
 
         async def worker() -> None:
             async with BufferClient(svc.address, worker_id="w", tls=paths["client"]) as c:
-                assert (await c.acquire(1)).k == 1
+                assert (await c.acquire(1)).starts == 1
             with Subscriber(svc.pub_address, tls=paths["client"]) as sub:
                 with trio.fail_after(20):
                     while not isinstance(msg := await sub.receive(timeout_s=5), wire.Version):

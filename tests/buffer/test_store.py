@@ -84,7 +84,7 @@ def test_max_batches_ahead_caps_the_pipeline_not_the_bound():
     assert ReplayStore(cfg(max_staleness=4), nonce="a").capacity == 5 * 2
     store = ReplayStore(cfg(max_staleness=4, max_batches_ahead=2), nonce="b")
     grant = store.acquire("w", 10, now=0.0, request_id="r1")
-    assert grant.k == 2 * 2 and store.capacity == 0
+    assert grant.starts == 2 * 2 and store.capacity == 0
     for v in range(1, 4):  # the learner moves on without these groups' batch
         store.set_version(v)
     g = make_group("g0", grant.lease_id, versions=[0, 0])
@@ -135,10 +135,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.requests += 1
         grant = self.store.acquire("w", n, now=self.now, request_id=f"r{self.requests}")
         assert grant.version == self.store.version
-        assert 0 <= grant.k <= n
-        if grant.k:
-            self.leases[grant.lease_id] = {"version": grant.version, "left": grant.k}
-            for _ in range(max(0, grant.k - hold)):
+        assert 0 <= grant.starts <= n
+        if grant.starts:
+            self.leases[grant.lease_id] = {"version": grant.version, "left": grant.starts}
+            for _ in range(max(0, grant.starts - hold)):
                 self._start(grant.lease_id)
 
     @precondition(lambda self: any(x["left"] for x in self.leases.values()))
@@ -423,14 +423,14 @@ def test_max_staleness_zero_is_synchronous() -> None:
     for k in range(9):
         g1 = store.acquire("w1", 3, now=now)
         g2 = store.acquire("w2", 3, now=now)
-        assert (g1.k, g2.k, g1.version, g2.version) == (3, 1, k, k)
-        assert store.acquire("w3", 1, now=now).k == 0  # at the bound: wait for the version
+        assert (g1.starts, g2.starts, g1.version, g2.version) == (3, 1, k, k)
+        assert store.acquire("w3", 1, now=now).starts == 0  # at the bound: wait for the version
         groups = groups_for(g1.lease_id, 3, k)
         if k % 3 == 1:  # worker 2 dies: its lease expires, its start comes back to a new worker
             assert store.put(groups, now=now).group_ids == [g.id for g in groups]
             now += store.cfg.lease_seconds
             g2 = store.acquire("w3", 5, now=now)
-            assert (g2.k, g2.version) == (1, k)
+            assert (g2.starts, g2.version) == (1, k)
             groups = []
         groups += groups_for(g2.lease_id, 1, k)
         if k % 3 == 2:  # equal rewards: dropped, and the slot is freed for a replacement
@@ -441,13 +441,13 @@ def test_max_staleness_zero_is_synchronous() -> None:
         if k % 3 == 2:
             assert store.take_batch(now) is None
             r = store.acquire("w1", 2, now=now)
-            assert (r.k, r.version) == (1, k)
+            assert (r.starts, r.version) == (1, k)
             store.put(groups_for(r.lease_id, 1, k), now=now)
         batch = store.take_batch(now)
         assert batch is not None and batch.version == k and len(batch.groups) == b
         assert all(s.behavior_version == k for g in batch.groups for s in g.samples)
         assert batch.stats["staleness_max"] == 0
-        assert store.acquire("w1", 1, now=now).k == 0  # batch taken, version not yet bumped
+        assert store.acquire("w1", 1, now=now).starts == 0  # batch taken, version not yet bumped
         store.set_version(k + 1)
     assert store.stats()["dropped"] == {"equal_rewards": 3}
     assert store.stats()["expired"] == 3
@@ -472,7 +472,7 @@ def test_restore_keeps_the_bound_and_the_data() -> None:
     stored groups survive, consumed ones are not served again, old leases still count."""
     store = ReplayStore(cfg(groups_per_batch=2, max_staleness=1), nonce="a")
     l1 = store.acquire("w", 4, now=0)
-    assert l1.k == 4 and store.capacity == 0
+    assert l1.starts == 4 and store.capacity == 0
     store.put([make_group(f"g{i}", l1.lease_id, versions=[0, 0]) for i in range(3)], now=0)
     first = store.take_batch(0)
     assert [g.id for g in first.groups] == ["g0", "g1"]
@@ -484,7 +484,7 @@ def test_restore_keeps_the_bound_and_the_data() -> None:
     ack = restored.put([make_group("g0", l1.lease_id, versions=[0, 0])], now=1000.0)
     assert ack.group_ids == ["g0"]  # a resend of a consumed group: acknowledged, ignored
     l2 = restored.acquire("w", 9, now=1000.0)
-    assert l2.k == 2 and l2.lease_id.startswith("b-")  # new ids cannot collide with old ones
+    assert l2.starts == 2 and l2.lease_id.startswith("b-")  # new ids cannot collide with old ones
     restored.put([make_group("g3", l1.lease_id, versions=[0, 1])], now=1000.0)  # the old lease
     second = restored.take_batch(1000.0)
     assert [g.id for g in second.groups] == ["g2", "g3"]
@@ -497,9 +497,9 @@ def test_resent_acquire_gets_the_same_lease() -> None:
     store = ReplayStore(cfg(groups_per_batch=2, max_staleness=0, lease_seconds=5.0))
     first = store.acquire("w", 2, now=0, request_id="r1")
     again = store.acquire("w", 2, now=1, request_id="r1")
-    assert (again.lease_id, again.k, again.request_id) == (first.lease_id, 2, "r1")
+    assert (again.lease_id, again.starts, again.request_id) == (first.lease_id, 2, "r1")
     assert again.lease_seconds == 4.0
-    assert store.acquire("other", 2, now=1, request_id="r1").k == 0  # another worker's id
+    assert store.acquire("other", 2, now=1, request_id="r1").starts == 0  # another worker's id
     assert store.stats()["granted"] == 2
     store.expire(5.0)
     assert store.acquire("w", 2, now=5, request_id="r1").lease_id != first.lease_id
@@ -532,7 +532,9 @@ def test_put_validation_reasons() -> None:
         "late"
     ]
     assert store.stats()["late_accepted"] == 1
-    assert store.acquire("w", 3, now=10).k == 3  # the bound is now full: 1 stored + 3 in flight
+    assert (
+        store.acquire("w", 3, now=10).starts == 3
+    )  # the bound is now full: 1 stored + 3 in flight
     ack = store.put([make_group("late2", late.lease_id, versions=[0])], now=10)
     assert ack.rejected["late2"].startswith("lease_expired:")
     assert store.started <= store.bound

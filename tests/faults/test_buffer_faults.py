@@ -84,13 +84,13 @@ def fuzz_cases(rng: random.Random, n: int):
     put = wire.encode(wire.Put(worker_id="evil", groups=[group("evil-g", "no-lease", 0)]))
     valid = [
         put,
-        wire.encode(wire.Release(worker_id="evil", lease_id="no-lease", n=1)),
+        wire.encode(wire.Release(worker_id="evil", lease_id="no-lease", starts=1)),
         wire.encode(wire.Register(worker_id="evil", generators=[])),
         wire.encode(wire.Status()),
     ]
     replies = [
         wire.Ack(group_ids=["x"]),
-        wire.Grant(lease_id="l", k=1, version=0, lease_seconds=1.0),
+        wire.Grant(lease_id="l", starts=1, version=0, lease_seconds=1.0),
         wire.Ok(version=0),
         wire.Error(code="x", message="y"),
         wire.StatusReply(version=0, stats={}),
@@ -206,13 +206,13 @@ class GoodWorker(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stop.is_set():
-                grant = self.call(wire.Acquire(worker_id="good", n=2))
+                grant = self.call(wire.Acquire(worker_id="good", starts=2))
                 assert isinstance(grant, wire.Grant), grant
-                if grant.k == 0:
+                if grant.starts == 0:
                     time.sleep(0.05)  # at the bound until the learner takes a batch
                     continue
                 groups = []
-                for _ in range(grant.k):
+                for _ in range(grant.starts):
                     self.seq += 1
                     groups.append(group(f"good-{self.seq}", grant.lease_id, grant.version))
                 ack = self.call(wire.Put(worker_id="good", groups=groups))
@@ -312,13 +312,13 @@ def test_malformed_flood_and_strangers_are_refused_and_good_clients_served(tmp_p
                 try:
                     if client is not None:
                         with pytest.raises(TransportTimeout):
-                            client.request_sync(wire.Acquire(worker_id=who, n=4))
+                            client.request_sync(wire.Acquire(worker_id=who, starts=4))
                     else:
                         with pynng.Req0(recv_timeout=1500, send_timeout=1500) as raw:
                             raw.tls_config = tls
                             raw.dial(address, block=False)
                             with pytest.raises(pynng.Timeout):  # no session: send or recv waits
-                                raw.send(wire.encode(wire.Acquire(worker_id=who, n=4)))
+                                raw.send(wire.encode(wire.Acquire(worker_id=who, starts=4)))
                                 raw.recv()
                 finally:
                     if client is not None:
