@@ -57,6 +57,7 @@ class Dataflow:
     calls: list[ModelCall]
     data: tuple[str, ...] = ("prompts",)
     _producer: dict[str, ModelCall] = field(default_factory=dict, init=False, repr=False)
+    _trains: dict[str, ModelCall] = field(default_factory=dict, init=False, repr=False)
 
     def validate(self) -> Dataflow:
         """Raise :class:`DataflowError` unless the graph can run; returns ``self`` for chaining.
@@ -109,7 +110,7 @@ class Dataflow:
                         f"{self.name}: call {c.name!r} reads key {k!r}, which no call produces "
                         f"and the data ({', '.join(self.data)}) does not provide"
                     )
-        self._producer = producer
+        self._producer, self._trains = producer, trains
         self._check_cycles()
         for role, train in trains.items():
             after = self._descendants(train)
@@ -156,14 +157,23 @@ class Dataflow:
             if state.get(c.name) is None:
                 visit(c, "")
 
+    def _before(self, c: ModelCall) -> list[ModelCall]:
+        """The calls ``c`` must follow: those it reads from and, for a train step, its role's
+        other calls (which must see the weights before the step)."""
+        before = [p for _, p in self._deps(c)]
+        if self._trains.get(c.role) is c:
+            before += [x for x in self.calls if x.role == c.role and x is not c]
+        return before
+
     def _descendants(self, root: ModelCall) -> set[ModelCall]:
-        """Calls that read, directly or not, a key ``root`` produces."""
+        """Calls that must follow ``root``, directly or not (also through another role's train
+        step, which waits for that role's calls)."""
         out: set[ModelCall] = set()
         frontier = [root]
         while frontier:
             x = frontier.pop()
             for c in self.calls:
-                if c not in out and any(p is x for _, p in self._deps(c)):
+                if c not in out and any(p is x for p in self._before(c)):
                     out.add(c)
                     frontier.append(c)
         return out
@@ -173,15 +183,11 @@ class Dataflow:
         reads from and, for a ``train_step``, its role's other calls (which must see the old
         weights). Calls in one level are independent. Validates first."""
         self.validate()
-        trains = {c.role: c for c in self.calls if c.call == "train_step"}
         level: dict[str, int] = {}
 
         def lvl(c: ModelCall) -> int:
             if c.name not in level:
-                before = [p for _, p in self._deps(c)]
-                if trains.get(c.role) is c:
-                    before += [x for x in self.calls if x.role == c.role and x is not c]
-                level[c.name] = 1 + max((lvl(p) for p in before), default=-1)
+                level[c.name] = 1 + max((lvl(p) for p in self._before(c)), default=-1)
             return level[c.name]
 
         levels: list[list[ModelCall]] = []

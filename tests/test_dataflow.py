@@ -140,6 +140,23 @@ def test_broken_version_order_is_refused():
     assert [names(lv) for lv in ok.order()][-1] == {"v"}
 
 
+def test_version_order_through_another_roles_train_step():
+    # probe (actor) reads what the critic's train step wrote; the critic's train step waits for
+    # the critic's forward, which reads the actor's train output: probe would follow train_actor.
+    flow = Dataflow(
+        "f",
+        [
+            df._generate(),
+            ModelCall("train_actor", "actor", "train_step", ("responses",), ("actor_stats",)),
+            ModelCall("values", "critic", "inference", ("actor_stats",), ("values",)),
+            ModelCall("train_critic", "critic", "train_step", ("responses",), ("critic_stats",)),
+            ModelCall("probe", "actor", "inference", ("critic_stats",), ("probe_logp",)),
+        ],
+    )
+    with pytest.raises(DataflowError, match="version order: call 'probe'.*'critic_stats'"):
+        flow.validate()
+
+
 @pytest.mark.parametrize(
     "calls, needle",
     [
