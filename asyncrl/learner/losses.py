@@ -305,7 +305,7 @@ def bradley_terry(
     n = chosen.shape[0] if pairs is None else pairs
     loss = torch.nn.functional.softplus(-d).sum() / max(n, 1)
     stats = {
-        "rm_pairs": torch.tensor(d.shape[0]),
+        "rm_pairs": torch.tensor(d.shape[0], device=d.device),
         "rm_correct": (d > 0).sum(),
         "rm_margin": d.sum(),
     }
