@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("asyncrl.launch", "everything on one machine: learner, rollout workers, engines"),
     "engine": ("asyncrl.rollout.engine.server", "serve the built-in generator (SGLang's HTTP API)"),
     "check": ("asyncrl.check", "validate a recipe and print it resolved"),
+    "graph": ("asyncrl.graph", "print and draw a recipe's dataflow: its model calls, by level"),
     "doctor": (
         "asyncrl.doctor",
         "preflight on the target machine: devices, memory plan, servers, NCCL, ports, TLS",

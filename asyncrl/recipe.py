@@ -23,10 +23,14 @@ import yaml
 Dtype = Literal["float32", "bfloat16", "float16"]
 GeneratorKind = Literal["builtin", "sglang"]
 Loss = Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft"]
-Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "vtrace", "remax"]
 Aggregation = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 Checkpointing = Literal["none", "selective", "full"]
 PauseMode = Literal["in_place", "retract"]
+
+
+TOKEN_ADVANTAGES: tuple[Advantage, ...] = ("gae", "vtrace")
+"""The advantages computed per token from a critic's values (the others are per sample)."""
 
 
 class RecipeError(ValueError):
@@ -192,6 +196,24 @@ class AlgorithmConfig:
     )
     entropy_coef: float = _f(0.0)
     adv_eps: float = _f(1e-6, lo=0, lo_open=True)
+    gamma: float = _f(1.0, lo=0, hi=1, doc="gae, vtrace: discount per token")
+    lam: float = _f(
+        1.0, lo=0, hi=1, doc="gae, vtrace: λ, the trace's length (1: Monte Carlo, 0: one-step TD)"
+    )
+    vtrace_rho_bar: float = _f(
+        1.0, lo=0, lo_open=True, doc="vtrace: ρ̄, truncation of π/μ in the targets' TD errors"
+    )
+    vtrace_c_bar: float = _f(
+        1.0, lo=0, lo_open=True, doc="vtrace: c̄, truncation of π/μ in the trace (≤ ρ̄)"
+    )
+    value_clip: float = _f(
+        0.2, lo=0, doc="ε_v: the critic's value change per step is clipped to ±ε_v (0: off)"
+    )
+    kl_reward_coef: float = _f(
+        0.0,
+        lo=0,
+        doc="β of the per-token reward r_t − β·(log μ_t − log π_ref,t) (gae, vtrace; classic RLHF)",
+    )
 
     @property
     def aggregation_used(self) -> str:
@@ -506,6 +528,19 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             file=file,
             key="algorithm.dual_clip",
         )
+    if alg.advantage == "vtrace" and alg.vtrace_c_bar > alg.vtrace_rho_bar:
+        raise RecipeError(
+            f"V-trace assumes c̄ ≤ ρ̄ (IMPALA), got {alg.vtrace_c_bar} > {alg.vtrace_rho_bar}",
+            file=file,
+            key="algorithm.vtrace_c_bar",
+        )
+    if alg.kl_reward_coef > 0 and alg.advantage not in TOKEN_ADVANTAGES:
+        raise RecipeError(
+            f"a per-token KL reward needs a token-level advantage ({', '.join(TOKEN_ADVANTAGES)}); "
+            f"{alg.advantage} sees one reward per sample (use algorithm.kl_coef)",
+            file=file,
+            key="algorithm.kl_reward_coef",
+        )
     if len(r.learner.betas) != 2 or not all(0 <= b < 1 for b in r.learner.betas):
         raise RecipeError("expected two numbers in [0, 1)", file=file, key="learner.betas")
     if r.generator.kind == "sglang" and not r.generator.urls and r.rollout.workers:
@@ -554,6 +589,12 @@ def warnings(recipe: Recipe) -> list[str]:
             f"algorithm.clip_low/clip_high: gspo clips a sequence's mean ratio, which stays close to "
             f"1; a range of {max(alg.clip_low, alg.clip_high):g} rarely clips (the GSPO paper uses "
             "3e-4 / 4e-4)"
+        )
+    if alg.loss != "sft" and alg.advantage in ("gae", "vtrace", "remax"):
+        out.append(
+            f"algorithm.advantage: {alg.advantage} is not wired in the learner yet (it needs "
+            + ("a greedy rollout" if alg.advantage == "remax" else "a critic")
+            + "); `asyncrl graph` shows its dataflow, and the learner refuses it at the first batch"
         )
     if alg.loss != "sft" and (ro.top_p < 1 or ro.top_k > 0 or ro.min_p > 0):
         out.append(

@@ -26,7 +26,7 @@ def test_help_lists_every_command():
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert p.returncode == 0, p.stderr
-    for name in ("learner", "rollout", "run", "engine", "check"):
+    for name in ("learner", "rollout", "run", "engine", "check", "graph"):
         assert name in COMMANDS
         assert f"{name}:" in p.stdout
     assert shutil.which("asyncrl", path=str(Path(sys.executable).parent)) is not None

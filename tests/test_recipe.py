@@ -78,6 +78,24 @@ def test_overrides_are_typed(tmp_path):
         ),
         ("algorithm: {loss: tis, dual_clip: true}\n", [], "algorithm.dual_clip", "not tis"),
         ("algorithm: {kl_estimator: k4}\n", [], "algorithm.kl_estimator", "one of k1, k2, k3"),
+        ("algorithm: {lam: 1.5}\n", [], "algorithm.lam", "must be <= 1"),
+        ("", ["algorithm.gamma=-0.1"], "algorithm.gamma", "must be >= 0"),
+        ("algorithm: {vtrace_rho_bar: 0}\n", [], "algorithm.vtrace_rho_bar", "must be > 0"),
+        ("algorithm: {value_clip: -1}\n", [], "algorithm.value_clip", "must be >= 0"),
+        ("algorithm: {kl_reward_coef: -0.1}\n", [], "algorithm.kl_reward_coef", "must be >= 0"),
+        (
+            "algorithm: {advantage: vtrace, vtrace_c_bar: 2.0}\n",
+            [],
+            "algorithm.vtrace_c_bar",
+            "c̄ ≤ ρ̄",
+        ),
+        (
+            "algorithm: {advantage: grpo, kl_reward_coef: 0.1}\n",
+            [],
+            "algorithm.kl_reward_coef",
+            "token-level advantage (gae, vtrace)",
+        ),
+        ("algorithm: {advantage: gea}\n", [], "algorithm.advantage", "did you mean 'gae'"),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
@@ -159,3 +177,17 @@ def test_check_cli_warns_of_settings_that_run_but_mislead(tmp_path):
         path, ["algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4", "rollout.top_p=1"]
     )
     assert recipe.warnings(quiet) == []
+
+
+def test_critic_fields_defaults_and_not_wired_warning(tmp_path):
+    alg = recipe.load(_write(tmp_path, GOOD)).algorithm
+    assert (alg.gamma, alg.lam, alg.vtrace_rho_bar, alg.vtrace_c_bar) == (1.0, 1.0, 1.0, 1.0)
+    assert (alg.value_clip, alg.kl_reward_coef) == (0.2, 0.0)
+    for adv in ("gae", "vtrace", "remax"):
+        r = recipe.load(_write(tmp_path, GOOD), [f"algorithm.advantage={adv}"])
+        (w,) = recipe.warnings(r)
+        assert w.startswith("algorithm.advantage:") and "not wired in the learner" in w
+    r = recipe.load(
+        _write(tmp_path, GOOD), ["algorithm.advantage=gae", "algorithm.kl_reward_coef=0.05"]
+    )
+    assert r.algorithm.kl_reward_coef == 0.05

@@ -1,6 +1,6 @@
-"""Advantage estimators (docs/off-policy.md): one per-sample advantage from the rewards of a batch of groups.
+"""Advantage estimators (docs/off-policy.md, docs/design.md §11).
 
-A group is the n samples of one prompt. Every estimator is a function of the flat rewards ``r`` and
+Group estimators give one per-sample advantage from the rewards of a batch of groups. A group is the n samples of one prompt. Every estimator is a function of the flat rewards ``r`` and
 each sample's group index ``g``, so groups of different sizes are handled alike. Conventions shared
 by all estimators (each is tested):
 - a group whose rewards are all equal carries no learning signal: its advantages are exactly 0;
@@ -10,16 +10,29 @@ by all estimators (each is tested):
 The advantage is per sample; the learner broadcasts it to the sample's completion tokens.
 ``dr_grpo`` advantages are meant to pair with the ``seq_mean_token_sum_norm`` aggregation in
 :mod:`asyncrl.learner.losses` (no std and no length normalisation: Dr. GRPO's two bias fixes).
+
+Token-level estimators (:func:`gae`, :func:`vtrace`) need a critic's per-token values V(x_t). They
+take padded ``[B, T]`` tensors, one row per sample's completion, and a ``mask`` of the tokens
+trained on: a recursion over time is a loop over columns, the same for every row. The time steps of
+a row are its mask-1 tokens only: mask-0 tokens (padding, a tool's output inside a multi-turn
+completion) are skipped, as if cut out, so neither their rewards nor their values count, and their
+outputs are 0. After a row's last mask-1 token the episode ends: the bootstrapped value is 0.
+Inputs at mask-0 positions may hold any value, even NaN. All are computed in float64 without
+gradient and returned in the values' dtype. :func:`remax` is per sample but needs the greedy
+completion's reward, which no group estimator sees.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from asyncrl.recipe import Advantage as AdvantageKind
+from asyncrl.recipe import RecipeError
 
 
 def _group_stats(r: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -73,6 +86,15 @@ ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "reinforce_pp": reinforce_pp,
 }
 
+NOT_WIRED: dict[str, str] = {
+    "gae": "needs a critic's per-token values",
+    "vtrace": "needs a critic's per-token values and the learner's log π",
+    "remax": "needs the reward of each prompt's greedy completion",
+}
+"""Recipe advantages that are not group estimators: their math is here (:func:`gae`,
+:func:`vtrace`, :func:`remax`) and their dataflow in :mod:`asyncrl.dataflow`, but the learner does
+not run a critic or a greedy rollout yet, so :func:`compute_advantages` refuses them."""
+
 
 def compute_advantages(
     rewards: Tensor | Sequence[Sequence[float] | Tensor], *, kind: AdvantageKind, eps: float = 1e-6
@@ -82,6 +104,12 @@ def compute_advantages(
     ``rewards`` is either a ``[num_groups, group_size]`` tensor (returns a tensor of that shape) or a
     list of per-group reward lists of any sizes (returns a list of 1-D tensors, one per group).
     """
+    if kind in NOT_WIRED:
+        raise RecipeError(
+            f"{kind} {NOT_WIRED[kind]}, which the learner does not compute yet (not wired in the "
+            f"learner); use one of {list(ESTIMATORS)}",
+            key="algorithm.advantage",
+        )
     if kind not in ESTIMATORS:
         raise ValueError(
             f"algorithm.advantage: unknown estimator {kind!r}; one of {list(ESTIMATORS)}"
@@ -109,3 +137,146 @@ def compute_advantages(
     if isinstance(rewards, Tensor):
         return adv.reshape(rewards.shape)
     return list(adv.split(sizes))
+
+
+# --------------------------------------------------------------------------------------------------
+# Token-level estimators: padded [B, T] tensors with a mask
+# --------------------------------------------------------------------------------------------------
+
+
+class TokenAdvantages(NamedTuple):
+    """Per-token advantages A_t (for the policy loss) and returns, the value targets R_t (for the
+    value loss); both ``[B, T]``, 0 where the mask is 0."""
+
+    advantages: Tensor
+    returns: Tensor
+
+
+def _rows(mask: Tensor, **xs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The mask as bool and each input as float64 with 0 at mask-0 positions (which may be NaN)."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask: expected [batch, tokens], got {tuple(mask.shape)}")
+    m = mask.bool()
+    out = {}
+    for name, x in xs.items():
+        if x.shape != m.shape:
+            raise ValueError(f"{name}: shape {tuple(x.shape)} != mask shape {tuple(m.shape)}")
+        x = torch.where(m, x.detach().to(torch.float64), 0.0)
+        if not torch.isfinite(x).all():
+            raise ValueError(f"{name}: non-finite value at a mask-1 token")
+        out[name] = x
+    return m, out
+
+
+def last_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
+    """Token-level rewards from one score per sample: ``scores[b]`` on row b's last mask-1 token,
+    0 elsewhere (a row with no mask-1 token gets none). The form :func:`gae` and :func:`vtrace`
+    take an outcome reward in."""
+    m = mask.bool()
+    if m.dim() != 2 or scores.shape != m.shape[:1]:
+        raise ValueError(
+            f"scores {tuple(scores.shape)} and mask {tuple(m.shape)}: expected [B] and [B, T]"
+        )
+    pos = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    last = torch.where(m, pos, -1).amax(dim=1, keepdim=True)
+    r = torch.zeros(m.shape, dtype=scores.dtype, device=scores.device)
+    return torch.where((pos == last) & m, scores[:, None].to(r.dtype), r)
+
+
+def kl_shaped_rewards(
+    rewards: Tensor, log_pi: Tensor, log_ref: Tensor, mask: Tensor, *, beta: float
+) -> Tensor:
+    """Classic RLHF reward shaping: r'_t = r_t − β·KL_t with the k1 estimate KL_t = log π_t − log
+    π_ref,t of the sampled token (its expectation under π is KL(π ‖ π_ref)). The penalty then
+    reaches the policy through the advantages, per token, instead of through the loss
+    (``algorithm.kl_coef``); ``log_pi`` is the policy that sampled (μ in asyncrl). 0 where mask is 0."""
+    _, x = _rows(mask, rewards=rewards, log_pi=log_pi, log_ref=log_ref)
+    return (x["rewards"] - beta * (x["log_pi"] - x["log_ref"])).to(rewards.dtype)
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+) -> TokenAdvantages:
+    """Generalised advantage estimation (Schulman et al. 2016), backwards over each row's mask-1
+    tokens t with next(t) the next mask-1 token and V(next) = 0 after the last:
+
+        δ_t = r_t + γ·V(x_next(t)) − V(x_t),   A_t = δ_t + γλ·A_next(t),   R_t = A_t + V(x_t)
+
+    λ = 1 makes R_t the discounted return Σ_k γ^k r_{t+k} (unbiased, high variance); λ = 0 the
+    one-step TD target r_t + γ·V(x_next(t)). No whitening: a caller wanting whitened advantages
+    whitens A after (R stays the value target)."""
+    m, x = _rows(mask, rewards=rewards, values=values)
+    r, v = x["rewards"], x["values"]
+    adv = torch.zeros_like(v)
+    next_v = torch.zeros_like(v[:, 0])
+    next_a = torch.zeros_like(next_v)
+    for t in reversed(range(v.shape[1])):
+        mt = m[:, t]
+        a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a
+        adv[:, t] = torch.where(mt, a, 0.0)
+        next_a = torch.where(mt, a, next_a)
+        next_v = torch.where(mt, v[:, t], next_v)
+    ret = torch.where(m, adv + v, 0.0)
+    return TokenAdvantages(adv.to(values.dtype), ret.to(values.dtype))
+
+
+def vtrace(
+    rewards: Tensor,
+    values: Tensor,
+    log_pi: Tensor,
+    log_mu: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    rho_bar: float,
+    c_bar: float,
+    lam: float = 1.0,
+) -> TokenAdvantages:
+    """V-trace (IMPALA, Espeholt et al. 2018): value targets for π from tokens sampled by a stale μ.
+
+    With ρ_t = min(ρ̄, π_t/μ_t), c_t = λ·min(c̄, π_t/μ_t) and next(t), V(next) = 0 as in :func:`gae`:
+
+        v_t = V(x_t) + ρ_t·(r_t + γ·V(x_next) − V(x_t)) + γ·c_t·(v_next − V(x_next))
+        A_t = ρ_t·(r_t + γ·v_next − V(x_t))       (the policy-gradient advantage)
+
+    ``returns`` are the v_t. ρ̄ sets the value function learnt (V^π at ρ̄ = ∞, nearer V^μ below);
+    c̄ the variance of the trace. With μ = π and ρ̄, c̄ ≥ 1 both truncations vanish and v_t is
+    :func:`gae`'s return with the same λ, so GAE's targets are right only for fresh data and
+    V-trace's stay right when the tokens are several versions stale."""
+    if rho_bar <= 0 or c_bar <= 0:
+        raise ValueError(f"rho_bar and c_bar must be > 0, got {rho_bar}, {c_bar}")
+    m, x = _rows(mask, rewards=rewards, values=values, log_pi=log_pi, log_mu=log_mu)
+    r, v = x["rewards"], x["values"]
+    log_ratio = x["log_pi"] - x["log_mu"]
+    rho = torch.exp(log_ratio.clamp(max=math.log(rho_bar)))
+    c = lam * torch.exp(log_ratio.clamp(max=math.log(c_bar)))
+    vs = torch.zeros_like(v)
+    adv = torch.zeros_like(v)
+    next_v = torch.zeros_like(v[:, 0])
+    next_vs = torch.zeros_like(next_v)
+    for t in reversed(range(v.shape[1])):
+        mt = m[:, t]
+        vs_t = v[:, t] + rho[:, t] * (r[:, t] + gamma * next_v - v[:, t])
+        vs_t = vs_t + gamma * c[:, t] * (next_vs - next_v)
+        a = rho[:, t] * (r[:, t] + gamma * next_vs - v[:, t])
+        vs[:, t] = torch.where(mt, vs_t, 0.0)
+        adv[:, t] = torch.where(mt, a, 0.0)
+        next_vs = torch.where(mt, vs_t, next_vs)
+        next_v = torch.where(mt, v[:, t], next_v)
+    return TokenAdvantages(adv.to(values.dtype), vs.to(values.dtype))
+
+
+def remax(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023): A_i = r_i − r_greedy, the baseline being the reward of the same
+    prompt's greedy completion (which is scored, not trained on). No critic and no group: one
+    extra greedy generation per prompt. ``greedy_rewards`` is shaped like ``rewards`` (one baseline
+    per sample) or like ``rewards.shape[:-1]`` (one per prompt, for ``[num_prompts, n]`` rewards)."""
+    g = greedy_rewards.to(rewards.dtype)
+    if g.shape == rewards.shape[:-1] and rewards.dim() > 0:
+        g = g.unsqueeze(-1)
+    elif g.shape != rewards.shape:
+        raise ValueError(
+            f"greedy_rewards {tuple(greedy_rewards.shape)}: expected {tuple(rewards.shape)} or "
+            f"{tuple(rewards.shape[:-1])} for rewards {tuple(rewards.shape)}"
+        )
+    return rewards - g

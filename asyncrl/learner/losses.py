@@ -16,6 +16,9 @@ parts (``gspo``, ``seq_mean_token_mean``) need each sequence whole inside one mi
 
 Statistics come back as additive sums (:func:`policy_loss`); sum them over micro-batches and ranks,
 then :func:`finalize_stats` turns them into the logged means.
+
+A critic's :func:`value_loss` and a reward model's :func:`bradley_terry` follow the same rules
+(global denominators, additive stats); :func:`explained_variance` judges a critic's values.
 """
 
 from __future__ import annotations
@@ -235,6 +238,96 @@ def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Norm
 # --------------------------------------------------------------------------------------------------
 
 
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    *,
+    mask: Tensor,
+    seq_ids: Tensor,
+    clip: float,
+    aggregation: str,
+    norm: Normaliser,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A critic's clipped value loss (PPO), this micro-batch's contribution:
+
+        L_V = Σ_t c_t · ½·max((V_t − R_t)², (V_clip,t − R_t)²),  V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
+
+    with V the critic's values (carrying the gradient), V_old the values the returns R were computed
+    with (:func:`asyncrl.learner.advantages.gae` or ``vtrace``), ε_v = ``clip`` (``algorithm.
+    value_clip``; 0 is off: plain ½(V − R)²), c_t from ``aggregation`` and ``norm`` as the policy
+    loss's. The clip keeps one step's value change near V_old, as the ratio clip does for π; taking
+    the max makes it pessimistic. Stats are float64 sums: ``value_tokens`` and ``value_clipped``
+    (tokens where the clipped term was larger, so the gradient is gone);
+    :func:`finalize_stats` turns them into ``loss/value_clip_frac``."""
+    valid = mask.bool()
+    for name, x in (("old_values", old_values), ("returns", returns)):
+        if x.shape != values.shape:
+            raise ValueError(
+                f"{name}: shape {tuple(x.shape)} != values shape {tuple(values.shape)}"
+            )
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(valid, values, zero)
+    v_old = torch.where(valid, old_values.detach(), zero)
+    ret = torch.where(valid, returns.detach(), zero)
+    unclipped = (v - ret) ** 2
+    if clip > 0:
+        clipped = (v_old + torch.clamp(v - v_old, -clip, clip) - ret) ** 2
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        active = valid & (clipped > unclipped)
+    else:
+        per_token, active = 0.5 * unclipped, torch.zeros_like(valid)
+    c = token_weights(valid, seq_ids, aggregation=aggregation, norm=norm).to(per_token.dtype)
+    loss = torch.where(valid, per_token * c, zero).sum()
+    stats = {"value_tokens": valid.sum(), "value_clipped": active.sum()}
+    return loss, {k: v.to(torch.float64).detach() for k, v in stats.items()}
+
+
+def bradley_terry(
+    chosen: Tensor, rejected: Tensor, *, pairs: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """A reward model's pairwise loss (Bradley–Terry; InstructGPT's RM), from the scalar scores
+    s_c, s_r of each pair's chosen and rejected completions:
+
+        L = 1/N · Σ_pairs −log σ(s_c − s_r)    (computed as softplus(s_r − s_c): no overflow)
+
+    P(chosen ≻ rejected) = σ(s_c − s_r), so this is the pairs' negative log-likelihood; only score
+    differences are learnt. N = ``pairs``, the step's global count (as :class:`Normaliser`'s, so
+    micro-batch losses add up to the batch's); default: this micro-batch's pairs. Stats are float64
+    sums: ``rm_pairs``, ``rm_correct`` (s_c > s_r strictly: a tie is not a correct ranking) and
+    ``rm_margin`` (Σ s_c − s_r); :func:`finalize_stats` gives ``loss/rm_accuracy`` and
+    ``loss/rm_margin``."""
+    if chosen.shape != rejected.shape or chosen.dim() != 1:
+        raise ValueError(
+            f"chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)}: expected [pairs]"
+        )
+    d = chosen - rejected
+    n = chosen.shape[0] if pairs is None else pairs
+    loss = torch.nn.functional.softplus(-d).sum() / max(n, 1)
+    stats = {
+        "rm_pairs": torch.tensor(d.shape[0], device=d.device),
+        "rm_correct": (d > 0).sum(),
+        "rm_margin": d.sum(),
+    }
+    return loss, {k: v.to(torch.float64).detach() for k, v in stats.items()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 − Var[R − V] / Var[R] over the mask-1 tokens: how much of the returns' spread the critic
+    predicts. 1 is perfect, 0 no better than the mean, < 0 worse than the mean. Returns without
+    variance (or no tokens) give 0: there is nothing to explain. The ratio is the same with or
+    without Bessel's correction."""
+    m = mask.bool()
+    r = returns.detach().to(torch.float64)[m]
+    v = values.detach().to(torch.float64)[m]
+    if r.numel() == 0:
+        return 0.0
+    var_r = float(r.var(unbiased=False))
+    if var_r == 0:
+        return 0.0
+    return 1.0 - float((r - v).var(unbiased=False)) / var_r
+
+
 def policy_loss(
     *,
     cfg: AlgorithmConfig,
@@ -349,10 +442,14 @@ def ratio_in_bounds(rho: Tensor, lo: float, hi: float) -> Tensor:
 def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
     """Summed stats → logged metrics (means over trained tokens; ESS = (Σw)² / (N·Σw²)).
 
-    Over no tokens every fraction is 0 and ESS is 1 (nothing to weight)."""
+    Over no tokens every fraction is 0 and ESS is 1 (nothing to weight). The stats of
+    :func:`value_loss` and :func:`bradley_terry` may be summed in too (or alone)."""
     s = {k: float(v) for k, v in stats.items()}
+    out = _critic_metrics(s)
+    if "tokens" not in s:  # a critic's or a reward model's step: no policy stats
+        return out
     n = s["tokens"]
-    out = {"loss/tokens": n}
+    out["loss/tokens"] = n
     if n <= 0:
         return out | {
             "loss/is_weight_mean": 1.0,
@@ -373,6 +470,19 @@ def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
     for k in ("kl_ref", "entropy"):  # only when computed (the caller passed ref_logp / entropy)
         if s[f"{k}_tokens"] > 0:
             out[f"loss/{k}"] = s[k] / s[f"{k}_tokens"]
+    return out
+
+
+def _critic_metrics(s: dict[str, float]) -> dict[str, float]:
+    """The value loss's clip fraction and the reward model's pairwise accuracy and mean margin."""
+    out = {}
+    if "value_tokens" in s:
+        n = s["value_tokens"]
+        out["loss/value_clip_frac"] = s["value_clipped"] / n if n > 0 else 0.0
+    if "rm_pairs" in s:
+        n = s["rm_pairs"]
+        out["loss/rm_accuracy"] = s["rm_correct"] / n if n > 0 else 0.0
+        out["loss/rm_margin"] = s["rm_margin"] / n if n > 0 else 0.0
     return out
 
 

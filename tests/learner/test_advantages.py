@@ -10,8 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.learner.advantages import ESTIMATORS, compute_advantages
-from asyncrl.recipe import Advantage
+from asyncrl.learner.advantages import (
+    ESTIMATORS,
+    NOT_WIRED,
+    compute_advantages,
+    gae,
+    kl_shaped_rewards,
+    last_token_rewards,
+    remax,
+    vtrace,
+)
+from asyncrl.recipe import Advantage, RecipeError
 
 KINDS = ["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 EPS = 1e-9
@@ -80,7 +89,7 @@ def test_shape_and_dtype_follow_input():
 
 def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="algorithm.advantage"):
-        adv([[1.0, 0.0]], "gae")
+        adv([[1.0, 0.0]], "ppo")
     with pytest.raises(ValueError, match="non-finite"):
         adv([[1.0, float("nan")]], "grpo")
     with pytest.raises(ValueError, match="at least one sample"):
@@ -126,5 +135,167 @@ def test_reinforce_pp_is_batch_whitened(groups):
     assert std == pytest.approx(1.0, abs=1e-3) or std == 0.0
 
 
-def test_every_recipe_advantage_has_an_estimator():
-    assert set(ESTIMATORS) == set(typing.get_args(Advantage))
+def test_every_recipe_advantage_has_an_estimator_or_is_refused_by_name():
+    assert set(ESTIMATORS) | set(NOT_WIRED) == set(typing.get_args(Advantage))
+    assert not set(ESTIMATORS) & set(NOT_WIRED)
+    for kind in NOT_WIRED:
+        with pytest.raises(RecipeError, match="not wired in the learner") as e:
+            adv([[1.0, 0.0]], kind)
+        assert e.value.key == "algorithm.advantage" and kind in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Token-level estimators
+# --------------------------------------------------------------------------------------------------
+
+F64 = torch.float64
+NAN = float("nan")
+
+
+def rows(*xs):
+    return torch.tensor(xs, dtype=F64)
+
+
+def test_gae_golden_with_uneven_rows():
+    # γ = 0.9, λ = 0.5, γλ = 0.45. Row 0, backwards from the last token (V after it is 0):
+    #   t=2: δ = 1 − 0.8 = 0.2;              A = 0.2;                     R = 1.0
+    #   t=1: δ = 0.9·0.8 − 0.6 = 0.12;       A = 0.12 + 0.45·0.2 = 0.21;   R = 0.81
+    #   t=0: δ = 0.9·0.6 − 0.5 = 0.04;       A = 0.04 + 0.45·0.21 = 0.1345; R = 0.6345
+    # Row 1 ends at t=1 (padding holds NaN): t=1: δ = 2 − 1 = 1, R = 2;
+    #   t=0: δ = 0.9·1 − 1 = −0.1, A = −0.1 + 0.45·1 = 0.35, R = 1.35.
+    r = rows([0, 0, 1], [0, 2, NAN])
+    v = rows([0.5, 0.6, 0.8], [1, 1, NAN])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    a, ret = gae(r, v, mask, gamma=0.9, lam=0.5)
+    torch.testing.assert_close(a, rows([0.1345, 0.21, 0.2], [0.35, 1.0, 0]))
+    torch.testing.assert_close(ret, rows([0.6345, 0.81, 1.0], [1.35, 2.0, 0]))
+
+
+def test_gae_skips_mask_zero_tokens_inside_a_row():
+    # A tool's output (mask 0) between two trained tokens: its reward 5 and value 99 are not
+    # seen; t=0 bootstraps from t=2. t=2: A = 0.2, R = 1; t=0: δ = 0.9·0.8 − 0.5 = 0.22,
+    # A = 0.22 + 0.45·0.2 = 0.31, R = 0.81. The same as the row with the hole cut out.
+    a, ret = gae(
+        rows([0, 5, 1]), rows([0.5, 99, 0.8]), torch.tensor([[1, 0, 1]]), gamma=0.9, lam=0.5
+    )
+    torch.testing.assert_close(a, rows([0.31, 0, 0.2]))
+    torch.testing.assert_close(ret, rows([0.81, 0, 1.0]))
+    cut = gae(rows([0, 1]), rows([0.5, 0.8]), torch.ones(1, 2), gamma=0.9, lam=0.5)
+    torch.testing.assert_close(cut.advantages, a[:, [0, 2]])
+
+
+def test_gae_lambda_one_is_monte_carlo_and_zero_is_td():
+    r, v, m = rows([0, 0, 1]), rows([0.5, 0.6, 0.8]), torch.ones(1, 3)
+    a, ret = gae(r, v, m, gamma=1.0, lam=1.0)  # every token's return is the final reward
+    torch.testing.assert_close(ret, rows([1, 1, 1]))
+    torch.testing.assert_close(a, rows([0.5, 0.4, 0.2]))
+    _, td = gae(r, v, m, gamma=0.5, lam=0.0)  # r_t + γ·V(x_{t+1})
+    torch.testing.assert_close(td, rows([0.3, 0.4, 1.0]))
+
+
+def test_vtrace_golden():
+    # γ = 0.9, π/μ = [2, 0.5], ρ̄ = c̄ = 1: ρ = c = [1, 0.5]. Backwards, V after the end = 0:
+    #   t=1: v = 0.8 + 0.5·(1 − 0.8) = 0.9;                       A = 0.5·(1 − 0.8) = 0.1
+    #   t=0: v = 0.5 + 1·(0.9·0.8 − 0.5) + 0.9·1·(0.9 − 0.8) = 0.81; A = 1·(0.9·0.9 − 0.5) = 0.31
+    # With ρ̄ = 1.5 (c̄ = 1): ρ_0 = 1.5, so v_0 = 0.5 + 1.5·0.22 + 0.09 = 0.92, A_0 = 1.5·0.31.
+    # With π/μ = [0.5, 0.5]: t=0: v = 0.5 + 0.5·0.22 + 0.9·0.5·0.1 = 0.655, A = 0.5·0.31 = 0.155.
+    r, v, m = rows([0, 1]), rows([0.5, 0.8]), torch.ones(1, 2)
+    log_mu = rows([-1.0, -1.0])
+    log_pi = log_mu + torch.log(rows([2.0, 0.5]))
+    a, vs = vtrace(r, v, log_pi, log_mu, m, gamma=0.9, rho_bar=1.0, c_bar=1.0)
+    torch.testing.assert_close(vs, rows([0.81, 0.9]))
+    torch.testing.assert_close(a, rows([0.31, 0.1]))
+    a, vs = vtrace(r, v, log_pi, log_mu, m, gamma=0.9, rho_bar=1.5, c_bar=1.0)
+    torch.testing.assert_close(vs, rows([0.92, 0.9]))
+    torch.testing.assert_close(a, rows([0.465, 0.1]))
+    log_pi = log_mu + math.log(0.5)
+    a, vs = vtrace(r, v, log_pi, log_mu, m, gamma=0.9, rho_bar=1.0, c_bar=1.0)
+    torch.testing.assert_close(vs, rows([0.655, 0.9]))
+    torch.testing.assert_close(a, rows([0.155, 0.1]))
+
+
+def _random_batch(seed: int, b: int = 4, t: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    mask[0, 0] = False  # a hole inside a row (e.g. a tool's output)
+    mask[0, -1] = True
+    r = torch.randn(b, t, generator=g, dtype=F64)
+    v = torch.randn(b, t, generator=g, dtype=F64)
+    log_mu = -torch.rand(b, t, generator=g, dtype=F64) * 3
+    r[~mask], v[~mask], log_mu[~mask] = NAN, NAN, NAN
+    return r, v, log_mu, mask
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("lam", [1.0, 0.7])
+def test_vtrace_on_policy_is_gae(seed, lam):
+    # μ = π with ρ̄ = c̄ = 1: no truncation, v_t = GAE's return with the same λ; at λ = 1 the
+    # policy-gradient advantage is GAE's too (ρ(r + γ v_{t+1} − V) = Σ_k γ^k δ_{t+k}).
+    r, v, log_mu, mask = _random_batch(seed)
+    a, vs = vtrace(r, v, log_mu, log_mu, mask, gamma=0.95, rho_bar=1.0, c_bar=1.0, lam=lam)
+    ga, gret = gae(r, v, mask, gamma=0.95, lam=lam)
+    torch.testing.assert_close(vs, gret)
+    if lam == 1.0:
+        torch.testing.assert_close(a, ga)
+    assert torch.equal(vs[~mask], torch.zeros_like(vs[~mask]))
+    assert torch.isfinite(a).all() and torch.isfinite(vs).all()
+
+
+@pytest.mark.parametrize("fn", ["gae", "vtrace"])
+def test_rows_are_independent_and_padding_does_not_matter(fn):
+    r, v, log_mu, mask = _random_batch(3)
+    log_pi = torch.where(mask, log_mu + 0.3, NAN)
+
+    def run(r, v, log_pi, log_mu, mask):
+        if fn == "gae":
+            return gae(r, v, mask, gamma=0.9, lam=0.8)
+        return vtrace(r, v, log_pi, log_mu, mask, gamma=0.9, rho_bar=1.0, c_bar=0.9, lam=0.8)
+
+    whole = run(r, v, log_pi, log_mu, mask)
+    for i in range(r.shape[0]):
+        n = int(mask[i].nonzero().max()) + 1
+        one = run(*(x[i : i + 1, :n] for x in (r, v, log_pi, log_mu, mask)))
+        for got, want in zip(whole, one, strict=True):
+            torch.testing.assert_close(got[i, :n], want[0])
+            assert torch.equal(got[i, n:], torch.zeros_like(got[i, n:]))
+
+
+def test_token_estimators_refuse_bad_shapes_and_nan_at_trained_tokens():
+    m = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="values: shape"):
+        gae(rows([0, 1]), rows([0, 1, 2]), m, gamma=1, lam=1)
+    with pytest.raises(ValueError, match="rewards: non-finite"):
+        gae(rows([0, NAN]), rows([0, 1]), m, gamma=1, lam=1)
+    with pytest.raises(ValueError, match="rho_bar"):
+        vtrace(
+            rows([0, 1]), rows([0, 1]), rows([0, 0]), rows([0, 0]), m, gamma=1, rho_bar=0, c_bar=1
+        )
+
+
+def test_last_token_rewards():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
+    out = last_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask)
+    assert torch.equal(out, torch.tensor([[0, 1.0, 0, 0], [0, 0, 2.0, 0], [0, 0, 0, 0]]))
+
+
+def test_kl_shaped_rewards_golden():
+    # KL_t = log π − log π_ref = [0.5, −1]; r' = r − 0.1·KL = [−0.05, 1.1]; padding gives 0.
+    mask = torch.tensor([[1, 1, 0]])
+    out = kl_shaped_rewards(
+        rows([0, 1, NAN]), rows([-1, -2, NAN]), rows([-1.5, -1, NAN]), mask, beta=0.1
+    )
+    torch.testing.assert_close(out, rows([-0.05, 1.1, 0]))
+
+
+def test_remax_subtracts_the_greedy_reward():
+    r = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    torch.testing.assert_close(
+        remax(r, torch.tensor([0.5, 1.0])), torch.tensor([[0.5, -0.5], [-0.5, -0.5]])
+    )
+    torch.testing.assert_close(
+        remax(r.flatten(), torch.tensor([0.5, 0.5, 1.0, 1.0])),
+        torch.tensor([0.5, -0.5, -0.5, -0.5]),
+    )
+    with pytest.raises(ValueError, match="greedy_rewards"):
+        remax(r, torch.tensor([1.0, 2.0, 3.0]))

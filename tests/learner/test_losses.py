@@ -15,12 +15,15 @@ from asyncrl.learner.losses import (
     LOSSES,
     STAT_KEYS,
     Normaliser,
+    bradley_terry,
     count_tokens_and_seqs,
+    explained_variance,
     finalize_stats,
     kl_penalty,
     needs_prox,
     policy_loss,
     token_weights,
+    value_loss,
     zero_stats,
 )
 from asyncrl.recipe import AlgorithmConfig
@@ -568,3 +571,133 @@ def test_decoupled_ppo_with_prox_equal_to_pi_is_tis(aggregation):
     assert float((g_dec - g_tis).abs().max()) <= 1e-7 * float(g_tis.abs().max())
     _, stats = run("decoupled_ppo", **{**b, "prox_logp": b["logp"]}, **kw)
     assert finalize_stats(stats)["loss/clip_frac"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# The critic's value loss, the reward model's Bradley–Terry loss, explained variance
+# --------------------------------------------------------------------------------------------------
+
+# V = [1, 0, 2], V_old = [0.5, 0, 1], R = [2, 1, 0], ε_v = 0.2:
+#   t0: (V−R)² = 1;  V_clip = 0.5 + 0.2 = 0.7, (0.7−2)² = 1.69 → max 1.69, clipped;  ½ → 0.845
+#   t1: (V−R)² = 1;  V_clip = 0,               (0−1)²   = 1    → 1, not clipped;     ½ → 0.5
+#   t2: (V−R)² = 4;  V_clip = 1.2,             (1.2−0)² = 1.44 → 4, not clipped;     ½ → 2
+V, V_OLD, RET = t(1.0, 0.0, 2.0), t(0.5, 0.0, 1.0), t(2.0, 1.0, 0.0)
+
+
+def run_value(values, *, mask=None, seq_ids=None, clip=0.2, aggregation="token_mean", **kw):
+    n = values.shape[0]
+    mask = torch.ones(n, dtype=torch.bool) if mask is None else mask
+    seq_ids = torch.zeros(n, dtype=torch.long) if seq_ids is None else seq_ids
+    tok, seqs = count_tokens_and_seqs(mask, seq_ids).tolist()
+    old, ret = kw.get("old", V_OLD), kw.get("ret", RET)
+    return value_loss(
+        values,
+        old,
+        ret,
+        mask=mask,
+        seq_ids=seq_ids,
+        clip=clip,
+        aggregation=aggregation,
+        norm=Normaliser(tokens=tok, seqs=seqs),
+    )
+
+
+def test_value_loss_golden_and_clip_fraction():
+    loss, stats = run_value(V)
+    assert float(loss) == pytest.approx((0.845 + 0.5 + 2.0) / 3)
+    assert finalize_stats(stats) == {"loss/value_clip_frac": pytest.approx(1 / 3)}
+    # seq_mean_token_mean over sequences [t0, t1], [t2]: ((0.845 + 0.5) / 2 + 2) / 2
+    loss, _ = run_value(V, seq_ids=torch.tensor([0, 0, 1]), aggregation="seq_mean_token_mean")
+    assert float(loss) == pytest.approx(((0.845 + 0.5) / 2 + 2.0) / 2)
+    loss, stats = run_value(V, clip=0.0)  # off: ½·mean (V − R)² = ½·(1 + 1 + 4) / 3
+    assert float(loss) == pytest.approx(1.0)
+    assert finalize_stats(stats)["loss/value_clip_frac"] == 0.0
+
+
+def test_value_loss_gradient_is_zero_where_the_clip_acts():
+    # t0 clipped (V − V_old = 0.5 > ε_v, the clipped term wins): no gradient. Elsewhere
+    # d/dV ½(V − R)² / 3 = (V − R) / 3 = [−1/3, 2/3].
+    g = grad_of(lambda v: run_value(v)[0], V)
+    torch.testing.assert_close(g, t(0.0, -1 / 3, 2 / 3))
+
+
+def test_value_loss_ignores_masked_garbage():
+    nan = float("nan")
+    mask = torch.tensor([True, True, False, True])
+    v = t(1.0, 0.0, nan, 2.0)
+    loss, stats = run_value(v, mask=mask, old=t(0.5, 0.0, nan, 1.0), ret=t(2.0, 1.0, nan, 0.0))
+    assert float(loss) == pytest.approx((0.845 + 0.5 + 2.0) / 3)
+    assert float(stats["value_tokens"]) == 3
+    g = grad_of(lambda x: run_value(x, mask=mask, old=t(0.5, 0, nan, 1), ret=t(2, 1, nan, 0))[0], v)
+    torch.testing.assert_close(g, t(0.0, -1 / 3, 0.0, 2 / 3))
+
+
+def test_value_loss_micro_batches_add_up():
+    g = torch.Generator().manual_seed(0)
+    v, old, ret = (torch.randn(10, generator=g, dtype=F64) for _ in range(3))
+    seq_ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    mask = torch.ones(10, dtype=torch.bool)
+    tok, seqs = count_tokens_and_seqs(mask, seq_ids).tolist()
+    norm = Normaliser(tokens=tok, seqs=seqs)
+    for agg in AGGS[:2]:
+        kw = {"clip": 0.3, "aggregation": agg, "norm": norm}
+        whole, _ = value_loss(v, old, ret, mask=mask, seq_ids=seq_ids, **kw)
+        a, sa = value_loss(v[:5], old[:5], ret[:5], mask=mask[:5], seq_ids=seq_ids[:5], **kw)
+        b, sb = value_loss(v[5:], old[5:], ret[5:], mask=mask[5:], seq_ids=seq_ids[5:], **kw)
+        torch.testing.assert_close(a + b, whole)
+        assert float(sa["value_tokens"] + sb["value_tokens"]) == 10
+
+
+def test_bradley_terry_golden():
+    # s_c − s_r = [2, −1, 0]: L = (log(1 + e⁻²) + log(1 + e) + log 2) / 3; only the first pair
+    # is ranked right (a tie is not); the mean margin is 1/3.
+    loss, stats = bradley_terry(t(2.0, 0.0, 1.0), t(0.0, 1.0, 1.0))
+    want = (math.log(1 + math.exp(-2)) + math.log(1 + math.e) + math.log(2)) / 3
+    assert float(loss) == pytest.approx(want)
+    out = finalize_stats(stats)
+    assert out == {"loss/rm_accuracy": pytest.approx(1 / 3), "loss/rm_margin": pytest.approx(1 / 3)}
+    half, _ = bradley_terry(t(2.0), t(0.0), pairs=2)  # a global count: this micro-batch's share
+    assert float(half) == pytest.approx(math.log(1 + math.exp(-2)) / 2)
+
+
+def test_bradley_terry_gradient():
+    # dL/ds_c = −σ(s_r − s_c) / N = −dL/ds_r; checked analytically and by finite differences.
+    c, r = t(2.0, 0.0, 1.0).requires_grad_(True), t(0.0, 1.0, 1.0).requires_grad_(True)
+    bradley_terry(c, r)[0].backward()
+    want = -torch.sigmoid(-t(2.0, -1.0, 0.0)) / 3
+    torch.testing.assert_close(c.grad, want)
+    torch.testing.assert_close(r.grad, -want)
+    assert torch.autograd.gradcheck(
+        lambda a, b: bradley_terry(a, b)[0],
+        (c.detach().requires_grad_(True), r.detach().requires_grad_(True)),
+    )
+
+
+def test_bradley_terry_is_stable_for_large_margins_and_checks_shapes():
+    loss, _ = bradley_terry(t(1000.0, -1000.0), t(0.0, 0.0))
+    assert float(loss) == pytest.approx(500.0)  # (0 + 1000) / 2, no overflow
+    with pytest.raises(ValueError, match="expected \\[pairs\\]"):
+        bradley_terry(t(1.0, 2.0), t(1.0))
+
+
+def test_explained_variance():
+    r = t(1.0, 2.0, 3.0, 4.0)
+    m = torch.ones(4, dtype=torch.bool)
+    assert explained_variance(r, r, m) == 1.0
+    assert explained_variance(torch.full((4,), 2.5, dtype=F64), r, m) == 0.0
+    # R − V = [−1, 1, −1, 1]: Var 1; Var R = 1.25 → 1 − 1/1.25 = 0.2
+    assert explained_variance(t(2.0, 1.0, 4.0, 3.0), r, m) == pytest.approx(0.2)
+    nan = float("nan")
+    mask = torch.tensor([True, False, True, True, True])
+    assert explained_variance(t(2.0, nan, 1.0, 4.0, 3.0), t(1.0, nan, 2.0, 3.0, 4.0), mask) == (
+        pytest.approx(0.2)
+    )
+    assert explained_variance(t(0.0, 1.0), t(3.0, 3.0), torch.ones(2)) == 0.0  # nothing to explain
+
+
+def test_finalize_sums_critic_stats_with_the_policy_stats():
+    _, vs = run_value(V)
+    _, bs = bradley_terry(t(2.0), t(0.0))
+    out = finalize_stats(zero_stats() | vs | bs)
+    assert out["loss/tokens"] == 0 and out["loss/value_clip_frac"] == pytest.approx(1 / 3)
+    assert out["loss/rm_accuracy"] == 1.0

@@ -1,0 +1,81 @@
+"""`asyncrl graph`: prints every call by level and writes a valid PNG; a bad recipe is one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from asyncrl import dataflow, recipe
+from asyncrl.graph import main
+
+DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+PPO = """\
+run: {name: ppo, steps: 2}
+algorithm: {loss: ppo, advantage: gae, gamma: 1.0, lam: 0.95, kl_reward_coef: 0.05}
+"""
+
+
+def _valid_png(path: Path) -> tuple[int, int]:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        return im.size
+
+
+@pytest.mark.parametrize("which", ["demo", "ppo"])
+def test_graph_prints_every_call_and_writes_a_png(tmp_path, capsys, which):
+    path = DEMO
+    if which == "ppo":
+        path = tmp_path / "ppo.yaml"
+        path.write_text(PPO)
+    out = tmp_path / "g.png"
+    assert main([str(path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    flow = dataflow.from_recipe(recipe.load(path, check_files=False))
+    for c in flow.calls:
+        assert f"{c.name}: {c.label}" in printed
+    w, h = _valid_png(out)
+    assert w > 300 and h > 100
+    if which == "ppo":
+        assert "ppo with a critic (gae, kl reward)" in printed
+        assert "[1] values: critic.inference" in printed
+        assert "[3] train_critic: critic.train_step" in printed
+
+
+def test_graph_default_png_sits_next_to_the_run_folder(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main([str(DEMO), f"run.output_dir={runs}", "run.name=d"]) == 0
+    _valid_png(runs / "d.dataflow.png")
+    assert not (runs / "d").exists()  # `asyncrl run` wants a fresh run folder
+    assert str(runs / "d.dataflow.png") in capsys.readouterr().err
+
+
+def test_graph_bad_recipe_is_one_line_not_a_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm: {advantage: gea}\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "graph", str(bad), "--out", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "algorithm.advantage" in lines[0] and "did you mean 'gae'" in lines[0]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_graph_unwritable_out_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main([str(DEMO), "--out", str(blocker / "g.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("asyncrl graph: cannot write")
