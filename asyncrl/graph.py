@@ -35,7 +35,8 @@ def draw(flow: dataflow.Dataflow, out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    from matplotlib.patches import FancyArrowPatch, Patch
+    from matplotlib.path import Path as MplPath
 
     levels = flow.order()
     pos = {
@@ -54,18 +55,29 @@ def draw(flow: dataflow.Dataflow, out: Path) -> Path:
         for k in c.inputs:
             if k in producer:
                 edges.setdefault((producer[k], c.name), []).append(k)
+    skips = 0
     for (a, b), keys in edges.items():
         (x0, y0), (x1, y1) = pos[a], pos[b]
-        ax.annotate(
-            "",
-            xy=(x1 - 0.3, y1),
-            xytext=(x0 + 0.3, y0),
-            arrowprops={"arrowstyle": "->", "color": "#555555", "shrinkA": 0, "shrinkB": 0},
+        start, end = (x0 + 0.3, y0), (x1 - 0.3, y1)
+        # an arrow that skips a level would run through the boxes between: it arcs over (or under)
+        # them instead, alternately, and its label sits at the top of the arc
+        bend = 0.0
+        if x1 - x0 > 1:
+            skips += 1
+            side = 1 if skips % 2 else -1
+            apex = side * (tallest / 2 + 0.15 * (skips + 1) // 2)  # above (below) every box
+            bend = 2 * (apex - (start[1] + end[1]) / 2)
+        mid = ((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + bend)
+        curve = MplPath([start, mid, end], [MplPath.MOVETO, MplPath.CURVE3, MplPath.CURVE3])
+        ax.add_patch(
+            FancyArrowPatch(path=curve, arrowstyle="-|>", mutation_scale=10, color="#555555", lw=1)
         )
-        f = 0.6  # the label sits nearer the reader: arrows from one call fan out, so labels part
+        f = 0.5 if bend else 0.6  # labels of arrows fanning out of one call part nearer the reader
+        lx = start[0] * (1 - f) + end[0] * f
+        ly = start[1] * (1 - f) + end[1] * f + bend / 2  # a quadratic Bezier's midpoint
         ax.text(
-            (x0 + 0.3) * (1 - f) + (x1 - 0.3) * f,
-            y0 * (1 - f) + y1 * f,
+            lx,
+            ly,
             ", ".join(keys),
             fontsize=7,
             ha="center",
@@ -93,7 +105,8 @@ def draw(flow: dataflow.Dataflow, out: Path) -> Path:
         frameon=False,
     )
     ax.set_xlim(-0.6, len(levels) - 0.4)
-    ax.set_ylim(-tallest / 2 - 0.3, tallest / 2 + 0.5)
+    room = 0.15 * (skips + 1) // 2 + 0.2 if skips else 0.0
+    ax.set_ylim(-tallest / 2 - 0.3 - room, tallest / 2 + 0.5 + room)
     ax.set_title(flow.name, fontsize=10)
     ax.axis("off")
     out.parent.mkdir(parents=True, exist_ok=True)
