@@ -320,7 +320,9 @@ def ppo_with_critic(
 
 def remax(*, kl_loss: bool = False, prox: bool = False, reward_model: bool = True) -> Dataflow:
     """ReMax: the baseline of a sample is the reward of its prompt's greedy completion, generated
-    and scored alongside but not trained on. No critic, no group."""
+    and scored alongside but not trained on. No critic, no group statistics. In asyncrl the rollout
+    worker runs ``generate_greedy`` and its ``score`` (one greedy episode per group, whose reward
+    travels as ``Group.baseline_reward``) and the learner the ``advantages`` call."""
     extras, keys = _actor_extras(kl_loss=kl_loss, prox=prox)
     calls = [
         _generate(),

@@ -56,3 +56,12 @@ READ_BY_ASYNCRL = (
     PAUSE_S,
 )
 """Every name above: a real RL run logs each (a family: at least one bucket)."""
+
+# -- ReMax only (algorithm.advantage: remax): the greedy episode each group's baseline comes from --
+GREEDY_TOKENS = "rollout/greedy_tokens_generated"  # generated, not trained on (a worker counter)
+GREEDY_REWARD_MEAN = "rollout/greedy_reward_mean"  # the baselines' mean over the interval
+REMAX_BASELINE_FAILURES = "rollout/remax_baseline_failures"  # groups sent without a baseline
+REMAX_MEAN_BASELINES = "learner/remax_mean_baselines"  # the batch's groups without one (mean used)
+
+READ_WHEN_REMAX = (GREEDY_TOKENS, GREEDY_REWARD_MEAN, REMAX_BASELINE_FAILURES, REMAX_MEAN_BASELINES)
+"""Every ReMax name above: a real ReMax run logs each as well (tests/test_e2e.py checks)."""

@@ -590,11 +590,11 @@ def warnings(recipe: Recipe) -> list[str]:
             f"1; a range of {max(alg.clip_low, alg.clip_high):g} rarely clips (the GSPO paper uses "
             "3e-4 / 4e-4)"
         )
-    if alg.loss != "sft" and alg.advantage in ("gae", "vtrace", "remax"):
+    if alg.loss != "sft" and alg.advantage in ("gae", "vtrace"):
         out.append(
             f"algorithm.advantage: {alg.advantage} is not wired in the learner yet (it needs "
-            + ("a greedy rollout" if alg.advantage == "remax" else "a critic")
-            + "); `asyncrl graph` shows its dataflow, and the learner refuses it at the first batch"
+            "a critic); `asyncrl graph` shows its dataflow, and the learner refuses it at the "
+            "first batch"
         )
     if alg.loss != "sft" and (ro.top_p < 1 or ro.top_k > 0 or ro.min_p > 0):
         out.append(

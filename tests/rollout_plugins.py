@@ -58,3 +58,22 @@ def first_chars_call(text: str) -> ToolCall | None:
 tool_workflow = MultiTurn(
     tools=[char_code_sum], parse_tool_call=first_chars_call, turn_max_new_tokens=6, max_turns=3
 )
+
+
+def ids_reward(prompt, completion, prompt_ids, completion_ids, **row):
+    """A reward that tells completions apart (a random model's all score 0 on exact match)."""
+    return sum((i + 1) * t for i, t in enumerate(completion_ids)) % 1000 / 1000
+
+
+class GreedyFails:
+    """One sampled turn; a greedy episode (temperature 0, ReMax's baseline) raises."""
+
+    async def run_episode(self, ctx):
+        from asyncrl.rollout.workflows import SingleTurn
+
+        if ctx.params.temperature == 0:
+            raise RuntimeError("greedy episodes fail on purpose")
+        return await SingleTurn().run_episode(ctx)
+
+
+greedy_fails = GreedyFails()

@@ -324,6 +324,33 @@ def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
         trainer.close()
 
 
+def test_remax_run_trains_on_groups_that_carry_their_greedy_baseline(
+    tmp_path, demo_dir, plugin_path, monkeypatch
+):
+    """recipes/demo_remax.yaml, a few steps: every group the learner trained on arrived with the
+    reward of its prompt's greedy completion, and the ReMax metrics are logged."""
+    from asyncrl.learner.source import decode_batch
+
+    steps = 3
+    rec = tmp_path / "batches"
+    rec.mkdir()
+    monkeypatch.setenv("ASYNCRL_TEST_RECORD_BATCHES", str(rec))
+    ov = _rl_overrides(demo_dir, tmp_path, f"run.steps={steps}", "run.eval_every=0")
+    s = launch.run(ROOT / "recipes/demo_remax.yaml", ov, progress=False)
+    run_dir = tmp_path / "demo_remax"
+    assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
+    assert s["steps"] == steps
+    batches = [decode_batch(p.read_bytes()) for p in sorted(rec.glob("batch-*.bin"))]
+    assert len(batches) == steps
+    for batch in batches:
+        for g in batch.groups:
+            assert isinstance(g.baseline_reward, float), g.metadata
+            assert len(g.samples) == 4 and all(not sm.id.endswith("greedy") for sm in g.samples)
+    logged = {k for rec in metrics.read_metrics(run_dir) for k in rec}
+    assert set(metric_names.READ_WHEN_REMAX) <= logged, set(metric_names.READ_WHEN_REMAX) - logged
+    _no_children_left(run_dir)
+
+
 @pytest.mark.faults  # ~3 min on 2 cores: in `make test-faults`; the sft variant runs by default
 def test_ctrl_c_stops_the_rl_run_engines_included_and_it_resumes(tmp_path, demo_dir, plugin_path):
     ov = _rl_overrides(

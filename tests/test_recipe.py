@@ -183,10 +183,12 @@ def test_critic_fields_defaults_and_not_wired_warning(tmp_path):
     alg = recipe.load(_write(tmp_path, GOOD)).algorithm
     assert (alg.gamma, alg.lam, alg.vtrace_rho_bar, alg.vtrace_c_bar) == (1.0, 1.0, 1.0, 1.0)
     assert (alg.value_clip, alg.kl_reward_coef) == (0.2, 0.0)
-    for adv in ("gae", "vtrace", "remax"):
+    for adv in ("gae", "vtrace"):
         r = recipe.load(_write(tmp_path, GOOD), [f"algorithm.advantage={adv}"])
         (w,) = recipe.warnings(r)
         assert w.startswith("algorithm.advantage:") and "not wired in the learner" in w
+    # remax is wired: the worker plays the greedy episode, the learner subtracts its reward
+    assert recipe.warnings(recipe.load(_write(tmp_path, GOOD), ["algorithm.advantage=remax"])) == []
     r = recipe.load(
         _write(tmp_path, GOOD), ["algorithm.advantage=gae", "algorithm.kl_reward_coef=0.05"]
     )

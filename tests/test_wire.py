@@ -69,6 +69,7 @@ def groups(draw) -> wire.Group:
         lease_id=draw(text),
         samples=[draw(samples(gid, i)) for i in ids],
         prompt_index=draw(st.integers(-(2**63), 2**63 - 1)),
+        baseline_reward=draw(st.none() | finite),
         metadata=draw(metadata),
     )
 
@@ -339,6 +340,8 @@ def test_per_token_length_mismatch_is_refused_when_encoding(field):
         ("metadata", [], "put.groups[1].metadata: expected dict, got list"),
         ("metadata", {b"k": 1}, "put.groups[1].metadata: keys must be strings"),
         ("n", 0, "put.groups[1].n: 0 is outside"),
+        ("baseline_reward", "1", "put.groups[1].baseline_reward: expected int or float, got str"),
+        ("baseline_reward", float("nan"), "put.groups[1].baseline_reward: must be finite"),
     ],
 )
 def test_decode_names_the_group_field_at_fault(field, value, needle):
@@ -475,3 +478,16 @@ def test_encode_takes_lists_other_dtypes_and_strided_arrays():
     assert back.completion_ids.tolist() == [3, 4, 5]
     assert back.behavior_logprobs.tolist() == [-1.0, -2.0, -0.5]
     assert back.versions.tolist() == [1, 1, 2] and back.versions.dtype == np.int32
+
+
+def test_baseline_reward_travels_and_a_group_encoded_before_it_decodes_without_one():
+    group = _valid_messages(random.Random(1))[0]
+    group.baseline_reward = 0.25
+    assert wire.decode(wire.encode(group)).baseline_reward == 0.25
+    # journals and checkpoints hold groups encoded before the field existed: no key at all
+    tree = msgpack.unpackb(wire.encode(group), raw=False)
+    del tree["groups"][0]["baseline_reward"]
+    old = wire.decode(msgpack.packb(tree, use_bin_type=True))
+    assert old.baseline_reward is None and old.rewards == group.rewards
+    group.baseline_reward = None
+    assert_same(old, group)

@@ -107,6 +107,14 @@ def _bump(d: dict, key: Any, n: int = 1) -> None:
     d[key] = d.get(key, 0) + n
 
 
+def _no_signal(g: wire.Group) -> bool:
+    """DAPO's dynamic sampling drops a group whose advantages would all be 0: its rewards are all
+    equal and, under ReMax, equal to its greedy baseline too (else they all differ from it)."""
+    b = g.baseline_reward
+    values = set(g.rewards) | ({b} if b is not None else set())
+    return len(values) == 1 and len(g.samples) + (b is not None) > 1
+
+
 def _token_version(group: wire.Group) -> tuple[int, int] | None:
     """(oldest, newest) version over the group's tokens; None for a group with no tokens.
 
@@ -384,7 +392,7 @@ class ReplayStore:
                 )
             self._c.values["late_accepted"] += 1
         self._seen[g.id] = oldest
-        if self.cfg.dynamic_sampling and len(g.samples) > 1 and len(set(g.rewards)) == 1:
+        if self.cfg.dynamic_sampling and _no_signal(g):
             _bump(self._c.dropped, "equal_rewards")  # never stored, so its start is free again
             self.dropped_ids.append((g.id, "equal_rewards"))
             return None
@@ -421,7 +429,7 @@ class ReplayStore:
         if version < self.min_version:
             _bump(self._c.dropped, "stale")
             return "stale"
-        if self.cfg.dynamic_sampling and len(g.samples) > 1 and len(set(g.rewards)) == 1:
+        if self.cfg.dynamic_sampling and _no_signal(g):
             _bump(self._c.dropped, "equal_rewards")
             return "equal_rewards"
         self._seq += 1

@@ -18,8 +18,12 @@ a row are its mask-1 tokens only: mask-0 tokens (padding, a tool's output inside
 completion) are skipped, as if cut out, so neither their rewards nor their values count, and their
 outputs are 0. After a row's last mask-1 token the episode ends: the bootstrapped value is 0.
 Inputs at mask-0 positions may hold any value, even NaN. All are computed in float64 without
-gradient and returned in the values' dtype. :func:`remax` is per sample but needs the greedy
-completion's reward, which no group estimator sees.
+gradient and returned in the values' dtype.
+
+ReMax (:func:`remax_groups`) is the one group estimator with an outside baseline: each group's
+greedy-completion reward, which the rollout worker scores alongside the group
+(``wire.Group.baseline_reward``). Its advantages are r_i − b_g, so an all-equal group still has a
+signal when the greedy completion scored differently, and a group of one has a baseline.
 """
 
 from __future__ import annotations
@@ -47,36 +51,50 @@ def _group_stats(r: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return n[g], mean, centered
 
 
-def grpo(r: Tensor, g: Tensor, *, eps: float) -> Tensor:
+def grpo(r: Tensor, g: Tensor, *, eps: float, baseline: Tensor | None = None) -> Tensor:
     """GRPO: A_i = (r_i − mean_g r) / (std_g r + eps), std with Bessel's correction (TRL, verl)."""
+    del baseline
     n, _, c = _group_stats(r, g)
     sq = torch.zeros(int(g.max()) + 1, dtype=r.dtype).index_add_(0, g, c * c)[g]
     std = torch.sqrt(sq / (n - 1).clamp(min=1))
     return c / (std + eps)
 
 
-def dr_grpo(r: Tensor, g: Tensor, *, eps: float) -> Tensor:
+def dr_grpo(r: Tensor, g: Tensor, *, eps: float, baseline: Tensor | None = None) -> Tensor:
     """Dr. GRPO: A_i = r_i − mean_g r (no division by the std, which biases towards easy prompts)."""
-    del eps
+    del eps, baseline
     return _group_stats(r, g)[2]
 
 
-def rloo(r: Tensor, g: Tensor, *, eps: float) -> Tensor:
+def rloo(r: Tensor, g: Tensor, *, eps: float, baseline: Tensor | None = None) -> Tensor:
     """RLOO: A_i = r_i − 1/(n−1) Σ_{j≠i} r_j = n/(n−1) · (r_i − mean_g r); 0 for a group of one."""
-    del eps
+    del eps, baseline
     n, _, c = _group_stats(r, g)
     return torch.where(n > 1, n / (n - 1).clamp(min=1) * c, torch.zeros_like(r))
 
 
-def reinforce_pp(r: Tensor, g: Tensor, *, eps: float) -> Tensor:
+def reinforce_pp(r: Tensor, g: Tensor, *, eps: float, baseline: Tensor | None = None) -> Tensor:
     """REINFORCE++-baseline: a_i = r_i − mean_g r, then A_i = (a_i − mean_B a) / (std_B a + eps).
 
     mean_B and std_B are over every sample of the batch (population std, as OpenRLHF's whitening;
     OpenRLHF whitens over tokens, we over samples, so long and short answers weigh the same).
     """
+    del baseline
     a = _group_stats(r, g)[2]
     centered = a - a.mean()
     return centered / (centered.pow(2).mean().sqrt() + eps)
+
+
+def remax_groups(r: Tensor, g: Tensor, *, eps: float, baseline: Tensor | None = None) -> Tensor:
+    """ReMax over groups: A_i = r_i − b_g with ``baseline`` the per-sample b_g, the group's greedy
+    reward; NaN where a group has none (its greedy episode or reward failed, or it was made without
+    one), where the group's mean reward stands in, as Dr. GRPO's baseline."""
+    del eps
+    if baseline is None:
+        raise ValueError("remax needs each group's baseline reward (the greedy completion's)")
+    _, mean, _ = _group_stats(r, g)
+    b = torch.where(torch.isnan(baseline), mean, baseline.to(r.dtype))
+    return remax(r, b)
 
 
 ESTIMATORS: dict[str, Callable[..., Tensor]] = {
@@ -84,25 +102,33 @@ ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "dr_grpo": dr_grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
+    "remax": remax_groups,
 }
+"""Every group estimator the learner runs: ``fn(r, g, *, eps, baseline)``, ``baseline`` being each
+sample's group baseline (only ReMax reads it)."""
 
 NOT_WIRED: dict[str, str] = {
     "gae": "needs a critic's per-token values",
     "vtrace": "needs a critic's per-token values and the learner's log π",
-    "remax": "needs the reward of each prompt's greedy completion",
 }
 """Recipe advantages that are not group estimators: their math is here (:func:`gae`,
-:func:`vtrace`, :func:`remax`) and their dataflow in :mod:`asyncrl.dataflow`, but the learner does
-not run a critic or a greedy rollout yet, so :func:`compute_advantages` refuses them."""
+:func:`vtrace`) and their dataflow in :mod:`asyncrl.dataflow`, but the learner does not run a
+critic yet, so :func:`compute_advantages` refuses them."""
 
 
 def compute_advantages(
-    rewards: Tensor | Sequence[Sequence[float] | Tensor], *, kind: AdvantageKind, eps: float = 1e-6
+    rewards: Tensor | Sequence[Sequence[float] | Tensor],
+    *,
+    kind: AdvantageKind,
+    eps: float = 1e-6,
+    baselines: Sequence[float | None] | None = None,
 ) -> Tensor | list[Tensor]:
     """Per-sample advantages, shaped like ``rewards``.
 
     ``rewards`` is either a ``[num_groups, group_size]`` tensor (returns a tensor of that shape) or a
     list of per-group reward lists of any sizes (returns a list of 1-D tensors, one per group).
+    ``baselines`` has one entry per group, ``Group.baseline_reward`` (None: the group has none);
+    ``remax`` needs it, the other estimators ignore it.
     """
     if kind in NOT_WIRED:
         raise RecipeError(
@@ -133,7 +159,15 @@ def compute_advantages(
             "rewards: non-finite reward (NaN or inf); a failed reward must be a number"
         )
     g = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    adv = ESTIMATORS[kind](r, g, eps=eps).to(dtype)
+    b = None
+    if baselines is not None:
+        if len(baselines) != len(sizes):
+            raise ValueError(f"baselines: {len(baselines)} for {len(sizes)} groups")
+        b = torch.tensor([math.nan if x is None else x for x in baselines], dtype=torch.float64)
+        if torch.isinf(b).any():
+            raise ValueError("baselines: infinite baseline reward")
+        b = b[g]
+    adv = ESTIMATORS[kind](r, g, eps=eps, baseline=b).to(dtype)
     if isinstance(rewards, Tensor):
         return adv.reshape(rewards.shape)
     return list(adv.split(sizes))

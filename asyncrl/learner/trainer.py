@@ -459,16 +459,22 @@ class Trainer:
     def sequences(self, batch: Batch) -> list[Sequence]:
         """Every sample of the batch laid out for packing, with its group-relative advantage."""
         is_sft = self.alg.loss == "sft"
-        rewards = [[s.reward for s in g.samples] for g in batch.groups if g.samples]
+        groups = [g for g in batch.groups if g.samples]
+        rewards = [g.rewards for g in groups]
+        baselines = [g.baseline_reward for g in groups]
         advs = (
             None
             if is_sft or not rewards
-            else compute_advantages(rewards, kind=self.alg.advantage, eps=self.alg.adv_eps)
+            else compute_advantages(
+                rewards, kind=self.alg.advantage, eps=self.alg.adv_eps, baselines=baselines
+            )
         )
         seqs, i = [], 0
-        groups = [g for g in batch.groups if g.samples]
         eta = self.recipe.buffer.max_staleness
         self._batch_info = {"learner/truncated_samples": 0.0}
+        if self.alg.advantage == "remax" and not is_sft:
+            # groups whose greedy episode failed: their baseline is their own mean reward
+            self._batch_info[names.REMAX_MEAN_BASELINES] = float(baselines.count(None))
         staleness: list[np.ndarray] = []
         for gi, g in enumerate(groups):
             for si, s in enumerate(g.samples):

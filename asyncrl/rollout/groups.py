@@ -1,9 +1,18 @@
 """Group production: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
 one whole ``wire.Group``. No buffer here: the worker decides when a group may start, and the
-sender delivers it."""
+sender delivers it.
+
+With ``WorkerConfig.greedy_baseline`` (ReMax) each group also plays one greedy episode of its
+prompt (temperature 0, the recipe's other sampling parameters), concurrently with the sampled ones
+and through the same workflow and reward: its reward is ``Group.baseline_reward``; its tokens are
+counted (they cost generation time) but are no sample. If that episode or its reward fails, the
+group goes without a baseline (``None``, the reason in its metadata, counted in
+``remax_baseline_failures``) and the learner uses the group's mean reward: its sampled episodes are
+as good as any, and a failed reward's 0 would be a wrong baseline, not a missing one."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -39,6 +48,14 @@ class Prompt:
     ids: list[int]
 
 
+@dataclass
+class _Greedy:
+    """What a group's greedy episode gave: its reward, or why there is none."""
+
+    reward: float | None = None
+    failure: str = ""
+
+
 class GroupMaker:
     """Makes groups; counts episodes, tokens, rewards and skipped prompts in ``stats``."""
 
@@ -66,6 +83,7 @@ class GroupMaker:
         self.tools = tools
         self.max_turns = max_turns
         self.stats = stats
+        self.greedy_params = dataclasses.replace(params, temperature=0.0)
         self.episodes_in_flight = 0
 
     def _tool_schemas(self) -> list[dict]:
@@ -102,20 +120,66 @@ class GroupMaker:
         raise PromptsUnusable("1000 prompts in a row could not be rendered")
 
     async def make(self, group_id: str, lease_id: str, prompt: Prompt) -> wire.Group:
-        """``group_size`` episodes of ``prompt``, each with its reward, as one group."""
+        """``group_size`` episodes of ``prompt``, each with its reward, as one group (and with
+        ``greedy_baseline``, the greedy episode's reward as its ``baseline_reward``)."""
         n = self.cfg.group_size
         samples: list[wire.Sample | None] = [None] * n
+        greedy = _Greedy()
         batcher = Batcher()  # the n episodes' first requests go to the generator as one
         async with trio.open_nursery() as nursery:
             for i in range(n):
                 nursery.start_soon(self._episode, group_id, i, prompt, samples, batcher)
+            if self.cfg.greedy_baseline:
+                nursery.start_soon(self._greedy_episode, group_id, prompt, greedy, batcher)
+        meta: dict[str, Any] = {"worker_id": self.cfg.worker_id, "prompt": prompt.item.where}
+        if greedy.failure:
+            meta["remax_baseline_failure"] = greedy.failure
         return wire.Group(
             id=group_id,
             lease_id=lease_id,
             samples=[s for s in samples if s is not None],
             prompt_index=prompt.item.index,
-            metadata={"worker_id": self.cfg.worker_id, "prompt": prompt.item.where},
+            baseline_reward=greedy.reward,
+            metadata=meta,
         )
+
+    def _context(
+        self, rid: str, prompt: Prompt, batcher: Batcher, params: SamplingParams
+    ) -> EpisodeContext:
+        return EpisodeContext(
+            prompt_ids=list(prompt.ids),
+            prompt_text=prompt.text,
+            row=prompt.item.row,
+            pool=self.pool,
+            params=params,
+            tokenizer=self.tokenizer,
+            tools=self.tools,
+            max_turns=self.max_turns,
+            rid=rid,
+            batcher=batcher,
+        )
+
+    async def _greedy_episode(
+        self, group_id: str, prompt: Prompt, out: _Greedy, batcher: Batcher
+    ) -> None:
+        """ReMax's baseline: the reward of the prompt's greedy completion (module docstring)."""
+        ctx = self._context(f"{group_id}/greedy", prompt, batcher, self.greedy_params)
+        c = self.stats.counters
+        try:
+            ep = await play(self.workflow, ctx)
+        except Exception as e:  # the group's samples stand; it goes without a baseline
+            out.failure = f"episode: {type(e).__name__}: {e}"[:500]
+        else:
+            c["greedy_tokens_generated"] += sum(ep.loss_mask)
+            r = await self.reward.score_episode(ctx, ep)
+            if r.failure:
+                out.failure = f"reward: {r.failure}"
+            else:
+                out.reward = r.value
+                self.stats.greedy_rewards.append(r.value)
+        if out.failure:
+            c["remax_baseline_failures"] += 1
+            log.warning("group %s has no ReMax baseline: %s", group_id, out.failure)
 
     async def _episode(
         self,
@@ -125,19 +189,8 @@ class GroupMaker:
         out: list[wire.Sample | None],
         batcher: Batcher,
     ) -> None:
-        row, prompt_text, prompt_ids = prompt.item.row, prompt.text, prompt.ids
-        ctx = EpisodeContext(
-            prompt_ids=list(prompt_ids),
-            prompt_text=prompt_text,
-            row=row,
-            pool=self.pool,
-            params=self.params,
-            tokenizer=self.tokenizer,
-            tools=self.tools,
-            max_turns=self.max_turns,
-            rid=f"{group_id}/{i}",
-            batcher=batcher,
-        )
+        prompt_ids = prompt.ids
+        ctx = self._context(f"{group_id}/{i}", prompt, batcher, self.params)
         self.episodes_in_flight += 1
         s = self.stats
         s.peak_episodes_in_flight = max(s.peak_episodes_in_flight, self.episodes_in_flight)

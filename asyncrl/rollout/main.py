@@ -233,6 +233,7 @@ async def run_worker(
         chat_template=r.data.chat_template,
         max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
         max_groups=max_groups,
+        greedy_baseline=r.algorithm.advantage == "remax" and r.algorithm.loss != "sft",
         acked_log=str(_audit_dir(r) / f"{worker_id}.acked.jsonl"),
     )
     with Subscriber(pub_address, tls=tls) as sub:
@@ -336,6 +337,7 @@ def worker_summary(worker: RolloutWorker, wall_seconds: float) -> dict[str, Any]
         "groups_failed": c["groups_failed"],
         "episodes": c["episodes"],
         "tokens_generated": c["tokens_generated"],
+        "greedy_tokens_generated": c["greedy_tokens_generated"],
         "tokens_per_s": round(c["tokens_generated"] / wall_seconds, 1)
         if wall_seconds > 0
         else None,

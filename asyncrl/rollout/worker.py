@@ -12,7 +12,7 @@ Before anything else every generator is labelled with the version of the weights
   the bound (version ≥ learner version − ``max_staleness``): tokens of older weights could never be
   trained, so it waits for the broadcaster (e.g. a restarted worker's engines before they join).
 - ``group-*``: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
-  one whole ``wire.Group``.
+  one whole ``wire.Group`` (with ReMax, and one greedy episode whose reward is the group's baseline).
 - ``sender``: puts finished groups to the buffer (``wire.Put``, several per message), resending the
   SAME group ids until each is acknowledged or rejected: with the buffer's dedup by id, exactly once.
 - ``metrics``: throughput, episodes in flight, generator idle fraction, reward, length, failures.
@@ -84,6 +84,7 @@ class WorkerConfig:
     metrics_every_s: float = 10.0
     max_consecutive_failures: int = 20  # groups failing in a row before the worker gives up
     max_groups: int = 0  # stop after this many groups are delivered (0: run until cancelled)
+    greedy_baseline: bool = False  # ReMax: each group also plays one greedy episode (its baseline)
     acked_log: str = ""  # JSONL file for the ids of acknowledged groups (exactly-once audits)
     learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
     end_release_s: float = 3.0  # after the run's end: bound on giving starts back
@@ -114,7 +115,9 @@ class WorkerStats:
                 "groups_failed",
                 "episodes",
                 "tokens_generated",
+                "greedy_tokens_generated",  # ReMax's baseline episodes (not trained on)
                 "reward_failures",
+                "remax_baseline_failures",  # groups sent without a greedy baseline
                 "prompts_skipped",
                 "put_resends",
                 "put_messages",
@@ -129,6 +132,7 @@ class WorkerStats:
     )
     rewards: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    greedy_rewards: list[float] = field(default_factory=list)  # ReMax's baselines
     weights_wait_s: float = 0.0  # admission held: no generator within the version bound
     peak_episodes_in_flight: int = 0
     leases: LeaseBook = field(default_factory=LeaseBook)  # the worker's starts
@@ -513,6 +517,8 @@ class RolloutWorker:
             out[names.REWARD_MEAN] = float(np.mean(self.stats.rewards))
             out[names.RESPONSE_LENGTH_MEAN] = float(np.mean(self.stats.lengths))
             out["rollout/response_length_max"] = float(np.max(self.stats.lengths))
+        if self.stats.greedy_rewards:
+            out[names.GREEDY_REWARD_MEAN] = float(np.mean(self.stats.greedy_rewards))
         out.update({f"rollout/{k}": float(v) for k, v in c.items()})
         out["rollout/failures"] = float(
             c["reward_failures"] + c["groups_failed"] + c["prompts_skipped"]
@@ -522,6 +528,7 @@ class RolloutWorker:
         self._t_last = now
         self.stats.rewards.clear()
         self.stats.lengths.clear()
+        self.stats.greedy_rewards.clear()
         return out
 
     def _log_metrics(self, *, final: bool = False) -> None:

@@ -96,6 +96,9 @@ class Group:
     # the worker's prompt-source state as if this group were delivered ({}: none); the buffer keeps
     # each worker's newest so a restarted worker neither repeats nor skips prompts
     data_state: dict[str, Any] = field(default_factory=dict)
+    # ReMax's baseline: the reward of the prompt's greedy completion, scored but not trained on
+    # (None: no greedy episode, or it failed; the learner then uses the group's mean reward)
+    baseline_reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 import typing
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -123,6 +124,9 @@ def _check_for(hint: Any) -> Check:
         return lambda v, where, key: v if type(v) is hint else typed(v, hint, where, key)
     if hint is float:
         return finite
+    if origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = _check_for(next(a for a in args if a is not type(None)))
+        return lambda v, where, key: None if v is None else inner(v, where, key)
     if origin is list and args == (str,):
         return str_list
     if origin is list and dataclasses.is_dataclass(args[0]):

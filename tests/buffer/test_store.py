@@ -603,3 +603,20 @@ def test_data_positions_survive_a_restore(in_metadata: bool):
     assert store.stats()["data_states"] == {"w0": {"next": 2}}
     restored = ReplayStore.from_state(cfg, store.state_dict(), now=5.0)
     assert restored.stats()["data_states"] == {"w0": {"next": 2}}
+
+
+def test_dynamic_sampling_keeps_equal_reward_groups_their_remax_baseline_differs_from() -> None:
+    """Under ReMax a group whose rewards are all equal still has a signal when its greedy baseline
+    differs (every advantage r − b is the same nonzero number); it is dropped only when that too
+    is equal. Groups without a baseline are judged on their rewards alone, as before."""
+    store = ReplayStore(cfg(groups_per_batch=4, dynamic_sampling=True))
+    lease = store.acquire("w", 4, now=0).lease_id
+    cases = {"differs": 0.0, "same": 1.0, "none": None, "one": 0.0}
+    for gid, b in cases.items():
+        g = make_group(gid, lease, versions=[0] if gid == "one" else [0, 0], rewards=None)
+        for s in g.samples:
+            s.reward = 1.0
+        g.baseline_reward = b
+        store.put([g], now=0)
+    stored = set(store.stored_ids())
+    assert stored == {"differs", "one"} and store.stats()["dropped"]["equal_rewards"] == 2

@@ -299,3 +299,34 @@ def test_remax_subtracts_the_greedy_reward():
     )
     with pytest.raises(ValueError, match="greedy_rewards"):
         remax(r, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_remax_advantages_are_reward_minus_the_groups_greedy_reward():
+    # ragged groups; an all-equal group and a group of one still get r − b (the baseline is outside)
+    rewards = [[1.0, 0.0, 1.0], [1.0, 1.0], [0.25]]
+    out = compute_advantages(rewards, kind="remax", baselines=[0.5, 0.0, 1.0])
+    want = [[0.5, -0.5, 0.5], [1.0, 1.0], [-0.75]]
+    for a, w in zip(out, want, strict=True):
+        torch.testing.assert_close(a, torch.tensor(w))
+    t = compute_advantages(
+        torch.tensor([[1.0, 0.0], [2.0, 2.0]], dtype=torch.float64), kind="remax", baselines=[1, 2]
+    )
+    assert t.dtype == torch.float64
+    torch.testing.assert_close(t, torch.tensor([[0.0, -1.0], [0.0, 0.0]], dtype=torch.float64))
+
+
+def test_remax_group_without_a_baseline_uses_its_mean():
+    """A failed greedy episode (baseline None) makes the group's mean its baseline: Dr. GRPO's."""
+    out = compute_advantages(
+        [[1.0, 0.0, 0.0, 0.0], [1.0, 0.0]], kind="remax", baselines=[None, 0.0]
+    )
+    torch.testing.assert_close(out[0], adv([[1.0, 0.0, 0.0, 0.0]], "dr_grpo")[0])
+    torch.testing.assert_close(out[1], torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="baseline"):
+        compute_advantages([[1.0, 0.0]], kind="remax")
+    with pytest.raises(ValueError, match="2 for 1 groups"):
+        compute_advantages([[1.0, 0.0]], kind="remax", baselines=[0.0, 1.0])
+    # the other estimators ignore baselines
+    torch.testing.assert_close(
+        compute_advantages([[1.0, 0.0]], kind="grpo", baselines=[5.0]), adv([[1.0, 0.0]], "grpo")
+    )

@@ -299,3 +299,22 @@ def test_collectives_wait_longer_than_rank_0_may_legitimately_wait():
     assert collective_timeout_s(r) >= 3000 + 3 * 90
     default = recipe_mod.from_dict({})
     assert collective_timeout_s(default) > default.buffer.batch_timeout_s + 300
+
+
+def test_remax_advantages_are_each_reward_minus_its_groups_greedy_reward(tiny_qwen3, tmp_path):
+    """The learner's per-sample advantage under ``remax`` is r − Group.baseline_reward, read from
+    groups as they arrive (decoded from the wire); a group without one (its greedy episode failed)
+    is centred on its own mean, and counted."""
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm={"advantage": "remax"}, **RL)
+    batch = rl_batch(tr.spec.model.vocab_size)
+    for g, b in zip(batch.groups, [0.5, None, 1.0], strict=True):
+        g.baseline_reward = b
+    batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
+    seqs = tr.sequences(batch)
+    want = []
+    for g in batch.groups:
+        r = np.array([s.reward for s in g.samples])
+        want += list(r - (r.mean() if g.baseline_reward is None else g.baseline_reward))
+    np.testing.assert_allclose([s.advantage for s in seqs], want, rtol=1e-6, atol=1e-6)
+    res = tr.step(batch)
+    assert np.isfinite(res.loss) and res.metrics["learner/remax_mean_baselines"] == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import asynccontextmanager, contextmanager
 
 import numpy as np
@@ -409,3 +410,56 @@ def test_no_lease_is_taken_until_a_generator_holds_weights_within_the_bound(engi
     for g in groups:
         check_group(g, 3)
         assert all((s.versions == 5).all() for s in g.samples)
+
+
+def test_remax_groups_carry_the_greedy_completions_reward(engine, tokenizer):
+    """With ``greedy_baseline`` each group plays one greedy episode too: its reward is the group's
+    baseline, its tokens are counted apart and are in no sample. Checked against a greedy decode
+    through the engine and the reward function, outside the worker."""
+    reward = "tests.rollout_plugins:ids_reward"
+
+    async def go(svc):
+        async with make_worker(
+            engine, tokenizer, svc.address, reward=reward, max_groups=2, greedy_baseline=True
+        ) as w:
+            await w.run()
+            groups = await take_batch(svc)
+            greedy = dataclasses.replace(w.groups.params, temperature=0.0)
+            ref = [await w.pool.generate(g.samples[0].prompt_ids.tolist(), greedy) for g in groups]
+        return groups, ref, dict(w.stats.counters)
+
+    with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+        groups, ref, c = trio.run(go, svc)
+    assert len(groups) == 2 and c["remax_baseline_failures"] == 0
+    for g, r in zip(groups, ref, strict=True):
+        check_group(g, 3)
+        assert [s.id for s in g.samples] == [f"{g.id}/{i}" for i in range(3)]  # no greedy sample
+        want = rollout_plugins.ids_reward("", "", [], r.output_ids)
+        assert g.baseline_reward == pytest.approx(want)
+        assert "remax_baseline_failure" not in g.metadata
+    sampled = sum(int(s.loss_mask.sum()) for g in groups for s in g.samples)
+    assert c["tokens_generated"] == sampled  # the greedy tokens are counted apart
+    assert c["greedy_tokens_generated"] == sum(len(r.output_ids) for r in ref)
+
+
+def test_a_failed_greedy_episode_leaves_the_group_without_a_baseline(engine, tokenizer):
+    async def go(svc):
+        async with make_worker(
+            engine,
+            tokenizer,
+            svc.address,
+            workflow=rollout_plugins.greedy_fails,
+            max_groups=2,
+            greedy_baseline=True,
+        ) as w:
+            await w.run()
+        return await take_batch(svc), dict(w.stats.counters)
+
+    with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+        groups, c = trio.run(go, svc)
+    assert len(groups) == 2 and c["remax_baseline_failures"] == 2 and c["groups_failed"] == 0
+    assert c["greedy_tokens_generated"] == 0
+    for g in groups:
+        check_group(g, 3)  # the sampled episodes stand
+        assert g.baseline_reward is None
+        assert "greedy episodes fail on purpose" in g.metadata["remax_baseline_failure"]
