@@ -2,7 +2,8 @@
 
 To make a tool call come out of the engine for real, the tests fit the tiny Qwen3 (with Qwen3's chat
 template) for a few dozen Adam steps to answer one tool-declaring chat with a fixed text and a
-``<tool_call>``, until greedy decoding reproduces it; the engine then serves that folder. This is
+``<tool_call>``, until greedy decoding reproduces it (tests/tool_caller.py); the engine then serves
+that folder. This is
 deterministic (greedy decode of a memorised answer; ~10 s on one core) and exercises the whole path:
 template rendering with ``tools``, the scheduler, stop rules, the parser, the OpenAI shapes. Tests
 that do not need the call use the same model on other chats, where it writes anything.
@@ -16,56 +17,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from asyncrl.rollout.engine import EngineConfig, serve
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two numbers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
-CHAT = [{"role": "user", "content": "What is 2+3?"}]
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-ANSWER = "Adding.\n" + CALL  # what the fitted model writes for CHAT with TOOLS, then <eos>
-
-
-def fit_tool_caller(src: Path, out: Path) -> Path:
-    """``src`` fitted to answer CHAT (with TOOLS) with ANSWER under greedy decoding."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(src)
-    prompt = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    p, t = tok.encode(prompt), tok.encode(ANSWER) + [tok.eos_token_id]
-    ids = torch.tensor([p + t])
-    labels = torch.tensor([[-100] * len(p) + t])
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    extra = 10  # steps past the first exact greedy match: a margin for the engine's own kernels
-    for _ in range(400):
-        res = model(input_ids=ids, labels=labels)
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
-        if (res.logits[0, len(p) - 1 : -1].argmax(-1) == torch.tensor(t)).all():
-            extra -= 1
-            if extra == 0:
-                break
-    else:
-        raise AssertionError(f"the tiny model did not learn the tool call (loss {res.loss.item()})")
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    (out / "generation_config.json").write_text((src / "generation_config.json").read_text())
-    return out
+from tests.tool_caller import ANSWER, CHAT, TOOLS, fit_tool_caller
 
 
 @pytest.fixture(scope="module")
