@@ -93,6 +93,22 @@ def test_a_streamed_tool_call(client, model):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_n_streamed_choices_each_get_a_role_and_a_finish(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=CHAT, tools=TOOLS, temperature=0, n=2, stream=True
+    )
+    roles, reasons, calls = {}, {}, {0: [], 1: []}
+    for c in stream:
+        (ch,) = c.choices
+        if ch.delta.role:
+            roles[ch.index] = ch.delta.role
+        if ch.finish_reason:
+            reasons[ch.index] = ch.finish_reason
+        calls[ch.index] += [t.function.name for t in ch.delta.tool_calls or []]
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert reasons == {0: "tool_calls", 1: "tool_calls"} and calls == {0: ["add"], 1: ["add"]}
+
+
 def test_tool_choice_none_hides_the_tools_and_parses_nothing(client, model):
     with_tools = client.chat.completions.create(
         model=model, messages=CHAT, tools=TOOLS, max_tokens=1, temperature=0
