@@ -189,7 +189,6 @@ class ChatRequest:
     tools: list[dict] | None  # None when absent or tool_choice is "none": not shown to the model
     sampling: dict[str, Any]  # sampling_params without max_new_tokens when the client gave none
     max_tokens: int | None
-    n: int = 1
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -220,9 +219,8 @@ class ChatRequest:
             choice = "auto" if tools else "none"
         if choice == "required" or isinstance(choice, dict):
             if not tools:
-                raise _bad(
-                    "Tools cannot be empty if tool choice is set to required.", "tool_choice"
-                )
+                what = "a specific tool" if isinstance(choice, dict) else "required"
+                raise _bad(f"Tools cannot be empty if tool choice is set to {what}.", "tool_choice")
             if isinstance(choice, dict):
                 name = (choice.get("function") or {}).get("name")
                 if name not in {t["function"]["name"] for t in tools}:
@@ -265,7 +263,11 @@ class ChatRequest:
                 {**sp, "max_new_tokens": max_tokens or 1}, vocab_size=vocab_size
             )
         except SamplingError as e:
-            raise _bad(str(e).replace("sampling_params.", "")) from None
+            names = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+            bad = next((k for k in sp if f"sampling_params.{k} " in str(e)), None)
+            param = names.get(bad, bad) if bad else None
+            msg = str(e).replace(f"sampling_params.{bad}", f"`{param}`") if bad else str(e)
+            raise _bad(msg, param) from None
         top = body.get("top_logprobs")
         if top is not None and not (is_int(top) and 0 <= top <= 20):
             raise _bad(f"`top_logprobs` must be an int in [0, 20], got {top!r}", "top_logprobs")
@@ -280,7 +282,6 @@ class ChatRequest:
             tools=tools if choice != "none" else None,
             sampling=sp,
             max_tokens=max_tokens,
-            n=sp.get("n", 1),
             stream=flag("stream"),
             include_usage=bool(opts.get("include_usage")),
             logprobs=flag("logprobs"),

@@ -230,6 +230,10 @@ def test_a_multi_turn_chat_with_a_tool_result(client, model):
         ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
         ({"top_logprobs": 50}, "top_logprobs"),
         ({"stream": True, "return_token_ids": True}, "return_token_ids"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -241,7 +245,7 @@ def test_bad_requests_are_openai_400s_naming_the_field(engine, model, extra, par
     assert r.status_code == 400, r.text
     err = r.json()
     assert err["object"] == "error" and err["code"] == 400 and err["param"] == param
-    assert param in err["message"] or param == "messages"
+    assert param in err["message"].replace(" ", "_") or param == "messages"
 
 
 def test_the_client_raises_on_400_and_404(client, model):
