@@ -257,3 +257,22 @@ def test_the_client_raises_on_400_and_404(client, model):
         client.chat.completions.create(model="gpt-nope", messages=CHAT)
     # the engine keeps serving
     assert client.chat.completions.create(model=model, messages=CHAT, max_tokens=1).choices
+
+
+def test_a_stream_the_client_leaves_is_aborted(engine, model):
+    import time
+
+    body = {
+        "model": model,
+        "messages": CHAT,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", engine.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while httpx.get(engine.url + "/engine_stats", timeout=10).json()["running"]:
+        assert time.monotonic() < deadline, "the abandoned request still runs"
+        time.sleep(0.1)
