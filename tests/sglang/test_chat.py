@@ -173,7 +173,9 @@ def test_a_streamed_tool_call_has_sglangs_chunks(sglang_url, engine_url, caller_
         "".join(c["choices"][0]["delta"].get("content") or "" for c in s[:-2])
         for s in (theirs, ours)
     ]
-    assert content[0] == content[1]
+    # SGLang's streamed content keeps the newline before the call or not, by how its chunks fall
+    # (measured: both); the built-in engine's is the non-streamed content, newline stripped
+    assert content[0].rstrip() == content[1] == "Adding."
 
 
 def _keys(x, path: str = "") -> set[str]:
