@@ -65,3 +65,11 @@ def demo_dir(tmp_path_factory) -> Path:
     from tools.make_demo import make_demo
 
     return make_demo(tmp_path_factory.mktemp("demo"), train=2000, eval=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_chat(tmp_path_factory) -> Path:
+    """tiny_qwen3 with Qwen3's tool-calling chat template and room for its long tools prompt."""
+    return _make(
+        tmp_path_factory, "tiny_qwen3_chat", arch="qwen3", chat_template="qwen3", max_positions=2048
+    )

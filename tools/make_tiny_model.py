@@ -21,6 +21,71 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
+# Qwen3's chat template (its Hugging Face tokenizer_config.json), the parts that do tools: the
+# "# Tools" system block listing the schemas in <tools>, assistant tool calls written as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, tool results as <tool_response> in a
+# user turn. Left out: the <think> history handling. With the char tokenizer its markers are plain
+# text, so a tiny model sees the same prompts SGLang's Qwen tool parser expects.
+QWEN3_CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and message.content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+CHAT_TEMPLATES = {"plain": CHAT_TEMPLATE, "qwen3": QWEN3_CHAT_TEMPLATE}
+
 
 FLAVOURS = {
     # Qwen3-0.6B's config.json (hidden 1024, 28 layers, vocabulary 151,936, tied embeddings),
@@ -42,7 +107,7 @@ FLAVOURS = {
 """Named real configurations: ``make_tiny_model(out, **FLAVOURS[name])``."""
 
 
-def make_tokenizer(out: Path, vocab_size: int = 0):
+def make_tokenizer(out: Path, vocab_size: int = 0, chat_template: str = "plain"):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -56,7 +121,7 @@ def make_tokenizer(out: Path, vocab_size: int = 0):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = CHAT_TEMPLATES[chat_template]
     fast.save_pretrained(out)
     return fast
 
@@ -76,17 +141,18 @@ def make_tiny_model(
     head_dim: int = 0,
     vocab_size: int = 0,
     rope_theta: float = 10000.0,
+    chat_template: str = "plain",
 ) -> Path:
     """Write a random model with the char tokenizer to ``out`` and return the folder.
 
     ``vocab_size`` > the char tokenizer's pads the vocabulary (see :data:`FLAVOURS`); ``head_dim``
-    0 is ``hidden // heads``."""
+    0 is ``hidden // heads``; ``chat_template`` names one of :data:`CHAT_TEMPLATES`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(out, vocab_size)
+    tok = make_tokenizer(out, vocab_size, chat_template)
     common = dict(
         vocab_size=len(tok),
         hidden_size=hidden,
@@ -128,6 +194,8 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--untied", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-positions", type=int, default=512)
+    p.add_argument("--chat-template", default="plain", choices=sorted(CHAT_TEMPLATES))
     p.add_argument("--flavour", choices=sorted(FLAVOURS), help="a real configuration instead")
     a = p.parse_args()
     if a.flavour:
@@ -143,6 +211,8 @@ def main() -> None:
         intermediate=a.intermediate,
         tie_embeddings=not a.untied,
         seed=a.seed,
+        max_positions=a.max_positions,
+        chat_template=a.chat_template,
     )
     print(path)
 

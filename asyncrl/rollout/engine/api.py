@@ -86,6 +86,13 @@ class Engine:
         with self._tok_lock:
             return list(self.tokenizer.encode(text))
 
+    def render_chat(self, messages: list[dict], tools: list[dict] | None, **kwargs: Any) -> str:
+        """The prompt text of a chat by the tokenizer's own chat template (its tool format too)."""
+        with self._tok_lock:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+
     @property
     def context_length(self) -> int:
         return self.scheduler.lm.shape.context

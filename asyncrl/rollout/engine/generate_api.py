@@ -36,9 +36,8 @@ class GenerateAPI:
     # ---- /generate -------------------------------------------------------------------------------
 
     def generate(self, body: Any) -> Reply:
-        reqs, batched = self._parse_generate(body)
+        reqs, batched = self.start(body)
         stream = bool(body.get("stream", False))
-        self.engine.scheduler.submit(reqs)
         if stream:
             return Reply(stream=self._stream(reqs, batched))
         for r in reqs:
@@ -60,13 +59,18 @@ class GenerateAPI:
             if not self.engine.scheduler.alive:
                 raise BadRequest("engine decode loop stopped", status=500)
 
-    def _stream(self, reqs: list[Request], batched: bool) -> Iterator[bytes]:
-        import json
+    def start(self, body: Any) -> tuple[list[Request], bool]:
+        """Check a /generate body and queue its requests: (requests, whether the reply is a list)."""
+        reqs, batched = self._parse_generate(body)
+        self.engine.scheduler.submit(reqs)
+        return reqs, batched
 
+    def updates(self, reqs: list[Request]) -> Iterator[tuple[int, dict, bool]]:
+        """(index, result so far, final) of streamed requests as the decode loop reports them; the
+        requests still running when the caller stops reading are aborted."""
         pending = {id(r): r for r in reqs}
         index = {id(r): i for i, r in enumerate(reqs)}
         shared = reqs[0].progress
-        first = True
         try:
             while pending:
                 try:
@@ -80,19 +84,29 @@ class GenerateAPI:
                 final = n < 0
                 if final:
                     del pending[id(r)]
-                chunk = self._result(r, final=final, upto=None if final else n)
+                yield index[id(r)], self._result(r, final=final, upto=None if final else n), final
+        finally:
+            if pending:  # the client went away: stop generating for it
+                gone = list(pending.values())
+                if self.engine.scheduler.alive:
+                    self.engine.scheduler.call(lambda: self.engine.scheduler.abort_requests(gone))
+
+    def _stream(self, reqs: list[Request], batched: bool) -> Iterator[bytes]:
+        import json
+
+        first = True
+        updates = self.updates(reqs)
+        try:
+            for i, chunk, _ in updates:
                 if batched:
-                    chunk["index"] = index[id(r)]
+                    chunk["index"] = i
                 if first:
                     chunk["meta_info"]["response_sent_to_client_ts"] = time.time()
                     first = False
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
-            if pending:  # the client went away: stop generating for it
-                gone = list(pending.values())
-                if self.engine.scheduler.alive:
-                    self.engine.scheduler.call(lambda: self.engine.scheduler.abort_requests(gone))
+            updates.close()
 
     def _parse_generate(self, body: Any) -> tuple[list[Request], bool]:
         if not isinstance(body, dict):

@@ -56,6 +56,7 @@ def _routes(engine: Engine) -> dict[str, Callable[[dict], Reply]]:
         "/weights_checker": w.weights_checker,
         "/v1/models": lambda b: openai.v1_models(engine),
         "/v1/completions": lambda b: openai.v1_completions(engine, b),
+        "/v1/chat/completions": lambda b: openai.v1_chat_completions(engine, b),
     }
 
 
