@@ -322,7 +322,7 @@ class BufferService:
             f.write(json.dumps(record) + "\n")
 
     # ---------------------------------------------------------------------------------------------
-    # Worker requests (trio thread)
+    # Worker requests (the service task)
     # ---------------------------------------------------------------------------------------------
 
     async def _handle(self, msg: wire.Message) -> wire.Message:

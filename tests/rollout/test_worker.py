@@ -275,13 +275,19 @@ def test_groups_that_became_stale_are_cancelled_and_released(engine, tokenizer):
                     return [r for r in live if r.rid.startswith(old)]
 
                 await wait_for(lambda: len(old_requests()) >= 3, "episodes on the engine")
-                reqs = old_requests()
-                assert svc.stats()["granted"] == 2
-                await new_version(svc, engine, 1)
-                # their requests are aborted on the engine, not left to run to the end
-                await wait_for(lambda: all(r.finish for r in reqs), "old requests ended")
-                assert any(r.finish["type"] == "abort" for r in reqs)
-                assert not any(r.finish["type"] == "length" for r in reqs)
+                # paused in place, the engine holds its requests where they are: none can end on
+                # its own (EOS, length) before the worker reacts to the version, however loaded
+                # the machine; aborts still run while paused
+                await trio.to_thread.run_sync(engine.engine.call, lambda: sched.pause("in_place"))
+                try:
+                    reqs = [r for r in old_requests() if r.finish is None]
+                    assert reqs and svc.stats()["granted"] == 2
+                    await new_version(svc, engine, 1)
+                    # their requests are aborted on the engine, not left to run to the end
+                    await wait_for(lambda: all(r.finish for r in reqs), "old requests ended")
+                    assert all(r.finish["type"] == "abort" for r in reqs)
+                finally:  # the engine serves the module's other tests
+                    await trio.to_thread.run_sync(engine.engine.call, sched.resume)
                 # the buffer took the stale starts back and granted 2 replacements at version 1
                 await wait_for(lambda: svc.stats()["granted"] == 4, "replaced")
                 w.stop()
