@@ -41,9 +41,6 @@ RM_EVAL_ACCURACY = (
     "rm/eval_accuracy"  # held-out pairs ranked right; summary.json's rm_eval_accuracy
 )
 
-# -- the model reward in the rollout worker (rollout.reward_model) --------------------------------
-RM_SCORE_MEAN = "rollout/rm_score_mean"  # raw /classify scores, before normalisation
-
 READ_BY_ASYNCRL = (
     REWARD_MEAN,
     RESPONSE_LENGTH_MEAN,

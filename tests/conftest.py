@@ -60,6 +60,28 @@ def rollout_engine(tiny_qwen3):
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory, tiny_qwen3) -> Path:
+    """tiny_qwen3's backbone with a random one-label head: a Qwen3ForSequenceClassification folder
+    as the reward-model learner exports it (asyncrl.learner.scalar_model)."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    from asyncrl.learner.scalar_model import write_seq_cls_config
+
+    out = tmp_path_factory.mktemp("tiny_reward_model")
+    torch.manual_seed(0)
+    m = AutoModelForSequenceClassification.from_pretrained(tiny_qwen3, num_labels=1)
+    torch.nn.init.normal_(m.score.weight, std=0.5)  # scores spread over a few units
+    m.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_qwen3 / f).is_file():
+            shutil.copy2(tiny_qwen3 / f, out / f)
+    write_seq_cls_config(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     """The demo's tiny model and a small sort data set (tools/make_demo.py), for end-to-end runs."""
     from tools.make_demo import make_demo
