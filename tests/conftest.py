@@ -61,24 +61,33 @@ def rollout_engine(tiny_qwen3):
 
 @pytest.fixture(scope="session")
 def tiny_reward_model(tmp_path_factory, tiny_qwen3) -> Path:
-    """tiny_qwen3's backbone with a random one-label head: a Qwen3ForSequenceClassification folder
-    as the reward-model learner exports it (asyncrl.learner.scalar_model)."""
+    """tiny_qwen3's backbone with a random one-label head (scores spread over a few units), as the
+    reward-model learner exports it: a Qwen3ForSequenceClassification folder
+    (asyncrl.learner.scalar_model)."""
     import shutil
 
     from transformers import AutoModelForSequenceClassification
 
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.reward_model import RewardModelTrainer
     from asyncrl.learner.scalar_model import write_seq_cls_config
 
-    out = tmp_path_factory.mktemp("tiny_reward_model")
+    seed = tmp_path_factory.mktemp("tiny_reward_model_seed")
     torch.manual_seed(0)
     m = AutoModelForSequenceClassification.from_pretrained(tiny_qwen3, num_labels=1)
-    torch.nn.init.normal_(m.score.weight, std=0.5)  # scores spread over a few units
-    m.save_pretrained(out, safe_serialization=True)
+    torch.nn.init.normal_(m.score.weight, std=0.5)
+    m.save_pretrained(seed, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tiny_qwen3 / f).is_file():
-            shutil.copy2(tiny_qwen3 / f, out / f)
-    write_seq_cls_config(out)
-    return out
+            shutil.copy2(tiny_qwen3 / f, seed / f)
+    write_seq_cls_config(seed)
+    r = recipe_mod.from_dict({"model": {"path": str(seed)}, "algorithm": {"loss": "reward_model"}})
+    work = tmp_path_factory.mktemp("tiny_reward_model_run")
+    trainer = RewardModelTrainer(r, run_dir=work, checkpointing=False)
+    try:
+        return trainer.export_hf(tmp_path_factory.mktemp("tiny_reward_model") / "export")
+    finally:
+        trainer.close()
 
 
 @pytest.fixture(scope="session")

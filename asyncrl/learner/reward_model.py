@@ -75,6 +75,7 @@ class RewardModelTrainer(Trainer):
     def __init__(self, recipe: Any, **kw: Any) -> None:
         super().__init__(recipe, **kw)
         self.adapter.include_head = True  # loaded: exports carry the head from now on
+        self.adapter.include_bias = True
         self._eval_pairs: list[Pair] | None = None
 
     def model_spec(self) -> ModelSpec:

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torchtitan.models.common import Linear
 from torchtitan.protocols.model_spec import ModelSpec
@@ -28,6 +29,11 @@ HEAD = "lm_head.weight"
 """The head's name in the TorchTitan model (the decoder's output projection, one output)."""
 HF_HEAD = "score.weight"
 """The head's name in an HF sequence-classification folder."""
+HF_BIAS = "score.bias"
+"""Written as zero in exports, read never. SGLang 0.5.23 builds Qwen3ForSequenceClassification's head
+as ``nn.Linear(hidden, num_labels)`` *with* a bias that no HF checkpoint holds, so without it its
+scores carry a random offset, different at each server start (measured +0.0789 on every input of a
+tiny model; tests/sglang/test_classify.py). transformers ignores the key (its head has none)."""
 SEQ_CLS_ARCH = {
     "qwen3": "Qwen3ForSequenceClassification",
     "llama": "LlamaForSequenceClassification",
@@ -74,16 +80,29 @@ def scalar_adapter(base: type, head_in_folder: bool) -> type:
 
     class ScalarStateDictAdapter(base):  # type: ignore[valid-type, misc]
         include_head = head_in_folder
+        include_bias = False  # exports: see HF_BIAS
+
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            m = self.fqn_to_index_mapping
+            if m:  # a sharded source folder: the head goes to its last file
+                last = max(m.values())
+                m.setdefault(HF_HEAD, last)
+                m.setdefault(HF_BIAS, last)
 
         def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
             body = {k: v for k, v in state_dict.items() if k != HEAD}
             out = super().to_hf(body)
             if HEAD in state_dict and self.include_head:
-                out[HF_HEAD] = state_dict[HEAD]
+                head = state_dict[HEAD]
+                out[HF_HEAD] = head
+                if self.include_bias:
+                    out[HF_BIAS] = torch.zeros(1, dtype=head.dtype, device=head.device)
             return out
 
         def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
             hf = dict(hf_state_dict)
+            hf.pop(HF_BIAS, None)
             head = hf.pop(HF_HEAD, None)
             hf.pop("lm_head.weight", None)  # a causal LM's projection is not this head
             out = super().from_hf(hf)
@@ -115,8 +134,10 @@ def seq_cls_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_seq_cls_config(folder: str | Path) -> None:
-    """Rewrite ``folder/config.json`` as a sequence-classification model's; drop the generation
-    config, which a classifier has no use for."""
-    p = Path(folder) / "config.json"
+    """Make an HF folder written with a causal LM's config.json a sequence-classification one:
+    rewrite its config.json (:func:`seq_cls_config`) and drop the generation config, which a
+    classifier has no use for."""
+    folder = Path(folder)
+    p = folder / "config.json"
     p.write_text(json.dumps(seq_cls_config(json.loads(p.read_text())), indent=2))
-    (Path(folder) / "generation_config.json").unlink(missing_ok=True)
+    (folder / "generation_config.json").unlink(missing_ok=True)

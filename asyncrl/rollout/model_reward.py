@@ -114,17 +114,18 @@ class ModelReward:
         self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "requests": 0}
         self._urls = itertools.cycle(cfg.urls)
         self._http: httpx.AsyncClient | None = None
+        self._loop: trio.lowlevel.TrioToken | None = None
         self._open: _Batch | None = None  # the batch new samples join
 
     @property
     def http(self) -> httpx.AsyncClient:
-        if self._http is None:  # made in the event loop that uses it
+        """A client of the running event loop: its connections cannot outlive it, and the held-out
+        evaluation runs one loop per evaluation (the worker one for its life)."""
+        token = trio.lowlevel.current_trio_token()
+        if self._http is None or self._loop is not token:
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.timeout_s))
+            self._loop = token
         return self._http
-
-    async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
 
     async def score(self, payload: list[int] | str) -> tuple[float, str]:
         """(normalised score, failure); never raises but for cancellation.

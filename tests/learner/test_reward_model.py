@@ -57,6 +57,7 @@ def rm_recipe(tmp_path, model, steps: int, **learner) -> dict:
 def test_scalar_model_export_scores_like_transformers(tiny_qwen3, tmp_path):
     """The export is a Qwen3ForSequenceClassification folder: transformers' scores equal the
     learner's (≤ 1e-5), and a learner started from the export has the same head."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from asyncrl.learner.reward_model import RewardModelTrainer
@@ -70,6 +71,8 @@ def test_scalar_model_export_scores_like_transformers(tiny_qwen3, tmp_path):
     out = trainer.export_hf(tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForSequenceClassification"] and cfg["num_labels"] == 1
+    tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert tensors["score.bias"].tolist() == [0.0]  # for SGLang (scalar_model.HF_BIAS)
     hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = torch.stack([hf(torch.as_tensor(s)[None]).logits[0, 0] for s in seqs])

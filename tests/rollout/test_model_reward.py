@@ -113,6 +113,8 @@ def test_rollout_rewards_are_the_models_scores_in_batches(rm_server, hf_scores, 
         assert r.failure == ""
         assert r.value == pytest.approx(hf_scores(p + c), abs=1e-5)
     assert reward.model.stats["requests"] == 3  # 10 samples in batches of at most 4
+    again = _score_all(reward, samples, tok)  # another event loop (as each held-out evaluation)
+    assert [r.value for r in again] == pytest.approx([r.value for r in results], abs=1e-5)
 
 
 def test_rule_and_model_rewards_add_with_their_weights(rm_server, hf_scores, tok):
@@ -234,3 +236,42 @@ def test_recipe_needs_servers_for_a_model_reward():
         recipe_mod.from_dict({"rollout": {"reward": "model"}})
     with pytest.raises(recipe_mod.RecipeError, match=r"urls\[0\]"):
         recipe_mod.from_dict({"rollout": {"reward_model": {"urls": ["localhost:1"]}}})
+
+
+def test_worker_groups_carry_the_models_scores_and_its_failures(
+    rollout_engine, tok, rm_server, hf_scores
+):
+    """A rollout worker (real engine, real buffer): every sample's reward is the reward model's score
+    of its prompt + completion; with a server that hangs, each sample records the timeout."""
+    from tests.labels import set_label
+    from tests.rollout.test_worker import make_worker, serve_buffer, take_batch
+
+    async def run(svc, reward):
+        async with make_worker(
+            rollout_engine, tok, svc.address, reward_runner=reward, max_groups=2
+        ) as w:
+            await w.run()
+        return await take_batch(svc)
+
+    httpd, hang_url = _server(_Hang)
+    _Hang.release.clear()
+    set_label(rollout_engine.url, "default")
+    try:
+        for url in (rm_server.url, hang_url):
+            reward = build_reward(_recipe(urls=[url], timeout_s=1.0))
+            with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+                groups = trio.run(run, svc, reward)
+            samples = [s for g in groups for s in g.samples]
+            assert len(samples) == 6
+            for s in samples:
+                if url == rm_server.url:
+                    ids = [*s.prompt_ids.tolist(), *s.completion_ids.tolist()]
+                    assert s.reward == pytest.approx(hf_scores(ids), abs=1e-5)
+                    assert "reward_failure" not in s.metadata
+                else:
+                    assert s.reward == 0.0
+                    assert "timed out after 1s" in s.metadata["reward_failure"]
+    finally:
+        _Hang.release.set()
+        httpd.shutdown()
+        set_label(rollout_engine.url, "default")

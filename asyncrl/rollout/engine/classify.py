@@ -5,7 +5,8 @@ talks to either.
 Shape (SGLang 0.5.23, python/sglang/srt/entrypoints/http_server.py ``classify_request``, which takes
 ``EmbeddingReqInput`` and answers as ``/encode`` does): the body has ``text`` (a string or a list) or
 ``input_ids`` (a list of ids or a list of lists), optionally ``rid``; the answer is one item
-``{"embedding": [score per label], "meta_info": {...}}``, or a list of them for a list input. The
+``{"embedding": [score per label], "meta_info": {...}}``, or a list of them for a list input (SGLang's
+``meta_info`` also has timing fields of its own; tests/sglang/test_classify.py compares). The
 score is the head's output at the sequence's last token (SGLang's ``Pooler(LAST)``; a config with
 ``id2label`` is not L2-normalised).
 
@@ -15,6 +16,7 @@ No scheduler: a batch is one padded forward under a lock, in the HTTP thread tha
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +131,7 @@ class Classifier:
         return torch.cat(out)
 
     def classify(self, body: dict) -> Reply:
+        t0 = time.monotonic()
         seqs, batched = self._inputs(body)
         scores = self.scores(seqs).tolist()
         rid = body.get("rid")
@@ -140,10 +143,11 @@ class Classifier:
                 "embedding": s,
                 "meta_info": {
                     "id": rids[i] if i < len(rids) else uuid.uuid4().hex,
-                    "finish_reason": None,
+                    "finish_reason": {"type": "length", "length": 0},  # as SGLang's
                     "prompt_tokens": len(seqs[i]),
                     "weight_version": self.weight_version,
                     "num_retractions": 0,
+                    "e2e_latency": time.monotonic() - t0,
                 },
             }
             for i, s in enumerate(scores)
