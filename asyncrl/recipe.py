@@ -557,6 +557,20 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             file=file,
             key="algorithm.ratio_mask_high",
         )
+    if alg.loss == "reward_model":
+        lc = r.learner
+        if lc.minibatches != 1 or lc.epochs != 1:
+            raise RecipeError(
+                "reward_model makes one update per batch of pairs: leave minibatches and epochs 1",
+                file=file,
+                key="learner.minibatches" if lc.minibatches != 1 else "learner.epochs",
+            )
+        if alg.kl_coef:
+            raise RecipeError(
+                "reward_model has no reference policy: must be 0",
+                file=file,
+                key="algorithm.kl_coef",
+            )
     rm = r.rollout.reward_model
     if r.rollout.reward == "model" and not rm.enabled:
         raise RecipeError(

@@ -5,6 +5,7 @@ through `asyncrl learner` that learns held-out pairs, checkpoints and resumes.""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -29,21 +30,8 @@ def test_pair_bins_first_fit_decreasing():
     assert sorted(i for b in pair_bins([1] * 7, 3) for i in b) == list(range(7))
 
 
-def write_pairs(path, n: int, split: str) -> None:
-    """Sort-task pairs: the sorted letters preferred over the letters as given."""
-    rows = tasks.examples("sort", split=split, n=n, seed=1)
-    tasks.write_jsonl(
-        path,
-        [
-            {"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["prompt"][:-1]}
-            for r in rows
-        ],
-    )
-
-
 def rm_recipe(tmp_path, model, steps: int, **learner) -> dict:
-    write_pairs(tmp_path / "train.jsonl", 2000, "train")
-    write_pairs(tmp_path / "eval.jsonl", 100, "eval")
+    tasks.write_preferences("sort", tmp_path, train=2000, eval=100, seed=1)
     return {
         "run": {"name": "rm", "output_dir": str(tmp_path / "runs"), "steps": steps},
         "model": {"path": str(model), "max_seq_len": 32},
@@ -88,17 +76,18 @@ def test_reward_model_run_learns_held_out_pairs_and_resumes(tiny_qwen3, tmp_path
     from asyncrl.learner.main import main
 
     recipe = tmp_path / "rm.yaml"
-    recipe.write_text(yaml.safe_dump(rm_recipe(tmp_path, tiny_qwen3, 30, checkpoint_every=20)))
+    recipe.write_text(yaml.safe_dump(rm_recipe(tmp_path, tiny_qwen3, 40, checkpoint_every=20)))
     assert main([str(recipe), "run.steps=20"]) == 0
     assert main([str(recipe), "run.resume=true"]) == 0
     run = tmp_path / "runs" / "rm"
     metrics = [m for m in read_metrics(run) if "rm/loss" in m]
-    assert [m["step"] for m in metrics] == list(range(1, 31))
-    assert metrics[-1]["rm/accuracy"] >= 0.9, metrics[-1]
+    assert [m["step"] for m in metrics] == list(range(1, 41))
+    assert np.mean([m["rm/accuracy"] for m in metrics[-5:]]) >= 0.85, metrics[-5:]
+    assert metrics[-1]["rm/loss"] < 0.5 * metrics[0]["rm/loss"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["algorithm"] == "reward_model"
     assert summary["rm_eval_accuracy"] >= 0.9, summary
-    cfg = json.loads((run / "hf" / "v30" / "config.json").read_text())
+    cfg = json.loads((run / "hf" / "v40" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForSequenceClassification"]
 
 
@@ -115,3 +104,13 @@ def test_bad_preference_row_names_file_and_row(tiny_qwen3, tmp_path, capsys):
     recipe.write_text(yaml.safe_dump(d))
     assert main([str(recipe)]) == 2
     assert f"{bad}: row 2 has no 'rejected' field" in capsys.readouterr().err
+
+
+def test_preferences_prefer_the_right_answer():
+    rows = tasks.preferences("addition", split="eval", n=200, seed=0)
+    assert all(r["chosen"] != r["rejected"] for r in rows)
+    assert all(int(r["prompt"][:2]) + int(r["prompt"][3:5]) == int(r["chosen"]) for r in rows)
+    assert tasks.preferences("sort", split="train", n=5) == tasks.preferences(
+        "sort", split="train", n=5
+    )
+    assert tasks.wrong_answer(random.Random(0), "aa") != "aa"

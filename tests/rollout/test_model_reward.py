@@ -231,13 +231,6 @@ def test_failing_server_is_a_recorded_failure(tok):
         httpd.shutdown()
 
 
-def test_recipe_needs_servers_for_a_model_reward():
-    with pytest.raises(recipe_mod.RecipeError, match="rollout.reward_model.urls"):
-        recipe_mod.from_dict({"rollout": {"reward": "model"}})
-    with pytest.raises(recipe_mod.RecipeError, match=r"urls\[0\]"):
-        recipe_mod.from_dict({"rollout": {"reward_model": {"urls": ["localhost:1"]}}})
-
-
 def test_worker_groups_carry_the_models_scores_and_its_failures(
     rollout_engine, tok, rm_server, hf_scores
 ):
