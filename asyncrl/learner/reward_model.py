@@ -27,7 +27,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import metric_names as names
 from asyncrl.learner.attention import attention_masks
-from asyncrl.learner.scalar_model import scalar_spec, write_seq_cls_config
+from asyncrl.learner.scalar_model import init_head, scalar_spec, write_seq_cls_config
 from asyncrl.learner.source import Batch
 from asyncrl.learner.trainer import StepResult, Trainer, peak_memory
 
@@ -74,6 +74,8 @@ class RewardModelTrainer(Trainer):
 
     def __init__(self, recipe: Any, **kw: Any) -> None:
         super().__init__(recipe, **kw)
+        if self.version == 0 and not self.adapter.include_head:  # a causal LM's backbone: new head
+            init_head(self.model, recipe.run.seed)
         self.adapter.include_head = True  # loaded: exports carry the head from now on
         self.adapter.include_bias = True
         self._eval_pairs: list[Pair] | None = None

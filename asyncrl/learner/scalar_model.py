@@ -39,8 +39,7 @@ SEQ_CLS_ARCH = {
     "llama": "LlamaForSequenceClassification",
 }
 
-# a fresh head starts near 0: the first scores neither saturate the sigmoid nor favour either side
-_HEAD_INIT = {"weight": partial(nn.init.normal_, std=1e-3)}
+_HEAD_INIT = {"weight": partial(nn.init.normal_, std=1e-3)}  # replaced by init_head
 _EMB_INIT = {"weight": partial(nn.init.normal_, std=0.02)}
 
 
@@ -70,6 +69,25 @@ def scalar_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int =
     spec.state_dict_adapter = scalar_adapter(spec.state_dict_adapter, head_in_folder)
     spec.flavor = f"scalar:{Path(path).name}"
     return spec
+
+
+HEAD_STD = 1e-3
+"""A fresh head starts near 0: the first scores neither saturate the sigmoid nor favour a side."""
+
+
+@torch.no_grad()
+def init_head(model: nn.Module, seed: int, std: float = HEAD_STD) -> None:
+    """A fresh head from ``seed`` alone: the same on every rank and in every run with that seed (the
+    model's own init draws from whatever state the RNG is in, which differs between a one-rank and
+    a torchrun start). Sharded or not."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    w = model.lm_head.weight
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(tuple(w.shape), generator=g, dtype=torch.float32).mul_(std).to(w.dtype)
+    if isinstance(w, DTensor):
+        full = distribute_tensor(full.to(w.device), w.device_mesh, w.placements)
+    w.copy_(full)
 
 
 def scalar_adapter(base: type, head_in_folder: bool) -> type:

@@ -114,3 +114,29 @@ def test_preferences_prefer_the_right_answer():
         "sort", split="train", n=5
     )
     assert tasks.wrong_answer(random.Random(0), "aa") != "aa"
+
+
+def test_two_ranks_match_one_rank(tiny_qwen3, tmp_path):
+    """Under torchrun (2 ranks, gloo, FSDP2, several micro-batches each): the same losses, gradient
+    norms and held-out accuracy as one rank on the same batches."""
+    from asyncrl.learner.data import PreferenceSource
+    from asyncrl.learner.reward_model import RewardModelTrainer
+    from tests.learner.test_distributed import finish, torchrun
+    from tests.numerics import assert_close_rel
+
+    recipe = tmp_path / "rm.yaml"
+    spec = rm_recipe(tmp_path, tiny_qwen3, 2, micro_batch_tokens=100)
+    recipe.write_text(yaml.safe_dump(spec))
+    rc, err = finish(torchrun(recipe))
+    assert rc == 0, err[-3000:]
+    two = {m["step"]: m for m in read_metrics(tmp_path / "runs" / "rm") if "rm/loss" in m}
+    r = recipe_mod.load(recipe, ["learner.micro_batch_tokens=100000"])
+    trainer = RewardModelTrainer(r, run_dir=tmp_path / "one", checkpointing=False)
+    src = PreferenceSource.from_recipe(r)
+    for step in (1, 2):
+        one = trainer.step(src.next_batch()).metrics
+        assert one["learner/micro_batches"] == 1 and two[step]["learner/micro_batches"] > 1
+        for k in ("rm/loss", "grad_norm", "rm/margin"):
+            assert_close_rel(one[k], two[step][k])
+        assert one["rm/accuracy"] == two[step]["rm/accuracy"]
+    assert one["rm/eval_accuracy"] == two[2]["rm/eval_accuracy"]
