@@ -26,8 +26,12 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import metric_names as names
-from asyncrl.learner.attention import attention_masks
-from asyncrl.learner.scalar_model import init_head, scalar_spec, write_seq_cls_config
+from asyncrl.learner.scalar_model import (
+    init_head,
+    scalar_spec,
+    token_values,
+    write_seq_cls_config,
+)
 from asyncrl.learner.source import Batch
 from asyncrl.learner.trainer import StepResult, Trainer, peak_memory
 
@@ -98,8 +102,7 @@ class RewardModelTrainer(Trainer):
         tokens = torch.from_numpy(np.concatenate(seqs).astype(np.int64))[None].to(self.device)
         positions = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(self.device)
         ends = torch.from_numpy(np.cumsum([len(s) for s in seqs]) - 1).to(self.device)
-        h = self.model(tokens, positions, attention_masks(self.model, positions))
-        return self.model.lm_head(h[0, ends]).squeeze(-1).float()
+        return token_values(self.model, tokens, positions)[ends]
 
     def _micro_batches(self, pairs: list[Pair]) -> list[list[Pair]]:
         """This rank's pairs in micro-batches; every rank runs as many (FSDP's collectives pair up),

@@ -71,6 +71,16 @@ def scalar_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int =
     return spec
 
 
+def token_values(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The head's value at every token of packed rows ``[1, L]`` (positions restart at 0 at each
+    sequence): ``[L]`` float32. A sequence's reward score is its last token's; a critic's values
+    are all of them. Collective under FSDP (every rank calls it)."""
+    from asyncrl.learner.attention import attention_masks
+
+    h = model(tokens, positions, attention_masks(model, positions))
+    return model.lm_head(h[0]).squeeze(-1).float()
+
+
 HEAD_STD = 1e-3
 """A fresh head starts near 0: the first scores neither saturate the sigmoid nor favour a side."""
 
