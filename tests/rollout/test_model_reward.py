@@ -62,6 +62,8 @@ def test_classify_answers_in_sglang_shape_with_the_models_scores(rm_server, hf_s
     one = httpx.post(f"{rm_server.url}/classify", json={"text": "dcab=abcd"}).json()
     assert isinstance(one, dict)
     assert one["embedding"][0] == pytest.approx(hf_scores(tok("dcab=abcd")["input_ids"]), abs=1e-5)
+    named = httpx.post(f"{rm_server.url}/classify", json={"text": ["a", "b"], "rid": "r"}).json()
+    assert [x["meta_info"]["id"] for x in named] == ["r_0", "r_1"]
     bad = httpx.post(f"{rm_server.url}/classify", json={"input_ids": [[1, 10**9]]})
     assert bad.status_code == 400 and "input_ids[0]" in bad.json()["error"]["message"]
     assert httpx.get(f"{rm_server.url}/model_info").json()["is_generation"] is False

@@ -133,16 +133,13 @@ class Classifier:
     def classify(self, body: dict) -> Reply:
         t0 = time.monotonic()
         seqs, batched = self._inputs(body)
+        rids = _rids(body.get("rid"), len(seqs), batched)
         scores = self.scores(seqs).tolist()
-        rid = body.get("rid")
-        rids = rid if isinstance(rid, list) else [f"{rid or uuid.uuid4().hex}" for _ in seqs]
-        if batched and not isinstance(rid, list) and rid:
-            rids = [f"{rid}_{i}" for i in range(len(seqs))]
         items = [
             {
                 "embedding": s,
                 "meta_info": {
-                    "id": rids[i] if i < len(rids) else uuid.uuid4().hex,
+                    "id": rids[i],
                     "finish_reason": {"type": "length", "length": 0},  # as SGLang's
                     "prompt_tokens": len(seqs[i]),
                     "weight_version": self.weight_version,
@@ -153,3 +150,15 @@ class Classifier:
             for i, s in enumerate(scores)
         ]
         return Reply(200, items if batched else items[0])
+
+
+def _rids(rid: Any, n: int, batched: bool) -> list[str]:
+    """Request ids as SGLang 0.5.23 gives them (io_struct ``_normalize_rid``): the caller's (a list,
+    one each; or a string, suffixed ``_i`` in a batch), else fresh ones."""
+    if isinstance(rid, list):
+        if len(rid) != n:
+            raise BadRequest(f"rid: {len(rid)} ids for {n} inputs")
+        return [str(r) for r in rid]
+    if rid:
+        return [f"{rid}_{i}" for i in range(n)] if batched else [str(rid)]
+    return [uuid.uuid4().hex for _ in range(n)]
