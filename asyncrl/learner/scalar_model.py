@@ -39,7 +39,9 @@ SEQ_CLS_ARCH = {
     "llama": "LlamaForSequenceClassification",
 }
 
-_HEAD_INIT = {"weight": partial(nn.init.normal_, std=1e-3)}  # replaced by init_head
+HEAD_STD = 1e-3
+"""A fresh head starts near 0: the first scores neither saturate the sigmoid nor favour a side."""
+_HEAD_INIT = {"weight": partial(nn.init.normal_, std=HEAD_STD)}  # then init_head, from the seed
 _EMB_INIT = {"weight": partial(nn.init.normal_, std=0.02)}
 
 
@@ -79,10 +81,6 @@ def token_values(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
 
     h = model(tokens, positions, attention_masks(model, positions))
     return model.lm_head(h[0]).squeeze(-1).float()
-
-
-HEAD_STD = 1e-3
-"""A fresh head starts near 0: the first scores neither saturate the sigmoid nor favour a side."""
 
 
 @torch.no_grad()

@@ -42,9 +42,18 @@ def rm_recipe(tmp_path, model, steps: int, **learner) -> dict:
     }
 
 
-def test_scalar_model_export_scores_like_transformers(tiny_qwen3, tmp_path):
-    """The export is a Qwen3ForSequenceClassification folder: transformers' scores equal the
-    learner's (≤ 1e-5), and a learner started from the export has the same head."""
+@pytest.mark.parametrize(
+    ("fixture", "arch"),
+    [
+        ("tiny_qwen3", "Qwen3ForSequenceClassification"),
+        ("tiny_llama", "LlamaForSequenceClassification"),
+    ],
+)
+def test_scalar_model_export_scores_like_transformers(fixture, arch, request, tmp_path):
+    """The export is a *ForSequenceClassification folder: transformers' scores equal the learner's
+    (≤ 1e-5), and a learner started from the export has the same head. Qwen3 (tied embeddings:
+    untied here) and Llama (q/k permuted by TorchTitan's adapter)."""
+    tiny_qwen3 = request.getfixturevalue(fixture)
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -58,7 +67,7 @@ def test_scalar_model_export_scores_like_transformers(tiny_qwen3, tmp_path):
         ours = trainer.scores(seqs)
     out = trainer.export_hf(tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3ForSequenceClassification"] and cfg["num_labels"] == 1
+    assert cfg["architectures"] == [arch] and cfg["num_labels"] == 1
     tensors = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
     assert tensors["score.bias"].tolist() == [0.0]  # for SGLang (scalar_model.HF_BIAS)
     hf = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
