@@ -4,9 +4,10 @@ built-in engine on a sequence-classification folder), in batches, added to the r
 ``rollout.reward_model`` (docs/reward-models.md) names the servers. Samples that finish within
 :data:`LINGER_S` of each other travel in one request of up to ``batch_size`` completions (as
 ``input_ids``: prompt + completion, the same tokens the policy produced; or as text for a reward
-model with another tokenizer). A request is bounded by ``timeout_s``; a request that fails (timeout,
-connection, HTTP error, an answer without a finite score) fails each of its samples as any reward
-does (:mod:`asyncrl.rollout.rewards`): model reward 0 and a recorded ``failure``, never a drop.
+model with another tokenizer). A request is bounded by ``timeout_s``; one that a server cannot take
+(connection, HTTP error, an answer without a finite score) goes to the next server. A batch that no
+server scored within the bound fails each of its samples as any reward does
+(:mod:`asyncrl.rollout.rewards`): model reward 0 and a recorded ``failure``, never a drop.
 
 The sample's reward is ``reward_weight · rule + weight · normalised score``; ``rollout.reward: model``
 leaves the rule out. Normalisation: none, fixed ``(s - shift) / scale``, or running ``(s - mean) /
@@ -112,7 +113,7 @@ class ModelReward:
         self.cfg = cfg
         self.norm = ScoreNorm(cfg.normalize, cfg.shift, cfg.scale)
         self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "requests": 0}
-        self._urls = itertools.cycle(cfg.urls)
+        self._turn = itertools.count()  # which server a batch tries first, in turn
         self._http: httpx.AsyncClient | None = None
         self._loop: trio.lowlevel.TrioToken | None = None
         self._open: _Batch | None = None  # the batch new samples join
@@ -154,28 +155,36 @@ class ModelReward:
             self.stats["failures"] += 1
         return item.score, item.failure
 
+    async def _post(self, url: str, body: dict, n: int) -> list[float]:
+        """One /classify request's scores; raises httpx.HTTPError or ValueError with the reason."""
+        resp = await self.http.post(f"{url}/classify", json=body)
+        if resp.status_code != 200:
+            raise ValueError(f"answered HTTP {resp.status_code}: {resp.text[:200]}")
+        return parse_scores(resp.json(), n)
+
     async def _send(self, batch: list[_Item]) -> None:
-        url = next(self._urls)
+        """Score ``batch`` within ``timeout_s``: a server that cannot be reached or answers an error
+        passes the batch to the next one (each server once); the last failure fails the batch."""
         key = "input_ids" if self.cfg.input == "ids" else "text"
+        body = {key: [it.payload for it in batch]}
         self.stats["requests"] += 1
         failure = ""
         scores: list[float] = []
         with trio.move_on_after(self.cfg.timeout_s) as scope:
-            try:
-                resp = await self.http.post(
-                    f"{url}/classify", json={key: [it.payload for it in batch]}
-                )
-                if resp.status_code != 200:
-                    failure = f"{url}/classify answered HTTP {resp.status_code}: {resp.text[:200]}"
-                else:
-                    scores = parse_scores(resp.json(), len(batch))
-            except httpx.TimeoutException:
-                scope.cancel()
-            except (httpx.HTTPError, ValueError) as e:
-                failure = f"{url}/classify: {type(e).__name__}: {e}"[:500]
+            urls = self.cfg.urls
+            first = next(self._turn) % len(urls)
+            for url in urls[first:] + urls[:first]:
+                try:
+                    scores = await self._post(url, body, len(batch))
+                    failure = ""
+                    break
+                except httpx.TimeoutException:
+                    scope.cancel()
+                except (httpx.HTTPError, ValueError) as e:
+                    failure = f"{url}/classify: {type(e).__name__}: {e}"[:500]
         if scope.cancelled_caught:
             self.stats["timeouts"] += 1
-            failure = f"{url}/classify timed out after {self.cfg.timeout_s:g}s"
+            failure = f"/classify timed out after {self.cfg.timeout_s:g}s"
         if failure:
             for it in batch:
                 it.failure = failure
