@@ -208,10 +208,11 @@ def summarize(
         "trained_tokens": trained_tokens,
         "trained_tokens_per_s": sum(tps) / len(tps) if tps else None,
         "algorithm": r.algorithm.loss,
-        "rm_eval_accuracy": rm_acc[-1] if rm_acc else None,
         "restarts": {},
         "buffer_status": status or {},
     }
+    if r.algorithm.loss == "reward_model":  # held-out pairs ranked right, at the last evaluation
+        summary["rm_eval_accuracy"] = rm_acc[-1] if rm_acc else None
     return amend(summary, wall_seconds=wall_seconds, restarts=restarts or {})
 
 
