@@ -326,4 +326,7 @@ SUMMARY_LINE_KEYS = (
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    return json.dumps({k: summary.get(k) for k in SUMMARY_LINE_KEYS})
+    line = {k: summary.get(k) for k in SUMMARY_LINE_KEYS}
+    if "rm_eval_accuracy" in summary:  # a reward-model run: what its rewards would be
+        line["rm_eval_accuracy"] = summary["rm_eval_accuracy"]
+    return json.dumps(line)
