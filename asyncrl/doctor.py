@@ -259,21 +259,21 @@ class Doctor:
             samples_per_update=self.samples_per_update(),
             checkpoint_async=lc.checkpoint_async,
         )
-        rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.loss != "sft", **kw)
+        rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.uses_rollouts, **kw)
         return rank0, memory.learner_plan(self.dims, rank0=False, **kw)
 
     def samples_per_update(self) -> int:
         """Sequences one optimizer update trains on: sft's batch, or an RL batch's minibatch."""
         r = self.recipe
-        if r.algorithm.loss == "sft":
-            return r.learner.batch_size
+        if not r.algorithm.uses_rollouts:  # a reward model's batch is of pairs: 2 sequences each
+            return r.learner.batch_size * (2 if r.algorithm.loss == "reward_model" else 1)
         per_batch = r.buffer.groups_per_batch * r.rollout.group_size
         return math.ceil(per_batch / r.learner.minibatches)
 
     def generator_plan(self) -> memory.GeneratorPlan | None:
         assert self.dims is not None
         r, g = self.recipe, self.recipe.generator
-        if r.algorithm.loss == "sft":
+        if not r.algorithm.uses_rollouts:
             return None
         builtin = g.kind == "builtin"
         n = g.engines_per_worker if builtin else len(g.urls)
@@ -304,7 +304,7 @@ class Doctor:
     def engines_here(self) -> int:
         """Built-in engines `asyncrl run` starts on this host."""
         r = self.recipe
-        builtin = r.generator.kind == "builtin" and r.algorithm.loss != "sft"
+        builtin = r.generator.kind == "builtin" and r.algorithm.uses_rollouts
         return r.rollout.workers * r.generator.engines_per_worker if builtin else 0
 
     def learner_need(self, **changes: Any) -> tuple[int, int]:

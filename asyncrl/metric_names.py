@@ -33,6 +33,14 @@ DRIFT_BY_STALENESS = "drift/staleness_kl/"  # 1..eta
 WEIGHT_SYNC_S = "weights/sync_s"
 PAUSE_S = "weights/pause_s/"  # per generator (host:port)
 
+# -- the reward-model learner (algorithm.loss: reward_model), one record per version -------------
+RM_LOSS = "rm/loss"  # mean Bradley-Terry loss over the batch's pairs
+RM_ACCURACY = "rm/accuracy"  # the batch's pairs ranked right (before the update)
+RM_MARGIN = "rm/margin"  # mean r_chosen - r_rejected
+RM_EVAL_ACCURACY = (
+    "rm/eval_accuracy"  # held-out pairs ranked right; summary.json's rm_eval_accuracy
+)
+
 READ_BY_ASYNCRL = (
     REWARD_MEAN,
     RESPONSE_LENGTH_MEAN,

@@ -22,7 +22,11 @@ import yaml
 # ``typing.get_args`` (losses, advantages, the engine's pause modes, the memory plan).
 Dtype = Literal["float32", "bfloat16", "float16"]
 GeneratorKind = Literal["builtin", "sglang"]
-Loss = Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft"]
+Loss = Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft", "reward_model"]
+OFFLINE_LOSSES = ("sft", "reward_model")
+"""Losses trained from a local data set: no rollouts, no buffer, no weight broadcast."""
+RewardNorm = Literal["none", "running", "fixed"]
+RewardInput = Literal["ids", "text"]
 Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "vtrace", "remax"]
 Aggregation = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 Checkpointing = Literal["none", "selective", "full"]
@@ -93,10 +97,35 @@ class DataConfig:
     prompt_key: str = _f("prompt")
     answer_key: str = _f("answer")
     completion_key: str = _f("completion", doc="target text, for sft")
+    chosen_key: str = _f("chosen", doc="reward_model: the preferred completion of a pair")
+    rejected_key: str = _f("rejected", doc="reward_model: the other completion of the pair")
     chat_template: bool = _f(False, doc="wrap prompts with the tokenizer's chat template")
     shuffle: bool = _f(True)
     task: str = _f("", doc="built-in synthetic task name, instead of a file")
     num_examples: int = _f(0, lo=0, doc="size of a generated synthetic data set")
+
+
+@dataclass(kw_only=True)
+class RewardModelConfig:
+    urls: list[str] = _f(
+        factory=list, doc="/classify servers (SGLang or `asyncrl engine` on a reward model folder)"
+    )
+    weight: float = _f(1.0, doc="the sample's reward adds weight x the (normalised) score")
+    timeout_s: float = _f(30.0, lo=0, lo_open=True, doc="one /classify request's bound")
+    batch_size: int = _f(16, lo=1, doc="completions per /classify request")
+    input: RewardInput = _f(
+        "ids", doc="ids: prompt + completion token ids (one tokenizer); text: the server tokenizes"
+    )
+    normalize: RewardNorm = _f(
+        "none",
+        doc="running: (s - mean) / std of the scores seen so far; fixed: (s - shift) / scale",
+    )
+    shift: float = _f(0.0)
+    scale: float = _f(1.0, lo=0, lo_open=True)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls)
 
 
 @dataclass(kw_only=True)
@@ -105,8 +134,13 @@ class RolloutConfig:
     group_size: int = _f(8, lo=1, doc="samples per prompt (GRPO's n)")
     max_concurrent_groups: int = _f(16, lo=1, doc="groups in flight per worker")
     workflow: str = _f("single_turn", doc="single_turn, multi_turn, or an import path module:fn")
-    reward: str = _f("exact_match", doc="exact_match, math, or an import path module:fn")
+    reward: str = _f(
+        "exact_match",
+        doc="exact_match, math, an import path module:fn, or model (rollout.reward_model alone)",
+    )
     reward_timeout_s: float = _f(10.0, lo=0, lo_open=True)
+    reward_weight: float = _f(1.0, doc="weight of rollout.reward when a reward model adds to it")
+    reward_model: RewardModelConfig = _f(factory=RewardModelConfig)
     tools: list[str] = _f(factory=list, doc="import paths of tool functions (multi_turn)")
     max_turns: int = _f(4, lo=1)
     temperature: float = _f(1.0, lo=0)
@@ -214,6 +248,11 @@ class AlgorithmConfig:
         lo=0,
         doc="β of the per-token reward r_t − β·(log μ_t − log π_ref,t) (gae, vtrace; classic RLHF)",
     )
+
+    @property
+    def uses_rollouts(self) -> bool:
+        """False for the losses trained from a local data set (:data:`OFFLINE_LOSSES`)."""
+        return self.loss not in OFFLINE_LOSSES
 
     @property
     def aggregation_used(self) -> str:
@@ -553,6 +592,32 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             file=file,
             key="algorithm.ratio_mask_high",
         )
+    if alg.loss == "reward_model":
+        lc = r.learner
+        if lc.minibatches != 1 or lc.epochs != 1:
+            raise RecipeError(
+                "reward_model makes one update per batch of pairs: leave minibatches and epochs 1",
+                file=file,
+                key="learner.minibatches" if lc.minibatches != 1 else "learner.epochs",
+            )
+        if alg.kl_coef:
+            raise RecipeError(
+                "reward_model has no reference policy: must be 0",
+                file=file,
+                key="algorithm.kl_coef",
+            )
+    rm = r.rollout.reward_model
+    if r.rollout.reward == "model" and not rm.enabled:
+        raise RecipeError(
+            "reward model needs rollout.reward_model.urls", file=file, key="rollout.reward"
+        )
+    for i, u in enumerate(rm.urls):
+        if not u.startswith(("http://", "https://")):
+            raise RecipeError(
+                f"expected an http(s):// URL, got {u!r}",
+                file=file,
+                key=f"rollout.reward_model.urls[{i}]",
+            )
     tls = r.buffer.tls
     given = [bool(tls.cert), bool(tls.key), bool(tls.ca)]
     if any(given) and not all(given):
@@ -590,13 +655,13 @@ def warnings(recipe: Recipe) -> list[str]:
             f"1; a range of {max(alg.clip_low, alg.clip_high):g} rarely clips (the GSPO paper uses "
             "3e-4 / 4e-4)"
         )
-    if alg.loss != "sft" and alg.advantage in ("gae", "vtrace"):
+    if alg.uses_rollouts and alg.advantage in ("gae", "vtrace"):
         out.append(
             f"algorithm.advantage: {alg.advantage} is not wired in the learner yet (it needs "
             "a critic); `asyncrl graph` shows its dataflow, and the learner refuses it at the "
             "first batch"
         )
-    if alg.loss != "sft" and (ro.top_p < 1 or ro.top_k > 0 or ro.min_p > 0):
+    if alg.uses_rollouts and (ro.top_p < 1 or ro.top_k > 0 or ro.min_p > 0):
         out.append(
             "rollout.top_p/top_k/min_p: generators report μ before truncation (log_softmax of "
             "logits / temperature, as SGLang does), so importance ratios do not see the truncation"

@@ -182,6 +182,7 @@ def summarize(
     _, tokens = plots.series(learner, names.TRAINED_TOKENS)
     trained_tokens = float(sum(tokens)) if tokens else None
     _, tps = plots.series(records, names.TRAINED_TOKENS_PER_S)
+    _, rm_acc = plots.series(learner, names.RM_EVAL_ACCURACY)  # held-out pairs (reward_model)
     times = [
         rec["time"]
         for rec in records
@@ -198,7 +199,7 @@ def summarize(
         if reward_start is None or reward_end is None
         else reward_end - reward_start,
         "max_staleness_seen": max(smax) if smax else None,
-        "max_staleness_allowed": None if r.algorithm.loss == "sft" else r.buffer.max_staleness,
+        "max_staleness_allowed": r.buffer.max_staleness if r.algorithm.uses_rollouts else None,
         "wall_seconds": None,
         # from the learner's first logged step to its last: steady-state training time of
         # len(times) - 1 steps, without start-up and evaluation
@@ -210,6 +211,8 @@ def summarize(
         "restarts": {},
         "buffer_status": status or {},
     }
+    if r.algorithm.loss == "reward_model":  # held-out pairs ranked right, at the last evaluation
+        summary["rm_eval_accuracy"] = rm_acc[-1] if rm_acc else None
     return amend(summary, wall_seconds=wall_seconds, restarts=restarts or {})
 
 
@@ -270,15 +273,17 @@ def finish_run(
     # not (an SFT run, generators gone at the end) is evaluated here on an engine of its own
     scores = held_out_scores(run_dir)
     last = summary_version(run_dir)
-    reward_start = scores.get(0)
-    if reward_start is None:
-        start_model = Path(r.resolve(r.model.path)) if r.model.path else None
-        reward_start = _eval_or_none(r, start_model, run_dir)
-        log_eval(run_dir, {0: reward_start})
-    reward_end = scores.get(last) if outcome == "completed" else None
-    if reward_end is None and outcome == "completed":
-        reward_end = _eval_or_none(r, find_export(run_dir), run_dir)
-        log_eval(run_dir, {last: reward_end})
+    reward_start = reward_end = None
+    if r.algorithm.loss != "reward_model":  # a reward model has no policy to generate with
+        reward_start = scores.get(0)
+        if reward_start is None:
+            start_model = Path(r.resolve(r.model.path)) if r.model.path else None
+            reward_start = _eval_or_none(r, start_model, run_dir)
+            log_eval(run_dir, {0: reward_start})
+        reward_end = scores.get(last) if outcome == "completed" else None
+        if reward_end is None and outcome == "completed":
+            reward_end = _eval_or_none(r, find_export(run_dir), run_dir)
+            log_eval(run_dir, {last: reward_end})
     summary = summarize(
         r,
         run_dir=run_dir,
@@ -321,4 +326,7 @@ SUMMARY_LINE_KEYS = (
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    return json.dumps({k: summary.get(k) for k in SUMMARY_LINE_KEYS})
+    line = {k: summary.get(k) for k in SUMMARY_LINE_KEYS}
+    if "rm_eval_accuracy" in summary:  # a reward-model run: what its rewards would be
+        line["rm_eval_accuracy"] = summary["rm_eval_accuracy"]
+    return json.dumps(line)

@@ -170,6 +170,41 @@ def write_task(
     )
 
 
+def wrong_answer(rng: random.Random, answer: str) -> str:
+    """A near miss of ``answer``: its characters shuffled (the letters of a sort or reverse task out
+    of order, the digits of a sum swapped), else one character changed. Never ``answer``."""
+    chars = list(answer)
+    for _ in range(20):
+        rng.shuffle(chars)
+        if "".join(chars) != answer:
+            return "".join(chars)
+    i = rng.randrange(len(answer)) if answer else 0
+    pool = string.digits if answer[i : i + 1].isdigit() else string.ascii_lowercase
+    c = rng.choice([x for x in pool if x != answer[i : i + 1]])
+    return answer[:i] + c + answer[i + 1 :]
+
+
+def preferences(name: str, *, split: Split, n: int, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` preference pairs ``{prompt, chosen, rejected}`` of ``split`` (a reward model's data,
+    ``algorithm.loss: reward_model``): the right answer preferred over :func:`wrong_answer`."""
+    rng = random.Random(f"{name}:preferences:{split}:{seed}")
+    return [
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong_answer(rng, r["answer"])}
+        for r in examples(name, split=split, n=n, seed=seed)
+    ]
+
+
+def write_preferences(
+    name: str, out_dir: str | Path, *, train: int, eval: int, seed: int = 0
+) -> tuple[Path, Path]:
+    """Write ``train.jsonl`` and ``eval.jsonl`` of :func:`preferences`; returns their paths."""
+    out = Path(out_dir)
+    return (
+        write_jsonl(out / "train.jsonl", preferences(name, split="train", n=train, seed=seed)),
+        write_jsonl(out / "eval.jsonl", preferences(name, split="eval", n=eval, seed=seed)),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m asyncrl.tasks", description=__doc__.splitlines()[0])
     p.add_argument("task", choices=list(TASKS))

@@ -60,6 +60,37 @@ def rollout_engine(tiny_qwen3):
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory, tiny_qwen3) -> Path:
+    """tiny_qwen3's backbone with a random one-label head (scores spread over a few units), as the
+    reward-model learner exports it: a Qwen3ForSequenceClassification folder
+    (asyncrl.learner.scalar_model)."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.reward_model import RewardModelTrainer
+    from asyncrl.learner.scalar_model import write_seq_cls_config
+
+    seed = tmp_path_factory.mktemp("tiny_reward_model_seed")
+    torch.manual_seed(0)
+    m = AutoModelForSequenceClassification.from_pretrained(tiny_qwen3, num_labels=1)
+    torch.nn.init.normal_(m.score.weight, std=0.5)
+    m.save_pretrained(seed, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_qwen3 / f).is_file():
+            shutil.copy2(tiny_qwen3 / f, seed / f)
+    write_seq_cls_config(seed)
+    r = recipe_mod.from_dict({"model": {"path": str(seed)}, "algorithm": {"loss": "reward_model"}})
+    work = tmp_path_factory.mktemp("tiny_reward_model_run")
+    trainer = RewardModelTrainer(r, run_dir=work, checkpointing=False)
+    try:
+        return trainer.export_hf(tmp_path_factory.mktemp("tiny_reward_model") / "export")
+    finally:
+        trainer.close()
+
+
+@pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     """The demo's tiny model and a small sort data set (tools/make_demo.py), for end-to-end runs."""
     from tools.make_demo import make_demo

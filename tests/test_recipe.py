@@ -96,6 +96,25 @@ def test_overrides_are_typed(tmp_path):
             "token-level advantage (gae, vtrace)",
         ),
         ("algorithm: {advantage: gea}\n", [], "algorithm.advantage", "did you mean 'gae'"),
+        (
+            "algorithm: {loss: reward_model}\nlearner: {minibatches: 2}\n",
+            [],
+            "learner.minibatches",
+            "one update per batch of pairs",
+        ),
+        ("rollout: {reward: model}\n", [], "rollout.reward", "rollout.reward_model.urls"),
+        (
+            "rollout: {reward_model: {urls: [localhost:30001]}}\n",
+            [],
+            "rollout.reward_model.urls[0]",
+            "http(s)://",
+        ),
+        (
+            "rollout: {reward_model: {normalize: zscore}}\n",
+            [],
+            "rollout.reward_model.normalize",
+            "running",
+        ),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):

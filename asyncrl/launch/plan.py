@@ -87,7 +87,7 @@ def make_plan(r: Recipe, recipe_path: Path, overrides: list[str], sock_dir: Path
             restart_args=[] if r.run.resume else ["run.resume=true"],  # from its last checkpoint
         )
     )
-    workers = r.rollout.workers if r.algorithm.loss != "sft" else 0
+    workers = r.rollout.workers if r.algorithm.uses_rollouts else 0
     for i in range(workers):
         argv = [py, "-m", "asyncrl.cli", "rollout", str(recipe_path), "--buffer", buffer]
         argv += ["--pub", pub, "--worker-id", f"worker{i}", *common]

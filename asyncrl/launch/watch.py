@@ -37,7 +37,7 @@ class RunWatch:
 
     def __init__(self, r: Recipe, buffer_address: str, run_dir: Path, *, t0: float, enabled: bool):
         self.r, self.buffer_address, self.t0 = r, buffer_address, t0
-        self.uses_buffer = r.algorithm.loss != "sft"
+        self.uses_buffer = r.algorithm.uses_rollouts
         self.status: dict[str, Any] | None = None
         self.healthy = False
         self.display = progress_mod.Display(r.run.steps, enabled=enabled)

@@ -24,10 +24,9 @@ class DataError(ValueError):
     """A data file or row the sft source cannot use (one-line message naming the file and row)."""
 
 
-def load_sft_rows(
-    path: str | Path, *, prompt_key: str, completion_key: str
-) -> list[dict[str, str]]:
-    """Rows ``{prompt, completion}`` of a jsonl/json/parquet file, checked to have both keys."""
+def load_rows(path: str | Path, fields: dict[str, str]) -> list[dict[str, str]]:
+    """Rows of a jsonl/json/parquet file as ``{name: str(row[key])}`` for ``fields`` {name: key},
+    checked to have every key (the error names the file, the row and the missing field)."""
     path = Path(path)
     if path.suffix == ".parquet":
         import datasets
@@ -37,14 +36,20 @@ def load_sft_rows(
         raw = tasks.read_jsonl(path)
     rows = []
     for i, r in enumerate(raw):
-        if prompt_key not in r or completion_key not in r:
-            raise DataError(
-                f"{path}: row {i + 1} has no {prompt_key!r} or {completion_key!r} field"
-            )
-        rows.append({"prompt": str(r[prompt_key]), "completion": str(r[completion_key])})
+        missing = [k for k in fields.values() if k not in r]
+        if missing:
+            raise DataError(f"{path}: row {i + 1} has no {missing[0]!r} field")
+        rows.append({name: str(r[key]) for name, key in fields.items()})
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def load_sft_rows(
+    path: str | Path, *, prompt_key: str, completion_key: str
+) -> list[dict[str, str]]:
+    """Rows ``{prompt, completion}`` of a jsonl/json/parquet file, checked to have both keys."""
+    return load_rows(path, {"prompt": prompt_key, "completion": completion_key})
 
 
 class SFTSource:
@@ -148,3 +153,68 @@ class SFTSource:
         self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
         self.version = int(d.get("version", 0))
         self._order = self._permutation(self.epoch)
+
+
+class PreferenceSource(SFTSource):
+    """``reward_model`` batches: each row ``{prompt, chosen, rejected}`` becomes a group of two
+    samples, chosen first, each completion ending in EOS (as a policy's finished completion does,
+    so the reward model scores what it will be served). Same order, position and resume as sft."""
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> PreferenceSource:
+        from transformers import AutoTokenizer
+
+        d = recipe.data
+        if not d.path:
+            raise DataError("data.path (a jsonl or parquet file of preference pairs) is required")
+        rows = load_preference_rows(recipe.resolve(d.path), recipe)
+        tok = AutoTokenizer.from_pretrained(str(recipe.resolve(recipe.model.path)))
+        return cls(
+            rows,
+            tok,
+            batch_size=recipe.learner.batch_size,
+            shuffle=d.shuffle,
+            seed=recipe.run.seed,
+            chat_template=d.chat_template,
+            max_len=recipe.model.max_seq_len,
+        )
+
+    def pair(self, row: dict[str, str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt, chosen, rejected) token ids."""
+        p, c = self.tokenize({"prompt": row["prompt"], "completion": row["chosen"]})
+        _, r = self.tokenize({"prompt": row["prompt"], "completion": row["rejected"]})
+        return p, c, r
+
+    def next_batch(self, timeout_s: float = 0.0) -> Batch:
+        groups = []
+        for _ in range(self.batch_size):
+            if self.cursor >= len(self._order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            i = self._order[self.cursor]
+            self.cursor += 1
+            p, c, r = self.pair(self.rows[i])
+            gid = f"rm-{self.epoch}-{i}"
+            samples = [
+                wire.Sample(
+                    id=f"{gid}/{side}",
+                    group_id=gid,
+                    prompt_ids=p,
+                    completion_ids=ids,
+                    behavior_logprobs=np.zeros(len(ids), np.float32),
+                    versions=np.full(len(ids), self.version, np.int32),
+                    loss_mask=np.ones(len(ids), np.float32),
+                    reward=reward,
+                )
+                for side, ids, reward in (("chosen", c, 1.0), ("rejected", r, 0.0))
+            ]
+            groups.append(wire.Group(id=gid, samples=samples, prompt_index=i))
+        return Batch(groups=groups, version=self.version, stats={"data/epoch": self.epoch})
+
+
+def load_preference_rows(path: str | Path, recipe: Recipe) -> list[dict[str, str]]:
+    """``{prompt, chosen, rejected}`` rows of a preference file, named by the recipe's data keys."""
+    d = recipe.data
+    return load_rows(
+        path, {"prompt": d.prompt_key, "chosen": d.chosen_key, "rejected": d.rejected_key}
+    )

@@ -41,6 +41,33 @@ def sft_source(recipe: Recipe, trainer: Any) -> BatchSource:
     return src
 
 
+def preference_source(recipe: Recipe, trainer: Any) -> BatchSource:
+    from asyncrl.learner.data import PreferenceSource
+
+    src = PreferenceSource.from_recipe(recipe)
+    if trainer.source_state is not None:
+        src.load_state_dict(trainer.source_state)
+    return src
+
+
+OFFLINE_SOURCES: dict[str, SourceFactory] = {
+    "sft": sft_source,
+    "reward_model": preference_source,
+}
+"""Rank 0's batch source of each loss trained from a local data set (no rollouts)."""
+
+
+def trainer_class(recipe: Recipe) -> type:
+    """The learner of ``algorithm.loss``: the policy Trainer, or the scalar-head reward model's."""
+    if recipe.algorithm.loss == "reward_model":
+        from asyncrl.learner.reward_model import RewardModelTrainer
+
+        return RewardModelTrainer
+    from asyncrl.learner.trainer import Trainer
+
+    return Trainer
+
+
 def buffer_source(recipe: Recipe, trainer: Any) -> BatchSource:
     """The replay buffer's nng service (rank 0), resumed from the checkpoint's buffer state."""
     from asyncrl.buffer.service import BufferService
@@ -111,13 +138,13 @@ def train(
     Rank 0 also tells its user where it listens and how it is doing (:class:`LearnerReport`), and
     at a clean end (the last version, or a stop on SIGTERM) writes the run's summary and plots
     (:func:`asyncrl.summary.finish_run`); at the last version it first announces the end."""
-    from asyncrl.learner.trainer import Trainer, collective_timeout_s, ensure_distributed
+    from asyncrl.learner.trainer import collective_timeout_s, ensure_distributed
     from asyncrl.metrics import MetricsSink
 
     t0 = time.monotonic()
     match_sglang_nccl(recipe)
     rank, _ = ensure_distributed(collective_timeout_s(recipe))
-    trainer = Trainer(recipe)
+    trainer = trainer_class(recipe)(recipe)
     if rank == 0:
         for warning in recipe_mod.warnings(recipe):  # the same lines `asyncrl check` prints
             print(f"asyncrl learner: warning: {warning}", file=sys.stderr, flush=True)
@@ -129,9 +156,9 @@ def train(
     evaluator = None
     outcome = ""  # set at a clean end: "completed", or "stopped" (SIGTERM before the last version)
     weights_metrics = _Pending()
-    is_rl = recipe.algorithm.loss != "sft"
+    is_rl = recipe.algorithm.uses_rollouts
     if source_factory is None:
-        source_factory = buffer_source if is_rl else sft_source
+        source_factory = buffer_source if is_rl else OFFLINE_SOURCES[recipe.algorithm.loss]
     try:
         if rank == 0:
             sink = MetricsSink.from_recipe(recipe, process="learner")

@@ -46,6 +46,7 @@ from torchtitan.config.configs import CompileConfig, ParallelismConfig, Training
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import malloc
 from asyncrl import metric_names as names
@@ -213,9 +214,7 @@ class Trainer:
         self.parallel_dims.build_mesh()
         dist_utils.set_spmd_backend(cpu_shims.SPMD_BACKEND)
 
-        self.spec = build_spec(
-            self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
-        )
+        self.spec = self.model_spec()
         self.max_seq_len = self.spec.model.max_seq_len
         self.chunk_tokens = chunk_tokens(self.spec.model.vocab_size, r.learner.logits_chunk_mb)
         if r.learner.compile and cpu_shims.ON_CPU:
@@ -293,6 +292,13 @@ class Trainer:
             self.ref_model = self._build_model()
             self._load_hf(self.ref_model)
             self.ref_model.eval().requires_grad_(False)
+
+    def model_spec(self) -> ModelSpec:
+        """The TorchTitan spec of ``model.path`` (a subclass trains another head on it)."""
+        r = self.recipe
+        return build_spec(
+            self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
+        )
 
     def _build_model(self) -> torch.nn.Module:
         """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights."""

@@ -24,7 +24,7 @@ from asyncrl import metric_names as names
 from asyncrl.recipe import Recipe
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
-from asyncrl.rollout.rewards import RewardRunner, load_reward
+from asyncrl.rollout.model_reward import Reward, build_reward
 from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
 from asyncrl.rollout.tools import ToolRegistry, load_tools
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, load_workflow, play
@@ -80,7 +80,7 @@ class Evaluation:
     rows: list[dict[str, Any]]
     tokenizer: Any
     workflow: Workflow
-    reward: RewardRunner
+    reward: Reward
     params: SamplingParams  # the recipe's, at temperature 0
     tools: ToolRegistry
     prompt_key: str = "prompt"
@@ -103,9 +103,7 @@ class Evaluation:
             rows=rows,
             tokenizer=tokenizer,
             workflow=load_workflow(ro.workflow),
-            reward=RewardRunner(
-                load_reward(ro.reward), timeout_s=ro.reward_timeout_s, answer_key=r.data.answer_key
-            ),
+            reward=build_reward(r),
             params=dataclasses.replace(SamplingParams.from_recipe(ro), temperature=0.0),
             tools=ToolRegistry(load_tools(ro.tools)),
             prompt_key=r.data.prompt_key,

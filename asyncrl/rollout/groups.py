@@ -24,7 +24,7 @@ import trio
 from asyncrl import wire
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
-from asyncrl.rollout.rewards import RewardRunner
+from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, play
@@ -67,7 +67,7 @@ class GroupMaker:
         source: PromptSource,
         tokenizer: Any,
         workflow: Workflow,
-        reward: RewardRunner,
+        reward: Reward,
         params: SamplingParams,
         tools: ToolRegistry,
         max_turns: int,

@@ -39,8 +39,8 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.recipe import Recipe, RecipeError
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptDataError, PromptSource
+from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.plugins import PluginError
-from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
 from asyncrl.rollout.tools import ToolRegistry, load_tools
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, WorkerError
@@ -219,9 +219,7 @@ async def run_worker(
 
     ro = r.rollout
     tls = TLS.from_config(r.buffer)
-    reward = RewardRunner(
-        load_reward(ro.reward), timeout_s=ro.reward_timeout_s, answer_key=r.data.answer_key
-    )
+    reward = build_reward(r)
     workflow = load_workflow(ro.workflow)
     tools = ToolRegistry(load_tools(ro.tools))
     cfg = WorkerConfig(
@@ -442,7 +440,7 @@ def main(argv: list[str]) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(r.resolve(r.model.path))
         load_workflow(r.rollout.workflow)  # report plug-in mistakes before starting engines
-        load_reward(r.rollout.reward)
+        build_reward(r)
         load_tools(r.rollout.tools)
         if r.generator.kind == "builtin":
             weights = engine_weights(r, learner_version(r))

@@ -113,7 +113,29 @@ class RewardResult:
     seconds: float = 0.0
 
 
-class RewardRunner:
+class ScoresEpisodes:
+    """What :class:`RewardRunner` and the rule + model reward share: scoring one played episode
+    through their ``score`` (the one way a rollout and a held-out evaluation score)."""
+
+    async def score(self, **kwargs: Any) -> RewardResult:
+        raise NotImplementedError
+
+    async def score_episode(self, ctx: EpisodeContext, ep: Episode) -> RewardResult:
+        """The reward of one episode of ``ctx``'s prompt (the completion decoded in the reward's
+        thread)."""
+        tok = ctx.tokenizer
+        return await self.score(
+            prompt=ctx.prompt_text,
+            completion=None,
+            prompt_ids=list(ctx.prompt_ids),
+            completion_ids=list(ep.completion_ids),
+            row=ctx.row,
+            extra={"finish_reason": ep.finish_reason},
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        )
+
+
+class RewardRunner(ScoresEpisodes):
     """Runs one reward function with a timeout, off the event loop; failures become reward 0."""
 
     def __init__(
@@ -211,17 +233,3 @@ class RewardRunner:
             log.warning("reward %s: %s", self.name, failure)
             return RewardResult(value=0.0, failure=failure, seconds=seconds)
         return RewardResult(value=value, seconds=seconds)
-
-    async def score_episode(self, ctx: EpisodeContext, ep: Episode) -> RewardResult:
-        """The reward of one episode of ``ctx``'s prompt (the completion decoded in the reward's
-        thread): the one way a rollout and a held-out evaluation score."""
-        tok = ctx.tokenizer
-        return await self.score(
-            prompt=ctx.prompt_text,
-            completion=None,
-            prompt_ids=list(ctx.prompt_ids),
-            completion_ids=list(ep.completion_ids),
-            row=ctx.row,
-            extra={"finish_reason": ep.finish_reason},
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        )

@@ -49,7 +49,7 @@ from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.groups import GroupMaker
 from asyncrl.rollout.leases import LeaseBook, Start
-from asyncrl.rollout.rewards import RewardRunner
+from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import ToolRegistry
@@ -159,7 +159,7 @@ class RolloutWorker:
         source: PromptSource,
         tokenizer: Any,
         workflow: Workflow,
-        reward: RewardRunner,
+        reward: Reward,
         params: SamplingParams,
         tools: ToolRegistry | None = None,
         max_turns: int = 1,

@@ -82,6 +82,7 @@ async def make_worker(
     reward_timeout_s=10.0,
     workflow=None,
     max_new_tokens=12,
+    reward_runner=None,
     **cfg,
 ):
     cfg = {
@@ -104,7 +105,8 @@ async def make_worker(
                 source=PromptSource(rows(), name="rows.jsonl", seed=0),
                 tokenizer=tokenizer,
                 workflow=workflow or SingleTurn(),
-                reward=RewardRunner(load_reward(reward), timeout_s=reward_timeout_s),
+                reward=reward_runner
+                or RewardRunner(load_reward(reward), timeout_s=reward_timeout_s),
                 params=SamplingParams(max_new_tokens=max_new_tokens),
                 subscriber=sub,
                 generators=[wire.GeneratorInfo(url=engine.url, kind="builtin")],

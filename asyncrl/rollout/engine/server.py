@@ -1,4 +1,5 @@
-"""`asyncrl engine`: serve a HuggingFace causal LM over SGLang's HTTP API.
+"""`asyncrl engine`: serve a HuggingFace causal LM over SGLang's HTTP API, or a sequence-classification
+model (a reward model) over SGLang's ``/classify`` (:mod:`asyncrl.rollout.engine.classify`).
 
     asyncrl engine --model HF_DIR [--host 127.0.0.1] [--port P] [--port-file F] [--max-batch-size N]
                    [--weight-version default] [--seed S]
@@ -28,11 +29,14 @@ from asyncrl.rollout.engine.replies import BadRequest, Reply
 
 if TYPE_CHECKING:
     from asyncrl.rollout.engine.api import Engine, EngineConfig
+    from asyncrl.rollout.engine.classify import Classifier
 
 MAX_BODY = 256 << 20
 
 
-def _routes(engine: Engine) -> dict[str, Callable[[dict], Reply]]:
+def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
+    if not hasattr(engine, "generation"):  # a Classifier
+        return engine.routes()
     g, w = engine.generation, engine.weights
     return {
         "/generate": g.generate,
@@ -168,7 +172,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
     request_queue_size = 512
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], engine: Engine):
+    def __init__(self, addr: tuple[str, int], engine: Engine | Classifier):
         self.engine = engine
         self.routes = _routes(engine)
         super().__init__(addr, _Handler)
@@ -178,7 +182,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
 class EngineServer:
     """An engine served from threads of this process (tests, embedding). ``stop()`` shuts it down."""
 
-    engine: Engine
+    engine: Engine | Classifier
     httpd: EngineHTTPServer
     thread: threading.Thread
 
@@ -205,8 +209,18 @@ class EngineServer:
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
     """Load the model and serve it on ``host:port`` from background threads; returns at once."""
     from asyncrl.rollout.engine.api import Engine
+    from asyncrl.rollout.engine.classify import Classifier, is_classifier
 
-    engine = Engine.load(config)
+    engine: Engine | Classifier
+    if is_classifier(config.model):
+        engine = Classifier.load(
+            config.model,
+            served_model_name=config.served_model_name,
+            weight_version=config.weight_version,
+            max_batch_size=config.max_batch_size,
+        )
+    else:
+        engine = Engine.load(config)
     httpd = EngineHTTPServer((host, port), engine)
     t = threading.Thread(
         target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="engine-http", daemon=True
@@ -278,13 +292,15 @@ def main(argv: list[str]) -> int:
         if a.parent_pid and os.getppid() != a.parent_pid:  # reparented: our parent died
             print(f"asyncrl engine: parent {a.parent_pid} is gone; stopping", file=sys.stderr)
             break
+        if not hasattr(srv.engine, "scheduler"):  # a Classifier: no decode loop to watch
+            continue
         if not srv.engine.scheduler.alive:
             err = srv.engine.scheduler.error
             print(f"asyncrl engine: decode loop died: {err!r}", file=sys.stderr)
             code = 1
             break
     srv.stop()
-    for name in list(srv.engine.store.groups):
+    for name in list(getattr(srv.engine, "store", None) and srv.engine.store.groups or []):
         srv.engine.store.destroy_group(name)
     # everything is closed; skip the interpreter's slow teardown of torch (seconds on a loaded box)
     sys.stdout.flush()

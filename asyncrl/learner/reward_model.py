@@ -1,0 +1,241 @@
+"""``algorithm.loss: reward_model``: Bradley–Terry training of a scalar-head model on preference pairs.
+
+The same kind of run as sft (a local data set, no rollouts): the batch source is
+:class:`~asyncrl.learner.data.PreferenceSource` (a group of two samples per pair, chosen first), and
+the learner is :class:`RewardModelTrainer`, the policy :class:`~asyncrl.learner.trainer.Trainer`
+with the scalar head of :mod:`asyncrl.learner.scalar_model` and its own step: every sequence's score
+is the head's value at its last token, and the loss is ``-log σ(r_chosen - r_rejected)`` averaged
+over the batch's pairs. Checkpoints and resume are the Trainer's; exports are HF
+sequence-classification folders that transformers, SGLang's ``/classify`` and the built-in engine
+serve. Held-out pairs (``data.eval_path``) give the pairwise accuracy at ``run.eval_every`` and at
+the last version (``rm/eval_accuracy``, also in summary.json).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.protocols.model_spec import ModelSpec
+
+from asyncrl import metric_names as names
+from asyncrl.learner.scalar_model import (
+    init_head,
+    scalar_spec,
+    token_values,
+    write_seq_cls_config,
+)
+from asyncrl.learner.source import Batch
+from asyncrl.learner.trainer import StepResult, Trainer, peak_memory
+
+Pair = tuple[np.ndarray, np.ndarray]
+"""(chosen, rejected): each the whole sequence's token ids, prompt then completion."""
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Per pair: ``-log σ(r_chosen - r_rejected)``, the negative log-likelihood of the preference
+    under the Bradley–Terry model (``softplus(-margin)``, stable for any margin)."""
+    return F.softplus(rejected - chosen)
+
+
+def pair_bins(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Pairs (by their two sequences' total length) into micro-batches of at most ``max_tokens``
+    tokens, first-fit decreasing; a longer pair gets a bin of its own. Pure."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b in range(len(bins)):
+            if loads[b] + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def batch_pairs(batch: Batch, max_len: int) -> list[Pair]:
+    """The batch's pairs as whole sequences, each cut to ``max_len`` tokens."""
+    out = []
+    for g in batch.groups:
+        if len(g.samples) != 2:
+            continue
+        c, r = (np.concatenate([s.prompt_ids, s.completion_ids])[:max_len] for s in g.samples)
+        out.append((c, r))
+    return out
+
+
+class RewardModelTrainer(Trainer):
+    """The learner of a reward model: Trainer's build, checkpoints and exports, scalar head, BT step."""
+
+    def __init__(self, recipe: Any, **kw: Any) -> None:
+        super().__init__(recipe, **kw)
+        if self.version == 0 and not self.adapter.include_head:  # a causal LM's backbone: new head
+            init_head(self.model, recipe.run.seed)
+        self.adapter.include_head = True  # loaded: exports carry the head from now on
+        self.adapter.include_bias = True
+        self._eval_pairs: list[Pair] | None = None
+
+    def model_spec(self) -> ModelSpec:
+        r = self.recipe
+        return scalar_spec(
+            self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
+        )
+
+    # -- scores ----------------------------------------------------------------------------------
+
+    def scores(self, seqs: list[np.ndarray]) -> torch.Tensor:
+        """Each sequence's score (the head's value at its last token), packed into one row.
+
+        Collective (an FSDP forward): a rank with no sequences passes ``[]`` and gets a score of a
+        one-token row, to multiply by 0."""
+        if not seqs:
+            seqs = [np.zeros(1, np.int64)]
+        tokens = torch.from_numpy(np.concatenate(seqs).astype(np.int64))[None].to(self.device)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(self.device)
+        ends = torch.from_numpy(np.cumsum([len(s) for s in seqs]) - 1).to(self.device)
+        return token_values(self.model, tokens, positions)[ends]
+
+    def _micro_batches(self, pairs: list[Pair]) -> list[list[Pair]]:
+        """This rank's pairs in micro-batches; every rank runs as many (FSDP's collectives pair up),
+        padding with empty ones."""
+        lengths = [len(c) + len(r) for c, r in pairs]
+        bins = [
+            [pairs[i] for i in b]
+            for b in pair_bins(lengths, self.recipe.learner.micro_batch_tokens)
+        ]
+        n = torch.tensor([len(bins)], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return bins + [[] for _ in range(int(n) - len(bins))]
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self, batch: Batch) -> StepResult:
+        """One optimizer update on the batch's pairs (collective; every rank passes the same batch):
+        the loss of each pair over the GLOBAL number of pairs, summed over micro-batches."""
+        t0 = time.perf_counter()
+        pairs = batch_pairs(batch, self.max_seq_len)
+        mine = pairs[self.rank :: self.world]
+        n_pairs = max(len(pairs), 1)
+        # loss sum, correct pairs, margin sum, tokens
+        totals = torch.zeros(4, dtype=torch.float64)
+        mbs = self._micro_batches(mine)
+        self.optimizers.zero_grad()
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            self.model.set_requires_gradient_sync(last)
+            s = self.scores([x for pair in mb for x in pair])
+            if not mb:
+                (s.sum() * 0.0).backward()
+                continue
+            chosen, rejected = s[0::2], s[1::2]
+            per_pair = bradley_terry_loss(chosen, rejected)
+            (per_pair.sum() / n_pairs).backward()
+            margin = (chosen - rejected).detach().double().cpu()
+            totals += torch.tensor(
+                [
+                    float(per_pair.detach().sum()),
+                    float((margin > 0).sum()),
+                    float(margin.sum()),
+                    float(sum(len(c) + len(r) for c, r in mb)),
+                ],
+                dtype=torch.float64,
+            )
+        clip = self.recipe.learner.grad_clip
+        grad_norm = dist_utils.clip_grad_norm_(
+            list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True
+        )
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.version += 1
+        dist.all_reduce(totals)
+        loss, correct, margin, tokens = totals.tolist()
+        dt = time.perf_counter() - t0
+        metrics = {
+            names.LOSS: loss / n_pairs,
+            names.RM_LOSS: loss / n_pairs,
+            names.RM_ACCURACY: correct / n_pairs,
+            names.RM_MARGIN: margin / n_pairs,
+            names.GRAD_NORM: float(grad_norm),
+            "lr": float(lr),
+            "learner/step_s": dt,
+            names.TRAINED_TOKENS: tokens,
+            names.TRAINED_TOKENS_PER_S: tokens / dt if dt > 0 else 0.0,
+            "learner/micro_batches": float(len(mbs)),
+            "learner/sequences": float(2 * len(pairs)),
+        }
+        metrics |= peak_memory()
+        for k, v in batch.stats.items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                metrics.setdefault(k, float(v))
+        every = self.recipe.run.eval_every
+        if self.version >= self.recipe.run.steps or (every and self.version % every == 0):
+            acc = self.held_out_accuracy()
+            if acc is not None:
+                metrics[names.RM_EVAL_ACCURACY] = acc
+        for fn in self.publishers:
+            fn(self.version, self)
+        return StepResult(version=self.version, loss=loss / n_pairs, metrics=metrics)
+
+    # -- held-out pairs --------------------------------------------------------------------------
+
+    def _load_eval_pairs(self) -> list[Pair]:
+        from asyncrl.learner.data import PreferenceSource, load_preference_rows
+
+        r = self.recipe
+        rows = load_preference_rows(r.resolve(r.data.eval_path), r)
+        rows = rows[: r.run.eval_prompts] if r.run.eval_prompts else rows
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+        src = PreferenceSource(rows, tok, batch_size=1, chat_template=r.data.chat_template)
+        out = []
+        for row in rows:
+            p, c, rej = src.pair(row)
+            out.append(
+                (
+                    np.concatenate([p, c])[: self.max_seq_len],
+                    np.concatenate([p, rej])[: self.max_seq_len],
+                )
+            )
+        return out
+
+    @torch.no_grad()
+    def held_out_accuracy(self) -> float | None:
+        """The fraction of ``data.eval_path``'s pairs (the first ``run.eval_prompts``) the model
+        ranks right, chosen over rejected (collective; None without held-out pairs)."""
+        if not self.recipe.data.eval_path:
+            return None
+        if self._eval_pairs is None:
+            self._eval_pairs = self._load_eval_pairs()
+        mine = self._eval_pairs[self.rank :: self.world]
+        counts = torch.zeros(2, dtype=torch.float64)
+        self.model.eval()
+        try:
+            for mb in self._micro_batches(mine):
+                s = self.scores([x for pair in mb for x in pair])
+                if mb:
+                    counts += torch.tensor([float((s[0::2] > s[1::2]).sum()), len(mb)])
+        finally:
+            self.model.train()
+        dist.all_reduce(counts)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+    # -- export ----------------------------------------------------------------------------------
+
+    def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
+        """The HF export as a sequence-classification folder (``score.weight``, one label)."""
+        out = super().export_hf(path, dtype=dtype)
+        if self.rank == 0:
+            write_seq_cls_config(out)
+        dist.barrier()
+        return out

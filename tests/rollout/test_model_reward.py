@@ -1,0 +1,280 @@
+"""A reward model as a reward: the built-in engine serves a sequence-classification folder over
+SGLang's /classify, and the rollout's model reward scores completions there in batches, combined
+with the rule reward, normalised, and cut at its timeout by a server that hangs (a real HTTP server
+on loopback each time)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+import trio
+
+from asyncrl import recipe as recipe_mod
+from asyncrl.rollout.model_reward import CombinedReward, ScoreNorm, build_reward, parse_scores
+
+
+@pytest.fixture(scope="module")
+def rm_server(tiny_reward_model):
+    from asyncrl.rollout.engine.api import EngineConfig
+    from asyncrl.rollout.engine.server import serve
+
+    srv = serve(EngineConfig(model=str(tiny_reward_model)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_scores(tiny_reward_model):
+    """transformers' own scores of the folder, one unpadded sequence at a time."""
+    from transformers import AutoModelForSequenceClassification
+
+    m = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, dtype=torch.float32)
+
+    def score(ids: list[int]) -> float:
+        with torch.no_grad():
+            return float(m(torch.tensor([ids])).logits[0, 0])
+
+    return score
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_reward_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_reward_model)
+
+
+def test_classify_answers_in_sglang_shape_with_the_models_scores(rm_server, hf_scores, tok):
+    seqs = [tok("dcab=")["input_ids"] + tok("abcd")["input_ids"], tok("x")["input_ids"]]
+    r = httpx.post(f"{rm_server.url}/classify", json={"input_ids": seqs})
+    assert r.status_code == 200
+    body = r.json()
+    assert isinstance(body, list) and len(body) == 2
+    for item, ids in zip(body, seqs, strict=True):
+        assert set(item) == {"embedding", "meta_info"}
+        assert item["meta_info"]["prompt_tokens"] == len(ids)
+        assert item["embedding"][0] == pytest.approx(hf_scores(ids), abs=1e-5)
+    one = httpx.post(f"{rm_server.url}/classify", json={"text": "dcab=abcd"}).json()
+    assert isinstance(one, dict)
+    assert one["embedding"][0] == pytest.approx(hf_scores(tok("dcab=abcd")["input_ids"]), abs=1e-5)
+    named = httpx.post(f"{rm_server.url}/classify", json={"text": ["a", "b"], "rid": "r"}).json()
+    assert [x["meta_info"]["id"] for x in named] == ["r_0", "r_1"]
+    bad = httpx.post(f"{rm_server.url}/classify", json={"input_ids": [[1, 10**9]]})
+    assert bad.status_code == 400 and "input_ids[0]" in bad.json()["error"]["message"]
+    assert httpx.get(f"{rm_server.url}/model_info").json()["is_generation"] is False
+
+
+def _recipe(**reward_model) -> recipe_mod.Recipe:
+    rm = {"timeout_s": 5.0, "batch_size": 4} | reward_model
+    return recipe_mod.from_dict({"rollout": {"reward": "model", "reward_model": rm}})
+
+
+def _score_all(reward, samples: list[tuple[list[int], list[int], dict]], tok) -> list:
+    """Every sample scored concurrently, as a group's episodes finish together."""
+    out: list = [None] * len(samples)
+
+    async def one(i: int, p: list[int], c: list[int], row: dict) -> None:
+        out[i] = await reward.score(
+            prompt="p=",
+            completion=None,
+            prompt_ids=p,
+            completion_ids=c,
+            row=row,
+            extra={"finish_reason": "stop"},
+            decode=tok.decode,
+        )
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            for i, (p, c, row) in enumerate(samples):
+                n.start_soon(one, i, p, c, row)
+
+    trio.run(main)
+    return out
+
+
+def _samples(tok, n: int) -> list[tuple[list[int], list[int], dict]]:
+    words = ["abcd", "dcba", "bd", "hello", "a", "zz", "sorted", "xyz", "qq", "ok"]
+    return [
+        (tok("p=")["input_ids"], tok(words[i % 10])["input_ids"], {"answer": "ok"})
+        for i in range(n)
+    ]
+
+
+def test_rollout_rewards_are_the_models_scores_in_batches(rm_server, hf_scores, tok):
+    reward = build_reward(_recipe(urls=[rm_server.url]))
+    assert isinstance(reward, CombinedReward) and reward.rule is None
+    samples = _samples(tok, 10)
+    results = _score_all(reward, samples, tok)
+    for r, (p, c, _) in zip(results, samples, strict=True):
+        assert r.failure == ""
+        assert r.value == pytest.approx(hf_scores(p + c), abs=1e-5)
+    assert reward.model.stats["requests"] == 3  # 10 samples in batches of at most 4
+    again = _score_all(reward, samples, tok)  # another event loop (as each held-out evaluation)
+    assert [r.value for r in again] == pytest.approx([r.value for r in results], abs=1e-5)
+
+
+def test_rule_and_model_rewards_add_with_their_weights(rm_server, hf_scores, tok):
+    r = recipe_mod.from_dict(
+        {
+            "rollout": {
+                "reward": "exact_match",
+                "reward_weight": 0.5,
+                "reward_model": {"urls": [rm_server.url], "weight": 2.0},
+            }
+        }
+    )
+    reward = build_reward(r)
+    samples = _samples(tok, 10)
+    results = _score_all(reward, samples, tok)
+    for res, (p, c, _) in zip(results, samples, strict=True):
+        rule = 1.0 if tok.decode(c) == "ok" else 0.0
+        assert res.value == pytest.approx(0.5 * rule + 2.0 * hf_scores(p + c), abs=1e-4)
+
+
+def test_normalisation_fixed_and_running(rm_server, hf_scores, tok):
+    samples = _samples(tok, 4)
+    raw = [hf_scores(p + c) for p, c, _ in samples]
+    fixed = build_reward(_recipe(urls=[rm_server.url], normalize="fixed", shift=1.0, scale=2.0))
+    for res, s in zip(_score_all(fixed, samples, tok), raw, strict=True):
+        assert res.value == pytest.approx((s - 1.0) / 2.0, abs=1e-5)
+    running = build_reward(_recipe(urls=[rm_server.url], normalize="running"))
+    values = [r.value for r in _score_all(running, samples, tok)]  # one batch: its own mean and std
+    mean, std = torch.tensor(raw).mean(), torch.tensor(raw).std()
+    assert values == pytest.approx(((torch.tensor(raw) - mean) / std).tolist(), abs=1e-4)
+
+
+def test_score_norm_running_is_welford():
+    n = ScoreNorm("running")
+    assert n(3.0) == 3.0  # nothing seen yet: unnormalised
+    n.update([1.0, 2.0, 3.0, 4.0])
+    assert (n.mean, n.std) == pytest.approx((2.5, 1.2909944))
+    assert n(2.5) == 0.0
+
+
+def test_parse_scores_refuses_what_is_not_a_score():
+    assert parse_scores([{"embedding": [1.5]}, {"embedding": [-2]}], 2) == [1.5, -2.0]
+    assert parse_scores({"embedding": [0.25], "meta_info": {}}, 1) == [0.25]
+    with pytest.raises(ValueError, match="1 results for 2"):
+        parse_scores([{"embedding": [1.0]}], 2)
+    with pytest.raises(ValueError, match="no embedding"):
+        parse_scores([{"error": "x"}], 1)
+
+
+class _Hang(BaseHTTPRequestHandler):
+    """Reads the request and never answers (until the test ends)."""
+
+    release = threading.Event()
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.release.wait(30)
+
+
+class _Fail(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(500)
+        self.send_header("Content-Length", "4")
+        self.end_headers()
+        self.wfile.write(b"boom")
+
+
+def _server(handler):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def test_hanging_server_is_cut_at_the_timeout_and_recorded(tok):
+    httpd, url = _server(_Hang)
+    try:
+        r = recipe_mod.from_dict(
+            {
+                "rollout": {
+                    "reward": "exact_match",
+                    "reward_model": {"urls": [url], "timeout_s": 0.5},
+                }
+            }
+        )
+        reward = build_reward(r)
+        t0 = time.monotonic()
+        samples = [(tok("p=")["input_ids"], tok("ok")["input_ids"], {"answer": "ok"})] * 3
+        results = _score_all(reward, samples, tok)
+        assert time.monotonic() - t0 < 3.0
+        for res in results:  # the rule's part stays; the model's is 0 with the reason
+            assert res.value == 1.0
+            assert "model:" in res.failure and "timed out after 0.5s" in res.failure
+        assert reward.model.stats["timeouts"] == 1 and reward.model.stats["failures"] == 3
+    finally:
+        _Hang.release.set()
+        httpd.shutdown()
+
+
+def test_failing_server_is_a_recorded_failure_or_passes_to_the_next(tok, rm_server, hf_scores):
+    from asyncrl.transport import free_port
+
+    httpd, url = _server(_Fail)
+    nobody = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
+    sample = (tok("p=")["input_ids"], tok("ok")["input_ids"], {})
+    try:
+        reward = build_reward(_recipe(urls=[url]))
+        (res,) = _score_all(reward, [sample], tok)
+        assert res.value == 0.0 and "HTTP 500" in res.failure and "boom" in res.failure
+        reward = build_reward(_recipe(urls=[url, nobody, rm_server.url]))
+        for res in _score_all(reward, [sample] * 6, tok):  # each batch reaches the live server
+            assert res.failure == ""
+            assert res.value == pytest.approx(hf_scores(sample[0] + sample[1]), abs=1e-5)
+    finally:
+        httpd.shutdown()
+
+
+def test_worker_groups_carry_the_models_scores_and_its_failures(
+    rollout_engine, tok, rm_server, hf_scores
+):
+    """A rollout worker (real engine, real buffer): every sample's reward is the reward model's score
+    of its prompt + completion; with a server that hangs, each sample records the timeout."""
+    from tests.labels import set_label
+    from tests.rollout.test_worker import make_worker, serve_buffer, take_batch
+
+    async def run(svc, reward):
+        async with make_worker(
+            rollout_engine, tok, svc.address, reward_runner=reward, max_groups=2
+        ) as w:
+            await w.run()
+        return await take_batch(svc)
+
+    httpd, hang_url = _server(_Hang)
+    _Hang.release.clear()
+    set_label(rollout_engine.url, "default")
+    try:
+        for url in (rm_server.url, hang_url):
+            reward = build_reward(_recipe(urls=[url], timeout_s=1.0))
+            with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+                groups = trio.run(run, svc, reward)
+            samples = [s for g in groups for s in g.samples]
+            assert len(samples) == 6
+            for s in samples:
+                if url == rm_server.url:
+                    ids = [*s.prompt_ids.tolist(), *s.completion_ids.tolist()]
+                    assert s.reward == pytest.approx(hf_scores(ids), abs=1e-5)
+                    assert "reward_failure" not in s.metadata
+                else:
+                    assert s.reward == 0.0
+                    assert "timed out after 1s" in s.metadata["reward_failure"]
+    finally:
+        _Hang.release.set()
+        httpd.shutdown()
+        set_label(rollout_engine.url, "default")
