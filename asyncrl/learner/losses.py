@@ -33,7 +33,7 @@ from asyncrl.recipe import Aggregation, AlgorithmConfig, Loss
 
 LOSSES: tuple[str, ...] = tuple(x for x in get_args(Loss) if x != "reward_model")
 """The token losses :func:`policy_loss` computes (reward_model's pairwise loss is
-:func:`asyncrl.learner.reward_model.bradley_terry_loss`, on scores, not tokens)."""
+:func:`bradley_terry`, on scores, not tokens)."""
 AGGREGATIONS: tuple[str, ...] = tuple(a for a in get_args(Aggregation) if a != "auto")
 
 

@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import metric_names as names
+from asyncrl.learner.losses import bradley_terry
 from asyncrl.learner.scalar_model import (
     init_head,
     scalar_spec,
@@ -37,12 +37,6 @@ from asyncrl.learner.trainer import StepResult, Trainer, peak_memory
 
 Pair = tuple[np.ndarray, np.ndarray]
 """(chosen, rejected): each the whole sequence's token ids, prompt then completion."""
-
-
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """Per pair: ``-log σ(r_chosen - r_rejected)``, the negative log-likelihood of the preference
-    under the Bradley–Terry model (``softplus(-margin)``, stable for any margin)."""
-    return F.softplus(rejected - chosen)
 
 
 def pair_bins(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -136,15 +130,13 @@ class RewardModelTrainer(Trainer):
             if not mb:
                 (s.sum() * 0.0).backward()
                 continue
-            chosen, rejected = s[0::2], s[1::2]
-            per_pair = bradley_terry_loss(chosen, rejected)
-            (per_pair.sum() / n_pairs).backward()
-            margin = (chosen - rejected).detach().double().cpu()
+            loss, stats = bradley_terry(s[0::2], s[1::2], pairs=n_pairs)
+            loss.backward()
             totals += torch.tensor(
                 [
-                    float(per_pair.detach().sum()),
-                    float((margin > 0).sum()),
-                    float(margin.sum()),
+                    float(loss.detach()) * n_pairs,
+                    float(stats["rm_correct"]),
+                    float(stats["rm_margin"]),
                     float(sum(len(c) + len(r) for c, r in mb)),
                 ],
                 dtype=torch.float64,
