@@ -214,12 +214,19 @@ class RewardRunner:
 
     async def score_episode(self, ctx: EpisodeContext, ep: Episode) -> RewardResult:
         """The reward of one episode of ``ctx``'s prompt (the completion decoded in the reward's
-        thread): the one way a rollout and a held-out evaluation score."""
+        thread): the one way a rollout and a held-out evaluation score. A workflow that gave its
+        episode a reward (``ep.reward``, e.g. an agent's) is scored by it instead."""
+        if ep.reward is not None:
+            value = float(ep.reward)
+            if math.isfinite(value):
+                return RewardResult(value=value)
+            self.stats["failures"] += 1
+            return RewardResult(value=0.0, failure=f"the workflow's reward is {value}, not finite")
         tok = ctx.tokenizer
         return await self.score(
             prompt=ctx.prompt_text,
             completion=None,
-            prompt_ids=list(ctx.prompt_ids),
+            prompt_ids=list(ctx.prompt_ids if ep.prompt_ids is None else ep.prompt_ids),
             completion_ids=list(ep.completion_ids),
             row=ctx.row,
             extra={"finish_reason": ep.finish_reason},
