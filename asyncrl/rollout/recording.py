@@ -85,28 +85,29 @@ class Trajectory:
                 raise ValueError("the chat template rendered the messages to an empty prompt")
             return list(self.prompt_ids)
         alt = self.text_without_stop
-        if not text.startswith(self.text) and alt is not None and text.startswith(alt):
-            ep = self.episode
+        drop = not text.startswith(self.text) and alt is not None and text.startswith(alt)
+        ref = alt if drop else self.text
+        if not text.startswith(ref):  # raised before any change: the agent may go on
+            at = next(
+                (i for i, (a, b) in enumerate(zip(text, ref, strict=False)) if a != b),
+                min(len(text), len(ref)),
+            )
+            lo = max(0, at - 40)
+            raise TrajectoryMismatch(
+                f"call {len(self.calls) + 1}'s rendered prompt does not extend the conversation "
+                f"so far: they part at character {at}: {ref[lo : at + 40]!r} became "
+                f"{text[lo : at + 40]!r} (earlier turns must be passed back unchanged, and "
+                "the chat template must render them as the model saw them)"
+            )
+        ep = self.episode
+        if drop:
             for name in ("completion_ids", "logprobs", "versions", "loss_mask"):
                 getattr(ep, name).pop()
             ep.metadata["dropped_stop_tokens"] = ep.metadata.get("dropped_stop_tokens", 0) + 1
-            self.text = alt
         self.text_without_stop = None
-        if not text.startswith(self.text):
-            at = next(
-                (i for i, (a, b) in enumerate(zip(text, self.text, strict=False)) if a != b),
-                min(len(text), len(self.text)),
-            )
-            raise TrajectoryMismatch(
-                f"call {len(self.calls) + 1}'s rendered prompt does not extend the conversation "
-                f"so far: they part at character {at}: {self.text[at - 40 : at + 40]!r} became "
-                f"{text[at - 40 : at + 40]!r} (earlier turns must be passed back unchanged, and "
-                "the chat template must render them as the model saw them)"
-            )
-        new = text[len(self.text) :]
-        if new:
-            self.episode.add_external(encode(new))
-            self.text = text
+        if len(text) > len(ref):
+            ep.add_external(encode(text[len(ref) :]))
+        self.text = text
         return self.ids
 
     def add(

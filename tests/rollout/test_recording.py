@@ -180,3 +180,52 @@ def test_three_turns_make_one_sample_of_the_templates_tokens(served):
         assert body["output_ids"] == want
         ref += [x[0] for x in body["meta_info"]["output_token_logprobs"]]
     assert mine == pytest.approx(ref, abs=1e-5)
+
+
+# -- proxy mode: the same agent over HTTP ----------------------------------------------------------
+
+
+def three_turns_over_http(endpoint, row):
+    """The agent of three_turns in another thread (as another process would), on the sync client."""
+    import openai
+
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, timeout=120)
+    messages: list = list(CHAT)
+    r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    (call,) = r.choices[0].message.tool_calls
+    messages.append(r.choices[0].message.model_dump(exclude_none=True))
+    args = json.loads(call.function.arguments)
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": str(sum(args.values()))})
+    r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=6)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=endpoint.base_url, api_key="wrong").models.list()
+    with pytest.raises(openai.BadRequestError, match="does not extend"):  # history edited
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    return 0.25
+
+
+def test_an_agent_over_http_makes_the_same_sample(served):
+    from asyncrl.rollout.proxy import ProxyAgentWorkflow
+
+    async def agent(endpoint, row):
+        return await trio.to_thread.run_sync(three_turns_over_http, endpoint, row)
+
+    srv, tok = served
+    direct = run(srv, tok, AgentWorkflow(three_turns), {})
+    proxied = run(srv, tok, ProxyAgentWorkflow(agent), {})
+    assert proxied.reward == 0.25 and proxied.metadata["turns"] == 2  # the failed call is no turn
+    assert proxied.prompt_ids == direct.prompt_ids
+    assert proxied.completion_ids == direct.completion_ids
+    assert proxied.loss_mask == direct.loss_mask
+    assert proxied.logprobs == pytest.approx(direct.logprobs, abs=1e-5)
+
+
+def test_a_mismatched_call_changes_nothing():
+    t = Trajectory()
+    t.next_prompt("U:hi\nA:", chars)
+    t.add(t.prompt_ids, completion("ok", stop=0), "ok<eos>", without_stop="ok")
+    with pytest.raises(TrajectoryMismatch):
+        t.next_prompt("U:bye\nA:", chars)
+    assert t.next_prompt("U:hi\nA:ok<eos>U:x\nA:", chars) == chars("U:hi\nA:ok") + [0] + chars(
+        "U:x\nA:"
+    )
