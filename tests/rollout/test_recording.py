@@ -229,3 +229,42 @@ def test_a_mismatched_call_changes_nothing():
     assert t.next_prompt("U:hi\nA:ok<eos>U:x\nA:", chars) == chars("U:hi\nA:ok") + [0] + chars(
         "U:x\nA:"
     )
+
+
+def test_an_agent_named_in_a_recipe_makes_groups_of_its_samples(served):
+    """Through the worker's group maker: the sample's prompt is the agent's first rendered chat
+    (not the row's prompt) and its reward the agent's."""
+    from asyncrl.rollout.data import PromptSource
+    from asyncrl.rollout.groups import GroupMaker
+    from asyncrl.rollout.rewards import RewardRunner, load_reward
+    from asyncrl.rollout.worker import WorkerConfig, WorkerStats
+    from asyncrl.rollout.workflows import load_workflow
+
+    srv, tok = served
+    rows = [{"prompt": "unused", "question": CHAT[0]["content"]}]
+    first = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+
+    async def go():
+        async with GeneratorPool([srv.url]) as pool:
+            await pool.label()
+            maker = GroupMaker(
+                WorkerConfig(worker_id="w", group_size=2),
+                pool=pool,
+                source=PromptSource(rows, name="rows", seed=0),
+                tokenizer=tok,
+                workflow=load_workflow("tests.rollout_plugins:add_agent_workflow"),
+                reward=RewardRunner(load_reward("exact_match"), timeout_s=10),
+                params=SamplingParams(max_new_tokens=200, temperature=0.0),
+                tools=ToolRegistry([]),
+                max_turns=4,
+                stats=WorkerStats(),
+            )
+            return await maker.make("g0", "lease0", await maker.take_prompt())
+
+    group = trio.run(go)
+    assert len(group.samples) == 2
+    for s in group.samples:
+        assert s.reward == 1.0 and s.metadata["turns"] == 2
+        assert s.prompt_ids.tolist() == tok.encode(first, add_special_tokens=False)
+        assert len(s.completion_ids) == len(s.loss_mask) == len(s.behavior_logprobs)
+        assert 0 < s.loss_mask.sum() < len(s.loss_mask)
