@@ -12,17 +12,21 @@ tokens the model produced and 0 on the template, tool and user tokens between tu
 The token-consistency rule: a conversation is one token sequence. Each call's rendered prompt
 *text* must extend the text so far (the previous prompt + the previous completion decoded with its
 special tokens); its ids are then the ids so far + the encoded new text, so the model's own tokens are
-never re-tokenised. One exception: a turn that ended on a stop token the template does not render
-where the model wrote it (a model whose EOS is not the template's turn end) extends it once that token
-is left out; it is then dropped from the trajectory (the next call never saw it; its turn end is the
-template's), counted in ``metadata["dropped_stop_tokens"]``. When the EOS is the template's turn end
-(Qwen's ``<|im_end|>``) it stays and is trained. A call whose rendering does not extend the
-conversation either way (the agent edited or dropped earlier
-turns; a template that re-renders them, as Qwen3 strips earlier ``<think>`` blocks once a new user
-turn comes, or adds an empty think block only to the generation prompt under
-``enable_thinking=False``; tool-call arguments re-serialised differently from how the model wrote
-them) raises :class:`TrajectoryMismatch` naming where the texts part: the episode fails loudly
-instead of training on tokens the model never saw.
+never re-tokenised. One exception: a turn that ended on a stop token the template does not write where
+the model did (an EOS that is not the template's turn end) extends it once that token is left out; it
+is then dropped from the trajectory (the next call never saw it), counted in
+``metadata["dropped_stop_tokens"]``. An EOS that is the template's turn end (Qwen's ``<|im_end|>``)
+stays and is trained. A call whose rendering extends the conversation neither way (the agent edited
+or dropped earlier turns; a template that re-renders them, as Qwen3 strips earlier ``<think>`` blocks
+once a new user turn comes, or adds an empty think block to the generation prompt only under
+``enable_thinking=False``; tool arguments re-serialised differently from how the model wrote them)
+raises :class:`TrajectoryMismatch`, naming where the texts part, before anything is recorded: the
+agent may go on from the conversation as it was, and nothing is trained on tokens the model never saw.
+
+Sampling stays the recipe's (temperature, top-p/k: the learner's ratios assume it); an agent's
+``stop`` and ``max_tokens`` apply. ``max_new_tokens`` bounds the whole completion, tokens between
+turns included (as :class:`~asyncrl.rollout.workflows.MultiTurn`); a call with no room left answers
+``finish_reason="length"`` without generating.
 """
 
 from __future__ import annotations
@@ -125,12 +129,17 @@ class Trajectory:
         self.text_without_stop = None if without_stop is None else self.text + without_stop
         self.text += text
 
-    def to_episode(self, reward: float | None = None) -> Episode:
-        """The trajectory as one episode (ends at its last call's completion: anything rendered
-        after it was never generated from); ``reward`` replaces the recipe's reward function."""
+    def to_episode(self, reward: float | None = None, budget: int = 0) -> Episode:
+        """The trajectory as one episode; ``reward`` replaces the recipe's reward function. Tokens
+        past ``budget`` (0: none) are cut, as MultiTurn cuts a tool result: only text between turns
+        can lie there, since each call generates within what is left."""
         if not self.calls:
             raise ValueError("the agent made no chat.completions.create call")
         ep = self.episode
+        if budget and len(ep.completion_ids) > budget:
+            for name in ("completion_ids", "logprobs", "versions", "loss_mask"):
+                del getattr(ep, name)[budget:]
+            ep.finish_reason = "length"
         ep.prompt_ids = list(self.prompt_ids)
         ep.reward = reward
         ep.metadata["turns"] = len(self.calls)
@@ -160,7 +169,7 @@ _IGNORED = frozenset(
 
 class RecordingClient:
     """Looks like ``openai.AsyncOpenAI`` for ``chat.completions.create``; records every call into
-    ``self.trajectory`` (module docstring). Not safe for concurrent calls: one conversation."""
+    ``self.trajectory`` (module docstring). Concurrent calls are serialised: one conversation."""
 
     def __init__(self, ctx: EpisodeContext, *, template_kwargs: dict[str, Any] | None = None):
         self.ctx = ctx
@@ -244,7 +253,8 @@ class RecordingClient:
         )
 
     def episode(self, reward: float | None = None) -> Episode:
-        return self.trajectory.to_episode(reward)
+        """The recorded conversation as one episode (``reward``: None leaves it to the recipe)."""
+        return self.trajectory.to_episode(reward, self.ctx.params.max_new_tokens)
 
 
 class _Completions:

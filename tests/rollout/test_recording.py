@@ -268,3 +268,14 @@ def test_an_agent_named_in_a_recipe_makes_groups_of_its_samples(served):
         assert s.prompt_ids.tolist() == tok.encode(first, add_special_tokens=False)
         assert len(s.completion_ids) == len(s.loss_mask) == len(s.behavior_logprobs)
         assert 0 < s.loss_mask.sum() < len(s.loss_mask)
+
+
+def test_text_between_turns_past_the_budget_is_cut():
+    t = Trajectory()
+    t.next_prompt("U:hi\nA:", chars)
+    t.add(t.prompt_ids, completion("ab"), "ab")
+    t.next_prompt("U:hi\nA:ab\nT:a long tool result\nA:", chars)
+    t.add(t.prompt_ids, completion(""), "")  # no room was left: nothing generated
+    ep = t.to_episode(budget=6)
+    assert ep.completion_ids == chars("ab\nT:a") and ep.loss_mask == [1, 1, 0, 0, 0, 0]
+    assert ep.finish_reason == "length"
