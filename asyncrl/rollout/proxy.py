@@ -10,6 +10,7 @@ streamed) and ``GET /v1/models``; errors in OpenAI's error shape (a mismatched t
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from asyncrl.rollout.recording import RecordingClient
 from asyncrl.rollout.workflows import Episode, EpisodeContext
 
 MAX_BODY = 64 << 20
+log = logging.getLogger("asyncrl.rollout.worker")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ async def _route(
         r = await client.create(**req)
     except (TypeError, ValueError) as e:  # includes TrajectoryMismatch and bad JSON
         return _error(400, f"{type(e).__name__}: {e}")
+    except Exception as e:  # the generators failed: the agent sees a 500, as from a server
+        log.warning(
+            "episode %s: a proxied call failed: %s: %s", client.ctx.rid, type(e).__name__, e
+        )
+        return _error(500, f"{type(e).__name__}: {e}", "InternalServerError")
     return 200, r.model_dump(exclude_unset=True)
 
 
@@ -79,9 +86,11 @@ async def _connection(stream: trio.SocketStream, handle: Callable[..., Awaitable
             assert req is not None
             headers = {k.decode().lower(): v.decode() for k, v in req.headers}
             status, payload = await handle(
-                req.method.decode(), req.target.decode().split("?")[0],
-                headers.get("authorization", ""), bytes(body),
-            )  # fmt: skip
+                req.method.decode(),
+                req.target.decode().split("?")[0],
+                headers.get("authorization", ""),
+                bytes(body),
+            )
             data = json.dumps(payload).encode()
             head = h11.Response(
                 status_code=status,
@@ -109,9 +118,7 @@ async def serve_episode(client: RecordingClient) -> AsyncIterator[Endpoint]:
     (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listener.socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            trio.serve_listeners, lambda s: _connection(s, handle), [listener]
-        )  # fmt: skip
+        nursery.start_soon(trio.serve_listeners, lambda s: _connection(s, handle), [listener])
         try:
             yield Endpoint(f"http://127.0.0.1:{port}/v1", key)
         finally:

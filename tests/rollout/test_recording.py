@@ -279,3 +279,29 @@ def test_text_between_turns_past_the_budget_is_cut():
     ep = t.to_episode(budget=6)
     assert ep.completion_ids == chars("ab\nT:a") and ep.loss_mask == [1, 1, 0, 0, 0, 0]
     assert ep.finish_reason == "length"
+
+
+def test_proxy_routes_answer_in_openais_error_shape():
+    from types import SimpleNamespace
+
+    from asyncrl.rollout.proxy import _route
+
+    async def create(**req):
+        if req.get("messages") == "boom":
+            raise RuntimeError("no generator answered")
+        raise TrajectoryMismatch("they part")
+
+    fake = SimpleNamespace(create=create, ctx=SimpleNamespace(rid="g/0"))
+
+    def route(method, path, body=b"{}", auth="Bearer k"):
+        return trio.run(_route, fake, "k", method, path, auth, body)
+
+    assert route("POST", "/v1/chat/completions", auth="Bearer x")[0] == 401
+    assert route("POST", "/v1/completions")[0] == 404
+    status, body = route("POST", "/v1/chat/completions", b"[1]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    assert route("POST", "/v1/chat/completions", b"{not json")[0] == 400
+    status, body = route("POST", "/v1/chat/completions", b'{"messages": []}')
+    assert status == 400 and body["error"]["message"] == "TrajectoryMismatch: they part"
+    status, body = route("POST", "/v1/chat/completions", b'{"messages": "boom"}')
+    assert status == 500 and body["error"]["type"] == "InternalServerError"
