@@ -104,3 +104,11 @@ def tiny_qwen3_chat(tmp_path_factory) -> Path:
     return _make(
         tmp_path_factory, "tiny_qwen3_chat", arch="qwen3", chat_template="qwen3", max_positions=2048
     )
+
+
+@pytest.fixture(scope="session")
+def tool_caller_dir(tiny_qwen3_chat, tmp_path_factory) -> Path:
+    """tiny_qwen3_chat fitted to answer tests/tool_caller.py's chat with a tool call (~10 s)."""
+    from tests.tool_caller import fit_tool_caller
+
+    return fit_tool_caller(tiny_qwen3_chat, tmp_path_factory.mktemp("tool_caller"))

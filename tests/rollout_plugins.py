@@ -77,3 +77,35 @@ class GreedyFails:
 
 
 greedy_fails = GreedyFails()
+
+
+# -- an agent written for the OpenAI API, run as a workflow by the recording client --------------
+
+import json  # noqa: E402
+
+from asyncrl.rollout.recording import AgentWorkflow  # noqa: E402
+
+
+async def add_agent(client, row):
+    """Asks the row's question with an ``add`` tool, runs the calls the model makes and asks again;
+    the reward is 1 if the model used the tool. Written as for ``openai.AsyncOpenAI``."""
+    from tests.tool_caller import TOOLS
+
+    messages = [{"role": "user", "content": row["question"]}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    message = r.choices[0].message
+    if not message.tool_calls:
+        return 0.0
+    messages.append(message)
+    for call in message.tool_calls:
+        args = json.loads(call.function.arguments)
+        messages.append(
+            {"role": "tool", "tool_call_id": call.id, "content": str(sum(args.values()))}
+        )
+    await client.chat.completions.create(
+        model="policy", messages=messages, tools=TOOLS, max_tokens=6
+    )
+    return 1.0
+
+
+add_agent_workflow = AgentWorkflow(add_agent)

@@ -189,7 +189,6 @@ class GroupMaker:
         out: list[wire.Sample | None],
         batcher: Batcher,
     ) -> None:
-        prompt_ids = prompt.ids
         ctx = self._context(f"{group_id}/{i}", prompt, batcher, self.params)
         self.episodes_in_flight += 1
         s = self.stats
@@ -209,6 +208,7 @@ class GroupMaker:
             meta["reward_failure"] = r.failure
         self.stats.rewards.append(r.value)
         self.stats.lengths.append(len(ep.completion_ids))
+        prompt_ids = prompt.ids if ep.prompt_ids is None else ep.prompt_ids
         out[i] = wire.Sample(
             id=f"{group_id}/{i}",
             group_id=group_id,

@@ -117,17 +117,26 @@ class ScoresEpisodes:
     """What :class:`RewardRunner` and the rule + model reward share: scoring one played episode
     through their ``score`` (the one way a rollout and a held-out evaluation score)."""
 
+    stats: dict[str, int]
+
     async def score(self, **kwargs: Any) -> RewardResult:
         raise NotImplementedError
 
     async def score_episode(self, ctx: EpisodeContext, ep: Episode) -> RewardResult:
         """The reward of one episode of ``ctx``'s prompt (the completion decoded in the reward's
-        thread)."""
+        thread). A workflow that gave its episode a reward (``ep.reward``, e.g. an agent's) is
+        scored by it instead."""
+        if ep.reward is not None:
+            value = float(ep.reward)
+            if math.isfinite(value):
+                return RewardResult(value=value)
+            self.stats["failures"] = self.stats.get("failures", 0) + 1
+            return RewardResult(value=0.0, failure=f"the workflow's reward is {value}, not finite")
         tok = ctx.tokenizer
         return await self.score(
             prompt=ctx.prompt_text,
             completion=None,
-            prompt_ids=list(ctx.prompt_ids),
+            prompt_ids=list(ctx.prompt_ids if ep.prompt_ids is None else ep.prompt_ids),
             completion_ids=list(ep.completion_ids),
             row=ctx.row,
             extra={"finish_reason": ep.finish_reason},

@@ -40,6 +40,10 @@ class Episode:
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = "stop"  # stop | length | abort
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Set by a workflow that renders its own prompt (the recording client): the sample's prompt
+    # instead of ctx.prompt_ids, and its reward instead of the recipe's reward function.
+    prompt_ids: list[int] | None = None
+    reward: float | None = None
 
     def add_generated(self, c: Completion) -> None:
         self.completion_ids += c.output_ids

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.rollout.engine.replies import BadRequest, Reply, is_int
 from asyncrl.rollout.engine.sampling import EngineSamplingParams, SamplingError
-from asyncrl.rollout.tools import QwenToolCallStream, ToolCall, parse_qwen_tool_calls
+from asyncrl.rollout.openai_shapes import finish as _finish
+from asyncrl.rollout.openai_shapes import tool_call_json as _tool_call_json
+from asyncrl.rollout.openai_shapes import usage as _usage
+from asyncrl.rollout.tools import QwenToolCallStream, parse_qwen_tool_calls
 
 if TYPE_CHECKING:
     from asyncrl.rollout.engine.api import Engine
@@ -423,39 +425,6 @@ def v1_chat_completions(engine: Engine, body: dict) -> Reply:
             },
         },
     )
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
-        "reasoning_tokens": 0,
-        "completion_tokens_details": None,
-    }
-
-
-def _tool_call_json(call: ToolCall, index: int) -> dict:
-    """One OpenAI ``tool_calls`` entry: arguments as a JSON string, ids as SGLang makes them."""
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "index": index,
-        "type": "function",
-        "function": {
-            "name": call.name,
-            "arguments": json.dumps(call.arguments, ensure_ascii=False),
-        },
-    }
-
-
-def _finish(fin: dict | None, with_calls: bool) -> tuple[str | None, Any]:
-    """(finish_reason, matched_stop): a natural stop after a tool call is ``tool_calls``."""
-    if not fin:
-        return None, None
-    if with_calls and fin["type"] == "stop":
-        return "tool_calls", None
-    return fin["type"], fin.get("matched")
 
 
 def _logprobs(meta: dict, start: int = 0, end: int | None = None) -> dict:

@@ -19,12 +19,12 @@ import openai
 import pytest
 
 from asyncrl.rollout.engine import EngineConfig, serve
-from tests.tool_caller import ANSWER, CHAT, TOOLS, fit_tool_caller
+from tests.tool_caller import ANSWER, CHAT, TOOLS
 
 
 @pytest.fixture(scope="module")
-def caller_dir(tiny_qwen3_chat, tmp_path_factory) -> Path:
-    return fit_tool_caller(tiny_qwen3_chat, tmp_path_factory.mktemp("tool_caller"))
+def caller_dir(tool_caller_dir) -> Path:
+    return tool_caller_dir
 
 
 @pytest.fixture(scope="module")
