@@ -1,8 +1,8 @@
 """The buffer's nng service, run by learner rank 0 (docs/design.md §3).
 
-The learner's training loop is synchronous torch code, so the service runs trio in a background
-thread (a Req/Rep server for workers, a Pub/Sub publisher for versions) and offers the learner a
-thread-safe API. Both sides share one :class:`~asyncrl.buffer.store.ReplayStore` under one lock;
+The learner's training loop is synchronous torch code, so the service is a task of rank 0's control
+plane (asyncrl.control: one trio loop in a background thread) with a Req/Rep server for workers and a
+Pub/Sub publisher for versions, and offers the learner a thread-safe API. Both sides share one :class:`~asyncrl.buffer.store.ReplayStore` under one lock;
 every store call is short (no I/O, no decoding), so neither side waits long on the other.
 
 Workers: Acquire -> Grant, Put -> Ack (with per-group rejection reasons), Release -> Ok,
@@ -32,6 +32,7 @@ import trio
 
 from asyncrl import wire
 from asyncrl.buffer.store import Batch, ReplayStore
+from asyncrl.control import ControlPlane
 from asyncrl.recipe import BufferConfig
 from asyncrl.transport import TLS, Publisher, RepServer
 
@@ -101,9 +102,10 @@ class BufferService:
         self._callbacks: list[RegisterCallback] = []
         self._rep: RepServer | None = None
         self._pub: Publisher | None = None
-        self._thread: threading.Thread | None = None
-        self._trio_token: trio.lowlevel.TrioToken | None = None
-        self._cancel: trio.CancelScope | None = None
+        self._plane: ControlPlane | None = None
+        self._own_plane = False
+        self._cancel: trio.CancelScope | None = None  # the service task's
+        self._done: trio.Event | None = None  # set when the service task has ended
         self._failure: BaseException | None = None
         self._idle_s = 0.0
         self._end: wire.End | None = None
@@ -128,9 +130,10 @@ class BufferService:
             except Exception as e:
                 log.warning("restored registration of %s: %s", worker_id, e)
 
-    def start(self, timeout_s: float = 30.0) -> BufferService:
-        """Bind both addresses and start serving; returns once listening."""
-        if self._thread is not None:
+    def start(self, plane: ControlPlane | None = None) -> BufferService:
+        """Bind both addresses and start serving as a task of ``plane`` (rank 0's control plane;
+        without one the service runs its own); returns once listening."""
+        if self._plane is not None:
             raise RuntimeError("buffer service already started")
         self._rep = RepServer(
             self.cfg.address, tls=self._tls, max_message_bytes=self._max_message_bytes
@@ -145,46 +148,45 @@ class BufferService:
             raise RuntimeError(
                 f"buffer service: cannot listen on {self.cfg.address} / {self.cfg.pub_address}: {e}"
             ) from None
-        ready = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(ready,), name="buffer-service", daemon=True
-        )
-        self._thread.start()
-        if not ready.wait(timeout_s):
-            raise RuntimeError(f"buffer service did not start within {timeout_s:g} s")
-        if self._failure is not None:
-            raise RuntimeError(f"buffer service failed to start: {self._failure}")
+        if plane is None:
+            plane, self._own_plane = ControlPlane("buffer-service"), True
+        self._plane = plane
+        plane.start(self.serve, name="buffer-service")
         log.info("buffer service on %s, versions on %s", self.address, self.pub_address)
         return self
 
-    def _run(self, ready: threading.Event) -> None:
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The service task: the Req/Rep server for workers and the version announcer, until
+        :meth:`stop`. Its failure is kept for :meth:`next_batch` to raise on the training thread."""
+        assert self._rep is not None
+        self._done = trio.Event()
         try:
-            trio.run(self._main, ready)
-        except BaseException as e:  # surfaced to the learner by next_batch / start
+            async with trio.open_nursery() as nursery:
+                self._cancel = nursery.cancel_scope
+                nursery.start_soon(self._rep.serve, self._handle, name="buffer-rep")
+                nursery.start_soon(self._announce, name="buffer-announce")
+                task_status.started()
+        except Exception as e:
             self._failure = e
             log.exception("buffer service stopped")
+            raise
         finally:
-            ready.set()
+            self._done.set()
             with self._cond:
                 self._cond.notify_all()
 
-    async def _main(self, ready: threading.Event) -> None:
-        assert self._rep is not None
-        self._trio_token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as nursery:
-            self._cancel = nursery.cancel_scope
-            nursery.start_soon(self._rep.serve, self._handle, name="buffer-rep")
-            nursery.start_soon(self._announce, name="buffer-announce")
-            ready.set()
+    async def _stop(self, timeout_s: float) -> None:
+        assert self._cancel is not None and self._done is not None
+        self._cancel.cancel()
+        with trio.move_on_after(timeout_s):
+            await self._done.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop serving and close the sockets (idempotent)."""
-        if self._thread is not None and self._thread.is_alive() and self._trio_token is not None:
-            try:
-                trio.from_thread.run_sync(self._cancel.cancel, trio_token=self._trio_token)
-            except trio.RunFinishedError:
-                pass
-            self._thread.join(timeout_s)
+        if self._plane is not None and self._plane.alive and self._cancel is not None:
+            self._plane.run(self._stop, timeout_s)
+        if self._own_plane and self._plane is not None:
+            self._plane.close(timeout_s)
         for sock in (self._rep, self._pub):
             if sock is not None:
                 sock.close()
@@ -459,7 +461,7 @@ class BufferService:
             self._audit_drops()
             if checkpoint:
                 self._checkpoint = checkpoint
-        if (changed or checkpoint) and self._pub is not None and self._thread is not None:
+        if (changed or checkpoint) and self._pub is not None and self._plane is not None:
             try:
                 self._pub.publish_sync(self._version_message())
             except Exception as e:
@@ -471,7 +473,7 @@ class BufferService:
         service running a little after this, so workers can give their starts back."""
         with self._cond:
             self._end = wire.End(version=self._store.version, message=message)
-        if self._pub is not None and self._thread is not None:
+        if self._pub is not None and self._plane is not None:
             try:
                 self._pub.publish_sync(self._end)
             except Exception as e:  # repeated by _announce anyway
