@@ -255,7 +255,6 @@ class WeightBroadcaster:
         cfg: WeightsConfig,
         *,
         export_dir: str | Path | None = None,
-        metrics: Any = None,
         rank: int | None = None,
         verify: bool = True,
         on_event: Callable[[str, dict], None] | None = None,
@@ -263,8 +262,7 @@ class WeightBroadcaster:
         after_sync: Callable[[SyncReport], None] | None = None,
         plane: ControlPlane | None = None,
     ):
-        """``metrics``: an object with ``log(dict, step=)`` (asyncrl.metrics.MetricsSink) or None.
-        ``export_dir``: where the learner exports HF checkpoints (rejoining generators load the newest).
+        """``export_dir``: where the learner exports HF checkpoints (rejoining generators load the newest).
         ``on_event(name, fields)``: progress callback ("bucket_sent", "dropped", "synced", ...),
         called in the control plane's loop: it must be quick.
         ``after_sync(report)``: runs in a worker thread after each version, before the next one
@@ -274,7 +272,6 @@ class WeightBroadcaster:
         broadcaster runs its own."""
         self.cfg = cfg
         self.export_dir = Path(export_dir) if export_dir is not None else None
-        self.metrics = metrics
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = rank
@@ -290,6 +287,7 @@ class WeightBroadcaster:
         # dead one before that.
         self._survivor_s = 2 * cfg.timeout_s + 5
         self.reports: list[SyncReport] = []
+        self._metrics: dict[str, Any] = {}  # of the versions synced since take_metrics()
         self.last_version = 0  # the newest version handed to publish()
         self._members: dict[str, Member] = {}
         self._by_worker: dict[str, set[str]] = {}
@@ -629,7 +627,7 @@ class WeightBroadcaster:
             log.exception("weights: version %d failed", snap.version)
             report = SyncReport(version=snap.version, nbytes=snap.nbytes, error=repr(e))
         self.reports.append(report)
-        self._log_metrics(report)
+        self._note_metrics(report)
         self._event("synced", version=snap.version, report=report)
         return report
 
@@ -1051,9 +1049,18 @@ class WeightBroadcaster:
                 "matches" if report.checksum_ok.get(url) else "DIFFERS",
             )
 
-    def _log_metrics(self, r: SyncReport) -> None:
-        if self.metrics is None:
-            return
+    def take_metrics(self) -> dict[str, Any]:
+        """The metrics of the versions synced since the last call (the newest's win), with
+        ``weights/version``: the learner logs them with its next step's record, one record per step."""
+        if self._plane is None or not self._plane.alive:
+            return {}
+        return self._plane.run_sync(self._take_metrics)
+
+    def _take_metrics(self) -> dict[str, Any]:
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def _note_metrics(self, r: SyncReport) -> None:
         with self._lock:
             members = [m for m in self._members.values() if m.state != "removed"]
         lags = [r.version - (m.version or 0) for m in members]
@@ -1076,7 +1083,5 @@ class WeightBroadcaster:
             values[f"{metric_names.PAUSE_S}{url.split('://')[-1]}"] = s
         if r.pause_s:
             values["weights/pause_s/max"] = max(r.pause_s.values())
-        try:
-            self.metrics.log(values, step=r.version)
-        except Exception:
-            log.exception("weights: metrics.log failed")
+        self._metrics.update(values)
+        self._metrics["weights/version"] = r.version
