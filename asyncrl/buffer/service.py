@@ -2,8 +2,10 @@
 
 The learner's training loop is synchronous torch code, so the service is a task of rank 0's control
 plane (asyncrl.control: one trio loop in a background thread) with a Req/Rep server for workers and a
-Pub/Sub publisher for versions, and offers the learner a thread-safe API. Both sides share one :class:`~asyncrl.buffer.store.ReplayStore` under one lock;
-every store call is short (no I/O, no decoding), so neither side waits long on the other.
+Pub/Sub publisher for versions, and offers the learner a thread-safe API. Both sides share one
+:class:`~asyncrl.buffer.store.ReplayStore` under one lock; every store call is short (no I/O but the
+journal's, no decoding), so neither side waits long on the other. The learner waits for a batch in
+the service's loop, woken when groups arrive.
 
 Workers: Acquire -> Grant, Put -> Ack (with per-group rejection reasons), Release -> Ok,
 Register -> Ok (after the ``on_register`` callbacks ran), Status -> StatusReply; anything else, and
@@ -26,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Batch", "BufferService"]
 
 RegisterCallback = Callable[[str, list[wire.GeneratorInfo]], None]
+T = TypeVar("T")
 
 
 class BufferService:
@@ -81,7 +84,9 @@ class BufferService:
         self._register_timeout_s = register_timeout_s
         self._max_message_bytes = max_message_bytes
         self._clock = clock
-        self._cond = threading.Condition()  # guards the store; notified when groups arrive
+        self._lock = threading.Lock()  # the store: the service's requests vs the learner's calls
+        self._arrived: trio.Event | None = None  # set when groups arrive (next_batch waits on it)
+        self._serving = False  # the service task runs (next_batch waits in its loop)
         self._store = ReplayStore(cfg, nonce=secrets.token_hex(4))
         self._journal = Path(journal_dir) if journal_dir is not None else None
         self._journal_keep = max(journal_keep, 2)
@@ -160,6 +165,7 @@ class BufferService:
         :meth:`stop`. Its failure is kept for :meth:`next_batch` to raise on the training thread."""
         assert self._rep is not None
         self._done = trio.Event()
+        self._serving = True
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel = nursery.cancel_scope
@@ -171,9 +177,8 @@ class BufferService:
             log.exception("buffer service stopped")
             raise
         finally:
+            self._serving = False
             self._done.set()
-            with self._cond:
-                self._cond.notify_all()
 
     async def _stop(self, timeout_s: float) -> None:
         assert self._cancel is not None and self._done is not None
@@ -190,7 +195,7 @@ class BufferService:
         for sock in (self._rep, self._pub):
             if sock is not None:
                 sock.close()
-        with self._cond:
+        with self._lock:
             if self._journal_fd >= 0:
                 self._audit({"stop": self._store.version, "stored": self._store.stored_ids()})
                 os.close(self._journal_fd)
@@ -332,28 +337,29 @@ class BufferService:
         if self._end is not None and isinstance(msg, wire.Acquire | wire.Register):
             return wire.Error(code="run_ended", message=self._end.message)
         if isinstance(msg, wire.Put):
-            with self._cond:
+            with self._lock:
                 ack = self._store.put(msg.groups, now=now)
                 self._audit_drops()
                 if ack.group_ids:
                     acked = set(ack.group_ids)
                     self._journal_groups([g for g in msg.groups if g.id in acked])
-                    self._cond.notify_all()
+                    self._wake()
             return ack
         if isinstance(msg, wire.Acquire):
-            with self._cond:
+            with self._lock:
                 return self._store.acquire(msg.worker_id, msg.n, now=now, request_id=msg.request_id)
         if isinstance(msg, wire.Release):
-            with self._cond:
+            with self._lock:
                 reply = self._store.release(msg.lease_id, msg.n, now=now)
                 if isinstance(reply, wire.Error):
                     self._store.note_bad_message(reply.code)
             return reply
         if isinstance(msg, wire.Status):
-            return wire.StatusReply(version=self.version, stats=self.stats())
+            with self._lock:
+                return wire.StatusReply(version=self._store.version, stats=self._stats())
         if isinstance(msg, wire.Register):
             return await self._register(msg)
-        with self._cond:
+        with self._lock:
             self._store.note_bad_message("unexpected_kind")
         return wire.Error(
             code="unexpected_kind",
@@ -371,16 +377,21 @@ class BufferService:
             except Exception as e:
                 log.warning("register from %s failed: %s", msg.worker_id, e)
                 return wire.Error(code="register_failed", message=f"{type(e).__name__}: {e}")
-        with self._cond:
+        with self._lock:
             self._registered[msg.worker_id] = list(msg.generators)
             self._live.add(msg.worker_id)
             self._save_registered()
             returned = self._store.abandon(msg.worker_id) if msg.fresh else 0
-            if returned:
-                self._cond.notify_all()
+            version = self._store.version
         if returned:
+            self._wake()
             log.info("%s restarted: its old leases gave back %d starts", msg.worker_id, returned)
-        return wire.Ok(version=self.version, message=f"{len(msg.generators)} generator(s)")
+        return wire.Ok(version=version, message=f"{len(msg.generators)} generator(s)")
+
+    def _wake(self) -> None:
+        """Groups or starts came back: a waiting next_batch looks again (the service's loop)."""
+        if self._arrived is not None:
+            self._arrived.set()
 
     async def _announce(self) -> None:
         """Repeat the current version (or the end): a subscriber only hears what is sent after it
@@ -388,117 +399,150 @@ class BufferService:
         assert self._pub is not None
         while True:
             try:
-                await self._pub.publish(self._end or self._version_message())
+                with self._lock:
+                    msg = self._end or self._version_message()
+                await self._pub.publish(msg)
             except Exception as e:  # a slow network must not stop the service
                 log.warning("version announcement failed: %s", e)
             await trio.sleep(self._announce_every_s)
 
     def _version_message(self) -> wire.Version:
-        with self._cond:
-            return wire.Version(
-                version=self._store.version,
-                checkpoint=self._checkpoint,
-                max_staleness=self.cfg.max_staleness,
-            )
+        return wire.Version(
+            version=self._store.version,
+            checkpoint=self._checkpoint,
+            max_staleness=self.cfg.max_staleness,
+        )
 
     # ---------------------------------------------------------------------------------------------
     # The learner's API (any thread)
     # ---------------------------------------------------------------------------------------------
 
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            return fn(*args)
+
     @property
     def version(self) -> int:
-        with self._cond:
-            return self._store.version
+        return self._call(lambda: self._store.version)
 
     def next_batch(self, timeout_s: float | None = None) -> Batch:
         """The next batch of whole groups, oldest first; waits up to ``timeout_s`` (default: the
         recipe's ``batch_timeout_s``). With ``min_batch_fill < 1``, after ``partial_batch_after_s``
         a batch of at least that fraction is taken. Raises TimeoutError saying what is missing."""
         timeout = self.cfg.batch_timeout_s if timeout_s is None else timeout_s
+        if self._failure is not None:
+            raise RuntimeError(f"buffer service stopped: {self._failure}")
+        if not self._serving or self._plane is None:  # nobody can put: what is stored, or nothing
+            now = self._clock()
+            batch = self._call(self._take, now, now, None)
+            if batch is None:
+                raise self._call(self._timeout, timeout)
+            return batch
+        return self._plane.run(self._next_batch, timeout)
+
+    async def _next_batch(self, timeout: float) -> Batch:
         start = self._clock()
         partial_at = start + self.cfg.partial_batch_after_s if self.cfg.min_batch_fill < 1 else None
-        with self._cond:
-            while True:
-                now = self._clock()
-                if self._failure is not None:
-                    raise RuntimeError(f"buffer service stopped: {self._failure}")
-                allow_partial = partial_at is not None and now >= partial_at
-                batch = self._store.take_batch(now, allow_partial=allow_partial)
-                self._audit_drops()
-                if batch is not None:
-                    self._handed = (
-                        batch.version,
-                        [{"id": g.id, "min_version": g.behavior_version} for g in batch.groups],
-                    )
-                    waited = self._clock() - start
-                    self._idle_s += waited
-                    batch.stats["wait_s"] = waited
-                    return batch
-                if now - start >= timeout:
-                    s = self._store.stats()
-                    raise TimeoutError(
-                        f"buffer: no batch of {self.cfg.groups_per_batch} groups within "
-                        f"{timeout:g} s at version {s['version']} ({s['occupancy']} stored, "
-                        f"{s['grants_in_flight']} starts in flight, {s['capacity']} free); "
-                        f"are rollout workers running and connected to {self.address}?"
-                    )
-                wake = start + timeout - now
-                if partial_at is not None and not allow_partial:
-                    wake = min(wake, partial_at - now)
-                # Also wake now and then: leases expire by the clock, not by a message.
-                self._cond.wait(max(0.0, min(wake, 0.5)))
+        while True:
+            self._arrived = trio.Event()
+            now = self._clock()
+            with self._lock:
+                batch = self._take(now, start, partial_at)
+                if batch is None and now - start >= timeout:
+                    raise self._timeout(timeout)
+            if batch is not None:
+                return batch
+            wake = start + timeout - now
+            if partial_at is not None and now < partial_at:
+                wake = min(wake, partial_at - now)
+            # Also wake now and then: leases expire by the clock, not by a message.
+            with trio.move_on_after(max(0.0, min(wake, 0.5))):
+                await self._arrived.wait()
+
+    def _take(self, now: float, start: float, partial_at: float | None) -> Batch | None:
+        allow_partial = partial_at is not None and now >= partial_at
+        batch = self._store.take_batch(now, allow_partial=allow_partial)
+        self._audit_drops()
+        if batch is not None:
+            self._handed = (
+                batch.version,
+                [{"id": g.id, "min_version": g.behavior_version} for g in batch.groups],
+            )
+            waited = self._clock() - start
+            self._idle_s += waited
+            batch.stats["wait_s"] = waited
+        return batch
+
+    def _timeout(self, timeout: float) -> TimeoutError:
+        s = self._store.stats()
+        return TimeoutError(
+            f"buffer: no batch of {self.cfg.groups_per_batch} groups within "
+            f"{timeout:g} s at version {s['version']} ({s['occupancy']} stored, "
+            f"{s['grants_in_flight']} starts in flight, {s['capacity']} free); "
+            f"are rollout workers running and connected to {self.address}?"
+        )
 
     def set_version(self, v: int, checkpoint: str = "") -> None:
         """The learner's policy version after an optimizer step (and, if given, an HF export of
         it); announced to workers at once and repeated every ``announce_every_s``."""
-        with self._cond:
-            if self._handed is not None and v > self._handed[0]:
-                self._audit(
-                    {"version": v, "trained_at": self._handed[0], "groups": self._handed[1]}
-                )
-                self._handed = None
-            changed = self._store.set_version(v)
-            self._audit_drops()
-            if checkpoint:
-                self._checkpoint = checkpoint
-        if (changed or checkpoint) and self._pub is not None and self._plane is not None:
+        message = self._call(self._set_version, v, checkpoint)
+        if message is not None and self._pub is not None and self._plane is not None:
             try:
-                self._pub.publish_sync(self._version_message())
+                self._pub.publish_sync(message)
             except Exception as e:
                 log.warning("version announcement failed: %s", e)
+
+    def _set_version(self, v: int, checkpoint: str) -> wire.Version | None:
+        """The announcement to send at once, if any."""
+        if self._handed is not None and v > self._handed[0]:
+            self._audit({"version": v, "trained_at": self._handed[0], "groups": self._handed[1]})
+            self._handed = None
+        changed = self._store.set_version(v)
+        self._audit_drops()
+        if checkpoint:
+            self._checkpoint = checkpoint
+        return self._version_message() if changed or checkpoint else None
 
     def end_run(self, message: str = "") -> None:
         """The learner has trained its last version: announce ``wire.End`` at once and from now on
         instead of the version, and refuse new starts and registrations (``run_ended``). Keep the
         service running a little after this, so workers can give their starts back."""
-        with self._cond:
-            self._end = wire.End(version=self._store.version, message=message)
+        end = self._call(self._end_run, message)
         if self._pub is not None and self._plane is not None:
             try:
-                self._pub.publish_sync(self._end)
+                self._pub.publish_sync(end)
             except Exception as e:  # repeated by _announce anyway
                 log.warning("end-of-run announcement failed: %s", e)
 
+    def _end_run(self, message: str) -> wire.End:
+        self._end = wire.End(version=self._store.version, message=message)
+        return self._end
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state to save with the learner's checkpoint."""
-        with self._cond:
-            state = self._store.state_dict()
-            state["registered"] = self._registrations_json()
-            if self._journal is not None:
-                state["journal_segment"] = self._rotate_journal()
-            return state
+        return self._call(self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        state = self._store.state_dict()
+        state["registered"] = self._registrations_json()
+        if self._journal is not None:
+            state["journal_segment"] = self._rotate_journal()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self._cond:
-            self._store.load_state_dict(state, now=self._clock(), nonce=secrets.token_hex(4))
-            if self._journal is not None:
-                self._audit({"start": self._store.version, "readmitted": self._replay(state)})
-            self._cond.notify_all()
+        self._call(self._load_state_dict, state)
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self._store.load_state_dict(state, now=self._clock(), nonce=secrets.token_hex(4))
+        if self._journal is not None:
+            self._audit({"start": self._store.version, "readmitted": self._replay(state)})
 
     def stats(self) -> dict[str, Any]:
         """The store's counters plus the service's: bad messages, learner idle seconds."""
-        with self._cond:
-            s = self._store.stats()
+        return self._call(self._stats)
+
+    def _stats(self) -> dict[str, Any]:
+        s = self._store.stats()
         bad = dict(s["bad_messages"])
         if self._rep is not None:
             for key, name in (("bad_messages", "undecodable"), ("handler_errors", "internal")):
