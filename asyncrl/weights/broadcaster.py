@@ -443,6 +443,17 @@ class WeightBroadcaster:
             return True
         return self._plane.run(self._wait_idle, math.inf if timeout is None else timeout)
 
+    def take_metrics(self) -> dict[str, Any]:
+        """The metrics of the versions synced since the last call (the newest's win), with
+        ``weights/version``: the learner logs them with its next step's record, one record per step."""
+        if self._plane is None or not self._plane.alive:
+            return {}
+        return self._plane.run_sync(self._take_metrics)
+
+    def _take_metrics(self) -> dict[str, Any]:
+        out, self._metrics = self._metrics, {}
+        return out
+
     def close(self) -> None:
         """Finish the in-flight broadcast, leave the group and close the HTTP clients."""
         if self._closed:
@@ -1048,17 +1059,6 @@ class WeightBroadcaster:
                 report.reported.get(url),
                 "matches" if report.checksum_ok.get(url) else "DIFFERS",
             )
-
-    def take_metrics(self) -> dict[str, Any]:
-        """The metrics of the versions synced since the last call (the newest's win), with
-        ``weights/version``: the learner logs them with its next step's record, one record per step."""
-        if self._plane is None or not self._plane.alive:
-            return {}
-        return self._plane.run_sync(self._take_metrics)
-
-    def _take_metrics(self) -> dict[str, Any]:
-        out, self._metrics = self._metrics, {}
-        return out
 
     def _note_metrics(self, r: SyncReport) -> None:
         with self._lock:
