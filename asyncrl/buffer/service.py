@@ -1,9 +1,11 @@
 """The buffer's nng service, run by learner rank 0 (docs/design.md §3).
 
-The learner's training loop is synchronous torch code, so the service runs trio in a background
-thread (a Req/Rep server for workers, a Pub/Sub publisher for versions) and offers the learner a
-thread-safe API. Both sides share one :class:`~asyncrl.buffer.store.ReplayStore` under one lock;
-every store call is short (no I/O, no decoding), so neither side waits long on the other.
+The learner's training loop is synchronous torch code, so the service is a task of rank 0's control
+plane (asyncrl.control: one trio loop in a background thread) with a Req/Rep server for workers and a
+Pub/Sub publisher for versions, and offers the learner a thread-safe API. Both sides share one
+:class:`~asyncrl.buffer.store.ReplayStore` under one lock; every store call is short (no I/O but the
+journal's, no decoding), so neither side waits long on the other. The learner waits for a batch in
+the service's loop, woken when groups arrive.
 
 Workers: Acquire -> Grant, Put -> Ack (with per-group rejection reasons), Release -> Ok,
 Register -> Ok (after the ``on_register`` callbacks ran), Status -> StatusReply; anything else, and
@@ -26,12 +28,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from asyncrl import wire
 from asyncrl.buffer.store import Batch, ReplayStore
+from asyncrl.control import ControlPlane
 from asyncrl.recipe import BufferConfig
 from asyncrl.transport import TLS, Publisher, RepServer
 
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Batch", "BufferService"]
 
 RegisterCallback = Callable[[str, list[wire.GeneratorInfo]], None]
+T = TypeVar("T")
 
 
 class BufferService:
@@ -80,7 +84,9 @@ class BufferService:
         self._register_timeout_s = register_timeout_s
         self._max_message_bytes = max_message_bytes
         self._clock = clock
-        self._cond = threading.Condition()  # guards the store; notified when groups arrive
+        self._lock = threading.Lock()  # the store: the service's requests vs the learner's calls
+        self._arrived: trio.Event | None = None  # set when groups arrive (next_batch waits on it)
+        self._serving = False  # the service task runs (next_batch waits in its loop)
         self._store = ReplayStore(cfg, nonce=secrets.token_hex(4))
         self._journal = Path(journal_dir) if journal_dir is not None else None
         self._journal_keep = max(journal_keep, 2)
@@ -101,9 +107,10 @@ class BufferService:
         self._callbacks: list[RegisterCallback] = []
         self._rep: RepServer | None = None
         self._pub: Publisher | None = None
-        self._thread: threading.Thread | None = None
-        self._trio_token: trio.lowlevel.TrioToken | None = None
-        self._cancel: trio.CancelScope | None = None
+        self._plane: ControlPlane | None = None
+        self._own_plane = False
+        self._cancel: trio.CancelScope | None = None  # the service task's
+        self._done: trio.Event | None = None  # set when the service task has ended
         self._failure: BaseException | None = None
         self._idle_s = 0.0
         self._end: wire.End | None = None
@@ -128,9 +135,10 @@ class BufferService:
             except Exception as e:
                 log.warning("restored registration of %s: %s", worker_id, e)
 
-    def start(self, timeout_s: float = 30.0) -> BufferService:
-        """Bind both addresses and start serving; returns once listening."""
-        if self._thread is not None:
+    def start(self, plane: ControlPlane | None = None) -> BufferService:
+        """Bind both addresses and start serving as a task of ``plane`` (rank 0's control plane;
+        without one the service runs its own); returns once listening."""
+        if self._plane is not None:
             raise RuntimeError("buffer service already started")
         self._rep = RepServer(
             self.cfg.address, tls=self._tls, max_message_bytes=self._max_message_bytes
@@ -145,50 +153,49 @@ class BufferService:
             raise RuntimeError(
                 f"buffer service: cannot listen on {self.cfg.address} / {self.cfg.pub_address}: {e}"
             ) from None
-        ready = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(ready,), name="buffer-service", daemon=True
-        )
-        self._thread.start()
-        if not ready.wait(timeout_s):
-            raise RuntimeError(f"buffer service did not start within {timeout_s:g} s")
-        if self._failure is not None:
-            raise RuntimeError(f"buffer service failed to start: {self._failure}")
+        if plane is None:
+            plane, self._own_plane = ControlPlane("buffer-service"), True
+        self._plane = plane
+        plane.start(self.serve, name="buffer-service")
         log.info("buffer service on %s, versions on %s", self.address, self.pub_address)
         return self
 
-    def _run(self, ready: threading.Event) -> None:
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The service task: the Req/Rep server for workers and the version announcer, until
+        :meth:`stop`. Its failure is kept for :meth:`next_batch` to raise on the training thread."""
+        assert self._rep is not None
+        self._done = trio.Event()
+        self._serving = True
         try:
-            trio.run(self._main, ready)
-        except BaseException as e:  # surfaced to the learner by next_batch / start
+            async with trio.open_nursery() as nursery:
+                self._cancel = nursery.cancel_scope
+                nursery.start_soon(self._rep.serve, self._handle, name="buffer-rep")
+                nursery.start_soon(self._announce, name="buffer-announce")
+                task_status.started()
+        except Exception as e:
             self._failure = e
             log.exception("buffer service stopped")
+            raise
         finally:
-            ready.set()
-            with self._cond:
-                self._cond.notify_all()
+            self._serving = False
+            self._done.set()
 
-    async def _main(self, ready: threading.Event) -> None:
-        assert self._rep is not None
-        self._trio_token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as nursery:
-            self._cancel = nursery.cancel_scope
-            nursery.start_soon(self._rep.serve, self._handle, name="buffer-rep")
-            nursery.start_soon(self._announce, name="buffer-announce")
-            ready.set()
+    async def _stop(self, timeout_s: float) -> None:
+        assert self._cancel is not None and self._done is not None
+        self._cancel.cancel()
+        with trio.move_on_after(timeout_s):
+            await self._done.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop serving and close the sockets (idempotent)."""
-        if self._thread is not None and self._thread.is_alive() and self._trio_token is not None:
-            try:
-                trio.from_thread.run_sync(self._cancel.cancel, trio_token=self._trio_token)
-            except trio.RunFinishedError:
-                pass
-            self._thread.join(timeout_s)
+        if self._plane is not None and self._plane.alive and self._cancel is not None:
+            self._plane.run(self._stop, timeout_s)
+        if self._own_plane and self._plane is not None:
+            self._plane.close(timeout_s)
         for sock in (self._rep, self._pub):
             if sock is not None:
                 sock.close()
-        with self._cond:
+        with self._lock:
             if self._journal_fd >= 0:
                 self._audit({"stop": self._store.version, "stored": self._store.stored_ids()})
                 os.close(self._journal_fd)
@@ -330,30 +337,31 @@ class BufferService:
         if self._end is not None and isinstance(msg, wire.Acquire | wire.Register):
             return wire.Error(code="run_ended", message=self._end.message)
         if isinstance(msg, wire.Put):
-            with self._cond:
+            with self._lock:
                 ack = self._store.put(msg.groups, now=now)
                 self._audit_drops()
                 if ack.group_ids:
                     acked = set(ack.group_ids)
                     self._journal_groups([g for g in msg.groups if g.id in acked])
-                    self._cond.notify_all()
+                    self._wake()
             return ack
         if isinstance(msg, wire.Acquire):
-            with self._cond:
+            with self._lock:
                 return self._store.acquire(
                     msg.worker_id, msg.starts, now=now, request_id=msg.request_id
                 )
         if isinstance(msg, wire.Release):
-            with self._cond:
+            with self._lock:
                 reply = self._store.release(msg.lease_id, msg.starts, now=now)
                 if isinstance(reply, wire.Error):
                     self._store.note_bad_message(reply.code)
             return reply
         if isinstance(msg, wire.Status):
-            return wire.StatusReply(version=self.version, stats=self.stats())
+            with self._lock:
+                return wire.StatusReply(version=self._store.version, stats=self._stats())
         if isinstance(msg, wire.Register):
             return await self._register(msg)
-        with self._cond:
+        with self._lock:
             self._store.note_bad_message("unexpected_kind")
         return wire.Error(
             code="unexpected_kind",
@@ -371,16 +379,21 @@ class BufferService:
             except Exception as e:
                 log.warning("register from %s failed: %s", msg.worker_id, e)
                 return wire.Error(code="register_failed", message=f"{type(e).__name__}: {e}")
-        with self._cond:
+        with self._lock:
             self._registered[msg.worker_id] = list(msg.generators)
             self._live.add(msg.worker_id)
             self._save_registered()
             returned = self._store.abandon(msg.worker_id) if msg.fresh else 0
-            if returned:
-                self._cond.notify_all()
+            version = self._store.version
         if returned:
+            self._wake()
             log.info("%s restarted: its old leases gave back %d starts", msg.worker_id, returned)
-        return wire.Ok(version=self.version, message=f"{len(msg.generators)} generator(s)")
+        return wire.Ok(version=version, message=f"{len(msg.generators)} generator(s)")
+
+    def _wake(self) -> None:
+        """Groups or starts came back: a waiting next_batch looks again (the service's loop)."""
+        if self._arrived is not None:
+            self._arrived.set()
 
     async def _announce(self) -> None:
         """Repeat the current version (or the end): a subscriber only hears what is sent after it
@@ -388,117 +401,150 @@ class BufferService:
         assert self._pub is not None
         while True:
             try:
-                await self._pub.publish(self._end or self._version_message())
+                with self._lock:
+                    msg = self._end or self._version_message()
+                await self._pub.publish(msg)
             except Exception as e:  # a slow network must not stop the service
                 log.warning("version announcement failed: %s", e)
             await trio.sleep(self._announce_every_s)
 
     def _version_message(self) -> wire.Version:
-        with self._cond:
-            return wire.Version(
-                version=self._store.version,
-                checkpoint=self._checkpoint,
-                max_staleness=self.cfg.max_staleness,
-            )
+        return wire.Version(
+            version=self._store.version,
+            checkpoint=self._checkpoint,
+            max_staleness=self.cfg.max_staleness,
+        )
 
     # ---------------------------------------------------------------------------------------------
     # The learner's API (any thread)
     # ---------------------------------------------------------------------------------------------
 
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            return fn(*args)
+
     @property
     def version(self) -> int:
-        with self._cond:
-            return self._store.version
+        return self._call(lambda: self._store.version)
 
     def next_batch(self, timeout_s: float | None = None) -> Batch:
         """The next batch of whole groups, oldest first; waits up to ``timeout_s`` (default: the
         recipe's ``batch_timeout_s``). With ``min_batch_fill < 1``, after ``partial_batch_after_s``
         a batch of at least that fraction is taken. Raises TimeoutError saying what is missing."""
         timeout = self.cfg.batch_timeout_s if timeout_s is None else timeout_s
+        if self._failure is not None:
+            raise RuntimeError(f"buffer service stopped: {self._failure}")
+        if not self._serving or self._plane is None:  # nobody can put: what is stored, or nothing
+            now = self._clock()
+            batch = self._call(self._take, now, now, None)
+            if batch is None:
+                raise self._call(self._timeout, timeout)
+            return batch
+        return self._plane.run(self._next_batch, timeout)
+
+    async def _next_batch(self, timeout: float) -> Batch:
         start = self._clock()
         partial_at = start + self.cfg.partial_batch_after_s if self.cfg.min_batch_fill < 1 else None
-        with self._cond:
-            while True:
-                now = self._clock()
-                if self._failure is not None:
-                    raise RuntimeError(f"buffer service stopped: {self._failure}")
-                allow_partial = partial_at is not None and now >= partial_at
-                batch = self._store.take_batch(now, allow_partial=allow_partial)
-                self._audit_drops()
-                if batch is not None:
-                    self._handed = (
-                        batch.version,
-                        [{"id": g.id, "min_version": g.behavior_version} for g in batch.groups],
-                    )
-                    waited = self._clock() - start
-                    self._idle_s += waited
-                    batch.stats["wait_s"] = waited
-                    return batch
-                if now - start >= timeout:
-                    s = self._store.stats()
-                    raise TimeoutError(
-                        f"buffer: no batch of {self.cfg.groups_per_batch} groups within "
-                        f"{timeout:g} s at version {s['version']} ({s['occupancy']} stored, "
-                        f"{s['grants_in_flight']} starts in flight, {s['capacity']} free); "
-                        f"are rollout workers running and connected to {self.address}?"
-                    )
-                wake = start + timeout - now
-                if partial_at is not None and not allow_partial:
-                    wake = min(wake, partial_at - now)
-                # Also wake now and then: leases expire by the clock, not by a message.
-                self._cond.wait(max(0.0, min(wake, 0.5)))
+        while True:
+            self._arrived = trio.Event()
+            now = self._clock()
+            with self._lock:
+                batch = self._take(now, start, partial_at)
+                if batch is None and now - start >= timeout:
+                    raise self._timeout(timeout)
+            if batch is not None:
+                return batch
+            wake = start + timeout - now
+            if partial_at is not None and now < partial_at:
+                wake = min(wake, partial_at - now)
+            # Also wake now and then: leases expire by the clock, not by a message.
+            with trio.move_on_after(max(0.0, min(wake, 0.5))):
+                await self._arrived.wait()
+
+    def _take(self, now: float, start: float, partial_at: float | None) -> Batch | None:
+        allow_partial = partial_at is not None and now >= partial_at
+        batch = self._store.take_batch(now, allow_partial=allow_partial)
+        self._audit_drops()
+        if batch is not None:
+            self._handed = (
+                batch.version,
+                [{"id": g.id, "min_version": g.behavior_version} for g in batch.groups],
+            )
+            waited = self._clock() - start
+            self._idle_s += waited
+            batch.stats["wait_s"] = waited
+        return batch
+
+    def _timeout(self, timeout: float) -> TimeoutError:
+        s = self._store.stats()
+        return TimeoutError(
+            f"buffer: no batch of {self.cfg.groups_per_batch} groups within "
+            f"{timeout:g} s at version {s['version']} ({s['occupancy']} stored, "
+            f"{s['grants_in_flight']} starts in flight, {s['capacity']} free); "
+            f"are rollout workers running and connected to {self.address}?"
+        )
 
     def set_version(self, v: int, checkpoint: str = "") -> None:
         """The learner's policy version after an optimizer step (and, if given, an HF export of
         it); announced to workers at once and repeated every ``announce_every_s``."""
-        with self._cond:
-            if self._handed is not None and v > self._handed[0]:
-                self._audit(
-                    {"version": v, "trained_at": self._handed[0], "groups": self._handed[1]}
-                )
-                self._handed = None
-            changed = self._store.set_version(v)
-            self._audit_drops()
-            if checkpoint:
-                self._checkpoint = checkpoint
-        if (changed or checkpoint) and self._pub is not None and self._thread is not None:
+        message = self._call(self._set_version, v, checkpoint)
+        if message is not None and self._pub is not None and self._plane is not None:
             try:
-                self._pub.publish_sync(self._version_message())
+                self._pub.publish_sync(message)
             except Exception as e:
                 log.warning("version announcement failed: %s", e)
+
+    def _set_version(self, v: int, checkpoint: str) -> wire.Version | None:
+        """The announcement to send at once, if any."""
+        if self._handed is not None and v > self._handed[0]:
+            self._audit({"version": v, "trained_at": self._handed[0], "groups": self._handed[1]})
+            self._handed = None
+        changed = self._store.set_version(v)
+        self._audit_drops()
+        if checkpoint:
+            self._checkpoint = checkpoint
+        return self._version_message() if changed or checkpoint else None
 
     def end_run(self, message: str = "") -> None:
         """The learner has trained its last version: announce ``wire.End`` at once and from now on
         instead of the version, and refuse new starts and registrations (``run_ended``). Keep the
         service running a little after this, so workers can give their starts back."""
-        with self._cond:
-            self._end = wire.End(version=self._store.version, message=message)
-        if self._pub is not None and self._thread is not None:
+        end = self._call(self._end_run, message)
+        if self._pub is not None and self._plane is not None:
             try:
-                self._pub.publish_sync(self._end)
+                self._pub.publish_sync(end)
             except Exception as e:  # repeated by _announce anyway
                 log.warning("end-of-run announcement failed: %s", e)
 
+    def _end_run(self, message: str) -> wire.End:
+        self._end = wire.End(version=self._store.version, message=message)
+        return self._end
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state to save with the learner's checkpoint."""
-        with self._cond:
-            state = self._store.state_dict()
-            state["registered"] = self._registrations_json()
-            if self._journal is not None:
-                state["journal_segment"] = self._rotate_journal()
-            return state
+        return self._call(self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        state = self._store.state_dict()
+        state["registered"] = self._registrations_json()
+        if self._journal is not None:
+            state["journal_segment"] = self._rotate_journal()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self._cond:
-            self._store.load_state_dict(state, now=self._clock(), nonce=secrets.token_hex(4))
-            if self._journal is not None:
-                self._audit({"start": self._store.version, "readmitted": self._replay(state)})
-            self._cond.notify_all()
+        self._call(self._load_state_dict, state)
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self._store.load_state_dict(state, now=self._clock(), nonce=secrets.token_hex(4))
+        if self._journal is not None:
+            self._audit({"start": self._store.version, "readmitted": self._replay(state)})
 
     def stats(self) -> dict[str, Any]:
         """The store's counters plus the service's: bad messages, learner idle seconds."""
-        with self._cond:
-            s = self._store.stats()
+        return self._call(self._stats)
+
+    def _stats(self) -> dict[str, Any]:
+        s = self._store.stats()
         bad = dict(s["bad_messages"])
         if self._rep is not None:
             for key, name in (("bad_messages", "undecodable"), ("handler_errors", "internal")):

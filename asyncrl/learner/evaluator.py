@@ -1,8 +1,8 @@
 """When the learner evaluates held-out prompts, and on what: the version its generators were just
 sent, while they hold it (docs/design.md §6).
 
-The weight broadcaster calls :meth:`Evaluator.after_sync` on its sender thread once a version is on
-the generators, and sends no next version before it returns: every evaluated token is of that
+The weight broadcaster's sender calls :meth:`Evaluator.after_sync` (in a worker thread) once a
+version is on the generators, and sends no next version before it returns: every evaluated token is of that
 version, and the score is logged at step = that version. The training loop goes on meanwhile; it
 waits only if it has a newer version to publish before the evaluation ends. Rollouts go on too,
 on the same generators. Versions evaluated: the first one sent (the start), every
@@ -72,7 +72,7 @@ class Evaluator:
             self.evaluate(report.version, list(report.updated))
 
     def evaluate(self, v: int, urls: list[str]) -> None:
-        """Evaluate version ``v`` on ``urls``, if due; call it on the broadcaster's sender thread
+        """Evaluate version ``v`` on ``urls``, if due; the broadcaster's sender calls it
         (``after_sync``, ``between_versions``) so no other version reaches them meanwhile. Never
         raises: a failed evaluation is a log line, not the learner's end."""
         if not urls or not self.due(v):

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncrl import recipe as recipe_mod
+from asyncrl.control import ControlPlane
 from asyncrl.learner import source as source_mod
 from asyncrl.learner.report import Invocation, LearnerReport
 from asyncrl.learner.source import BatchSource, SourceError
@@ -28,11 +29,12 @@ from asyncrl.recipe import Recipe
 CRASH_ENV = "ASYNCRL_LEARNER_CRASH_AFTER_VERSION"
 """Fault injection for tests: exit hard (no cleanup) right after the checkpoint of this version."""
 
-SourceFactory = Callable[[Recipe, Any], BatchSource]
-"""``factory(recipe, trainer)`` -> rank 0's batch source, with ``trainer.source_state`` restored."""
+SourceFactory = Callable[[Recipe, Any, ControlPlane], BatchSource]
+"""``factory(recipe, trainer, plane)`` -> rank 0's batch source, with ``trainer.source_state``
+restored; a service runs as a task of ``plane``, rank 0's control plane."""
 
 
-def sft_source(recipe: Recipe, trainer: Any) -> BatchSource:
+def sft_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource:
     from asyncrl.learner.data import SFTSource
 
     src = SFTSource.from_recipe(recipe)
@@ -41,7 +43,7 @@ def sft_source(recipe: Recipe, trainer: Any) -> BatchSource:
     return src
 
 
-def preference_source(recipe: Recipe, trainer: Any) -> BatchSource:
+def preference_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource:
     from asyncrl.learner.data import PreferenceSource
 
     src = PreferenceSource.from_recipe(recipe)
@@ -68,7 +70,7 @@ def trainer_class(recipe: Recipe) -> type:
     return Trainer
 
 
-def buffer_source(recipe: Recipe, trainer: Any) -> BatchSource:
+def buffer_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource:
     """The replay buffer's nng service (rank 0), resumed from the checkpoint's buffer state."""
     from asyncrl.buffer.service import BufferService
 
@@ -77,39 +79,21 @@ def buffer_source(recipe: Recipe, trainer: Any) -> BatchSource:
         state=trainer.source_state,
         journal_dir=trainer.run_dir / "buffer",  # acked groups survive a kill between checkpoints
         journal_resume=recipe.run.resume,
-    ).start()
+    ).start(plane)
     svc.set_version(trainer.version)
     return svc
 
 
-def _stop_on_signals() -> None:
+def _stop_on_signals() -> threading.Event:
     """SIGTERM / SIGINT ask for a clean stop: finish the step, checkpoint, export, exit 0.
 
-    Rank 0 decides (its decision travels with the next batch broadcast), so all ranks stop together.
-    """
-    source_mod.STOP.clear()
+    Returns the stop request the signals set. Rank 0 decides (its decision travels with the next
+    batch broadcast), so all ranks stop together."""
+    stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: source_mod.STOP.set())
-
-
-class _Pending:
-    """Collects the weight broadcaster's metrics (logged from its sender thread when a version's
-    sync ends) so they join the learner's next step record: one record per learner step."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[str, Any] = {}
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        with self._lock:
-            self._values.update(metrics)
-            self._values["weights/version"] = step
-
-    def take(self) -> dict[str, Any]:
-        with self._lock:
-            out, self._values = self._values, {}
-        return out
+            signal.signal(sig, lambda signum, frame: stop.set())
+    return stop
 
 
 def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
@@ -154,16 +138,16 @@ def train(
     broadcaster = None
     report = None
     evaluator = None
+    plane = None  # rank 0's control plane: the buffer service and the broadcaster's sender
     outcome = ""  # set at a clean end: "completed", or "stopped" (SIGTERM before the last version)
-    weights_metrics = _Pending()
     is_rl = recipe.algorithm.uses_rollouts
     if source_factory is None:
         source_factory = buffer_source if is_rl else OFFLINE_SOURCES[recipe.algorithm.loss]
     try:
         if rank == 0:
             sink = MetricsSink.from_recipe(recipe, process="learner")
-        if rank == 0:
-            trainer.source = source_factory(recipe, trainer)
+            plane = ControlPlane("learner-control")
+            trainer.source = source_factory(recipe, trainer, plane)
             report = LearnerReport(
                 recipe,
                 trainer,
@@ -180,8 +164,8 @@ def train(
             broadcaster = WeightBroadcaster(
                 recipe.weights,
                 export_dir=trainer.run_dir / "hf",
-                metrics=weights_metrics,
                 after_sync=evaluator.after_sync if evaluator is not None else None,
+                plane=plane,
             )
             trainer.add_publisher(broadcaster.on_step)
             on_register = getattr(trainer.source, "on_register", None)
@@ -192,7 +176,7 @@ def train(
         crash_at = int(os.environ.get(CRASH_ENV, "-1"))
         saved_at = -1
         first_batch = True
-        _stop_on_signals()
+        stop = _stop_on_signals()
         while trainer.version < recipe.run.steps:
             if report is not None:
                 report.waiting_since = time.monotonic()
@@ -200,12 +184,13 @@ def train(
                 trainer.source,
                 timeout_s=recipe.buffer.batch_timeout_s,
                 wants_publish=broadcaster.needs_sync if broadcaster and rank == 0 else None,
+                stop=stop,
             )
             if report is not None:
                 report.waiting_since = None
-            if batch is None:  # SIGTERM on rank 0: checkpoint and leave, on every rank
+            if batch == "stop":  # SIGTERM on rank 0: checkpoint and leave, on every rank
                 break
-            if batch is source_mod.PUBLISH:  # a generator joined while we wait: weights first
+            if batch == "publish":  # a generator joined while we wait: weights first
                 broadcaster.on_step(trainer.version, trainer, force=True)
                 continue
             if evaluator is not None and first_batch:
@@ -225,7 +210,8 @@ def train(
             if broadcaster is not None and trainer.version >= recipe.run.steps:
                 broadcaster.wait()  # the last version's sync metrics go in the last record
             if sink is not None and trainer.version % recipe.logging.every == 0:
-                sink.log(result.metrics | weights_metrics.take(), step=trainer.version)
+                weights = broadcaster.take_metrics() if broadcaster is not None else {}
+                sink.log(result.metrics | weights, step=trainer.version)
             if trainer.version == crash_at:
                 trainer.wait_for_checkpoint()
                 os._exit(3)
@@ -261,6 +247,8 @@ def train(
         stop_source = getattr(trainer.source, "stop", None)
         if stop_source is not None:
             stop_source()
+        if plane is not None:
+            plane.close()
         if sink is not None:
             sink.close()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import msgpack
 import torch
@@ -96,16 +96,8 @@ def broadcast_bytes(data: bytes | None, *, src: int = 0, error: str = "") -> byt
     return out
 
 
-class PublishRequest:
-    """What :func:`broadcast_batch` returns, on every rank, when rank 0 (idle, waiting for data) was
-    asked to publish the current weights first: see ``wants_publish``."""
-
-
-PUBLISH = PublishRequest()
-
-STOP = threading.Event()
-"""Set (by the learner's SIGTERM handler) to make rank 0 stop waiting for batches: a process-wide
-request, like the signal that sets it."""
+Signal = Literal["stop", "publish"]
+"""What :func:`broadcast_batch` returns instead of a batch: see there."""
 
 
 def broadcast_batch(
@@ -113,20 +105,22 @@ def broadcast_batch(
     *,
     timeout_s: float,
     wants_publish: Callable[[], bool] | None = None,
-) -> Batch | PublishRequest | None:
+    stop: threading.Event | None = None,
+) -> Batch | Signal:
     """Rank 0 pulls from ``source``; every rank returns the same decoded batch (collective).
 
-    Returns None on every rank when :data:`STOP` is set on rank 0 while it waits (a clean stop);
-    raises :class:`SourceError` on every rank when rank 0 gets no batch within ``timeout_s``.
-    Returns :data:`PUBLISH` on every rank when ``wants_publish()`` (rank 0, between polls) is true:
-    a generator waits for the learner's weights, and its data may be what this wait needs.
+    Returns ``"stop"`` on every rank when ``stop`` (rank 0's: set by the learner's SIGTERM handler)
+    is set while it waits (a clean stop); raises :class:`SourceError` on every rank when rank 0
+    gets no batch within ``timeout_s``. Returns ``"publish"`` on every rank when
+    ``wants_publish()`` (rank 0, between polls) is true: a generator waits for the learner's
+    weights, and its data may be what this wait needs.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     kind, payload = _DATA, b""
     if rank == 0:
         deadline = time.monotonic() + timeout_s
         while True:
-            if STOP.is_set():
+            if stop is not None and stop.is_set():
                 kind = _STOP
                 break
             left = deadline - time.monotonic()
@@ -153,7 +147,7 @@ def broadcast_batch(
     if kind == _ERROR:
         raise SourceError(payload.decode(errors="replace"))
     if kind == _STOP:
-        return None
+        return "stop"
     if kind == _PUBLISH:
-        return PUBLISH
+        return "publish"
     return decode_batch(payload)

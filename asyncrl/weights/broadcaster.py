@@ -12,30 +12,34 @@ sent again to the others. A dropped generator that answers ``/health`` again fir
 exported HF checkpoint from disk, then rejoins the group at the next version.
 
 Overlap: :meth:`WeightBroadcaster.publish` copies the snapshot on the caller's (training) thread and
-sends it from a background thread while the learner computes the next version; at most one version is
-in flight (the next publish waits for its transfer). ``overlap: false`` sends synchronously. A hook
+hands it to the sender task, a task of rank 0's control plane (asyncrl.control), which sends it while
+the learner computes the next version: a task per generator for the HTTP calls, the broadcast in a
+worker thread, every wait in a cancel scope. At most one version is in flight (the next publish waits
+for its transfer). ``overlap: false`` sends synchronously. A hook
 (``after_sync``: the held-out evaluation) may hold the generators on a version after it is out; the
 learner does not wait for it: what it publishes meanwhile goes out when the hold ends, newest only.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import logging
+import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+import trio
 
 from asyncrl import metric_names
+from asyncrl.control import ControlPlane
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.sglang_protocol import parse_version_label
 from asyncrl.transport import free_port
@@ -52,6 +56,8 @@ VERIFY_SAMPLE = 4096
 TIED_PAIRS = (("lm_head.weight", "model.embed_tokens.weight"),)
 """(name, source): when both are sent and equal, only the source goes out, as SGLang's own test does."""
 
+
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------------------------------
 # Snapshots
@@ -215,6 +221,15 @@ class SyncReport:
         return sorted(set(bad))
 
 
+Job = Callable[[], Awaitable[SyncReport]]
+"""One version's send, run by the sender task."""
+Hold = Callable[[], None]
+"""Blocking work (the held-out evaluation) during which the generators hold the version they have."""
+
+HTTP_CALLS = 32
+"""Blocking HTTP calls to generators in flight at once (worker threads)."""
+
+
 class _Failed(Exception):
     """Some generators failed during an attempt: ``culprits`` are dropped, the rest retry."""
 
@@ -240,22 +255,23 @@ class WeightBroadcaster:
         cfg: WeightsConfig,
         *,
         export_dir: str | Path | None = None,
-        metrics: Any = None,
         rank: int | None = None,
         verify: bool = True,
         on_event: Callable[[str, dict], None] | None = None,
         api_key: str | None = None,
         after_sync: Callable[[SyncReport], None] | None = None,
+        plane: ControlPlane | None = None,
     ):
-        """``metrics``: an object with ``log(dict, step=)`` (asyncrl.metrics.MetricsSink) or None.
-        ``export_dir``: where the learner exports HF checkpoints (rejoining generators load the newest).
-        ``on_event(name, fields)``: progress callback ("bucket_sent", "dropped", "synced", ...).
-        ``after_sync(report)``: runs on the sender thread after each version, before the next one
+        """``export_dir``: where the learner exports HF checkpoints (rejoining generators load the newest).
+        ``on_event(name, fields)``: progress callback ("bucket_sent", "dropped", "synced", ...),
+        called in the control plane's loop: it must be quick.
+        ``after_sync(report)``: runs in a worker thread after each version, before the next one
         goes out, so the generators hold ``report.version`` while it runs (the held-out
-        evaluation, asyncrl.learner.evaluator)."""
+        evaluation, asyncrl.learner.evaluator).
+        ``plane``: the control plane whose nursery runs the sender task (rank 0); without one the
+        broadcaster runs its own."""
         self.cfg = cfg
         self.export_dir = Path(export_dir) if export_dir is not None else None
-        self.metrics = metrics
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = rank
@@ -266,11 +282,16 @@ class WeightBroadcaster:
         self.dtype = buckets.parse_dtype(cfg.dtype)
         self.backend = rendezvous.default_backend() if cfg.backend == "auto" else cfg.backend
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
+        # A live generator in a failed collective (a broadcast, a group's rendezvous) answers only
+        # once its own group timed out (timeout_s) and then as any call: it must not be taken for a
+        # dead one before that.
+        self._survivor_s = 2 * cfg.timeout_s + 5
         self.reports: list[SyncReport] = []
+        self._metrics: dict[str, Any] = {}  # of the versions synced since take_metrics()
         self.last_version = 0  # the newest version handed to publish()
         self._members: dict[str, Member] = {}
         self._by_worker: dict[str, set[str]] = {}
-        self._lock = threading.Lock()  # membership (callers' threads vs the sync thread)
+        self._lock = threading.Lock()  # membership (callers' threads vs the sender task)
         self._dirty = True  # membership changed: rebuild the group at the next version
         self._pg: dist.ProcessGroup | None = None
         self._group: GroupSpec | None = None
@@ -280,20 +301,29 @@ class WeightBroadcaster:
         # that was killed (it cannot be told to destroy it), and an init under that name fails.
         self._nonce = f"{os.getpid():x}{int(time.time()) % 65536:04x}"
         self._last_forced = -float("inf")
-        self._inflight: cf.Future | None = None
-        # the hold (after_sync): a version published meanwhile waits as the pending one
-        self._hold_lock = threading.Lock()
+        # The sender task's state (rank 0; touched only in the control plane's loop). The hold
+        # (after_sync, between_versions): a version published meanwhile waits as the pending one.
         self._holding = False
-        self._pending: Callable[[], SyncReport] | None = None
-        self._sent = threading.Event()  # the version in flight is out (set: none in flight)
+        self._pending: Job | None = None
+        self._running = False  # a version (or a hold) is in flight
+        self._idle = trio.Event()  # set when nothing is in flight; replaced per run
+        self._sent = trio.Event()  # set when the version in flight is out; replaced per version
+        self._idle.set()
         self._sent.set()
-        self.skipped = 0  # versions replaced by a newer one while the generators were held
-        # with overlap the transfer runs beside the learner's step: at a lower priority
-        init = _background_priority if cfg.overlap else None
-        self._sender = cf.ThreadPoolExecutor(1, thread_name_prefix="weights-sync", initializer=init)
-        self._http = cf.ThreadPoolExecutor(32, thread_name_prefix="weights-http", initializer=init)
-        self._closed = False
+        self._work: trio.MemorySendChannel[tuple[Job | None, Hold | None]] | None = None
+        self._background: trio.Nursery | None = None  # abandoned groups' teardown
+        self._http_limiter = trio.CapacityLimiter(HTTP_CALLS)
+        self._collective_limiter = trio.CapacityLimiter(1)  # one broadcast or rendezvous at a time
+        self._ready: Any = None  # the version in flight's CUDA event (GPU only)
         self._stream: Any = None  # the sender's CUDA stream, made on first use (GPU only)
+        self.skipped = 0  # versions replaced by a newer one while the generators were held
+        self._closed = False
+        self._plane = plane
+        self._own_plane = False
+        if self.rank == 0:
+            if self._plane is None:
+                self._plane, self._own_plane = ControlPlane("weights-sender"), True
+            self._plane.start(self.serve, name="weights-sender")
 
     # ---- membership (any thread) -----------------------------------------------------------------
 
@@ -346,8 +376,7 @@ class WeightBroadcaster:
         idle for want of data then publishes its current version at once: after a learner restart,
         or with one fresh worker, that generator's tokens are too old to train on until it has the
         learner's weights, and without a step no next version would come (a deadlock)."""
-        f = self._inflight
-        if f is not None and not f.done():
+        if self._running:
             return False
         with self._lock:
             states = {m.state for m in self._members.values()}
@@ -386,86 +415,197 @@ class WeightBroadcaster:
             return
         if self._closed:
             raise RuntimeError("weight broadcaster is closed")
+        assert self._plane is not None
         ready = _cuda_ready(named_tensors.values())
         if owned:
             named = dict(named_tensors)
-            send = lambda: self._sync_logged(self._snapshot(version, named, copy=False))  # noqa: E731
+            make = functools.partial(self._snapshot, version, named, copy=False)
         else:
             snap = self._snapshot(version, named_tensors)
-            send = lambda: self._sync_logged(snap)  # noqa: E731
-        job = lambda: self._on_side_stream(ready, send)  # noqa: E731
-        self._sent.wait()
-        with self._hold_lock:
-            if self._holding:
-                if self._pending is not None:
-                    self.skipped += 1
-                self._pending = job
-                self.last_version = version
-                return
-        self.wait()
-        self.last_version = version
-        self._sent.clear()
-        self._inflight = self._sender.submit(self._run, job, None)
+            make = lambda: snap  # noqa: E731
+        self._plane.run(self._hand_over, version, functools.partial(self._version, ready, make))
         if not self.cfg.overlap:
             self.wait()
 
     def between_versions(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the sender thread once the version in flight (if any) is out, holding the
+        """Run ``fn`` (in a worker thread) once the version in flight (if any) is out, holding the
         generators on it while ``fn`` runs, as ``after_sync`` does (rank 0; the run's first
         held-out evaluation, of the weights the generators started from). Call it from the
         thread that publishes. Its failure is logged, never raised."""
         if self.rank != 0 or self._closed:
             return
-        self.wait()
-        with self._hold_lock:
-            self._holding = True
-        self._inflight = self._sender.submit(self._run, None, fn)
+        assert self._plane is not None
+        self._plane.run(self._hold, fn)
 
-    def _run(self, job: Callable[[], SyncReport] | None, hold: Callable[[], None] | None) -> None:
-        """Sender thread: send a version; hold the generators on it while ``after_sync`` runs
-        (``publish`` meanwhile keeps the newest version as pending); send the pending one; again."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight broadcast; False if it is still running after ``timeout`` seconds."""
+        if self._plane is None or not self._plane.alive:
+            return True
+        return self._plane.run(self._wait_idle, math.inf if timeout is None else timeout)
+
+    def take_metrics(self) -> dict[str, Any]:
+        """The metrics of the versions synced since the last call (the newest's win), with
+        ``weights/version``: the learner logs them with its next step's record, one record per step."""
+        if self._plane is None or not self._plane.alive:
+            return {}
+        return self._plane.run_sync(self._take_metrics)
+
+    def _take_metrics(self) -> dict[str, Any]:
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def close(self) -> None:
+        """Finish the in-flight broadcast, leave the group and close the HTTP clients."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._plane is None:
+            return
+        self.wait()
+        if self._plane.alive:
+            self._plane.run(self._close)
+        if self._own_plane:
+            self._plane.close()
+
+    def __enter__(self) -> WeightBroadcaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the sender task (the control plane's loop) ----------------------------------------------
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The sender task: runs each version (and hold) handed over by the training thread, one
+        at a time; ends when :meth:`close` closes its channel."""
+        send, recv = trio.open_memory_channel[tuple[Job | None, Hold | None]](1)
+        async with trio.open_nursery() as background, recv:
+            self._background, self._work = background, send
+            task_status.started()
+            async for job, hold in recv:
+                await self._run(job, hold)
+            background.cancel_scope.cancel()  # a group still being abandoned is left to its thread
+
+    async def _hand_over(self, version: int, job: Job) -> None:
+        """``publish``: once the previous version is out, hold it as pending while the generators
+        are held (newest wins), else start it once the sender is idle."""
+        await self._sent.wait()
+        if self._holding:
+            if self._pending is not None:
+                self.skipped += 1
+            self._pending = job
+            self.last_version = version
+            return
+        await self._idle.wait()
+        self.last_version = version
+        self._start(job, None)
+
+    async def _hold(self, fn: Hold) -> None:
+        await self._idle.wait()
+        self._holding = True
+        self._start(None, fn)
+
+    def _start(self, job: Job | None, hold: Hold | None) -> None:
+        assert self._work is not None and self._idle.is_set()
+        self._running = True
+        self._idle = trio.Event()
+        if job is not None:
+            self._sent = trio.Event()
+        self._work.send_nowait((job, hold))
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        with trio.move_on_after(timeout):
+            await self._idle.wait()
+            return True
+        return False
+
+    async def _run(self, job: Job | None, hold: Hold | None) -> None:
+        """Send a version; hold the generators on it while ``after_sync`` runs (``publish``
+        meanwhile keeps the newest version as pending); send the pending one; again."""
         try:
             while True:
                 if job is not None:
-                    report = job()
+                    report = await job()
                     job = None
                     if self.after_sync is not None:
-                        with self._hold_lock:
-                            self._holding = True
+                        self._holding = True
                         hold = functools.partial(self.after_sync, report)
                     self._sent.set()
                 if hold is not None:
                     try:
-                        hold()
+                        await trio.to_thread.run_sync(self._niced, hold)
                     except Exception:  # the hook's failure must not stop the weights
                         log.exception("weights: the hold after a version raised")
                     hold = None
-                with self._hold_lock:
-                    job, self._pending = self._pending, None
-                    self._holding = False
-                    if job is None:
-                        return
-                    self._sent.clear()
-        finally:  # even on an error: publish() must never wait for a sender that has stopped
-            with self._hold_lock:
+                job, self._pending = self._pending, None
                 self._holding = False
+                if job is None:
+                    return
+                self._sent = trio.Event()
+        finally:  # even on an error: publish() must never wait for a sender that has stopped
+            self._holding = False
+            self._running = False
             self._sent.set()
+            self._idle.set()
 
-    def _on_side_stream(self, ready: Any, send: Callable[[], SyncReport]) -> SyncReport:
-        """Run a version's send on a CUDA stream of its own (sender thread), after ``ready``: on the
-        default stream the training step's kernels would queue behind the broadcast. The stream is
-        drained before the snapshot is released, so the allocator cannot hand its memory to the
-        training stream while a broadcast still reads it. On CPU: just ``send()``."""
-        if ready is None:
-            return send()
+    async def _version(self, ready: Any, make: Callable[[], Snapshot]) -> SyncReport:
+        """One version: its snapshot (built in a worker thread when the tensors are owned), then
+        its sync; on GPU the sender's stream is drained before the snapshot is released, so the
+        allocator cannot hand its memory to the training stream while a broadcast still reads it."""
+        self._ready = ready
+        try:
+            snap = await self._in_thread(make)
+            return await self._sync_logged(snap)
+        finally:
+            if ready is not None and self._stream is not None:
+                await trio.to_thread.run_sync(self._stream.synchronize)
+            self._ready = None
+
+    async def _close(self) -> None:
+        with self._lock:
+            members = list(self._members.values())
+        if self._pg is not None:
+            alive = [m for m in members if m.state == "member"]
+            await self._drop_group(alive, background=False)
+        if self._work is not None:
+            self._work.close()  # ends serve()
+        for m in members:
+            m.client.close()
+
+    # ---- blocking calls, in worker threads -------------------------------------------------------
+
+    def _niced(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn`` in a worker thread, at a lower priority with overlap: the transfer runs beside
+        the learner's step."""
+        if self.cfg.overlap:
+            _background_priority()
+        return fn(*args)
+
+    def _on_stream(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn`` in a worker thread, on the sender's CUDA stream after the training thread's gather
+        while a version from the GPU is in flight: on the default stream the training step's
+        kernels would queue behind the broadcast. On CPU: just ``fn``."""
+        if self._ready is None:
+            return self._niced(fn, *args)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
-            try:
-                return send()
-            finally:
-                self._stream.synchronize()
+            self._stream.wait_event(self._ready)
+            return self._niced(fn, *args)
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """A snapshot, a rendezvous or a broadcast: one at a time, each bounded by its own timeout."""
+        return await trio.to_thread.run_sync(
+            functools.partial(self._on_stream, fn, *args), limiter=self._collective_limiter
+        )
+
+    async def _http(self, fn: Callable[..., T], *args: Any) -> T:
+        """One HTTP call (the client's own timeout bounds it); abandoned if its scope is cancelled."""
+        return await trio.to_thread.run_sync(
+            functools.partial(self._niced, fn, *args),
+            limiter=self._http_limiter,
+            abandon_on_cancel=True,
+        )
 
     def _snapshot(
         self, version: int, named: Mapping[str, torch.Tensor], *, copy: bool = True
@@ -482,41 +622,7 @@ class WeightBroadcaster:
         snap.snapshot_s = time.monotonic() - t0
         return snap
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the in-flight broadcast; False if it is still running after ``timeout`` seconds."""
-        f = self._inflight
-        if f is None:
-            return True
-        try:
-            f.result(timeout=timeout)
-        except cf.TimeoutError:
-            return False
-        self._inflight = None
-        return True
-
-    def close(self) -> None:
-        """Finish the in-flight broadcast, leave the group and close the HTTP clients."""
-        if self._closed:
-            return
-        self._closed = True
-        self.wait()
-        self._sender.shutdown(wait=True)
-        with self._lock:
-            members = list(self._members.values())
-        if self._pg is not None:
-            alive = [m for m in members if m.state == "member"]
-            self._drop_group(alive, background=False)
-        self._http.shutdown(wait=True)
-        for m in members:
-            m.client.close()
-
-    def __enter__(self) -> WeightBroadcaster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ---- one version (sender thread) ---------------------------------------------------------------
+    # ---- one version (the sender task) ------------------------------------------------------------
 
     def _event(self, name: str, **fields: Any) -> None:
         if self.on_event is not None:
@@ -525,21 +631,21 @@ class WeightBroadcaster:
             except Exception:  # a progress callback must not break a weight update
                 log.exception("weights: on_event(%s) raised", name)
 
-    def _sync_logged(self, snap: Snapshot) -> SyncReport:
+    async def _sync_logged(self, snap: Snapshot) -> SyncReport:
         try:
-            report = self._sync(snap)
+            report = await self._sync(snap)
         except Exception as e:  # never let one version kill the sender: report and go on
             log.exception("weights: version %d failed", snap.version)
             report = SyncReport(version=snap.version, nbytes=snap.nbytes, error=repr(e))
         self.reports.append(report)
-        self._log_metrics(report)
+        self._note_metrics(report)
         self._event("synced", version=snap.version, report=report)
         return report
 
-    def _sync(self, snap: Snapshot) -> SyncReport:
+    async def _sync(self, snap: Snapshot) -> SyncReport:
         t0 = time.monotonic()
         report = SyncReport(version=snap.version, nbytes=snap.nbytes, snapshot_s=snap.snapshot_s)
-        self._preflight(report)
+        await self._preflight(report)
         paused: dict[str, float] = {}
         try:
             for attempt in range(1, 4):
@@ -554,20 +660,20 @@ class WeightBroadcaster:
                         or self._pg is None
                         or self._group_urls != [m.url for m in members]
                     ):
-                        self._build_group(members)
+                        await self._build_group(members)
                         report.group_builds += 1
-                    self._pause(members, paused)
-                    self._send(snap, members, paused, report)
+                    await self._pause(members, paused)
+                    await self._send(snap, members, paused, report)
                     break
                 except _Failed as e:
                     log.warning("weights: version %d attempt %d: %s", snap.version, attempt, e)
                     for url, why in e.culprits.items():
                         self._drop(url, why, report)
-                    self._abort_attempt(self._active())
+                    await self._abort_attempt(self._active())
             else:
                 report.error = "gave up after 3 attempts"
         finally:
-            self._resume(paused, report)
+            await self._resume(paused, report)
         if not report.error:
             for m in self._active():
                 m.version = snap.version
@@ -575,31 +681,57 @@ class WeightBroadcaster:
                 report.updated.append(m.url)
         report.sync_s = time.monotonic() - t0
         if self.verify and self.cfg.verify != "off" and report.updated:
-            self._verify(snap, report)
+            await self._verify(snap, report)
         return report
 
     def _active(self) -> list[Member]:
         with self._lock:
             return [m for m in self._members.values() if m.state in ("joining", "member")]
 
-    def _fan_out(
+    async def _fan_out(
         self, members: list[Member], fn: Callable[[Member], Any], timeout: float
     ) -> tuple[dict[str, Any], dict[str, GeneratorError | Exception]]:
         """Run ``fn`` for every member concurrently; results and failures by url (bounded wait)."""
-        futs = {self._http.submit(fn, m): m for m in members}
-        done, pending = cf.wait(futs, timeout=timeout)
-        ok: dict[str, Any] = {}
-        bad: dict[str, GeneratorError | Exception] = {}
-        for f, m in futs.items():
-            if f in pending:
-                bad[m.url] = GeneratorError(m.url, "", f"no answer within {timeout:g}s", dead=True)
-            elif f.exception() is not None:
-                bad[m.url] = f.exception()  # type: ignore[assignment]
-            else:
-                ok[m.url] = f.result()
+        _, ok, bad = await self._beside(members, fn, None, lambda _: timeout)
         return ok, bad
 
-    def _preflight(self, report: SyncReport) -> None:
+    async def _beside(
+        self,
+        members: list[Member],
+        fn: Callable[[Member], Any],
+        collective: Callable[[], Any] | None,
+        bound: Callable[[Any], float],
+    ) -> tuple[Any, dict[str, Any], dict[str, GeneratorError | Exception]]:
+        """Run ``fn`` for every member concurrently (a task each, its call in a worker thread)
+        while rank 0's ``collective`` runs (the servers' calls return only once it is done); then
+        give them ``bound(its result)`` more seconds. Returns the collective's result (or its
+        exception), and the members' results and failures by url: who has not answered failed."""
+        ok: dict[str, Any] = {}
+        bad: dict[str, GeneratorError | Exception] = {}
+
+        async def one(m: Member) -> None:
+            try:
+                ok[m.url] = await self._http(fn, m)
+            except Exception as e:
+                bad[m.url] = e
+
+        result: Any = None
+        async with trio.open_nursery() as nursery:
+            for m in members:
+                nursery.start_soon(one, m, name=f"weights-http {m.url}")
+            if collective is not None:
+                try:
+                    result = await self._in_thread(collective)
+                except Exception as e:
+                    result = e
+            wait_s = bound(result)
+            nursery.cancel_scope.deadline = trio.current_time() + wait_s
+        for m in members:
+            if m.url not in ok and m.url not in bad:
+                bad[m.url] = GeneratorError(m.url, "", f"no answer within {wait_s:g}s", dead=True)
+        return result, ok, bad
+
+    async def _preflight(self, report: SyncReport) -> None:
         """Before a version: drop members that stopped answering, notice restarts, bring back the
         dropped ones that answer again (latest export from disk first)."""
         with self._lock:
@@ -611,14 +743,14 @@ class WeightBroadcaster:
                 return "up" if m.client.health(timeout_s=quick) else None
             return m.client.weight_version()
 
-        ok, bad = self._fan_out(known, probe, timeout=self.cfg.timeout_s + 1)
+        ok, bad = await self._fan_out(known, probe, timeout=self.cfg.timeout_s + 1)
         for m in known:
             if m.url in bad:
                 if m.state != "dropped":
                     self._drop(m.url, f"preflight: {bad[m.url]}", report)
             elif m.state == "dropped":
                 if ok[m.url] == "up":
-                    self._rejoin(m, report.version)
+                    await self._rejoin(m, report.version)
             elif m.state == "member" and parse_version_label(ok[m.url]) != m.version:
                 log.warning(
                     "weights: %s reports version %r, expected %s: it restarted; rejoining",
@@ -626,9 +758,9 @@ class WeightBroadcaster:
                     ok[m.url],
                     m.version,
                 )
-                self._rejoin(m, report.version)
+                await self._rejoin(m, report.version)
 
-    def _rejoin(self, m: Member, version: int) -> None:
+    async def _rejoin(self, m: Member, version: int) -> None:
         """A generator is back: load the newest exported checkpoint, then join at ``version``.
 
         Only exports older than ``version`` are complete (the learner exports a version after it
@@ -639,7 +771,8 @@ class WeightBroadcaster:
         if exp is not None:
             path, v = exp
             try:
-                m.client.update_from_disk(str(path), weight_version=str(v))
+                load = functools.partial(m.client.update_from_disk, weight_version=str(v))
+                await self._http(load, str(path))
                 m.version = v
                 log.info("weights: %s loaded %s (version %d) from disk", m.url, path, v)
             except GeneratorError as e:
@@ -663,11 +796,11 @@ class WeightBroadcaster:
 
     # ---- the process group -----------------------------------------------------------------------
 
-    def _build_group(self, members: list[Member]) -> None:
+    async def _build_group(self, members: list[Member]) -> None:
         """Destroy the old group and build one over ``members``: every server's init posted
         concurrently, then rank 0 joins (the server calls return only once everyone has joined)."""
-        self._drop_group(members, background=True)
-        self._ask_ranks(members)
+        await self._drop_group(members, background=True)
+        await self._ask_ranks(members)
         self._builds += 1
         host = self.cfg.master_addr
         port = (
@@ -685,36 +818,32 @@ class WeightBroadcaster:
             backend=self.backend,
             timeout_s=self.cfg.timeout_s,
         )
-        futs = {
-            self._http.submit(m.client.init_group, spec, rank_offset=offsets[m.url]): m
-            for m in members
-        }
-        pg, err = None, None
-        try:
-            pg = rendezvous.init_custom_process_group(
-                master_address=host,
-                master_port=port,
-                rank=0,
-                world_size=spec.world_size,
-                group_name=spec.group_name,
-                backend=self.backend,
-                timeout_s=self.cfg.timeout_s,
-            )
-        except Exception as e:  # a peer never came: find out which below
-            err = e
-        done, pending = cf.wait(futs, timeout=2 * self.cfg.timeout_s + 10)
+        rendezvous_at_0 = functools.partial(
+            rendezvous.init_custom_process_group,
+            master_address=host,
+            master_port=port,
+            rank=0,
+            world_size=spec.world_size,
+            group_name=spec.group_name,
+            backend=self.backend,
+            timeout_s=self.cfg.timeout_s,
+        )
+        result, _, bad = await self._beside(
+            members,
+            lambda m: m.client.init_group(spec, rank_offset=offsets[m.url]),
+            rendezvous_at_0,
+            lambda _: self._survivor_s + 5,
+        )
+        # a peer that never came fails rank 0's rendezvous: the members' answers say which
+        pg, err = (None, result) if isinstance(result, Exception) else (result, None)
         dead, refused = {}, {}
-        for f, m in futs.items():
-            if f in pending:
-                dead[m.url] = "init_weights_update_group: no answer"
-            elif f.exception() is not None:
-                e = f.exception()
-                (dead if getattr(e, "dead", True) else refused)[m.url] = f"init: {e}"
+        for url, e in bad.items():
+            (dead if getattr(e, "dead", True) else refused)[url] = f"init: {e}"
         if err is not None or dead or refused:
             if pg is not None:
                 self._abandon(pg)
             # a survivor of a failed rendezvous times out too (refused): blame the dead ones first
-            culprits = dead or refused or self._unhealthy(members)
+            culprits = dead or refused or await self._unhealthy(members)
             raise _Failed(
                 culprits, f"group build failed: {err or 'some generators failed to join'}"
             )
@@ -730,7 +859,7 @@ class WeightBroadcaster:
         )
         self._event("group_built", group=spec.group_name, world_size=spec.world_size, port=port)
 
-    def _ask_ranks(self, members: list[Member]) -> None:
+    async def _ask_ranks(self, members: list[Member]) -> None:
         """Each new member's rank count from its ``/server_info`` (a TP-4 SGLang server takes 4): a
         worker cannot know it, and a wrong count hangs the group's rendezvous."""
 
@@ -739,7 +868,7 @@ class WeightBroadcaster:
             return m.info.world_size if info is None else rendezvous.server_ranks(info)
 
         new = [m for m in members if m.ranks is None]
-        ok, bad = self._fan_out(new, ask, timeout=self.cfg.timeout_s + 1)
+        ok, bad = await self._fan_out(new, ask, timeout=self.cfg.timeout_s + 1)
         for m in new:
             if m.url in ok:
                 m.ranks = ok[m.url]
@@ -747,13 +876,13 @@ class WeightBroadcaster:
             why = {u: f"server_info: {e}" for u, e in bad.items()}
             raise _Failed(why, "; ".join(f"{u}: {w}" for u, w in why.items()))
 
-    def _drop_group(self, members: list[Member], *, background: bool) -> None:
+    async def _drop_group(self, members: list[Member], *, background: bool) -> None:
         """Leave the current group: servers destroy their side (best effort), rank 0 destroys its own."""
         pg, spec = self._pg, self._group
         self._pg, self._group, self._group_urls = None, None, []
         if spec is not None and members:
             quick = min(5.0, self.cfg.timeout_s)
-            self._fan_out(
+            await self._fan_out(
                 members,
                 lambda m: m.client.destroy_group(spec.group_name, timeout_s=quick),
                 quick + 1,
@@ -762,25 +891,31 @@ class WeightBroadcaster:
             if background:
                 self._abandon(pg)
             else:
-                rendezvous.destroy_process_group(pg)
+                await self._in_thread(rendezvous.destroy_process_group, pg)
 
-    @staticmethod
-    def _abandon(pg: dist.ProcessGroup) -> None:
+    def _abandon(self, pg: dist.ProcessGroup) -> None:
         """Destroy a group whose peers may be gone. Gloo's shutdown waits for a stuck collective to
-        time out, so it runs in a daemon thread (group names are never reused, so nothing waits on it);
-        an NCCL group is aborted first (rendezvous.abandon_process_group)."""
-        threading.Thread(target=rendezvous.abandon_process_group, args=(pg,), daemon=True).start()
+        time out, so it runs as a background task nobody waits for (group names are never reused),
+        its thread left behind when the sender stops; an NCCL group is aborted first
+        (rendezvous.abandon_process_group)."""
+        assert self._background is not None
+        abandon = functools.partial(
+            trio.to_thread.run_sync, rendezvous.abandon_process_group, pg, abandon_on_cancel=True
+        )
+        self._background.start_soon(abandon, name="weights-abandon-group")
 
-    def _unhealthy(self, members: list[Member]) -> dict[str, str]:
+    async def _unhealthy(self, members: list[Member]) -> dict[str, str]:
         quick = min(5.0, self.cfg.timeout_s)
-        ok, bad = self._fan_out(members, lambda m: m.client.health(timeout_s=quick), quick + 1)
+        ok, bad = await self._fan_out(
+            members, lambda m: m.client.health(timeout_s=quick), quick + 1
+        )
         return {u: "health check failed" for u, up in ok.items() if not up} | {
             u: f"health check: {e}" for u, e in bad.items()
         }
 
     # ---- pause, send, resume ---------------------------------------------------------------------
 
-    def _pause(self, members: list[Member], paused: dict[str, float]) -> None:
+    async def _pause(self, members: list[Member], paused: dict[str, float]) -> None:
         """Pause (in place) and open a session on every member; failures raise :class:`_Failed`.
 
         The built-in engine is not paused: it receives into a staging copy while it decodes and
@@ -792,19 +927,17 @@ class WeightBroadcaster:
                 paused[m.url] = time.monotonic()
             m.sessions = m.client.begin()
 
-        _, bad = self._fan_out(members, pause, timeout=self.cfg.timeout_s + 5)
+        _, bad = await self._fan_out(members, pause, timeout=self.cfg.timeout_s + 5)
         if bad:
             raise _Failed({u: f"pause/begin: {e}" for u, e in bad.items()}, "pause/begin failed")
 
-    def _send(
+    async def _send(
         self, snap: Snapshot, members: list[Member], paused: dict[str, float], report: SyncReport
     ) -> None:
         """Every bucket: HTTP update calls to all members concurrently with rank 0's broadcast."""
         assert self._pg is not None and self._group is not None
         pg, spec = self._pg, self._group
         n = len(snap.buckets)
-        http_timeout = 2 * self.cfg.timeout_s + 5  # a survivor of a failed broadcast answers only
-        # after its own group timeout (timeout_s) expires: it must not be mistaken for a dead one
         for i, (bucket, payload) in enumerate(zip(snap.buckets, snap.payloads, strict=True)):
             meta = bucket.meta()
             version = str(snap.version) if i == n - 1 else None
@@ -824,28 +957,29 @@ class WeightBroadcaster:
                     load_format=self.cfg.load_format,
                     weight_version=version,
                     flush_cache=flush,
-                    timeout_s=http_timeout,
+                    timeout_s=self._survivor_s,
                 )
 
+            def broadcast(payload=payload) -> tuple[str | None, float]:
+                t = time.monotonic()
+                return self._broadcast(pg, payload), time.monotonic() - t
+
             t0 = time.monotonic()
-            futs = {self._http.submit(update, m): m for m in members}
-            bcast_err = self._broadcast(pg, payload)
-            t_bcast = time.monotonic() - t0
-            done, pending = cf.wait(
-                futs, timeout=self.cfg.timeout_s if not bcast_err else http_timeout
+            # after a failed broadcast the survivors answer only once their group timed out
+            (bcast_err, t_bcast), _, bad = await self._beside(
+                members,
+                update,
+                broadcast,
+                lambda r: self._survivor_s if r[0] else self.cfg.timeout_s,
             )
             culprits, refused = {}, {}
-            for f, m in futs.items():
-                if f in pending:
-                    culprits[m.url] = f"update bucket {i + 1}/{n}: no answer within the timeout"
-                elif f.exception() is not None:
-                    e = f.exception()
-                    (culprits if getattr(e, "dead", True) else refused)[m.url] = f"update: {e}"
+            for url, e in bad.items():
+                (culprits if getattr(e, "dead", True) else refused)[url] = f"update: {e}"
             if bcast_err or culprits or refused:
                 if not culprits and refused and not bcast_err:
                     culprits = refused  # alive but refusing the update: drop it
                 if not culprits:
-                    culprits = self._unhealthy(members)
+                    culprits = await self._unhealthy(members)
                 raise _Failed(culprits, f"bucket {i + 1}/{n}: {bcast_err or 'update failed'}")
             self._event(
                 "bucket_sent",
@@ -856,7 +990,7 @@ class WeightBroadcaster:
                 broadcast_s=t_bcast,
                 total_s=time.monotonic() - t0,
             )
-        ended, bad = self._fan_out(
+        ended, bad = await self._fan_out(
             [m for m in members if m.sessions], lambda m: m.client.end(), self.cfg.timeout_s + 5
         )
         if bad:
@@ -865,12 +999,12 @@ class WeightBroadcaster:
             if isinstance(reply.get("pause_s"), int | float) and url not in paused:
                 report.pause_s[url] = float(reply["pause_s"])
 
-    def _abort_attempt(self, survivors: list[Member]) -> None:
+    async def _abort_attempt(self, survivors: list[Member]) -> None:
         """After a failed attempt: close the survivors' sessions and leave the group (best effort)."""
         quick = min(5.0, self.cfg.timeout_s)
         with_session = [m for m in survivors if m.sessions]
-        self._fan_out(with_session, lambda m: m.client.end(), quick + 1)
-        self._drop_group(survivors, background=True)
+        await self._fan_out(with_session, lambda m: m.client.end(), quick + 1)
+        await self._drop_group(survivors, background=True)
 
     def _broadcast(self, pg: dist.ProcessGroup, payload: list[torch.Tensor]) -> str | None:
         """Rank 0's broadcasts of one bucket, bounded by ``timeout_s``; an error message or None."""
@@ -884,7 +1018,7 @@ class WeightBroadcaster:
             return f"broadcast: {e}".splitlines()[0][:300]
         return None
 
-    def _resume(self, paused: dict[str, float], report: SyncReport) -> None:
+    async def _resume(self, paused: dict[str, float], report: SyncReport) -> None:
         """Continue every generator this version paused, dropped ones too (a generator dropped for
         refusing an update is alive, and its requests must not stay frozen)."""
         with self._lock:
@@ -894,13 +1028,13 @@ class WeightBroadcaster:
             m.client.resume()
             report.pause_s[m.url] = time.monotonic() - paused[m.url]
 
-        _, bad = self._fan_out(targets, cont, timeout=self.cfg.timeout_s + 5)
+        _, bad = await self._fan_out(targets, cont, timeout=self.cfg.timeout_s + 5)
         for url, e in bad.items():
             self._drop(url, f"continue_generation: {e}", report)
 
     # ---- verification and metrics ----------------------------------------------------------------
 
-    def _verify(self, snap: Snapshot, report: SyncReport) -> None:
+    async def _verify(self, snap: Snapshot, report: SyncReport) -> None:
         """Ask every updated generator for its version and checksum; compare with what was sent."""
         sample = VERIFY_SAMPLE if self.cfg.verify == "sampled" else 0
         report.checksum = buckets.checksum(snap.named(), sample=sample)
@@ -909,7 +1043,7 @@ class WeightBroadcaster:
         def check(m: Member) -> tuple[str | None, str | None]:
             return m.client.weight_version(), m.client.checksum(sample=sample)
 
-        ok, bad = self._fan_out(members, check, timeout=self.cfg.timeout_s + 5)
+        ok, bad = await self._fan_out(members, check, timeout=self.cfg.timeout_s + 5)
         for url, (version, checksum) in ok.items():
             report.reported[url] = version
             report.checksum_ok[url] = None if checksum is None else checksum == report.checksum
@@ -926,9 +1060,7 @@ class WeightBroadcaster:
                 "matches" if report.checksum_ok.get(url) else "DIFFERS",
             )
 
-    def _log_metrics(self, r: SyncReport) -> None:
-        if self.metrics is None:
-            return
+    def _note_metrics(self, r: SyncReport) -> None:
         with self._lock:
             members = [m for m in self._members.values() if m.state != "removed"]
         lags = [r.version - (m.version or 0) for m in members]
@@ -951,7 +1083,5 @@ class WeightBroadcaster:
             values[f"{metric_names.PAUSE_S}{url.split('://')[-1]}"] = s
         if r.pause_s:
             values["weights/pause_s/max"] = max(r.pause_s.values())
-        try:
-            self.metrics.log(values, step=r.version)
-        except Exception:
-            log.exception("weights: metrics.log failed")
+        self._metrics.update(values)
+        self._metrics["weights/version"] = r.version

@@ -158,7 +158,7 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
         timeout_s=30.0, bucket_mb=0.1, overlap=True, load_format="flattened_bucket", verify="full"
     )
     sink = MetricsSink(tmp_path / "metrics", name="w", group="w", use_wandb=False)
-    b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf", metrics=sink)
+    b = WeightBroadcaster(cfg, export_dir=tr.run_dir / "hf")
     e1, e2 = engines
     # e1 as the built-in engine (staged swap, no pause); e2 driven with SGLang's pause protocol
     b.add_generator(wire.GeneratorInfo(url=e1.url, kind="builtin"))
@@ -172,6 +172,7 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
             tr.step(sft_batch(v - 1, vocab, seed=v))
             assert tr.version == v
             assert b.wait(timeout=120)
+            sink.log(b.take_metrics(), step=v)
             r = b.reports[-1]
             assert r.version == v and not r.error, r
             assert sorted(r.updated) == sorted([e1.url, e2.url]) and not r.dropped
