@@ -87,11 +87,11 @@ def buffer_client(address: str, worker: str, n_groups: int, args, ready, go, res
             while done < n_groups:
                 # A worker asks for as many starts as it runs groups at once, and puts as they end.
                 grant = await c.acquire(min(args.lease, n_groups - done))
-                if grant.k == 0:
+                if grant.starts == 0:
                     await trio.sleep(0.002)  # at the bound: the learner has to catch up
                     continue
-                for i in range(0, grant.k, args.put_batch):
-                    k = min(args.put_batch, grant.k - i)
+                for i in range(0, grant.starts, args.put_batch):
+                    k = min(args.put_batch, grant.starts - i)
                     groups = make_groups(worker, done, k, grant.lease_id, grant.version, args)
                     t = time.perf_counter()
                     ack = await c.put(groups)
