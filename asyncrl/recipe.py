@@ -658,8 +658,8 @@ def warnings(recipe: Recipe) -> list[str]:
     if alg.uses_rollouts and alg.advantage in ("gae", "vtrace"):
         out.append(
             f"algorithm.advantage: {alg.advantage} is not wired in the learner yet (it needs "
-            "a critic); `asyncrl graph` shows its dataflow, and the learner refuses it at the "
-            "first batch"
+            "a critic); `asyncrl graph` shows its dataflow, and `asyncrl run` / `asyncrl learner` "
+            "refuse it"
         )
     if alg.uses_rollouts and (ro.top_p < 1 or ro.top_k > 0 or ro.min_p > 0):
         out.append(

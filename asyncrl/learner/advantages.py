@@ -116,6 +116,17 @@ NOT_WIRED: dict[str, str] = {
 critic yet, so :func:`compute_advantages` refuses them."""
 
 
+def check_wired(kind: AdvantageKind) -> None:
+    """Refuse, before anything starts, an advantage the learner cannot compute yet (not at the
+    first batch, after the model and the generators were loaded)."""
+    if kind in NOT_WIRED:
+        raise RecipeError(
+            f"{kind} {NOT_WIRED[kind]}, which the learner does not compute yet (not wired in the "
+            f"learner); use one of {list(ESTIMATORS)}",
+            key="algorithm.advantage",
+        )
+
+
 def compute_advantages(
     rewards: Tensor | Sequence[Sequence[float] | Tensor],
     *,
@@ -130,12 +141,7 @@ def compute_advantages(
     ``baselines`` has one entry per group, ``Group.baseline_reward`` (None: the group has none);
     ``remax`` needs it, the other estimators ignore it.
     """
-    if kind in NOT_WIRED:
-        raise RecipeError(
-            f"{kind} {NOT_WIRED[kind]}, which the learner does not compute yet (not wired in the "
-            f"learner); use one of {list(ESTIMATORS)}",
-            key="algorithm.advantage",
-        )
+    check_wired(kind)
     if kind not in ESTIMATORS:
         raise ValueError(
             f"algorithm.advantage: unknown estimator {kind!r}; one of {list(ESTIMATORS)}"
