@@ -107,7 +107,14 @@ class RolloutConfig:
     workflow: str = _f("single_turn", doc="single_turn, multi_turn, or an import path module:fn")
     reward: str = _f("exact_match", doc="exact_match, math, or an import path module:fn")
     reward_timeout_s: float = _f(10.0, lo=0, lo_open=True)
-    tools: list[str] = _f(factory=list, doc="import paths of tool functions (multi_turn)")
+    tools: list[str] = _f(
+        factory=list,
+        doc="multi_turn's tools: import paths of functions, MCP servers 'mcp:stdio:<command line>' "
+        "or 'mcp:http://host:port/mcp' (streamable HTTP)",
+    )
+    tool_timeout_s: float = _f(
+        30.0, lo=0, lo_open=True, doc="per tool call; a call cut is an error"
+    )
     max_turns: int = _f(4, lo=1)
     temperature: float = _f(1.0, lo=0)
     top_p: float = _f(1.0, lo=0, hi=1, lo_open=True)

@@ -26,7 +26,8 @@ from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
-from asyncrl.rollout.tools import ToolRegistry, load_tools
+from asyncrl.rollout.tool_envs import ToolSet
+from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, load_workflow, play
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class Evaluation:
                 load_reward(ro.reward), timeout_s=ro.reward_timeout_s, answer_key=r.data.answer_key
             ),
             params=dataclasses.replace(SamplingParams.from_recipe(ro), temperature=0.0),
-            tools=ToolRegistry(load_tools(ro.tools)),
+            # the Python tools only: MCP servers' tools are not evaluated yet
+            tools=ToolSet.from_specs(ro.tools, timeout_s=ro.tool_timeout_s).registry,
             prompt_key=r.data.prompt_key,
             chat_template=r.data.chat_template,
             max_turns=ro.max_turns,
@@ -186,6 +188,7 @@ class Evaluation:
                 max_turns=self.max_turns,
                 rid=f"eval-{report.version}-{i}",
                 batcher=batcher,
+                chat_template=self.chat_template,
             )
             ep = await play(self.workflow, ctx)
         except Exception as e:  # one prompt's failure is a 0, never the whole evaluation
