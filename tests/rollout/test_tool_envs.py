@@ -154,6 +154,20 @@ def test_tool_result_tokens_are_the_templates_tool_turn(tiny_qwen3_chat):
     assert tok.decode(delta).endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_template_that_does_not_show_tool_messages_is_refused():
+    """MultiTurn then falls back to plain-text results instead of silently dropping them."""
+    from asyncrl.rollout.workflows import chat_tool_turn
+
+    class NoToolRole:
+        all_special_ids: list[int] = []
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return "".join(m["content"] + "|" for m in messages if m["role"] != "tool") + "gen:"
+
+    with pytest.raises(ValueError, match="does not show tool messages"):
+        chat_tool_turn(NoToolRole(), "5", None)
+
+
 # ---- a real rollout: the fitted tool caller calls the MCP server's add --------------------------------
 
 
