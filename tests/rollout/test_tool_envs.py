@@ -317,3 +317,38 @@ def test_a_worker_with_a_hanging_mcp_tool_keeps_delivering_groups(mcp_engine):
             assert call["name"] == "add" and call["timed_out"] and not call["ok"]
     assert counters["tool_timeouts"] == counters["tool_calls"] >= 4
     assert counters["tool_errors"] == counters["tool_calls"]
+
+
+def test_held_out_evaluation_runs_the_mcp_servers_tools(mcp_engine):
+    """Evaluation goes the rollout's way: the MCP server's tools in the prompt and in the episode."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.evaluation import Evaluation
+    from asyncrl.rollout.rewards import RewardRunner, load_reward
+    from asyncrl.rollout.sglang_protocol import SamplingParams
+    from asyncrl.rollout.workflows import MultiTurn
+    from tests.labels import set_label
+    from tests.tool_caller import CHAT
+
+    engine, folder = mcp_engine
+    tool_set = ToolSet(ToolRegistry([], timeout_s=2.0), [stdio_server("--add", "hang")])
+    evaluation = Evaluation(
+        rows=[{"prompt": CHAT, "answer": "5"}],
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        workflow=MultiTurn(),
+        reward=RewardRunner(load_reward("exact_match"), timeout_s=10.0),
+        params=SamplingParams(max_new_tokens=320, temperature=0.0),
+        tools=tool_set.registry,
+        tool_set=tool_set,
+        chat_template=True,
+        max_turns=2,
+    )
+    set_label(engine.url, "0")  # evaluation asks only generators that say which version they hold
+    try:
+        report = evaluation.run([engine.url], version=0, timeout_s=120)
+    finally:
+        set_label(engine.url, "default")
+    assert report.failed == 0 and report.other_version == 0
+    (example,) = report.examples
+    assert "error: add timed out after 2s" in example["completion"]
+    assert tool_set.stats["timeouts"] == 1
