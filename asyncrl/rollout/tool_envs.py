@@ -336,8 +336,11 @@ class MCPToolingEnv:
     async def execute(self, call: ToolCall) -> ToolResult:
         t0 = trio.current_time()
         server = self._owner.get(call.name)
-        if server is None or "_error" in call.arguments:
-            r = await self.local.execute(call)  # its own tools, or the "no tool named" error
+        if server is None and call.name not in self.local.tools and "_error" not in call.arguments:
+            names = ", ".join(s["function"]["name"] for s in self._schemas)
+            r = ToolResult.failed(f"no tool named {call.name!r} (tools: {names})")
+        elif server is None or "_error" in call.arguments:
+            r = await self.local.execute(call)
         else:
             r = await self._execute(server, call)
         r.seconds = trio.current_time() - t0
