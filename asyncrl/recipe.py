@@ -141,7 +141,14 @@ class RolloutConfig:
     reward_timeout_s: float = _f(10.0, lo=0, lo_open=True)
     reward_weight: float = _f(1.0, doc="weight of rollout.reward when a reward model adds to it")
     reward_model: RewardModelConfig = _f(factory=RewardModelConfig)
-    tools: list[str] = _f(factory=list, doc="import paths of tool functions (multi_turn)")
+    tools: list[str] = _f(
+        factory=list,
+        doc="multi_turn's tools: import paths of functions, MCP servers 'mcp:stdio:<command line>' "
+        "or 'mcp:http://host:port/mcp' (streamable HTTP)",
+    )
+    tool_timeout_s: float = _f(
+        30.0, lo=0, lo_open=True, doc="per tool call; a call cut is an error"
+    )
     max_turns: int = _f(4, lo=1)
     temperature: float = _f(1.0, lo=0)
     top_p: float = _f(1.0, lo=0, hi=1, lo_open=True)

@@ -26,7 +26,8 @@ from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.model_reward import Reward, build_reward
 from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
-from asyncrl.rollout.tools import ToolRegistry, load_tools
+from asyncrl.rollout.tool_envs import ToolSet
+from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, load_workflow, play
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Evaluation:
     reward: Reward
     params: SamplingParams  # the recipe's, at temperature 0
     tools: ToolRegistry
+    tool_set: ToolSet | None = None  # the recipe's tools with its MCP servers
     prompt_key: str = "prompt"
     chat_template: bool = False
     max_turns: int = 1
@@ -99,13 +101,15 @@ class Evaluation:
 
             tokenizer = AutoTokenizer.from_pretrained(r.resolve(r.model.path))
         ro = r.rollout
+        tool_set = ToolSet.from_specs(ro.tools, timeout_s=ro.tool_timeout_s)
         return cls(
             rows=rows,
             tokenizer=tokenizer,
             workflow=load_workflow(ro.workflow),
             reward=build_reward(r),
             params=dataclasses.replace(SamplingParams.from_recipe(ro), temperature=0.0),
-            tools=ToolRegistry(load_tools(ro.tools)),
+            tools=tool_set.registry,
+            tool_set=tool_set,
             prompt_key=r.data.prompt_key,
             chat_template=r.data.chat_template,
             max_turns=ro.max_turns,
@@ -121,7 +125,7 @@ class Evaluation:
         t0 = time.monotonic()
         report = EvalReport(version=version, score=0.0, prompts=len(self.rows))
         scores = [0.0] * len(self.rows)
-        rendered = await trio.to_thread.run_sync(self._render_all)
+        rendered = await trio.to_thread.run_sync(self._render_all, await self._schemas())
         with trio.fail_after(timeout_s):
             async with GeneratorPool(urls, timeout_s=self.request_timeout_s) as pool:
                 pool.min_version = version  # a generator behind it is not asked
@@ -141,9 +145,25 @@ class Evaluation:
         report.seconds = time.monotonic() - t0
         return report
 
-    def _render_all(self) -> list[tuple[str, list[int]] | Exception]:
+    async def _schemas(self) -> list[dict[str, Any]] | Exception:
+        """The tools the chat template shows (an MCP server's as it lists them), or why not."""
+        if not self.chat_template:
+            return []
+        try:
+            if self.tool_set is not None:
+                return await self.tool_set.schemas()
+            return self.tools.schemas()
+        except Exception as e:  # every prompt fails with it, scored 0
+            return e
+
+    def _render_all(
+        self, tools: list[dict[str, Any]] | Exception
+    ) -> list[tuple[str, list[int]] | Exception]:
         out: list[tuple[str, list[int]] | Exception] = []
         for row in self.rows:
+            if isinstance(tools, Exception):
+                out.append(tools)
+                continue
             try:
                 out.append(
                     render_prompt(
@@ -151,7 +171,7 @@ class Evaluation:
                         self.tokenizer,
                         prompt_key=self.prompt_key,
                         chat_template=self.chat_template,
-                        tools=self.tools.schemas() or None,
+                        tools=tools or None,
                     )
                 )
             except Exception as e:  # reported per prompt, scored 0
@@ -184,6 +204,8 @@ class Evaluation:
                 max_turns=self.max_turns,
                 rid=f"eval-{report.version}-{i}",
                 batcher=batcher,
+                tool_set=self.tool_set,
+                chat_template=self.chat_template,
             )
             ep = await play(self.workflow, ctx)
         except Exception as e:  # one prompt's failure is a 0, never the whole evaluation

@@ -26,6 +26,7 @@ from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
+from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, play
 
@@ -72,6 +73,7 @@ class GroupMaker:
         tools: ToolRegistry,
         max_turns: int,
         stats: WorkerStats,
+        tool_set: ToolSet | None = None,
     ) -> None:
         self.cfg = config
         self.pool = pool
@@ -81,20 +83,25 @@ class GroupMaker:
         self.reward = reward
         self.params = params
         self.tools = tools
+        self.tool_set = tool_set
         self.max_turns = max_turns
         self.stats = stats
         self.greedy_params = dataclasses.replace(params, temperature=0.0)
         self.episodes_in_flight = 0
 
-    def _tool_schemas(self) -> list[dict]:
-        """What the chat template shows the model: the workflow's own tools, else the recipe's."""
+    async def _tool_schemas(self) -> list[dict]:
+        """What the chat template shows the model: the workflow's own tools, else the recipe's
+        (an MCP server's, as it lists them)."""
         own = getattr(self.workflow, "tools", None)
         if isinstance(own, list) and own and all(isinstance(t, Tool) for t in own):
             return [t.schema() for t in own]
+        if self.tool_set is not None:
+            return await self.tool_set.schemas()
         return self.tools.schemas()
 
     async def take_prompt(self) -> Prompt:
         """The next usable prompt; rows that cannot be rendered are reported and skipped."""
+        tools = (await self._tool_schemas()) if self.cfg.chat_template else []
         for _ in range(1000):
             item = self.source.take()
             try:
@@ -104,7 +111,7 @@ class GroupMaker:
                     self.tokenizer,
                     prompt_key=self.cfg.prompt_key,
                     chat_template=self.cfg.chat_template,
-                    tools=self._tool_schemas() or None,
+                    tools=tools or None,
                 )
                 text, ids = await trio.to_thread.run_sync(render)
                 if self.cfg.max_prompt_tokens and len(ids) > self.cfg.max_prompt_tokens:
@@ -157,6 +164,8 @@ class GroupMaker:
             max_turns=self.max_turns,
             rid=rid,
             batcher=batcher,
+            tool_set=self.tool_set,
+            chat_template=self.cfg.chat_template,
         )
 
     async def _greedy_episode(
@@ -201,6 +210,11 @@ class GroupMaker:
         c["episodes"] += 1
         c["tokens_generated"] += sum(ep.loss_mask)
         c["resumes"] += int(ep.metadata.get("resumes", 0))
+        for call in ep.metadata.get("tool_calls", []):
+            if isinstance(call, dict):
+                c["tool_calls"] += 1
+                c["tool_errors"] += not call.get("ok", True)
+                c["tool_timeouts"] += bool(call.get("timed_out", False))
         r = await self.reward.score_episode(ctx, ep)
         meta = dict(ep.metadata)
         if r.failure:

@@ -42,7 +42,7 @@ from asyncrl.rollout.data import PromptDataError, PromptSource
 from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
-from asyncrl.rollout.tools import ToolRegistry, load_tools
+from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, WorkerError
 from asyncrl.rollout.workflows import load_workflow
 
@@ -221,7 +221,7 @@ async def run_worker(
     tls = TLS.from_config(r.buffer)
     reward = build_reward(r)
     workflow = load_workflow(ro.workflow)
-    tools = ToolRegistry(load_tools(ro.tools))
+    tools = ToolSet.from_specs(ro.tools, timeout_s=ro.tool_timeout_s)
     cfg = WorkerConfig(
         worker_id=worker_id,
         group_size=ro.group_size,
@@ -441,7 +441,7 @@ def main(argv: list[str]) -> int:
         tokenizer = AutoTokenizer.from_pretrained(r.resolve(r.model.path))
         load_workflow(r.rollout.workflow)  # report plug-in mistakes before starting engines
         build_reward(r)
-        load_tools(r.rollout.tools)
+        ToolSet.from_specs(r.rollout.tools)
         if r.generator.kind == "builtin":
             weights = engine_weights(r, learner_version(r))
             engines = start_engines(r, r.run_dir, worker_id, weights)

@@ -138,6 +138,32 @@ def parse_tagged_tool_call(text: str) -> ToolCall | None:
     return ToolCall(name=body["name"], arguments=args)
 
 
+@dataclass(kw_only=True)
+class ToolResult:
+    """What one tool call gave: the text the model sees (``error: ...`` on failure) and why."""
+
+    text: str
+    ok: bool = True
+    error: str = ""
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    @classmethod
+    def failed(cls, error: str, *, timed_out: bool = False) -> ToolResult:
+        return cls(text=f"error: {error}", ok=False, error=error, timed_out=timed_out)
+
+    def record(self, name: str, turn: int) -> dict[str, Any]:
+        """The entry of an episode's ``metadata["tool_calls"]``."""
+        return {
+            "turn": turn,
+            "name": name,
+            "ok": self.ok,
+            "error": self.error,
+            "timed_out": self.timed_out,
+            "seconds": round(self.seconds, 4),
+        }
+
+
 class ToolRegistry:
     """Runs tool calls by name: sync tools in a thread, all with a timeout; never raises."""
 
@@ -152,25 +178,36 @@ class ToolRegistry:
 
     async def call(self, call: ToolCall) -> tuple[str, bool]:
         """(result text, ok). Errors come back as ``error: ...`` text with ok False."""
-        self.stats["calls"] += 1
-        text, ok = await self._call(call)
-        if not ok:
-            self.stats["errors"] += 1
-        return text, ok
+        r = await self.execute(call)
+        return r.text, r.ok
 
-    async def _call(self, call: ToolCall) -> tuple[str, bool]:
+    async def execute(self, call: ToolCall) -> ToolResult:
+        """The call's :class:`ToolResult`; never raises."""
+        self.stats["calls"] += 1
+        t0 = trio.current_time()
+        r = await self._call(call)
+        r.seconds = trio.current_time() - t0
+        if not r.ok:
+            self.stats["errors"] += 1
+        if r.timed_out:
+            self.stats["timeouts"] += 1
+        return r
+
+    async def _call(self, call: ToolCall) -> ToolResult:
         if "_error" in call.arguments:
-            return f"error: {call.arguments['_error']}", False
+            return ToolResult.failed(call.arguments["_error"])
         tool = self.tools.get(call.name)
         if tool is None:
-            return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", False
+            return ToolResult.failed(
+                f"no tool named {call.name!r} (tools: {', '.join(self.tools)})"
+            )
         props = tool.parameters["properties"]
         missing = [k for k in tool.parameters["required"] if k not in call.arguments]
         if missing:
-            return f"error: {call.name} needs argument(s) {', '.join(missing)}", False
+            return ToolResult.failed(f"{call.name} needs argument(s) {', '.join(missing)}")
         unknown = [k for k in call.arguments if k not in props]
         if unknown and not _takes_kwargs(tool.fn):
-            return f"error: {call.name} has no argument(s) {', '.join(unknown)}", False
+            return ToolResult.failed(f"{call.name} has no argument(s) {', '.join(unknown)}")
         fn = functools.partial(tool.fn, **call.arguments)
         result: Any = None
         try:
@@ -182,16 +219,17 @@ class ToolRegistry:
                         fn, abandon_on_cancel=True, limiter=self.limiter
                     )
         except Exception as e:  # the tool's own bug: reported to the model, counted
-            return f"error: {call.name} raised {type(e).__name__}: {e}", False
+            return ToolResult.failed(f"{call.name} raised {type(e).__name__}: {e}")
         if scope.cancelled_caught:
-            self.stats["timeouts"] += 1
-            return f"error: {call.name} timed out after {self.timeout_s:g}s", False
+            return ToolResult.failed(
+                f"{call.name} timed out after {self.timeout_s:g}s", timed_out=True
+            )
         if isinstance(result, str):
-            return result, True
+            return ToolResult(text=result)
         try:
-            return json.dumps(result), True
+            return ToolResult(text=json.dumps(result))
         except (TypeError, ValueError):
-            return str(result), True
+            return ToolResult(text=str(result))
 
 
 def _takes_kwargs(fn: Callable[..., Any]) -> bool:

@@ -52,6 +52,7 @@ from asyncrl.rollout.leases import LeaseBook, Start
 from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
+from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.workflows import Workflow
 from asyncrl.transport import Subscriber, TransportTimeout
@@ -126,6 +127,9 @@ class WorkerStats:
                 "releases",
                 "resumes",
                 "registrations",
+                "tool_calls",  # by multi-turn episodes (metadata["tool_calls"])
+                "tool_errors",  # error results the model saw, timeouts included
+                "tool_timeouts",
             ],
             0,
         )
@@ -161,7 +165,7 @@ class RolloutWorker:
         workflow: Workflow,
         reward: Reward,
         params: SamplingParams,
-        tools: ToolRegistry | None = None,
+        tools: ToolRegistry | ToolSet | None = None,
         max_turns: int = 1,
         subscriber: Subscriber | None = None,
         generators: list[wire.GeneratorInfo] | None = None,
@@ -194,7 +198,8 @@ class RolloutWorker:
             workflow=workflow,
             reward=reward,
             params=params,
-            tools=tools or ToolRegistry([]),
+            tools=tools.registry if isinstance(tools, ToolSet) else tools or ToolRegistry([]),
+            tool_set=tools if isinstance(tools, ToolSet) else None,
             max_turns=max_turns,
             stats=self.stats,
         )

@@ -7,7 +7,10 @@ A workflow owns the loop, as AReaL's ``RolloutWorkflow.arun_episode`` does: it g
 - :class:`SingleTurn`: one generation.
 - :class:`MultiTurn`: generate, parse a tool call, run the tool, append its result with loss_mask 0
   (logprob 0: the policy did not produce it), repeat up to ``max_turns``; one token budget
-  (``max_new_tokens``) covers the whole completion, tool results included.
+  (``max_new_tokens``) covers the whole completion, tool results included. The tools run in the
+  episode's own :class:`ToolingEnv` (Python functions or MCP servers). With the recipe's chat
+  template the result goes through the template's ``tool`` role, and Qwen's ``<tool_call>`` blocks
+  are parsed when the template is Qwen's.
 - Users plug in their own by import path (``rollout.workflow: my_module:my_workflow``): an object
   with ``async run_episode(ctx) -> Episode`` (e.g. a configured ``MultiTurn``), a class of such
   objects (made with no arguments), or a bare ``async def episode(ctx) -> Episode``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,8 +30,18 @@ import trio
 from asyncrl.rollout.client import Batcher, Completion, GeneratorPool
 from asyncrl.rollout.plugins import PluginError, load_object
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.tools import Tool, ToolCall, ToolRegistry, parse_tagged_tool_call
+from asyncrl.rollout.tool_envs import LocalToolingEnv, ToolingEnv, ToolSet, opened
+from asyncrl.rollout.tools import (
+    QWEN_CALL_OPEN,
+    Tool,
+    ToolCall,
+    ToolRegistry,
+    parse_qwen_tool_calls,
+    parse_tagged_tool_call,
+)
 from asyncrl.wire import FINISH_REASONS
+
+log = logging.getLogger("asyncrl.rollout.worker")
 
 
 @dataclass(kw_only=True)
@@ -83,6 +97,12 @@ class EpisodeContext:
     rid: str  # prefix of this episode's SGLang request ids (its group's id comes first)
     requests: int = 0  # generate calls so far
     batcher: Batcher | None = None  # shared by the group's episodes: same-tick calls go as one
+    tool_set: ToolSet | None = None  # the recipe's tools (MCP servers too); else ``tools``
+    chat_template: bool = False  # the prompt was rendered with the tokenizer's chat template
+
+    def open_tools(self) -> ToolingEnv:
+        """A new :class:`ToolingEnv` for this episode (initialise it, close it after)."""
+        return self.tool_set.open() if self.tool_set else LocalToolingEnv(self.tools)
 
     async def generate(
         self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
@@ -141,22 +161,54 @@ def tagged_result(call: ToolCall, result: str) -> str:
     return f"\n<result>{result}</result>\n"
 
 
+_TURN_END = "\u2063asyncrl-assistant-turn\u2063"  # marks where the assistant's text ends
+
+
+def chat_tool_turn(tokenizer: Any, result: str, last_token: int | None) -> str:
+    """The text the chat template puts between an assistant turn's text and the next assistant
+    turn's first token, for one ``tool`` message holding ``result``: the end of the assistant turn
+    (less the end token the model generated itself, ``last_token``), the tool turn, and the
+    generation prompt. Blocking: call it from a thread."""
+    messages = [
+        {"role": "user", "content": "."},
+        {"role": "assistant", "content": _TURN_END},
+        {"role": "tool", "content": result},
+    ]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tail = text[text.rindex(_TURN_END) + len(_TURN_END) :]
+    if result.strip() and result.strip() not in tail:
+        raise ValueError("the template does not show tool messages")
+    if last_token is not None and last_token in set(tokenizer.all_special_ids):
+        end = tokenizer.convert_ids_to_tokens(last_token)
+        if tail.startswith(end):
+            tail = tail[len(end) :]
+    return tail
+
+
+def _is_qwen_template(tokenizer: Any) -> bool:
+    return QWEN_CALL_OPEN.strip() in str(getattr(tokenizer, "chat_template", "") or "")
+
+
 class MultiTurn:
     """Generate → parse a tool call → run it → append its result (loss_mask 0) → repeat.
 
-    ``parse_tool_call(text of this turn) -> ToolCall | None`` (default: ``<tool>{json}</tool>``);
-    ``format_result(call, result) -> text`` (default: ``\\n<result>...</result>\\n``). Each turn stops
-    at ``stop`` (default ``</tool>``) or after ``turn_max_new_tokens``; the episode ends when a turn
-    has no tool call, the budget is spent, or after ``max_turns`` turns.
+    ``parse_tool_call(text of this turn) -> ToolCall | None`` (default: ``<tool>{json}</tool>``, or
+    Qwen's ``<tool_call>`` under a Qwen chat template); ``format_result(call, result) -> text``
+    (default: ``\\n<result>...</result>\\n``; under the recipe's chat template, the template's
+    ``tool`` role, :func:`chat_tool_turn`). Each turn stops at ``stop`` (default ``</tool>``; none
+    under a chat template: the turn ends with the template's end token) or after
+    ``turn_max_new_tokens``; the episode ends when a turn has no tool call, the budget is spent, or
+    after ``max_turns`` turns. ``metadata["tool_calls"]``: one ``{turn, name, ok, error, timed_out,
+    seconds}`` per call.
     """
 
     def __init__(
         self,
         *,
         tools: list[Tool | Callable[..., Any]] | None = None,
-        parse_tool_call: Callable[[str], ToolCall | None] = parse_tagged_tool_call,
-        format_result: Callable[[ToolCall, str], str] = tagged_result,
-        stop: tuple[str, ...] = ("</tool>",),
+        parse_tool_call: Callable[[str], ToolCall | None] | None = None,
+        format_result: Callable[[ToolCall, str], str] | None = None,
+        stop: tuple[str, ...] | None = None,
         max_turns: int | None = None,
         turn_max_new_tokens: int | None = None,
     ) -> None:
@@ -169,17 +221,33 @@ class MultiTurn:
         )
         self.parse_tool_call = parse_tool_call
         self.format_result = format_result
-        self.stop = list(stop)
+        self.stop = None if stop is None else list(stop)
         self.max_turns = max_turns
         self.turn_max_new_tokens = turn_max_new_tokens
+        self._warned = False
+
+    def _env(self, ctx: EpisodeContext) -> ToolingEnv:
+        if self.tools:
+            return LocalToolingEnv(ToolRegistry(self.tools, timeout_s=ctx.tools.timeout_s))
+        return ctx.open_tools()
 
     async def run_episode(self, ctx: EpisodeContext) -> Episode:
-        registry = (
-            ToolRegistry(self.tools, timeout_s=ctx.tools.timeout_s) if self.tools else ctx.tools
-        )
+        async with opened(self._env(ctx)) as env:
+            return await self._run(ctx, env)
+
+    async def _run(self, ctx: EpisodeContext, env: ToolingEnv) -> Episode:
+        chat = ctx.chat_template and self.format_result is None
+        parse = self.parse_tool_call
+        if parse is None:
+            if chat and _is_qwen_template(ctx.tokenizer):
+                names = {s["function"]["name"] for s in env.list_tools()}
+                parse = _first_qwen_call(names)
+            else:
+                parse = parse_tagged_tool_call
+        own_stop = self.stop if self.stop is not None else ([] if chat else ["</tool>"])
         budget = ctx.params.max_new_tokens
         max_turns = self.max_turns or ctx.max_turns
-        stop = list(dict.fromkeys(ctx.params.stop + self.stop))
+        stop = list(dict.fromkeys(ctx.params.stop + own_stop))
         ep = Episode()
         calls: list[dict[str, Any]] = []
         for turn in range(max_turns):
@@ -197,12 +265,30 @@ class MultiTurn:
             # a turn that stopped (stop string, EOS) or hit its own limit may hold a tool call
             if c.finish_reason == "abort" or spent or turn == max_turns - 1:
                 break
-            call = self.parse_tool_call(await ctx.decode(c.output_ids))
+            call = parse(await ctx.decode(c.output_ids))
             if call is None:
                 break
-            result, ok = await registry.call(call)
-            calls.append({"turn": turn, "name": call.name, "ok": ok})
-            ids = await ctx.encode(self.format_result(call, result))
+            result = await env.execute(call)
+            calls.append(result.record(call.name, turn))
+            if chat:
+                last = c.output_ids[-1] if c.output_ids else None
+                try:
+                    text = await trio.to_thread.run_sync(
+                        chat_tool_turn, ctx.tokenizer, result.text, last
+                    )
+                except Exception as e:  # a template without a tool role: say so, go on
+                    if not self._warned:
+                        self._warned = True
+                        log.warning(
+                            "the chat template cannot render a tool result (%s): "
+                            "tool results are plain text",
+                            e,
+                        )
+                    chat = False
+                    text = tagged_result(call, result.text)
+            else:
+                text = (self.format_result or tagged_result)(call, result.text)
+            ids = await ctx.encode(text)
             room = budget - len(ep.completion_ids)
             if len(ids) >= room:  # the result does not leave room for another turn
                 ep.add_external(ids[:room])
@@ -212,6 +298,14 @@ class MultiTurn:
         ep.metadata["tool_calls"] = calls
         ep.metadata["turns"] = ctx.requests
         return ep
+
+
+def _first_qwen_call(names: set[str]) -> Callable[[str], ToolCall | None]:
+    def parse(text: str) -> ToolCall | None:
+        _, calls = parse_qwen_tool_calls(text, names)
+        return calls[0] if calls else None
+
+    return parse
 
 
 class _FunctionWorkflow:

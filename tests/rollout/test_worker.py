@@ -324,11 +324,13 @@ def test_multi_turn_groups_through_the_worker(engine, tokenizer):
             chat_template=True,
         ) as w:
             await w.run()
-        return await take_batch(svc)
+        return await take_batch(svc), w.stats.counters
 
     with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
-        groups = trio.run(go, svc)
+        groups, counters = trio.run(go, svc)
     assert len(groups) == 2
+    assert counters["tool_calls"] == 2 * counters["episodes"] >= 2 * 2 * 3
+    assert counters["tool_errors"] == 0
     for g in groups:
         check_group(g, 3)
         prompt = tokenizer.decode(g.samples[0].prompt_ids.tolist())
@@ -337,9 +339,10 @@ def test_multi_turn_groups_through_the_worker(engine, tokenizer):
         for s in g.samples:
             assert len(s.metadata["tool_calls"]) == 2
             mask = s.loss_mask.astype(int)
-            # tool output is masked, and it is exactly the `<result>...</result>` text
+            # tool output is masked, and it is exactly the chat template's tool turn
             masked = tokenizer.decode(s.completion_ids[mask == 0].tolist())
-            assert masked.count("<result>") == 2 and masked.endswith("</result>\n")
+            assert masked.count("\ntool: ") == 2 and masked.endswith("\nassistant: ")
+            assert [c["ok"] for c in s.metadata["tool_calls"]] == [True, True]
             assert (s.behavior_logprobs[mask == 0] == 0).all()
             assert np.isfinite(s.reward) and s.reward == len(s.completion_ids)
 
