@@ -222,16 +222,10 @@ async def run_worker(
     reward = build_reward(r)
     workflow = load_workflow(ro.workflow)
     tools = ToolSet.from_specs(ro.tools, timeout_s=ro.tool_timeout_s)
-    cfg = WorkerConfig(
-        worker_id=worker_id,
-        group_size=ro.group_size,
-        max_concurrent_groups=ro.max_concurrent_groups,
-        max_staleness=r.buffer.max_staleness,
-        prompt_key=r.data.prompt_key,
-        chat_template=r.data.chat_template,
-        max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
+    cfg = WorkerConfig.from_recipe(
+        r,
+        worker_id,
         max_groups=max_groups,
-        greedy_baseline=r.algorithm.advantage == "remax" and r.algorithm.loss != "sft",
         acked_log=str(_audit_dir(r) / f"{worker_id}.acked.jsonl"),
     )
     with Subscriber(pub_address, tls=tls) as sub:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -56,6 +56,9 @@ from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.workflows import Workflow
 from asyncrl.transport import Subscriber, TransportTimeout
+
+if TYPE_CHECKING:
+    from asyncrl.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,25 @@ class WorkerConfig:
     acked_log: str = ""  # JSONL file for the ids of acknowledged groups (exactly-once audits)
     learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
     end_release_s: float = 3.0  # after the run's end: bound on giving starts back
+
+    @classmethod
+    def from_recipe(
+        cls, r: Recipe, worker_id: str, *, max_groups: int = 0, acked_log: str = ""
+    ) -> WorkerConfig:
+        """The worker's settings from its recipe (the rest keep their defaults)."""
+        ro = r.rollout
+        return cls(
+            worker_id=worker_id,
+            group_size=ro.group_size,
+            max_concurrent_groups=ro.max_concurrent_groups,
+            max_staleness=r.buffer.max_staleness,
+            prompt_key=r.data.prompt_key,
+            chat_template=r.data.chat_template,
+            max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
+            max_groups=max_groups,
+            greedy_baseline=r.algorithm.advantage == "remax" and r.algorithm.uses_rollouts,
+            acked_log=acked_log,
+        )
 
 
 @dataclass(eq=False)

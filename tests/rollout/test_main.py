@@ -218,3 +218,26 @@ def test_a_worker_joining_a_run_starts_its_engine_from_the_learners_newest_expor
             ]
             err_v3 = float((lp - torch.tensor(s.behavior_logprobs.tolist())).abs().max())
             assert err_v3 <= LOGPROB_ATOL, err_v3
+
+
+@pytest.mark.parametrize("advantage, greedy", [("grpo", False), ("remax", True)])
+def test_the_worker_takes_its_settings_from_the_recipe(advantage: str, greedy: bool) -> None:
+    from asyncrl import recipe
+    from asyncrl.rollout.worker import WorkerConfig
+
+    root = Path(__file__).resolve().parents[2]
+    r = recipe.load(
+        root / "recipes/demo.yaml",
+        [
+            f"algorithm.advantage={advantage}",
+            "rollout.group_size=5",
+            "buffer.max_staleness=3",
+            "model.max_seq_len=100",
+            "rollout.max_new_tokens=30",
+        ],
+        check_files=False,
+    )
+    cfg = WorkerConfig.from_recipe(r, "w7", max_groups=9)
+    assert (cfg.worker_id, cfg.group_size, cfg.max_staleness, cfg.max_groups) == ("w7", 5, 3, 9)
+    assert cfg.max_prompt_tokens == 70  # what the context leaves after the completion's budget
+    assert cfg.greedy_baseline is greedy  # ReMax's baseline episode
