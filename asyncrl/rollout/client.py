@@ -311,6 +311,12 @@ class GeneratorPool:
             self._behind_logged = state
             log.info("waiting for the learner's weights: %s", self.behind())
 
+    def log_caught_up(self) -> None:
+        """Ends a wait :meth:`log_behind` reported, so the log says when generation goes on."""
+        if self._behind_logged is not None and self.any_eligible():
+            self._behind_logged = None
+            log.info("the learner's weights arrived: generating at v%d or newer", self.min_version)
+
     def _saw(self, g: GeneratorState, seg: Segment) -> None:
         """A parsed response: the version its generator holds now, its tokens."""
         g.version = seg.weight_version
@@ -356,6 +362,7 @@ class GeneratorPool:
                     self.log_behind()
                     await self.refresh_versions()
                     if self.any_eligible():
+                        self.log_caught_up()
                         continue
                     wake = min(wake, trio.current_time() + self.version_poll_s)
                 if wake >= deadline:

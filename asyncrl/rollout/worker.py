@@ -471,6 +471,7 @@ class RolloutWorker:
         if not self.pool.any_eligible():
             with trio.move_on_after(self.pool.version_poll_s):
                 await self._changed.wait()
+        self.pool.log_caught_up()
         self.stats.weights_wait_s += trio.current_time() - t0
 
     def _start_group(self) -> None:

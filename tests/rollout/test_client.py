@@ -458,7 +458,10 @@ def test_requests_wait_for_a_generator_within_the_version_bound(engine, caplog):
     with caplog.at_level("INFO", logger="asyncrl.rollout.client"):
         c, held = trio.run(go)
     assert held == 3 and c.versions == [3] * len(c.output_ids)
-    assert f"waiting for the learner's weights: {engine.url} holds v0" in caplog.text
+    waiting = caplog.text.index(f"waiting for the learner's weights: {engine.url} holds v0")
+    # and the log says when the wait ended, once, after it began
+    assert caplog.text.count("the learner's weights arrived: generating at v3") == 1
+    assert caplog.text.index("the learner's weights arrived") > waiting
 
 
 def test_tokens_without_a_version_are_refused_and_the_request_resubmitted(engine):
