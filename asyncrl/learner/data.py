@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -77,8 +77,6 @@ class SFTSource:
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> SFTSource:
-        from transformers import AutoTokenizer
-
         d = recipe.data
         if d.task:
             n = d.num_examples or 10_000
@@ -92,10 +90,17 @@ class SFTSource:
             )
         else:
             raise DataError("data.path (or data.task) is required for sft")
-        tok = AutoTokenizer.from_pretrained(str(recipe.resolve(recipe.model.path)))
+        return cls.from_rows(recipe, rows)
+
+    @classmethod
+    def from_rows(cls, recipe: Recipe, rows: list[dict[str, str]]) -> Self:
+        """A source of ``rows`` with the recipe's tokenizer, batch size, order and length."""
+        from transformers import AutoTokenizer
+
+        d = recipe.data
         return cls(
             rows,
-            tok,
+            AutoTokenizer.from_pretrained(str(recipe.resolve(recipe.model.path))),
             batch_size=recipe.learner.batch_size,
             shuffle=d.shuffle,
             seed=recipe.run.seed,
@@ -162,22 +167,11 @@ class PreferenceSource(SFTSource):
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PreferenceSource:
-        from transformers import AutoTokenizer
-
         d = recipe.data
         if not d.path:
             raise DataError("data.path (a jsonl or parquet file of preference pairs) is required")
         rows = load_preference_rows(recipe.resolve(d.path), recipe)
-        tok = AutoTokenizer.from_pretrained(str(recipe.resolve(recipe.model.path)))
-        return cls(
-            rows,
-            tok,
-            batch_size=recipe.learner.batch_size,
-            shuffle=d.shuffle,
-            seed=recipe.run.seed,
-            chat_template=d.chat_template,
-            max_len=recipe.model.max_seq_len,
-        )
+        return cls.from_rows(recipe, rows)
 
     def pair(self, row: dict[str, str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(prompt, chosen, rejected) token ids."""

@@ -21,6 +21,7 @@ import pytest
 from conftest import START_TIMEOUT_S
 
 from asyncrl.rollout.engine import EngineConfig, serve
+from tests.json_shape import json_shape
 from tests.tool_caller import CHAT, TOOLS, fit_tool_caller
 from tools.sglang_cpu.server import SGLangServer, SGLangSetupError
 
@@ -68,19 +69,6 @@ def engine_url(caller_dir):
     srv.stop()
 
 
-def _shape(x):
-    """Dict keys and value kinds, lists by their first element."""
-    if isinstance(x, dict):
-        return {k: _shape(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_shape(x[0])] if x else []
-    if isinstance(x, bool):
-        return "bool"
-    if isinstance(x, int | float):
-        return "number"
-    return type(x).__name__
-
-
 def _post(url: str, model: str, **body) -> httpx.Response:
     body = {"model": model, "messages": CHAT, "tools": SG_TOOLS, "temperature": 0, **body}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
@@ -99,7 +87,7 @@ def _calls(resp: dict) -> list[tuple[str, dict]]:
 
 def test_a_tool_call_has_sglangs_shape(sglang_url, engine_url, caller_dir):
     theirs, ours = _both(sglang_url, engine_url, caller_dir, logprobs=True, top_logprobs=2)
-    assert _shape(ours) == _shape(theirs)
+    assert json_shape(ours) == json_shape(theirs)
     assert _calls(ours) == _calls(theirs) == [("add", {"a": 2, "b": 3})]
     for r in (theirs, ours):
         assert r["choices"][0]["finish_reason"] == "tool_calls"
@@ -119,10 +107,10 @@ def test_n_and_the_token_id_extensions_have_sglangs_shape(sglang_url, engine_url
         # the built-in engine's meta_info is its /generate meta_info; SGLang's has more keys
         for k in ("id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version"):
             assert k in o["meta_info"] and k in t["meta_info"]
-        assert _shape(o["meta_info"]["weight_versions"]) == _shape(
+        assert json_shape(o["meta_info"]["weight_versions"]) == json_shape(
             t["meta_info"]["weight_versions"]
         )
-    assert _shape(ours["metadata"]) == _shape(theirs["metadata"])
+    assert json_shape(ours["metadata"]) == json_shape(theirs["metadata"])
 
 
 def _sse(url: str, model: str, **body) -> list:
@@ -166,7 +154,7 @@ def test_a_streamed_tool_call_has_sglangs_chunks(sglang_url, engine_url, caller_
         assert _keys(by_kind_o[k]) <= _keys(by_kind_t[k]) | _keys(by_kind_t["content"]), k
     call_t = next(c for c in theirs[:-1] if _kind(c) == "tool_calls")
     call_o = next(c for c in ours[:-1] if _kind(c) == "tool_calls")
-    assert _shape(call_o["choices"][0]["delta"]["tool_calls"]) == _shape(
+    assert json_shape(call_o["choices"][0]["delta"]["tool_calls"]) == json_shape(
         call_t["choices"][0]["delta"]["tool_calls"]
     )
     content = [
@@ -197,7 +185,7 @@ def _keys(x, path: str = "") -> set[str]:
 def test_refusals_have_sglangs_error_shape(sglang_url, engine_url, caller_dir, body):
     a, b = _post(sglang_url, str(caller_dir), **body), _post(engine_url, str(caller_dir), **body)
     assert a.status_code == b.status_code == 400, (a.text, b.text)
-    assert _shape(b.json()) == _shape(a.json()) or set(b.json()) == set(a.json())
+    assert json_shape(b.json()) == json_shape(a.json()) or set(b.json()) == set(a.json())
 
 
 def test_the_openai_client_reads_both_alike(sglang_url, engine_url, caller_dir):

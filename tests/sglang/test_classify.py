@@ -16,6 +16,7 @@ import trio
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.rollout.model_reward import build_reward
+from tests.json_shape import json_shape
 from tools.sglang_cpu.server import SGLangServer, SGLangSetupError
 
 pytestmark = pytest.mark.sglang
@@ -53,15 +54,6 @@ def builtin_rm(rm_dir):
     srv.stop()
 
 
-def _shape(x):
-    """The JSON's structure: keys and value types, not values."""
-    if isinstance(x, dict):
-        return {k: _shape(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_shape(x[0])] if x else []
-    return type(x).__name__
-
-
 REQUESTS = [
     {"input_ids": [[5, 6, 7, 8, 9], [9, 10]]},
     {"input_ids": [40, 41, 42]},
@@ -85,7 +77,7 @@ def test_builtin_classify_matches_real_sglang(sglang_rm, builtin_rm, rm_dir, bod
     for r, o in zip(real_items, our_items, strict=True):
         assert set(o) == set(r) == {"embedding", "meta_info"}
         assert set(o["meta_info"]) <= set(r["meta_info"])
-        assert _shape(o["embedding"]) == _shape(r["embedding"])
+        assert json_shape(o["embedding"]) == json_shape(r["embedding"])
         assert o["meta_info"]["prompt_tokens"] == r["meta_info"]["prompt_tokens"]
         assert o["embedding"][0] == pytest.approx(r["embedding"][0], abs=1e-4)
     tok = AutoTokenizer.from_pretrained(rm_dir)

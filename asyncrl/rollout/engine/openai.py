@@ -55,23 +55,7 @@ def v1_completions(engine: Engine, body: dict) -> Reply:
         gen["text"] = prompt
     else:
         gen["input_ids"] = prompt
-    sp: dict[str, Any] = {"max_new_tokens": body.get("max_tokens", 16)}
-    for k in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "n",
-    ):
-        if body.get(k) is not None:
-            sp[k] = body[k]
-    if body.get("min_tokens") is not None:
-        sp["min_new_tokens"] = body["min_tokens"]
-    if body.get("seed") is not None:
-        sp["sampling_seed"] = body["seed"]
+    sp: dict[str, Any] = {"max_new_tokens": body.get("max_tokens", 16), **sampling_params(body)}
     gen["sampling_params"] = sp
     n_lp = body.get("logprobs")
     gen["return_logprob"] = n_lp is not None
@@ -183,6 +167,18 @@ _SAMPLING_KEYS = (
 )
 
 
+def sampling_params(body: dict) -> dict[str, Any]:
+    """An OpenAI request's sampling fields as ``/generate``'s ``sampling_params`` (both
+    ``/v1/completions`` and ``/v1/chat/completions``): what the engine cannot do is refused there by
+    EngineSamplingParams, not dropped here."""
+    sp: dict[str, Any] = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
+    if body.get("min_tokens") is not None:
+        sp["min_new_tokens"] = body["min_tokens"]
+    if body.get("seed") is not None:
+        sp["sampling_seed"] = body["seed"]
+    return sp
+
+
 @dataclass
 class ChatRequest:
     """A checked ``/v1/chat/completions`` body: the chat to render and the /generate fields."""
@@ -255,11 +251,7 @@ class ChatRequest:
             max_tokens, key = body.get("max_tokens"), "max_tokens"
         if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
             raise _bad(f"`{key}` must be an int >= 1, got {max_tokens!r}", key)
-        sp: dict[str, Any] = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
-        if body.get("min_tokens"):
-            sp["min_new_tokens"] = body["min_tokens"]
-        if body.get("seed") is not None:
-            sp["sampling_seed"] = body["seed"]
+        sp = sampling_params(body)
         try:
             EngineSamplingParams.parse(
                 {**sp, "max_new_tokens": max_tokens or 1}, vocab_size=vocab_size

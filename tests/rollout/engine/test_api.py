@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from asyncrl.rollout.engine import EngineConfig, serve
+from tests.json_shape import json_shape
 
 RECORDED = Path(__file__).parents[2] / "data" / "sglang-recorded"  # real SGLang 0.5.23 responses
 
@@ -25,19 +26,6 @@ def engine(tiny_qwen3):
 def client(engine):
     with httpx.Client(base_url=engine.url, timeout=60) as c:
         yield c
-
-
-def _shape(x):
-    """The structure of a JSON value: dict keys and value kinds, lists by their first element."""
-    if isinstance(x, dict):
-        return {k: _shape(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_shape(x[0])] if x else []
-    if isinstance(x, bool):
-        return "bool"
-    if isinstance(x, int | float):
-        return "number"
-    return type(x).__name__
 
 
 def _recorded_json(name: str) -> dict:
@@ -62,10 +50,10 @@ def test_generate_logprob_matches_recorded_shape(client):
         "output_top_logprobs",
         "weight_versions",
     ):
-        assert _shape(ours["meta_info"][key]) == _shape(rec["meta_info"][key]), key
+        assert json_shape(ours["meta_info"][key]) == json_shape(rec["meta_info"][key]), key
     m = ours["meta_info"]
     assert m["input_token_logprobs"][0] == [None, 5, None]
-    assert _shape(m["input_token_logprobs"][1]) == _shape(
+    assert json_shape(m["input_token_logprobs"][1]) == json_shape(
         rec["meta_info"]["input_token_logprobs"][1]
     )
     assert m["finish_reason"] == {"type": "length", "length": 6}
@@ -268,7 +256,7 @@ def test_openai_completions_and_models_match_recorded_shape(client, tiny_qwen3):
     probe = _recorded_json("inflight_probe.json")
     rec_models, rec_comp = probe["v1_models"], probe["v1_completions"][1]
     models = client.get("/v1/models").json()
-    assert _shape(models) == _shape(rec_models)
+    assert json_shape(models) == json_shape(rec_models)
     name = models["data"][0]["id"]
     assert name == str(tiny_qwen3)
     body = {"model": name, "prompt": "ab", "max_tokens": 3, "logprobs": 1, "temperature": 0}
