@@ -73,3 +73,11 @@ REMAX_MEAN_BASELINES = "learner/remax_mean_baselines"  # the batch's groups with
 
 READ_WHEN_REMAX = (GREEDY_TOKENS, GREEDY_REWARD_MEAN, REMAX_BASELINE_FAILURES, REMAX_MEAN_BASELINES)
 """Every ReMax name above: a real ReMax run logs each as well (tests/test_e2e.py checks)."""
+
+# -- PPO with a critic only (algorithm.advantage: gae / vtrace), one record per version -----------
+VALUE_LOSS = "critic/value_loss"  # the clipped value loss, mean over the version's updates
+EXPLAINED_VARIANCE = "critic/explained_variance"  # of the returns by the values, before the update
+VALUE_CLIP_FRAC = "loss/value_clip_frac"  # trained tokens whose clipped value term was the larger
+
+READ_WHEN_CRITIC = (VALUE_LOSS, EXPLAINED_VARIANCE, VALUE_CLIP_FRAC)
+"""Every critic name above: a real run with a critic logs each (tests/test_e2e.py checks)."""

@@ -306,6 +306,19 @@ class LearnerConfig:
 
 
 @dataclass(kw_only=True)
+class CriticConfig:
+    """The value model of ``algorithm.advantage: gae`` / ``vtrace`` (learner/critic.py): trained
+    beside the actor on the same ranks, with the learner's optimizer settings but its own lr."""
+
+    path: str = _f(
+        "",
+        doc="HF folder: a causal LM (its backbone, a fresh value head) or a one-label "
+        "sequence-classification model such as a reward model (backbone and head); empty: model.path",
+    )
+    lr: float = _f(1e-5, lo=0, doc="the critic's AdamW learning rate (the actor's is learner.lr)")
+
+
+@dataclass(kw_only=True)
 class WeightsConfig:
     every: int = _f(1, lo=1, doc="publish weights every k versions")
     backend: Literal["auto", "gloo", "nccl"] = _f("auto")
@@ -350,6 +363,7 @@ class Recipe:
     buffer: BufferConfig = _f(factory=BufferConfig)
     algorithm: AlgorithmConfig = _f(factory=AlgorithmConfig)
     learner: LearnerConfig = _f(factory=LearnerConfig)
+    critic: CriticConfig = _f(factory=CriticConfig)
     weights: WeightsConfig = _f(factory=WeightsConfig)
     logging: LoggingConfig = _f(factory=LoggingConfig)
     base_dir: str = field(default=".", metadata={"internal": True})
@@ -661,12 +675,6 @@ def warnings(recipe: Recipe) -> list[str]:
             f"algorithm.clip_low/clip_high: gspo clips a sequence's mean ratio, which stays close to "
             f"1; a range of {max(alg.clip_low, alg.clip_high):g} rarely clips (the GSPO paper uses "
             "3e-4 / 4e-4)"
-        )
-    if alg.uses_rollouts and alg.advantage in ("gae", "vtrace"):
-        out.append(
-            f"algorithm.advantage: {alg.advantage} is not wired in the learner yet (it needs "
-            "a critic); `asyncrl graph` shows its dataflow, and `asyncrl run` / `asyncrl learner` "
-            "refuse it"
         )
     if alg.uses_rollouts and (ro.top_p < 1 or ro.top_k > 0 or ro.min_p > 0):
         out.append(

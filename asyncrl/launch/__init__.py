@@ -54,10 +54,6 @@ def run(
     recipe_path = Path(recipe_path).resolve()
     overrides = list(overrides)
     r = recipe_mod.load(recipe_path, overrides)
-    if r.algorithm.uses_rollouts:
-        from asyncrl.learner.advantages import check_wired
-
-        check_wired(r.algorithm.advantage)
     run_dir = prepare_run_dir(r, overwrite=overwrite)
     (run_dir / "recipe.yaml").write_text(recipe_mod.dump(r))
     t0, started_at = time.monotonic(), time.time()

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 
 from asyncrl.recipe import Advantage as AdvantageKind
-from asyncrl.recipe import RecipeError
 
 
 def _group_stats(r: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,25 +106,6 @@ ESTIMATORS: dict[str, Callable[..., Tensor]] = {
 """Every group estimator the learner runs: ``fn(r, g, *, eps, baseline)``, ``baseline`` being each
 sample's group baseline (only ReMax reads it)."""
 
-NOT_WIRED: dict[str, str] = {
-    "gae": "needs a critic's per-token values",
-    "vtrace": "needs a critic's per-token values and the learner's log π",
-}
-"""Recipe advantages that are not group estimators: their math is here (:func:`gae`,
-:func:`vtrace`) and their dataflow in :mod:`asyncrl.dataflow`, but the learner does not run a
-critic yet, so :func:`compute_advantages` refuses them."""
-
-
-def check_wired(kind: AdvantageKind) -> None:
-    """Refuse, before anything starts, an advantage the learner cannot compute yet (not at the
-    first batch, after the model and the generators were loaded)."""
-    if kind in NOT_WIRED:
-        raise RecipeError(
-            f"{kind} {NOT_WIRED[kind]}, which the learner does not compute yet (not wired in the "
-            f"learner); use one of {list(ESTIMATORS)}",
-            key="algorithm.advantage",
-        )
-
 
 def compute_advantages(
     rewards: Tensor | Sequence[Sequence[float] | Tensor],
@@ -141,10 +121,10 @@ def compute_advantages(
     ``baselines`` has one entry per group, ``Group.baseline_reward`` (None: the group has none);
     ``remax`` needs it, the other estimators ignore it.
     """
-    check_wired(kind)
     if kind not in ESTIMATORS:
         raise ValueError(
-            f"algorithm.advantage: unknown estimator {kind!r}; one of {list(ESTIMATORS)}"
+            f"algorithm.advantage: {kind!r} is not a per-sample estimator; one of "
+            f"{list(ESTIMATORS)} (gae and vtrace are per token, from a critic: learner/critic.py)"
         )
     if isinstance(rewards, Tensor):
         if rewards.dim() != 2:

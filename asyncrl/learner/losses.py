@@ -319,15 +319,30 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     predicts. 1 is perfect, 0 no better than the mean, < 0 worse than the mean. Returns without
     variance (or no tokens) give 0: there is nothing to explain. The ratio is the same with or
     without Bessel's correction."""
+    return explained_variance_from_sums(variance_sums(values, returns, mask))
+
+
+def variance_sums(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``[n, Σ R, Σ R², Σ (R − V), Σ (R − V)²]`` over the mask-1 tokens, float64: sums that add up
+    over micro-batches and ranks (all-reduce) before :func:`explained_variance_from_sums`."""
     m = mask.bool()
     r = returns.detach().to(torch.float64)[m]
-    v = values.detach().to(torch.float64)[m]
-    if r.numel() == 0:
+    d = r - values.detach().to(torch.float64)[m]
+    return torch.stack(
+        [torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), r.square().sum()]
+        + [d.sum(), d.square().sum()]
+    )
+
+
+def explained_variance_from_sums(sums: Tensor) -> float:
+    """:func:`explained_variance` from :func:`variance_sums` (summed over ranks)."""
+    n, r, r2, d, d2 = (float(x) for x in sums)
+    if n == 0:
         return 0.0
-    var_r = float(r.var(unbiased=False))
-    if var_r == 0:
+    var_r = r2 / n - (r / n) ** 2
+    if var_r <= 1e-12 * max(1.0, r2 / n):  # constant returns (up to the sums' rounding)
         return 0.0
-    return 1.0 - float((r - v).var(unbiased=False)) / var_r
+    return 1.0 - (d2 / n - (d / n) ** 2) / var_r
 
 
 def policy_loss(

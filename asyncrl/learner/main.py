@@ -309,10 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         recipe = recipe_mod.load(a.recipe, a.overrides)
-        if recipe.algorithm.uses_rollouts:
-            from asyncrl.learner.advantages import check_wired
-
-            check_wired(recipe.algorithm.advantage)
     except recipe_mod.RecipeError as e:
         print(f"asyncrl learner: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 A sample is ``prompt_ids + completion_ids``; the model reads ``ids[:-1]`` and predicts ``ids[1:]``, so
 completion token j is predicted at row position ``len(prompt) - 1 + j``. Per-token data (loss mask,
-behaviour logprobs, versions, advantage) is placed at those positions. Several samples share one row;
+behaviour logprobs, versions, advantage, and with a critic its values and returns) is placed at
+those positions. Several samples share one row;
 ``positions`` restart at 0 at each sample, which is all the attention needs to keep them apart.
 
 Pure logic (numpy in, torch out), no I/O: tested directly.
@@ -30,8 +31,14 @@ class Sequence:
     behavior_logp: np.ndarray  # float32 [n]
     versions: np.ndarray  # int64 [n], version that generated the label token
     advantage: float = 0.0
+    reward: float = 0.0  # the sample's reward (token-level advantages start from it)
     mixed_versions: bool = False  # its trained tokens come from more than one version
     prox_logp: np.ndarray | None = None  # float32 [n], log π_prox when recomputed (Trainer)
+    # With a critic (learner/critic.py), float32 [n] each, set before the updates:
+    values: np.ndarray | None = None  # V(x_t) of the critic the returns were computed with
+    token_advantages: np.ndarray | None = None  # A_t, replaces ``advantage``
+    returns: np.ndarray | None = None  # R_t, the value targets
+    ref_logp: np.ndarray | None = None  # log π_ref for a KL reward (algorithm.kl_reward_coef)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -46,6 +53,7 @@ def make_sequence(
     behavior_logprobs: np.ndarray | None = None,
     versions: np.ndarray | None = None,
     advantage: float = 0.0,
+    reward: float = 0.0,
     max_len: int = 0,
 ) -> Sequence:
     """Lay one sample out for packing; ``max_len`` > 0 cuts the completion so the row fits the model.
@@ -80,6 +88,7 @@ def make_sequence(
         input_ids=ids[:-1],
         labels=ids[1:].copy(),
         advantage=float(advantage),
+        reward=float(reward),
         mixed_versions=bool(trained.size) and int(trained.min()) != int(trained.max()),
         **out,
     )
@@ -144,6 +153,8 @@ class MicroBatch:
     advantages: torch.Tensor  # float [T]
     mixed_versions: torch.Tensor  # bool [T], the token's sample has tokens of several versions
     prox_logp: torch.Tensor | None  # float [T] when every sequence carries a recomputed π_prox
+    old_values: torch.Tensor | None  # float [T] with a critic: the values the returns came from
+    returns: torch.Tensor | None  # float [T] with a critic: the value targets
     seq_ids: torch.Tensor  # long [T], 0.. within this micro-batch
     seq_index: list[int]  # batch index of each sequence in the row
     num_tokens: int  # L
@@ -178,6 +189,8 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
             advantages=e.clone(),
             mixed_versions=e.bool(),
             prox_logp=e.clone(),
+            old_values=e.clone(),
+            returns=e.clone(),
             seq_ids=e.long(),
             seq_index=[],
             num_tokens=1,
@@ -186,10 +199,18 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
     lengths = [len(s) for s in seqs]
     sel = np.nonzero(cat([s.mask > 0 for s in seqs]))[0]
     seq_ids = np.repeat(np.arange(len(seqs)), lengths)
-    adv = np.repeat(np.array([s.advantage for s in seqs], np.float32), lengths)
+    if all(s.token_advantages is not None for s in seqs):
+        adv = cat([s.token_advantages for s in seqs])
+    else:
+        adv = np.repeat(np.array([s.advantage for s in seqs], np.float32), lengths)
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a))
+
+    def per_token(name: str) -> torch.Tensor | None:
+        """A per-position array every sequence carries, at the trained tokens; else None."""
+        arrays = [getattr(s, name) for s in seqs]
+        return t(cat(arrays)[sel]) if all(a is not None for a in arrays) else None
 
     return MicroBatch(
         tokens=t(cat([s.input_ids for s in seqs]))[None],
@@ -201,11 +222,9 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
         versions=t(cat([s.versions for s in seqs])[sel]),
         advantages=t(adv[sel]),
         mixed_versions=t(np.array([s.mixed_versions for s in seqs])[seq_ids[sel]]),
-        prox_logp=(
-            t(cat([s.prox_logp for s in seqs])[sel])
-            if all(s.prox_logp is not None for s in seqs)
-            else None
-        ),
+        prox_logp=per_token("prox_logp"),
+        old_values=per_token("values"),
+        returns=per_token("returns"),
         seq_ids=t(seq_ids[sel].astype(np.int64)),
         seq_index=[s.index for s in seqs],
         num_tokens=int(sum(lengths)),

@@ -53,6 +53,7 @@ from asyncrl import metric_names as names
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
+from asyncrl.learner.critic import Critic
 from asyncrl.learner.drift import drift_sums, finalize_drift
 from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
 from asyncrl.learner.losses import (
@@ -74,7 +75,7 @@ from asyncrl.learner.packing import (
     split_over_ranks,
 )
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
-from asyncrl.recipe import Recipe
+from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
 
 Publisher = Callable[[int, "Trainer"], None]
 """Called on every rank after each optimizer step with the new version (weights, announcements)."""
@@ -223,72 +224,44 @@ class Trainer:
                 "the tiny test model: 38-60 s per step against 0.3 s eager); it is meant for GPUs"
             )
 
-        class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
-            pass
-
-        _Cfg.parallelism = parallelism
-        self.spec.model.update_from_config(config=_Cfg)
         self._parallelism = parallelism
         self.model = self._build_model()
         self.model.train()
         self.ref_model: torch.nn.Module | None = None
-
-        lr = r.learner
-        self.optimizers = OptimizersContainer.Config(
-            param_groups=[
-                ParamGroupConfig(
-                    pattern=r".*",
-                    optimizer_name="AdamW",
-                    optimizer_kwargs={
-                        "lr": lr.lr,
-                        "betas": tuple(lr.betas),
-                        "eps": lr.eps,
-                        "weight_decay": lr.weight_decay,
-                    },
-                )
-            ],
-            # One parameter at a time: foreach's temporaries span the whole model (2.3 GB more peak
-            # for Qwen3-0.6B, enough to get it OOM-killed beside its engine). "for-loop" gives
-            # foreach's numbers exactly; "fused" differs by rounding (4.6e-6 after 5 steps).
-            implementation="for-loop",
-        ).build(model_parts=[self.model])
-        # The schedule counts optimizer updates: `minibatches × epochs` per version.
-        per_version = lr.minibatches * lr.epochs
-        total = max(r.run.steps, 1) * per_version
-        sched = LRSchedulersContainer.Config(
-            warmup_steps=lr.warmup_steps * per_version,
-            total_steps=total if lr.lr_schedule != "constant" else 1 << 40,
-            decay_ratio=None if lr.lr_schedule != "constant" else 0.0,
-            decay_type="cosine" if lr.lr_schedule == "cosine" else "linear",
-        )
-        self.lr_schedulers = sched.build(optimizers=self.optimizers, training_steps=total)
+        self.optimizers, self.lr_schedulers = self.optimizer(self.model, r.learner.lr)
 
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.model_dir))
         self._state = _LearnerState()
-        keep = lr.keep_checkpoints
+        # PPO with a critic: the value model, checkpointed with the actor (its own state keys)
+        with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES
+        self.critic = Critic(self) if with_critic else None
+        extra_states = self.critic.states() if self.critic is not None else {}
+        lc = r.learner
+        keep = lc.keep_checkpoints
         self.checkpointer = CheckpointManager.Config(
             enable=True,
             folder="checkpoints",
-            interval=lr.checkpoint_every or (1 << 40),
+            interval=lc.checkpoint_every or (1 << 40),
             keep_latest_k=0 if keep == 0 else max(keep, 2),
             initial_load_path=str(self.model_dir.resolve()),
             initial_load_in_hf=True,
             initial_load_model_only=True,
             last_save_model_only=False,
-            async_mode="async" if lr.checkpoint_async else "disabled",
+            async_mode="async" if lc.checkpoint_async else "disabled",
             load_only=not checkpointing,
         ).build(
             dataloader=None,
             model_parts=[self.model],
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
-            states={"learner": self._state},
+            states={"learner": self._state, **extra_states},
             sd_adapter=self.adapter,
             base_folder=str(self.run_dir) if checkpointing else str(self.run_dir / ".no-ckpt"),
         )
         self.checkpointing = checkpointing
         self._load()
-        if self.alg.kl_coef > 0:  # π_ref: the initial HF weights, frozen, sharded like the policy
+        if self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0:
+            # π_ref: the initial HF weights, frozen, sharded like the policy
             self.ref_model = self._build_model()
             self._load_hf(self.ref_model)
             self.ref_model.eval().requires_grad_(False)
@@ -300,12 +273,53 @@ class Trainer:
             self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
         )
 
-    def _build_model(self) -> torch.nn.Module:
-        """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights."""
-        with torch.device("meta"):
-            model = self.spec.model.build()
+    def optimizer(
+        self, model: torch.nn.Module, lr: float
+    ) -> tuple[OptimizersContainer, LRSchedulersContainer]:
+        """AdamW with the recipe's ``learner`` settings at ``lr``, and its LR schedule, which counts
+        optimizer updates: ``minibatches × epochs`` per version."""
         lc = self.recipe.learner
-        model = self.spec.parallelize_fn(
+        optimizers = OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name="AdamW",
+                    optimizer_kwargs={
+                        "lr": lr,
+                        "betas": tuple(lc.betas),
+                        "eps": lc.eps,
+                        "weight_decay": lc.weight_decay,
+                    },
+                )
+            ],
+            # One parameter at a time: foreach's temporaries span the whole model (2.3 GB more peak
+            # for Qwen3-0.6B, enough to get it OOM-killed beside its engine). "for-loop" gives
+            # foreach's numbers exactly; "fused" differs by rounding (4.6e-6 after 5 steps).
+            implementation="for-loop",
+        ).build(model_parts=[model])
+        per_version = lc.minibatches * lc.epochs
+        total = max(self.recipe.run.steps, 1) * per_version
+        sched = LRSchedulersContainer.Config(
+            warmup_steps=lc.warmup_steps * per_version,
+            total_steps=total if lc.lr_schedule != "constant" else 1 << 40,
+            decay_ratio=None if lc.lr_schedule != "constant" else 0.0,
+            decay_type="cosine" if lc.lr_schedule == "cosine" else "linear",
+        )
+        return optimizers, sched.build(optimizers=optimizers, training_steps=total)
+
+    def _build_model(self, spec: ModelSpec | None = None) -> torch.nn.Module:
+        """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights.
+        ``spec``: another model on the same ranks (the critic); default the actor's."""
+        spec = self.spec if spec is None else spec
+
+        class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
+            parallelism = self._parallelism
+
+        spec.model.update_from_config(config=_Cfg)
+        with torch.device("meta"):
+            model = spec.model.build()
+        lc = self.recipe.learner
+        model = spec.parallelize_fn(
             model,
             parallel_dims=self.parallel_dims,
             training=TrainingConfig(mixed_precision_param=self.recipe.model.dtype),
@@ -321,15 +335,20 @@ class Trainer:
             model.init_weights(buffer_device=None)
         return model
 
-    def _load_hf(self, model: torch.nn.Module) -> None:
-        """The HF folder's weights into a (sharded) model, as CheckpointManager's HF load does."""
+    def _load_hf(
+        self, model: torch.nn.Module, adapter: Any = None, folder: Path | None = None
+    ) -> None:
+        """An HF folder's weights into a (sharded) model, as CheckpointManager's HF load does;
+        default the actor's adapter and ``model.path``."""
         import torch.distributed.checkpoint as dcp
         from torchtitan.components.checkpoint import ModelWrapper
 
+        adapter = self.adapter if adapter is None else adapter
+        folder = self.model_dir if folder is None else folder
         wrapper = ModelWrapper([model])
-        hf_sd = self.adapter.to_hf(wrapper.state_dict())
-        dcp.load(hf_sd, storage_reader=self.adapter.get_hf_storage_reader(str(self.model_dir)))
-        wrapper.load_state_dict(self.adapter.from_hf(hf_sd))
+        hf_sd = adapter.to_hf(wrapper.state_dict())
+        dcp.load(hf_sd, storage_reader=adapter.get_hf_storage_reader(str(folder)))
+        wrapper.load_state_dict(adapter.from_hf(hf_sd))
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
@@ -378,6 +397,8 @@ class Trainer:
         export needs room (a model's size in float32: 2.4 GB for Qwen3-0.6B; the next step's
         backward allocates them again). They are not part of either."""
         self.optimizers.zero_grad()  # set_to_none
+        if self.critic is not None:
+            self.critic.optimizers.zero_grad()
         malloc.release_freed_memory()
 
     def wait_for_checkpoint(self) -> None:
@@ -468,9 +489,10 @@ class Trainer:
         groups = [g for g in batch.groups if g.samples]
         rewards = [g.rewards for g in groups]
         baselines = [g.baseline_reward for g in groups]
+        per_token = self.critic is not None  # advantages per token, later (Critic.assign_targets)
         advs = (
             None
-            if is_sft or not rewards
+            if is_sft or not rewards or per_token
             else compute_advantages(
                 rewards, kind=self.alg.advantage, eps=self.alg.adv_eps, baselines=baselines
             )
@@ -507,6 +529,7 @@ class Trainer:
                         behavior_logprobs=s.behavior_logprobs,
                         versions=s.versions,
                         advantage=0.0 if advs is None else float(advs[gi][si]),
+                        reward=float(rewards[gi][si]),
                         max_len=self.max_seq_len,
                     )
                 )
@@ -560,22 +583,57 @@ class Trainer:
             *cpu, mb.mixed_versions.cpu(), max_staleness=self.recipe.buffer.max_staleness
         )
 
-    def _recompute_prox(self, mine: list[Sequence]) -> torch.Tensor:
-        """π_prox before a batch's first update (AReaL's recompute): one forward-only pass over this
-        rank's sequences, stored on each :class:`Sequence`; returns the batch's drift sums."""
-        drift = torch.zeros(self.recipe.buffer.max_staleness + 2, 3, dtype=torch.float64)
+    def _per_token(
+        self, mine: list[Sequence], compute: Callable[[MicroBatch], dict[str, torch.Tensor]]
+    ) -> None:
+        """A forward-only pass over this rank's sequences (collective): ``compute`` gives, per
+        micro-batch, named values flat over its trained tokens, which are stored on each
+        :class:`Sequence` as a per-position array of that name (0 off its trained tokens)."""
         by_index = {s.index: s for s in mine}
         for mb in self.micro_batches(mine):
-            lp = self._token_logprobs(mb)[0].float().cpu()
-            drift += self._drift(mb, lp)
+            out = {k: v.float().cpu().numpy() for k, v in compute(mb).items()}
             sel = mb.sel.cpu().numpy()
             starts = np.cumsum([0] + [len(by_index[i]) for i in mb.seq_index])
             for j, i in enumerate(mb.seq_index):
                 seq = by_index[i]
                 at = (sel >= starts[j]) & (sel < starts[j + 1])
-                seq.prox_logp = np.zeros(len(seq), np.float32)
-                seq.prox_logp[sel[at] - starts[j]] = lp.numpy()[at]
+                for name, flat in out.items():
+                    arr = np.zeros(len(seq), np.float32)
+                    arr[sel[at] - starts[j]] = flat[at]
+                    setattr(seq, name, arr)
+
+    def _recompute_prox(self, mine: list[Sequence]) -> torch.Tensor:
+        """π_prox before a batch's first update (AReaL's recompute): one forward-only pass over this
+        rank's sequences, stored on each :class:`Sequence`; returns the batch's drift sums."""
+        drift = torch.zeros(self.recipe.buffer.max_staleness + 2, 3, dtype=torch.float64)
+
+        def prox(mb: MicroBatch) -> dict[str, torch.Tensor]:
+            lp = self._token_logprobs(mb)[0]
+            drift.add_(self._drift(mb, lp.float().cpu()))
+            return {"prox_logp": lp}
+
+        self._per_token(mine, prox)
         return drift
+
+    def _critic_targets(self, mine: list[Sequence], *, have_prox: bool) -> dict[str, float]:
+        """The critic's values at this rank's trained tokens (and, for the targets, π_ref's logprobs
+        under a KL reward and, for V-trace, π's when not recomputed already), then each token's
+        advantage and return (:meth:`Critic.assign_targets`). Collective."""
+        critic, alg = self.critic, self.alg
+        assert critic is not None
+        want_pi = alg.advantage == "vtrace" and not have_prox
+        want_ref = alg.kl_reward_coef > 0
+
+        def targets(mb: MicroBatch) -> dict[str, torch.Tensor]:
+            out = {"values": critic.values(mb)}
+            if want_ref:
+                out["ref_logp"] = self._token_logprobs(mb, self.ref_model)[0]
+            if want_pi:
+                out["prox_logp"] = self._token_logprobs(mb)[0]
+            return out
+
+        self._per_token(mine, targets)
+        return critic.assign_targets(mine)
 
     def _micro_batch(
         self, mb: MicroBatch, norm: Normaliser, totals: _StepTotals, *, drift: bool, sync: bool
@@ -665,6 +723,8 @@ class Trainer:
         totals.micro_batches += len(mbs)
         self.optimizers.step()
         self.lr_schedulers.step()
+        if self.critic is not None:  # the same micro-batches, the same normaliser
+            totals.critic_grad_norms.append(self.critic.update(mbs, norm, totals.stats))
 
     def step(self, batch: Batch) -> StepResult:
         """One batch, one new version (collective; every rank passes the same batch).
@@ -681,6 +741,10 @@ class Trainer:
         several = lc.minibatches * lc.epochs > 1
         if several and self.alg.loss != "sft":
             totals.drift += self._recompute_prox(mine)
+        critic_info: dict[str, float] = {}
+        if self.critic is not None:
+            totals.stats |= self.critic.zero_stats()
+            critic_info = self._critic_targets(mine, have_prox=several)
         for epoch in range(lc.epochs):
             seed = (self.recipe.run.seed, self.version, epoch)
             parts = split_minibatches(mine, lc.minibatches, seed=seed)
@@ -716,6 +780,10 @@ class Trainer:
         }
         if updates > 1:
             metrics["grad_norm/max"] = float(max(totals.grad_norms))
+        if self.critic is not None:
+            metrics[names.VALUE_LOSS] = summed.pop("value_loss") / updates
+            metrics["critic/grad_norm"] = float(np.mean(totals.critic_grad_norms))
+            metrics |= critic_info
         metrics |= peak_memory()
         metrics |= self._batch_info
         metrics |= finalize_stats(summed)
@@ -738,5 +806,6 @@ class _StepTotals:
     tokens: int = 0
     stats: dict[str, torch.Tensor] = field(default_factory=zero_stats)
     grad_norms: list[float] = field(default_factory=list)
+    critic_grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     micro_batches: int = 0

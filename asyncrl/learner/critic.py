@@ -1,0 +1,199 @@
+"""PPO's critic: a value model V(x_t) trained beside the actor (``algorithm.advantage: gae`` or
+``vtrace``; docs/design.md §11).
+
+The critic is the scalar-head model of :mod:`asyncrl.learner.scalar_model`, built on the learner's
+ranks with FSDP2 like the actor, from ``critic.path`` (a causal LM: its backbone and a fresh head;
+a sequence-classification folder such as the reward model: backbone and head). Its model,
+optimizer and LR schedule are part of the learner's DCP checkpoint, so a resumed run continues it
+exactly.
+
+Per batch (:class:`~asyncrl.learner.trainer.Trainer` calls, every rank alike):
+1. before the updates, V at every trained token of this rank's sequences (forward only), then
+   :func:`token_targets` gives each token's advantage A_t and value target R_t from the sample's
+   reward at its last trained token (GAE, or V-trace with π/μ), and the advantages are whitened
+   over the whole batch (every rank's tokens);
+2. at each actor update, one critic update on the same micro-batches: the clipped value loss of
+   :func:`~asyncrl.learner.losses.value_loss` against R_t, with V_old the values of step 1.
+
+Values sit at the positions the actor's logprobs do: the hidden state that predicts completion
+token t has read the prompt and tokens < t, the state in which the policy chose token t.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torchtitan.components.checkpoint import ModelWrapper
+from torchtitan.distributed import utils as dist_utils
+
+from asyncrl import metric_names as names
+from asyncrl.learner.advantages import gae, kl_shaped_rewards, last_token_rewards, vtrace
+from asyncrl.learner.losses import (
+    Normaliser,
+    explained_variance_from_sums,
+    value_loss,
+    variance_sums,
+)
+from asyncrl.learner.packing import MicroBatch, Sequence
+from asyncrl.learner.scalar_model import init_head, scalar_spec, token_values
+from asyncrl.recipe import AlgorithmConfig
+
+if TYPE_CHECKING:
+    from asyncrl.learner.trainer import Trainer
+
+WHITEN_EPS = 1e-8
+"""Added to the batch's advantage std before dividing (verl's and OpenRLHF's whitening)."""
+
+VALUE_STAT_KEYS = ("value_loss", "value_tokens", "value_clipped")
+"""The critic's per-update sums, reduced over ranks with the actor's (every rank the same keys)."""
+
+
+def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
+    """Each sequence's ``token_advantages`` and ``returns`` (per position, 0 off its trained tokens)
+    from its ``reward`` on its last trained token, its critic ``values`` and behaviour logprobs μ;
+    V-trace also reads π (``prox_logp``) and a KL reward π_ref (``ref_logp``). Pure; not whitened.
+
+    The sequences' trained tokens become the rows of one padded ``[B, T]`` problem: GAE and V-trace
+    run backwards over each row's mask-1 tokens only, so a multi-turn sample's tool output (mask 0)
+    is skipped, and the episode ends after its last trained token."""
+    if not seqs:
+        return
+    at = [np.nonzero(s.mask > 0)[0] for s in seqs]
+    width = max(1, max(len(i) for i in at))
+
+    def rows(get: Any) -> Tensor:
+        out = torch.zeros(len(seqs), width, dtype=torch.float64)
+        for b, (s, i) in enumerate(zip(seqs, at, strict=True)):
+            if len(i):
+                out[b, : len(i)] = torch.from_numpy(np.asarray(get(s), np.float64)[i])
+        return out
+
+    mask = rows(lambda s: np.ones(len(s)))
+    values, mu = rows(lambda s: s.values), rows(lambda s: s.behavior_logp)
+    scores = torch.tensor([s.reward for s in seqs], dtype=torch.float64)
+    rewards = last_token_rewards(scores, mask)
+    if alg.kl_reward_coef > 0:
+        ref = rows(lambda s: s.ref_logp)
+        rewards = kl_shaped_rewards(rewards, mu, ref, mask, beta=alg.kl_reward_coef)
+    if alg.advantage == "vtrace":
+        adv, ret = vtrace(
+            rewards,
+            values,
+            rows(lambda s: s.prox_logp),
+            mu,
+            mask,
+            gamma=alg.gamma,
+            lam=alg.lam,
+            rho_bar=alg.vtrace_rho_bar,
+            c_bar=alg.vtrace_c_bar,
+        )
+    else:
+        adv, ret = gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam)
+    for b, (s, i) in enumerate(zip(seqs, at, strict=True)):
+        s.token_advantages = np.zeros(len(s), np.float32)
+        s.returns = np.zeros(len(s), np.float32)
+        s.token_advantages[i] = adv[b, : len(i)].numpy()
+        s.returns[i] = ret[b, : len(i)].numpy()
+
+
+class Critic:
+    """The value model on this rank: built, loaded and optimised as the actor is (collective)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        r = trainer.recipe
+        self.alg = r.algorithm
+        self.grad_clip = r.learner.grad_clip
+        self.folder = r.resolve(r.critic.path or r.model.path)
+        self.spec = scalar_spec(
+            self.folder, attention=r.model.attention, max_seq_len=r.model.max_seq_len
+        )
+        self.model = trainer._build_model(self.spec)
+        self.model.train()
+        self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.folder))
+        trainer._load_hf(self.model, self.adapter, self.folder)
+        if not self.adapter.include_head:  # a causal LM's backbone: a fresh head from the seed
+            init_head(self.model, r.run.seed)
+        self.optimizers, self.lr_schedulers = trainer.optimizer(self.model, r.critic.lr)
+
+    def states(self) -> dict[str, Any]:
+        """The critic's part of the learner's checkpoint (resumed from it, not from the folder)."""
+        return {
+            "critic": ModelWrapper([self.model]),
+            "critic_optimizer": self.optimizers,
+            "critic_lr_scheduler": self.lr_schedulers,
+        }
+
+    @torch.no_grad()
+    def values(self, mb: MicroBatch) -> Tensor:
+        """V at each trained token of ``mb`` (flat over ``mb.sel``). Collective (FSDP)."""
+        return token_values(self.model, mb.tokens, mb.positions)[mb.sel]
+
+    def assign_targets(self, mine: list[Sequence]) -> dict[str, float]:
+        """This rank's sequences (carrying ``values``) get whitened advantages and returns; returns
+        the batch's critic metrics. Collective: the whitening and the metrics span every rank."""
+        token_targets(mine, self.alg)
+        adv = [s.token_advantages[s.mask > 0] for s in mine]
+        a = np.concatenate(adv) if adv else np.zeros(0)
+        v = np.concatenate([s.values[s.mask > 0] for s in mine]) if mine else np.zeros(0)
+        ret = np.concatenate([s.returns[s.mask > 0] for s in mine]) if mine else np.zeros(0)
+        a64 = torch.from_numpy(a.astype(np.float64))
+        sums = torch.cat(
+            [
+                torch.tensor([float(a.size), float(a64.sum()), float(a64.square().sum())]),
+                torch.tensor([float(v.sum())], dtype=torch.float64),
+                variance_sums(torch.from_numpy(v), torch.from_numpy(ret), torch.ones(v.size)),
+            ]
+        ).to(torch.float64)
+        dist.all_reduce(sums)
+        n, a_sum, a_sq, v_sum = sums[:4].tolist()
+        mean = a_sum / n if n else 0.0
+        std = math.sqrt(max(a_sq / n - mean * mean, 0.0)) if n else 0.0
+        for s in mine:
+            s.token_advantages = np.where(
+                s.mask > 0, (s.token_advantages - mean) / (std + WHITEN_EPS), 0.0
+            ).astype(np.float32)
+        return {
+            names.EXPLAINED_VARIANCE: explained_variance_from_sums(sums[4:]),
+            "critic/values_mean": v_sum / n if n else 0.0,
+            "critic/returns_mean": float(sums[5] / n) if n else 0.0,
+            "critic/advantages_std": std,
+        }
+
+    def zero_stats(self) -> dict[str, Tensor]:
+        return {k: torch.zeros((), dtype=torch.float64) for k in VALUE_STAT_KEYS}
+
+    def update(self, mbs: list[MicroBatch], norm: Normaliser, stats: dict[str, Tensor]) -> float:
+        """One optimizer update of the critic on an actor update's micro-batches (collective),
+        its loss normalised as the actor's (``norm``, token mean); adds to ``stats``; returns the
+        gradient norm before clipping."""
+        self.optimizers.zero_grad()
+        for i, mb in enumerate(mbs):
+            self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+            v = token_values(self.model, mb.tokens, mb.positions)
+            if mb.sel.numel() == 0:  # FSDP's backward runs on every rank: a zero gradient
+                (v.sum() * 0.0).backward()
+                continue
+            loss, st = value_loss(
+                v[mb.sel],
+                mb.old_values,
+                mb.returns,
+                mask=mb.mask,
+                seq_ids=mb.seq_ids,
+                clip=self.alg.value_clip,
+                aggregation="token_mean",
+                norm=norm,
+            )
+            loss.backward()
+            stats["value_loss"] += loss.detach().to(torch.float64).cpu()
+            for k, x in st.items():
+                stats[k] += x.cpu()
+        clip = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), clip, foreach=True)
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return float(grad_norm)
