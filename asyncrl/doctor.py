@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from asyncrl import gpu, memory
 from asyncrl import recipe as recipe_mod
 from asyncrl.memory import GiB, ModelDims, gib
-from asyncrl.recipe import Recipe
+from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
 
 MIN_SGLANG = (0, 5, 19)
 """The first SGLang with per-token ``weight_versions`` spans (README "SGLang servers")."""
@@ -253,7 +253,8 @@ class Doctor:
             max_seq_len=r.model.max_seq_len,
             checkpointing=lc.activation_checkpointing,
             chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
-            reference_model=r.algorithm.kl_coef > 0,
+            reference_model=r.algorithm.kl_coef > 0 or r.algorithm.kl_reward_coef > 0,
+            critic_model=r.algorithm.uses_rollouts and r.algorithm.advantage in TOKEN_ADVANTAGES,
             weights_dtype=r.weights.dtype,
             weights_overlap=r.weights.overlap,
             samples_per_update=self.samples_per_update(),

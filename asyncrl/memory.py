@@ -154,6 +154,7 @@ class LearnerPlan:
     grads: int
     optimizer: int
     reference: int
+    critic: int
     fsdp_gather: int
     activations: int
     logits: int
@@ -170,6 +171,7 @@ class LearnerPlan:
             ("grads", self.grads),
             ("AdamW", self.optimizer),
             ("reference", self.reference),
+            ("critic", self.critic),
             ("FSDP gather", self.fsdp_gather),
             ("activations", self.activations),
             ("logits chunk", self.logits),
@@ -197,6 +199,7 @@ def learner_plan(
     checkpointing: Checkpointing,
     chunk_tokens: int,
     reference_model: bool = False,
+    critic_model: bool = False,
     rank0: bool = True,
     weights_dtype: str = "bfloat16",
     weights_overlap: bool = True,
@@ -206,7 +209,9 @@ def learner_plan(
     """Bytes on one learner rank at the peak of a step, FSDP2 over ``ranks``.
 
     - params, grads, AdamW (two moments): float32 shards, ``4·P/N`` each, ``8·P/N`` for AdamW
-      (:data:`MASTER_BYTES`); a frozen reference model (``algorithm.kl_coef > 0``) another ``4·P/N``.
+      (:data:`MASTER_BYTES`); a frozen reference model (``algorithm.kl_coef > 0``) another ``4·P/N``; a critic (``algorithm.advantage`` gae / vtrace)
+      its own params, grads and AdamW, ``16·P/N`` (priced at the actor's size: its one-output head
+      is smaller than the actor's vocabulary projection, so this is an upper bound).
     - FSDP gather: the largest FSDP unit in the compute dtype, three times: the unit being computed,
       the next one prefetched, and the unsharded gradient before its reduce-scatter.
     - activations: :func:`activation_bytes_per_token` × the largest micro-batch, ``max(
@@ -232,13 +237,16 @@ def learner_plan(
         grads=MASTER_BYTES * shard,
         optimizer=2 * MASTER_BYTES * shard,
         reference=MASTER_BYTES * shard if reference_model else 0,
+        critic=4 * MASTER_BYTES * shard if critic_model else 0,
         fsdp_gather=3 * dims.largest_fsdp_unit * compute,
         activations=tokens * per_token,
         logits=logits_chunk_bytes(dims.vocab, min(chunk_tokens, tokens)),
         weight_snapshot=snapshots * p * DTYPE_BYTES[weights_dtype],
         tokens=tokens,
         activation_bytes_per_token=per_token,
-        checkpoint_staging=3 * MASTER_BYTES * shard if checkpoint_async else 0,
+        checkpoint_staging=(6 if critic_model else 3) * MASTER_BYTES * shard
+        if checkpoint_async
+        else 0,
     )
 
 

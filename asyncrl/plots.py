@@ -271,7 +271,35 @@ def plot_learning(records, out: Path) -> Path | None:
     return _save(fig, out / "learning.png")
 
 
-PLOTS = (plot_reward, plot_staleness, plot_throughput, plot_weight_sync, plot_drift, plot_learning)
+def plot_critic(records, out: Path) -> Path | None:
+    """PPO with a critic: its value loss, and how much of the returns' spread its values explain
+    (1 perfect, 0 no better than their mean)."""
+    panels = [
+        ("value loss", names.VALUE_LOSS),
+        ("explained variance", names.EXPLAINED_VARIANCE),
+        ("value clip fraction", names.VALUE_CLIP_FRAC),
+    ]
+    if not series(records, names.VALUE_LOSS)[1]:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True)
+    for ax, (title, key) in zip(axes, panels, strict=True):
+        _line(ax, records, key)
+        ax.set_ylabel(title)
+    axes[0].set_title("Critic")
+    axes[-1].set_xlabel("policy version")
+    return _save(fig, out / "critic.png")
+
+
+PLOTS = (
+    plot_reward,
+    plot_staleness,
+    plot_throughput,
+    plot_weight_sync,
+    plot_drift,
+    plot_learning,
+    plot_critic,
+)
 
 
 def make_plots(metrics: str | Path, out: str | Path | None = None) -> list[Path]:

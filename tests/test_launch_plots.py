@@ -112,3 +112,18 @@ def test_learner_idle_is_derived_from_its_batch_waits():
         {"step": 3, "time": 106.0, "process": "learner", names.BATCH_WAIT_S: 3.0},
     ]
     assert plots.learner_idle_series(recs) == ([2.0, 3.0], [0.25, 0.75])
+
+
+def test_a_run_with_a_critic_gets_its_plot_and_one_without_does_not(tmp_path):
+    recs = _full_records()
+    assert "critic.png" not in {
+        p.name for p in plots.make_plots(_write(tmp_path / "a.jsonl", recs))
+    }
+    for r in recs:
+        if r["process"] == "learner":
+            v = r["step"]
+            r |= {names.VALUE_LOSS: 1 / (v + 1), names.EXPLAINED_VARIANCE: v / 12}
+            r[names.VALUE_CLIP_FRAC] = 0.1
+    written = plots.make_plots(_write(tmp_path / "b.jsonl", recs), tmp_path / "b")
+    (critic,) = [p for p in written if p.name == "critic.png"]
+    assert critic.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

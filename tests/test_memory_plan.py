@@ -141,6 +141,28 @@ def test_qwen3_0_6b_on_4_ranks_with_a_reference_model_and_no_overlap():
     assert plan.total == 52_483_680_256  # 48.9 GiB
 
 
+def test_a_critic_adds_its_params_grads_and_adamw_and_its_checkpoint_staging():
+    """PPO with a critic (algorithm.advantage gae): the critic's float32 shards, 16·P/N, priced at
+    the actor's size; an asynchronous checkpoint stages both models' parameters and AdamW."""
+    small = ModelDims.from_hf_config(QWEN3_0_6B)
+    kw = dict(
+        ranks=4,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=32_768,
+        max_seq_len=4096,
+        checkpointing="none",
+        chunk_tokens=110,
+        checkpoint_async=True,
+    )
+    actor = learner_plan(small, **kw)
+    both = learner_plan(small, critic_model=True, **kw)
+    shard = 596_049_920 // 4
+    assert actor.critic == 0 and both.critic == 16 * shard
+    assert both.total - actor.total == 16 * shard
+    assert ("critic", 16 * shard) in both.items() and "critic" not in dict(actor.items())
+    assert both.checkpoint_staging == 2 * actor.checkpoint_staging == 24 * shard
+
+
 def test_float32_learner_and_a_sequence_longer_than_the_micro_batch():
     small = ModelDims.from_hf_config(QWEN3_0_6B)
     plan = learner_plan(

@@ -16,8 +16,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from asyncrl import metric_names, tasks
 from asyncrl import recipe as recipe_mod
-from asyncrl import tasks
 from asyncrl.metrics import read_metrics
 from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 
@@ -122,16 +122,27 @@ def test_crash_and_resume_is_bitwise_identical(runs):
     assert state["step"] == STEPS
 
 
+KL_LOSS = {"loss": "ppo", "kl_coef": 0.1}
+CRITIC_KL_REWARD = {"loss": "ppo", "advantage": "gae", "kl_reward_coef": 0.1}
+
+
 @pytest.mark.parametrize(
-    ("fixture", "chunk_mb"),
-    [("tiny_qwen3", 256.0), ("tiny_llama", 0.01)],  # tied, one chunk; untied, 6-token chunks
+    ("fixture", "chunk_mb", "alg"),
+    [
+        ("tiny_qwen3", 256.0, KL_LOSS),  # tied, one chunk
+        ("tiny_llama", 0.01, KL_LOSS),  # untied, 6-token chunks
+        ("tiny_qwen3", 256.0, CRITIC_KL_REWARD),  # a critic and a KL reward
+    ],
 )
-def test_a_rank_without_trained_tokens_steps_with_the_others(fixture, chunk_mb, request, tmp_path):
+def test_a_rank_without_trained_tokens_steps_with_the_others(
+    fixture, chunk_mb, alg, request, tmp_path
+):
     """Two ranks, with the reference KL on, on a batch whose second rank receives only a sample with
     no trained token: every collective (micro-batch count, the reference model's FSDP forward, the
     output projection's chunks, the statistics) still pairs up, and the step equals one rank's on
     the same batch. (Before, rank 1 skipped the reference forward and reduced a shorter statistics
-    tensor: a crash.) Tied and untied embeddings put the projection in different FSDP groups."""
+    tensor: a crash.) Tied and untied embeddings put the projection in different FSDP groups. With
+    a critic: its values pass, the advantages' whitening and its update pair up as well."""
     import numpy as np
 
     from asyncrl import wire
@@ -166,7 +177,7 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(fixture, chunk_mb, 
     spec = {
         "run": {"output_dir": str(tmp_path / "runs")},
         "model": {"path": str(request.getfixturevalue(fixture)), "max_seq_len": 64},
-        "algorithm": {"loss": "ppo", "kl_coef": 0.1},
+        "algorithm": alg,
         "learner": {"lr": 1e-3, "micro_batch_tokens": 32, "logits_chunk_mb": chunk_mb},
         "buffer": {"max_staleness": 2},
         "logging": {"wandb": False},
@@ -201,7 +212,11 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(fixture, chunk_mb, 
     assert one.metrics["loss/tokens"] == two["loss/tokens"] == 30
     assert_close_rel(one.loss, two["loss"])
     assert_close_rel(one.metrics["grad_norm"], two["grad_norm"])
-    assert one.metrics["loss/kl_ref"] == two["loss/kl_ref"] == 0.0  # π = π_ref at the first step
+    if alg is KL_LOSS:
+        assert one.metrics["loss/kl_ref"] == two["loss/kl_ref"] == 0.0  # π = π_ref at step 1
+    else:
+        for k in (metric_names.VALUE_LOSS, "critic/grad_norm", metric_names.EXPLAINED_VARIANCE):
+            assert_close_rel(one.metrics[k], two[k])
     assert_adam_steps_agree(
         tr.hf_state_dict(),
         load_file(str(tmp_path / "weights.safetensors")),
