@@ -358,15 +358,18 @@ def reward_modelling() -> Dataflow:
 def from_recipe(recipe: Recipe) -> Dataflow:
     """The dataflow of a recipe's ``algorithm.loss`` and ``algorithm.advantage``.
 
-    The reward is asyncrl's rule reward (``rollout.reward``): the recipe has no reward-model
-    section yet, so :func:`reward_modelling` is not reachable from a recipe either (the ``Loss``
-    names have no reward-model loss)."""
+    The reward call is the reward model's (``reward.inference``) when ``rollout.reward: model``
+    scores with it alone, else the rule reward's (``driver.compute``, which reads the answers; a
+    model score added to a rule is part of that call)."""
     alg, lc = recipe.algorithm, recipe.learner
     if alg.loss == "sft":
         return sft()
+    if alg.loss == "reward_model":
+        return reward_modelling()
     # The learner recomputes π_prox in a forward-only pass when a batch gets several updates.
     several = lc.minibatches * lc.epochs > 1
-    common = {"kl_loss": alg.kl_coef > 0, "prox": several, "reward_model": False}
+    model_only = recipe.rollout.reward == "model"
+    common = {"kl_loss": alg.kl_coef > 0, "prox": several, "reward_model": model_only}
     if alg.advantage in ("gae", "vtrace"):
         return ppo_with_critic(alg.kl_reward_coef > 0, vtrace=alg.advantage == "vtrace", **common)
     if alg.advantage == "remax":

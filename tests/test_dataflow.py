@@ -207,6 +207,16 @@ def _recipe(*overrides: str) -> recipe.Recipe:
             {"actor", "critic", "driver", "ref"},
         ),
         (("algorithm.advantage=remax",), "remax", {"actor", "driver"}),
+        (("algorithm.loss=reward_model",), "reward modelling", {"reward"}),
+        (
+            (
+                "algorithm.advantage=gae",
+                "rollout.reward=model",
+                "rollout.reward_model.urls=[http://127.0.0.1:9]",
+            ),
+            "ppo with a critic (gae)",
+            {"actor", "critic", "driver", "reward"},  # the reward model's score, no answers read
+        ),
         (
             ("algorithm.advantage=rloo", "algorithm.kl_coef=0.1"),
             "rloo (group advantages)",
@@ -233,3 +243,19 @@ def test_describe_names_every_call_by_level():
     assert "data provides prompts" in lines[0]
     assert "  [0] generate: actor.generate prompts -> responses, behavior_logp" in lines
     assert "  [3] train_critic: critic.train_step prompts, responses, values, returns -> -" in lines
+
+
+@pytest.mark.parametrize("name", list(BUILT))
+def test_the_learner_has_a_runner_for_every_call_or_the_rollout_side_runs_it(name):
+    """Trainer.step executes a graph level by level through CALL_RUNNERS (the reward model's
+    training is RewardModelTrainer.step, a graph of that one call)."""
+    from asyncrl.learner.trainer import CALL_RUNNERS
+
+    calls = {c.name for c in BUILT[name].calls}
+    assert calls <= set(CALL_RUNNERS) | {"train_reward"}, calls - set(CALL_RUNNERS)
+    for c in BUILT[name].calls:  # None: the rollout workers' calls (generation and rewards)
+        if c.name == "train_reward":
+            continue
+        assert (CALL_RUNNERS.get(c.name) is None) == (
+            c.call == "generate" or c.name.startswith("reward")
+        )

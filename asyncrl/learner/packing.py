@@ -38,7 +38,7 @@ class Sequence:
     values: np.ndarray | None = None  # V(x_t) of the critic the returns were computed with
     token_advantages: np.ndarray | None = None  # A_t, replaces ``advantage``
     returns: np.ndarray | None = None  # R_t, the value targets
-    ref_logp: np.ndarray | None = None  # log π_ref for a KL reward (algorithm.kl_reward_coef)
+    ref_logp: np.ndarray | None = None  # log π_ref: a KL loss or reward (the ``ref`` call)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -155,6 +155,7 @@ class MicroBatch:
     prox_logp: torch.Tensor | None  # float [T] when every sequence carries a recomputed π_prox
     old_values: torch.Tensor | None  # float [T] with a critic: the values the returns came from
     returns: torch.Tensor | None  # float [T] with a critic: the value targets
+    ref_logp: torch.Tensor | None  # float [T] when every sequence carries log π_ref
     seq_ids: torch.Tensor  # long [T], 0.. within this micro-batch
     seq_index: list[int]  # batch index of each sequence in the row
     num_tokens: int  # L
@@ -191,6 +192,7 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
             prox_logp=e.clone(),
             old_values=e.clone(),
             returns=e.clone(),
+            ref_logp=e.clone(),
             seq_ids=e.long(),
             seq_index=[],
             num_tokens=1,
@@ -225,6 +227,7 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
         prox_logp=per_token("prox_logp"),
         old_values=per_token("values"),
         returns=per_token("returns"),
+        ref_logp=per_token("ref_logp"),
         seq_ids=t(seq_ids[sel].astype(np.int64)),
         seq_index=[s.index for s in seqs],
         num_tokens=int(sum(lengths)),

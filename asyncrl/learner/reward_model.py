@@ -78,6 +78,10 @@ class RewardModelTrainer(Trainer):
         self.adapter.include_bias = True
         self._eval_pairs: list[Pair] | None = None
 
+    def check_dataflow(self) -> None:
+        """The reward-modelling graph is one call, ``train_reward``: this class's :meth:`step`."""
+        assert [c.name for c in self.dataflow.calls] == ["train_reward"], self.dataflow.describe()
+
     def model_spec(self) -> ModelSpec:
         r = self.recipe
         return scalar_spec(

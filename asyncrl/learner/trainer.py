@@ -5,11 +5,14 @@ Build: ``ParallelDims`` → model spec from the HF folder → meta build → ``p
 ``to_empty`` / ``init_weights`` → optimizer and LR-scheduler containers → ``CheckpointManager``, which
 loads the HF weights through the state-dict adapter (or resumes the run's latest DCP checkpoint).
 
-Step (all ranks, the same batch): sequences → advantages → this rank's share → (several updates per
-batch) π_prox in one forward-only pass → for each epoch, for each mini-batch: micro-batches →
-logprobs at the sampling temperature → (kl_coef > 0) the frozen reference's → loss normalised by the
-mini-batch's GLOBAL counts → backward → ``clip_grad_norm_`` → optimizer and scheduler step; then
-version + 1 (one version per batch, whatever the updates) → publishers.
+Step (all ranks, the same batch): sequences → this rank's share → the learner's calls of the recipe's
+dataflow (:mod:`asyncrl.dataflow`), level by level: π_prox and π_ref (forward-only passes), the
+critic's values, the advantages, then the train steps: for each epoch, for each mini-batch:
+micro-batches → logprobs at the sampling temperature → loss normalised by the mini-batch's GLOBAL
+counts → backward → ``clip_grad_norm_`` → optimizer and scheduler step (then the critic's update on
+the same micro-batches); then version + 1 (one version per batch, whatever the updates) →
+publishers. The graph's generate and reward calls ran in the rollout workers: their outputs are the
+batch.
 
 Every collective runs on every rank with the same shapes, whatever the data: the micro-batch count is
 agreed (empty rows pad), the reference forward runs on empty rows too, and the statistics reduced
@@ -48,7 +51,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 
-from asyncrl import malloc
+from asyncrl import dataflow, malloc
 from asyncrl import metric_names as names
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
@@ -233,6 +236,8 @@ class Trainer:
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.model_dir))
         self._state = _LearnerState()
         # PPO with a critic: the value model, checkpointed with the actor (its own state keys)
+        self.dataflow = dataflow.from_recipe(r)
+        self.check_dataflow()
         with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES
         self.critic = Critic(self) if with_critic else None
         extra_states = self.critic.states() if self.critic is not None else {}
@@ -272,6 +277,12 @@ class Trainer:
         return build_spec(
             self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
         )
+
+    def check_dataflow(self) -> None:
+        """Refuse, before any model loads, a graph with a call :meth:`step` cannot run."""
+        unknown = [c.label for c in self.dataflow.calls if c.name not in CALL_RUNNERS]
+        if unknown:
+            raise LearnerError(f"{self.dataflow.name}: no runner in the learner for {unknown}")
 
     def optimizer(
         self, model: torch.nn.Module, lr: float
@@ -484,25 +495,14 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def sequences(self, batch: Batch) -> list[Sequence]:
-        """Every sample of the batch laid out for packing, with its group-relative advantage."""
+        """Every sample of the batch laid out for packing, in group order, with its reward (the
+        ``advantages`` call sets the advantages); refuses a token outside the staleness bound."""
         is_sft = self.alg.loss == "sft"
         groups = [g for g in batch.groups if g.samples]
         rewards = [g.rewards for g in groups]
-        baselines = [g.baseline_reward for g in groups]
-        per_token = self.critic is not None  # advantages per token, later (Critic.assign_targets)
-        advs = (
-            None
-            if is_sft or not rewards or per_token
-            else compute_advantages(
-                rewards, kind=self.alg.advantage, eps=self.alg.adv_eps, baselines=baselines
-            )
-        )
         seqs, i = [], 0
         eta = self.recipe.buffer.max_staleness
         self._batch_info = {"learner/truncated_samples": 0.0}
-        if self.alg.advantage == "remax" and not is_sft:
-            # groups whose greedy episode failed: their baseline is their own mean reward
-            self._batch_info[names.REMAX_MEAN_BASELINES] = float(baselines.count(None))
         staleness: list[np.ndarray] = []
         for gi, g in enumerate(groups):
             for si, s in enumerate(g.samples):
@@ -528,7 +528,6 @@ class Trainer:
                         loss_mask=mask,
                         behavior_logprobs=s.behavior_logprobs,
                         versions=s.versions,
-                        advantage=0.0 if advs is None else float(advs[gi][si]),
                         reward=float(rewards[gi][si]),
                         max_len=self.max_seq_len,
                     )
@@ -615,25 +614,67 @@ class Trainer:
         self._per_token(mine, prox)
         return drift
 
-    def _critic_targets(self, mine: list[Sequence], *, have_prox: bool) -> dict[str, float]:
-        """The critic's values at this rank's trained tokens (and, for the targets, π_ref's logprobs
-        under a KL reward and, for V-trace, π's when not recomputed already), then each token's
-        advantage and return (:meth:`Critic.assign_targets`). Collective."""
-        critic, alg = self.critic, self.alg
+    # -- the learner's calls of the dataflow (CALL_RUNNERS) -----------------------------------------
+
+    def _call_prox(self, run: _Step) -> None:
+        """``prox``: π_prox, the policy before the step's first update (several updates; V-trace's
+        π). Its drift sums count when the updates do not measure the drift themselves."""
+        drift = self._recompute_prox(run.mine)
+        if run.several:
+            run.totals.drift += drift
+
+    def _call_ref(self, run: _Step) -> None:
+        """``ref``: the frozen reference's logprobs (a KL term in the loss, or a KL reward)."""
+        ref = self.ref_model
+        self._per_token(run.mine, lambda mb: {"ref_logp": self._token_logprobs(mb, ref)[0]})
+
+    def _call_values(self, run: _Step) -> None:
+        """``values``: the critic's V at every trained token."""
+        critic = self.critic
         assert critic is not None
-        want_pi = alg.advantage == "vtrace" and not have_prox
-        want_ref = alg.kl_reward_coef > 0
+        self._per_token(run.mine, lambda mb: {"values": critic.values(mb)})
 
-        def targets(mb: MicroBatch) -> dict[str, torch.Tensor]:
-            out = {"values": critic.values(mb)}
-            if want_ref:
-                out["ref_logp"] = self._token_logprobs(mb, self.ref_model)[0]
-            if want_pi:
-                out["prox_logp"] = self._token_logprobs(mb)[0]
-            return out
+    def _call_advantages(self, run: _Step) -> None:
+        """``advantages``: per token from the critic's values (whitened over the batch), or per
+        sample from the group rewards of the whole batch (each rank computes them all alike)."""
+        if self.critic is not None:
+            run.info |= self.critic.assign_targets(run.mine)
+        else:
+            run.info |= self.group_advantages(run.batch, run.seqs)
 
-        self._per_token(mine, targets)
-        return critic.assign_targets(mine)
+    def group_advantages(self, batch: Batch, seqs: list[Sequence]) -> dict[str, float]:
+        """Each sequence's advantage from its group's rewards (``algorithm.advantage``);
+        ``seqs`` are :meth:`sequences` of ``batch``. Returns the batch's ReMax count."""
+        groups = [g for g in batch.groups if g.samples]
+        if not groups:
+            return {}
+        baselines = [g.baseline_reward for g in groups]
+        advs = compute_advantages(
+            [g.rewards for g in groups],
+            kind=self.alg.advantage,
+            eps=self.alg.adv_eps,
+            baselines=baselines,
+        )
+        for seq, a in zip(seqs, torch.cat(advs).tolist(), strict=True):
+            seq.advantage = a
+        if self.alg.advantage != "remax":
+            return {}
+        # groups whose greedy episode failed: their baseline is their own mean reward
+        return {names.REMAX_MEAN_BASELINES: float(baselines.count(None))}
+
+    def _call_train_actor(self, run: _Step) -> None:
+        """``train_actor``: ``learner.epochs`` passes of ``learner.minibatches`` updates, each
+        followed by the critic's update on the same micro-batches (``train_critic``: the two train
+        steps are independent calls of one level, interleaved per mini-batch on shared ranks)."""
+        lc = self.recipe.learner
+        for epoch in range(lc.epochs):
+            seed = (self.recipe.run.seed, self.version, epoch)
+            for part in split_minibatches(run.mine, lc.minibatches, seed=seed):
+                self._update(part, run.totals, drift=not run.several)
+
+    def _call_train_critic(self, run: _Step) -> None:
+        """``train_critic``: done within :meth:`_call_train_actor`'s updates (see there)."""
+        assert self.critic is not None and "train_actor" in run.done
 
     def _micro_batch(
         self, mb: MicroBatch, norm: Normaliser, totals: _StepTotals, *, drift: bool, sync: bool
@@ -646,9 +687,7 @@ class Trainer:
         collectives (the projection on one row, with gradient 0), so FSDP's pair up."""
         alg = self.alg
         h = self._hidden(mb)
-        ref_logp = None
-        if self.ref_model is not None:  # on every rank and micro-batch: an FSDP collective
-            ref_logp = self._token_logprobs(mb, self.ref_model)[0]
+        ref_logp = mb.ref_logp if self.ref_model is not None else None  # the ``ref`` call's
         rows = mb.sel if mb.sel.numel() else torch.zeros(1, dtype=torch.long, device=h.device)
         hidden, labels = h[0, rows], mb.labels[0, rows].clamp(min=0)
         chunking = {"temperature": self.temperature, "chunk": self.chunk_tokens}
@@ -736,20 +775,24 @@ class Trainer:
         t0 = time.perf_counter()
         lc, eta = self.recipe.learner, self.recipe.buffer.max_staleness
         seqs = self.sequences(batch)
-        mine = split_over_ranks(seqs, self.world)[self.rank]
         totals = _StepTotals(drift=torch.zeros(eta + 2, 3, dtype=torch.float64))
-        several = lc.minibatches * lc.epochs > 1
-        if several and self.alg.loss != "sft":
-            totals.drift += self._recompute_prox(mine)
-        critic_info: dict[str, float] = {}
         if self.critic is not None:
             totals.stats |= self.critic.zero_stats()
-            critic_info = self._critic_targets(mine, have_prox=several)
-        for epoch in range(lc.epochs):
-            seed = (self.recipe.run.seed, self.version, epoch)
-            parts = split_minibatches(mine, lc.minibatches, seed=seed)
-            for part in parts:
-                self._update(part, totals, drift=not several)
+        run = _Step(
+            batch=batch,
+            seqs=seqs,
+            mine=split_over_ranks(seqs, self.world)[self.rank],
+            totals=totals,
+            several=lc.minibatches * lc.epochs > 1,
+        )
+        for level in self.dataflow.order():  # dependency order; one level's calls independent
+            for call in level:
+                runner = CALL_RUNNERS[call.name]
+                if (
+                    runner is not None
+                ):  # None: ran in the rollout workers, its outputs are the batch
+                    getattr(self, runner)(run)
+                run.done.add(call.name)
         self.version += 1
 
         # Every rank reduces the same keys and shapes, whatever its share held (zero_stats).
@@ -783,9 +826,8 @@ class Trainer:
         if self.critic is not None:
             metrics[names.VALUE_LOSS] = summed.pop("value_loss") / updates
             metrics["critic/grad_norm"] = float(np.mean(totals.critic_grad_norms))
-            metrics |= critic_info
         metrics |= peak_memory()
-        metrics |= self._batch_info
+        metrics |= self._batch_info | run.info
         metrics |= finalize_stats(summed)
         if self.alg.loss != "sft":
             metrics |= finalize_drift(local[2 + len(keys) :].reshape(eta + 2, 3))
@@ -795,6 +837,38 @@ class Trainer:
         for fn in self.publishers:
             fn(self.version, self)
         return StepResult(version=self.version, loss=loss_total, metrics=metrics)
+
+
+CALL_RUNNERS: dict[str, str | None] = {
+    "generate": None,
+    "generate_greedy": None,
+    "reward_fn": None,
+    "reward_fn_greedy": None,
+    "reward": None,
+    "reward_greedy": None,
+    "prox": "_call_prox",
+    "ref": "_call_ref",
+    "values": "_call_values",
+    "advantages": "_call_advantages",
+    "train_actor": "_call_train_actor",
+    "train_critic": "_call_train_critic",
+}
+"""Each dataflow call (:mod:`asyncrl.dataflow`, by name) → the Trainer method that runs it, or None
+for the calls of the rollout workers (generation, rewards), whose outputs arrive as the batch."""
+
+
+@dataclass(kw_only=True)
+class _Step:
+    """One step's data as its calls run: the batch, its sequences and this rank's share of them,
+    the running totals, what the calls reported, and which calls have run."""
+
+    batch: Batch
+    seqs: list[Sequence]
+    mine: list[Sequence]
+    totals: _StepTotals
+    several: bool  # more than one update per batch
+    info: dict[str, float] = field(default_factory=dict)
+    done: set[str] = field(default_factory=set)
 
 
 @dataclass(kw_only=True)

@@ -311,6 +311,7 @@ def test_remax_advantages_are_each_reward_minus_its_groups_greedy_reward(tiny_qw
         g.baseline_reward = b
     batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
     seqs = tr.sequences(batch)
+    assert tr.group_advantages(batch, seqs) == {"learner/remax_mean_baselines": 1.0}
     want = []
     for g in batch.groups:
         r = np.array([s.reward for s in g.samples])
