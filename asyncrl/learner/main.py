@@ -26,9 +26,6 @@ from asyncrl.learner.report import Invocation, LearnerReport
 from asyncrl.learner.source import BatchSource, SourceError
 from asyncrl.recipe import Recipe
 
-CRASH_ENV = "ASYNCRL_LEARNER_CRASH_AFTER_VERSION"
-"""Fault injection for tests: exit hard (no cleanup) right after the checkpoint of this version."""
-
 SourceFactory = Callable[[Recipe, Any, ControlPlane], BatchSource]
 """``factory(recipe, trainer, plane)`` -> rank 0's batch source, with ``trainer.source_state``
 restored; a service runs as a task of ``plane``, rank 0's control plane."""
@@ -173,7 +170,6 @@ def train(
                 on_register(broadcaster.on_register)
         for fn in publishers:
             trainer.add_publisher(fn)
-        crash_at = int(os.environ.get(CRASH_ENV, "-1"))
         saved_at = -1
         first_batch = True
         stop = _stop_on_signals()
@@ -212,9 +208,6 @@ def train(
             if sink is not None and trainer.version % recipe.logging.every == 0:
                 weights = broadcaster.take_metrics() if broadcaster is not None else {}
                 sink.log(result.metrics | weights, step=trainer.version)
-            if trainer.version == crash_at:
-                trainer.wait_for_checkpoint()
-                os._exit(3)
         if saved_at != trainer.version and trainer.version > 0:
             trainer.save_checkpoint(force=True)
         final = trainer.run_dir / "hf" / f"v{trainer.version}"

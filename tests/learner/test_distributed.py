@@ -1,7 +1,9 @@
 """Two ranks under torchrun (gloo, FSDP2) through the real CLI: one step equals one rank on the same
 global batch; a checkpoint, a hard crash and a resume give bitwise the losses and weights of an
-uninterrupted run. (The crash is injected with ASYNCRL_LEARNER_CRASH_AFTER_VERSION: ``os._exit``
-right after the checkpoint, which a real kill at that moment would also produce.)"""
+uninterrupted run. (The crash is injected from outside the package, by a sitecustomize the test puts
+on PYTHONPATH: both ranks ``os._exit`` when they are about to train the version after the crash
+version, its checkpoint written and its metrics logged, which a real kill at that moment would
+also produce.)"""
 
 from __future__ import annotations
 
@@ -43,6 +45,52 @@ def torchrun(recipe: Path, *overrides: str, env: dict | None = None) -> subproce
     )
 
 
+CRASH_AFTER = """
+import importlib.abc, importlib.util, os, sys
+
+VERSION = {version}
+
+
+class _Crash(importlib.abc.MetaPathFinder):
+    # Wraps Trainer.step when asyncrl.learner.trainer is imported; the learner's code is not
+    # changed. The fault (a hard exit between two steps) is one a real process can have.
+
+    def find_spec(self, name, path, target=None):
+        if name != "asyncrl.learner.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            step = module.Trainer.step
+
+            def crashing_step(self, batch):
+                if self.version == VERSION:
+                    self.wait_for_checkpoint()
+                    os._exit(3)
+                return step(self, batch)
+
+            module.Trainer.step = crashing_step
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Crash())
+"""
+
+
+def crash_env(folder: Path, version: int) -> dict[str, str]:
+    """The environment of a learner that exits hard after version ``version`` (CRASH_AFTER)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(CRASH_AFTER.format(version=version))
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    }
+
+
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
@@ -76,7 +124,7 @@ def runs(tiny_qwen3, tmp_path_factory):
     recipe.write_text(yaml.safe_dump(spec))
     # the uninterrupted run and the one that crashes after version 1 are independent: run together
     u = torchrun(recipe)
-    k = torchrun(recipe, "run.name=k", env={"ASYNCRL_LEARNER_CRASH_AFTER_VERSION": "1"})
+    k = torchrun(recipe, "run.name=k", env=crash_env(root / "crash", 1))
     (u_rc, u_err), (k_rc, _) = finish(u), finish(k)
     assert u_rc == 0, u_err[-3000:]
     r_rc, r_err = finish(torchrun(recipe, "run.name=k", "run.resume=true"))
