@@ -39,6 +39,7 @@ from asyncrl.launch.children import CHILD_ENV, STOP_GRACE_S, USAGE_EXIT, child_e
 from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
 from asyncrl.launch.reward_servers import (
     check_reward_model,
+    reward_model_summary,
     reward_server_children,
     start_reward_servers,
     url_overrides,
@@ -102,7 +103,7 @@ def run(
             f"last lines of {failed.log}:\n{failed.tail()}",
             file=sys.stderr,
         )
-    return write_run_summary(
+    summary = write_run_summary(
         r,
         run_dir,
         outcome=outcome,
@@ -111,6 +112,12 @@ def run(
         status=watch.status,
         children=plan.children,
     )
+    if reward_servers:  # the learner saw only urls: the model, its accuracy and plot, here
+        summary["reward_model"] = rm = reward_model_summary(r, run_dir)
+        if rm.get("plot"):
+            summary.setdefault("plots", []).append(rm["plot"])
+        summary_mod.write_summary(run_dir, summary)
+    return summary
 
 
 def main(argv: list[str]) -> int:

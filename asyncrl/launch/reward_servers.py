@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncrl.launch.children import Child, stop_children
 from asyncrl.launch.plan import LaunchError
@@ -113,3 +114,28 @@ def url_overrides(urls: Sequence[str]) -> list[str]:
         return []
     quoted = ", ".join(f'"{u}"' for u in urls)
     return [f"rollout.reward_model.urls=[{quoted}]", "rollout.reward_model.path="]
+
+
+def reward_model_summary(r: Recipe, run_dir: Path) -> dict[str, Any]:
+    """summary.json's ``reward_model``: which model scored the rollouts and how well it ranks
+    held-out pairs (``eval_accuracy``, the ``rm_eval_accuracy`` of the reward_model run that
+    exported it, when the path is such a run's ``hf/...`` folder, else None); and the plot of its
+    score against the true reward (plots/reward_model.png)."""
+    from asyncrl import plots
+    from asyncrl import summary as summary_mod
+
+    rm = r.rollout.reward_model
+    folder = r.resolve(rm.path).resolve()  # hf/latest -> hf/vN
+    rm_run = folder.parent.parent if folder.parent.name == "hf" else None
+    rm_summary = summary_mod.read_summary(rm_run) if rm_run is not None else None
+    out: dict[str, Any] = {
+        "path": rm.path,
+        "servers": rm.servers,
+        "eval_accuracy": (rm_summary or {}).get("rm_eval_accuracy"),
+        "run_dir": str(rm_run) if rm_summary else None,
+    }
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        plot = plots.plot_reward_model(plots.read_metrics(metrics), run_dir / "plots")
+        out["plot"] = str(plot) if plot else None
+    return out
