@@ -57,7 +57,7 @@ demo: $(STAMP)
 # 3. reward model on the pairs (right answer over a near miss), 4. async RL on the reward model's score
 # (`asyncrl run` serves it); held-out exact match against the ground truth in runs/demo_rlhf/.
 demo-rlhf: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py --pairs-dir build/demo-rlhf/pairs
+	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py --pairs-dir build/demo-rlhf/pairs --pairs 16000
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_sft.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rm.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rlhf.yaml --overwrite
