@@ -222,7 +222,8 @@ def preferences(
     ``algorithm.loss: reward_model``): the right answer preferred over :func:`wrong_answer`
     (``negatives: shuffle``), or, for ``mixed``, half of the time over :func:`edited_answer` (what
     a reward model that a policy optimises must rank low too)."""
-    rng = random.Random(f"{name}:preferences:{split}:{seed}:{negatives}")
+    key = f"{name}:preferences:{split}:{seed}"  # shuffle: the pairs it wrote before mixed existed
+    rng = random.Random(key if negatives == "shuffle" else f"{key}:{negatives}")
 
     def rejected(answer: str) -> str:
         if negatives == "mixed" and rng.random() < 0.5:
