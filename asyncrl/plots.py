@@ -146,7 +146,10 @@ def plot_reward_model(records, out: Path) -> Path | None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     if xs:
-        ax.plot(xs, ys, color="C0", alpha=0.7, label="reward model score (train samples, mean)")
+        # the worker's mean over each metrics interval (10 s), at the version it had reached
+        ax.plot(
+            xs, ys, "s-", color="C0", alpha=0.7, label="reward model score (train samples, mean)"
+        )
     ax.set(
         xlabel="policy version", ylabel="reward model score", title="Reward model vs true reward"
     )

@@ -679,6 +679,11 @@ def test_rl_run_on_a_reward_model_alone_starts_its_servers_and_evaluates_the_gro
     run_dir = tmp_path / "demo"
     assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
     assert "serving" in (run_dir / "logs/reward_model0.log").read_text()
+    rm = s["reward_model"]  # not a reward_model run's hf/ export: no accuracy to report
+    assert rm["path"] == str(tiny_reward_model) and rm["servers"] == 1
+    assert rm["eval_accuracy"] is None and rm["plot"] in s["plots"]
+    assert Path(rm["plot"]) == run_dir / "plots/reward_model.png" and Path(rm["plot"]).is_file()
+    assert s == json.loads((run_dir / "summary.json").read_text())
     assert "reward_model0" in json.loads((run_dir / "logs/pids.json").read_text())
     rewards = [
         smp.reward
