@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-faults test-sglang lint format demo bench clean
+.PHONY: venv test test-faults test-sglang lint format demo demo-rlhf bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,17 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_sft.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo.yaml --overwrite
 	@echo "summary: runs/demo/summary.json   plots: runs/demo/plots/   W&B offline run: runs/demo/wandb/"
+
+# The RLHF demo (README, docs/reward-models.md): the same task, but the RL stage's only reward is a
+# learned reward model's score. 1. model + data + preference pairs, 2. SFT warm start (demo_sft),
+# 3. reward model on the pairs (right answer over a near miss), 4. async RL on the reward model's score
+# (`asyncrl run` serves it); held-out exact match against the ground truth in runs/demo_rlhf/.
+demo-rlhf: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py --pairs-dir build/demo-rlhf/pairs --pairs 16000
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_sft.yaml --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rm.yaml --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rlhf.yaml --overwrite
+	@echo "summary: runs/demo_rlhf/summary.json   plots: runs/demo_rlhf/plots/ (reward_model.png)   reward model: runs/demo_rm/"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

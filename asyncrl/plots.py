@@ -133,6 +133,35 @@ def plot_reward(records, out: Path) -> Path | None:
     return _save(fig, out / "reward.png")
 
 
+def plot_reward_model(records, out: Path) -> Path | None:
+    """The reward model's score against the true reward, per policy version: the training samples'
+    mean reward (the model's score when ``rollout.reward: model``; left axis, in the model's units)
+    and held-out exact match against the ground truth (``rollout.eval_reward``; right axis). A score
+    that rises while the true reward does not is the reward model being gamed. Drawn by `asyncrl
+    run` for runs that score with a reward model (reward_model.png)."""
+    xs, ys = series(records, names.REWARD_MEAN)
+    ex, ey = series(records, names.EVAL_SUCCESS)
+    if not (xs or ex):
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if xs:
+        # the worker's mean over each metrics interval (10 s), at the version it had reached
+        ax.plot(
+            xs, ys, "s-", color="C0", alpha=0.7, label="reward model score (train samples, mean)"
+        )
+    ax.set(
+        xlabel="policy version", ylabel="reward model score", title="Reward model vs true reward"
+    )
+    right = ax.twinx()
+    if ex:
+        right.plot(ex, ey, "o-", color="C3", label="held-out exact match (ground truth, greedy)")
+    right.set(ylabel="held-out exact match", ylim=(-0.02, 1.02))
+    lines = ax.get_lines() + right.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
+    return _save(fig, out / "reward_model.png")
+
+
 def plot_staleness(records, out: Path) -> Path | None:
     plt = _plt()
     hist = names.STALENESS_HIST

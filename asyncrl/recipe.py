@@ -110,6 +110,12 @@ class RewardModelConfig:
     urls: list[str] = _f(
         factory=list, doc="/classify servers (SGLang or `asyncrl engine` on a reward model folder)"
     )
+    path: str = _f(
+        "",
+        doc="a sequence-classification folder (relative to the recipe) that `asyncrl run` serves "
+        "on `servers` built-in engines and gives the workers as urls; exclusive with urls",
+    )
+    servers: int = _f(1, lo=1, doc="built-in /classify servers `asyncrl run` starts on path")
     weight: float = _f(1.0, doc="the sample's reward adds weight x the (normalised) score")
     timeout_s: float = _f(30.0, lo=0, lo_open=True, doc="one /classify request's bound")
     batch_size: int = _f(16, lo=1, doc="completions per /classify request")
@@ -125,7 +131,7 @@ class RewardModelConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.urls)
+        return bool(self.urls or self.path)
 
 
 @dataclass(kw_only=True)
@@ -137,6 +143,12 @@ class RolloutConfig:
     reward: str = _f(
         "exact_match",
         doc="exact_match, math, an import path module:fn, or model (rollout.reward_model alone)",
+    )
+    eval_reward: str = _f(
+        "",
+        doc="the held-out evaluation's reward: empty = the rollouts' (rollout.reward and the reward "
+        "model); a rule (exact_match, math, module:fn) scores against the data's answers instead, "
+        "e.g. the ground truth of a policy trained on a reward model alone",
     )
     reward_timeout_s: float = _f(10.0, lo=0, lo_open=True)
     reward_weight: float = _f(1.0, doc="weight of rollout.reward when a reward model adds to it")
@@ -630,7 +642,29 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
     rm = r.rollout.reward_model
     if r.rollout.reward == "model" and not rm.enabled:
         raise RecipeError(
-            "reward model needs rollout.reward_model.urls", file=file, key="rollout.reward"
+            "reward model needs rollout.reward_model.urls or rollout.reward_model.path",
+            file=file,
+            key="rollout.reward",
+        )
+    if r.rollout.eval_reward == "model":
+        raise RecipeError(
+            "the held-out evaluation scores with the rollouts' reward when empty; name a rule here",
+            file=file,
+            key="rollout.eval_reward",
+        )
+    if rm.path and rm.urls:
+        raise RecipeError(
+            "give urls (servers you started) or path (`asyncrl run` starts servers on it), "
+            "not both",
+            file=file,
+            key="rollout.reward_model.path",
+        )
+    if check_files and rm.path and not (r.resolve(rm.path) / "config.json").is_file():
+        raise RecipeError(
+            f"reward model folder {rm.path!r} has no config.json (an HF "
+            "sequence-classification folder, e.g. a reward_model run's hf/latest)",
+            file=file,
+            key="rollout.reward_model.path",
         )
     for i, u in enumerate(rm.urls):
         if not u.startswith(("http://", "https://")):

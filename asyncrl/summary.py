@@ -329,4 +329,6 @@ def summary_line(summary: dict[str, Any]) -> str:
     line = {k: summary.get(k) for k in SUMMARY_LINE_KEYS}
     if "rm_eval_accuracy" in summary:  # a reward-model run: what its rewards would be
         line["rm_eval_accuracy"] = summary["rm_eval_accuracy"]
+    if isinstance(summary.get("reward_model"), dict):  # a run scored by a reward model
+        line["rm_eval_accuracy"] = summary["reward_model"].get("eval_accuracy")
     return json.dumps(line)

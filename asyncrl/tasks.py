@@ -184,24 +184,73 @@ def wrong_answer(rng: random.Random, answer: str) -> str:
     return answer[:i] + c + answer[i + 1 :]
 
 
-def preferences(name: str, *, split: Split, n: int, seed: int = 0) -> list[dict[str, str]]:
+def edited_answer(rng: random.Random, answer: str) -> str:
+    """A wrong answer of the right form: 1 to ``len(answer)`` edits of ``answer`` (a character
+    dropped, repeated, or replaced by one the answer does not have; near and far misses alike),
+    never ``answer``. An answer in sorted order stays sorted, so a reward model must check which
+    characters it has, not only their order: a policy optimising a model trained on shuffles alone
+    learns sorted strings of the wrong letters (measured on the RLHF demo: held-out exact match
+    0.17 -> 0.0 as the score rose), and one trained on one or two edits, sorted strings of three or
+    four wrong letters (0.17 -> 0.004)."""
+    ordered = list(answer) == sorted(answer)
+    out = answer
+    for _ in range(rng.randint(1, max(len(answer), 1))):
+        chars = list(out)
+        i = rng.randrange(len(chars)) if chars else 0
+        kind = rng.choice(("drop", "repeat", "replace")) if len(chars) > 1 else "replace"
+        if kind == "drop":
+            del chars[i]
+        elif kind == "repeat":
+            chars.insert(i, chars[i])
+        else:
+            pool = string.digits if answer[:1].isdigit() else string.ascii_lowercase
+            new = [c for c in pool if c not in answer]
+            chars[i : i + 1] = [rng.choice(new)]
+        if ordered:
+            chars.sort()
+        out = "".join(chars)
+    return out if out != answer else wrong_answer(rng, answer)
+
+
+Negatives = Literal["shuffle", "mixed"]
+
+
+def preferences(
+    name: str, *, split: Split, n: int, seed: int = 0, negatives: Negatives = "shuffle"
+) -> list[dict[str, str]]:
     """``n`` preference pairs ``{prompt, chosen, rejected}`` of ``split`` (a reward model's data,
-    ``algorithm.loss: reward_model``): the right answer preferred over :func:`wrong_answer`."""
-    rng = random.Random(f"{name}:preferences:{split}:{seed}")
+    ``algorithm.loss: reward_model``): the right answer preferred over :func:`wrong_answer`
+    (``negatives: shuffle``), or, for ``mixed``, half of the time over :func:`edited_answer` (what
+    a reward model that a policy optimises must rank low too)."""
+    key = f"{name}:preferences:{split}:{seed}"  # shuffle: the pairs it wrote before mixed existed
+    rng = random.Random(key if negatives == "shuffle" else f"{key}:{negatives}")
+
+    def rejected(answer: str) -> str:
+        if negatives == "mixed" and rng.random() < 0.5:
+            return edited_answer(rng, answer)
+        return wrong_answer(rng, answer)
+
     return [
-        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong_answer(rng, r["answer"])}
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": rejected(r["answer"])}
         for r in examples(name, split=split, n=n, seed=seed)
     ]
 
 
 def write_preferences(
-    name: str, out_dir: str | Path, *, train: int, eval: int, seed: int = 0
+    name: str,
+    out_dir: str | Path,
+    *,
+    train: int,
+    eval: int,
+    seed: int = 0,
+    negatives: Negatives = "shuffle",
 ) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``eval.jsonl`` of :func:`preferences`; returns their paths."""
     out = Path(out_dir)
+    kw = {"seed": seed, "negatives": negatives}
     return (
-        write_jsonl(out / "train.jsonl", preferences(name, split="train", n=train, seed=seed)),
-        write_jsonl(out / "eval.jsonl", preferences(name, split="eval", n=eval, seed=seed)),
+        write_jsonl(out / "train.jsonl", preferences(name, split="train", n=train, **kw)),
+        write_jsonl(out / "eval.jsonl", preferences(name, split="eval", n=eval, **kw)),
     )
 
 

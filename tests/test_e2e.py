@@ -661,3 +661,55 @@ def test_after_a_worker_restart_every_trained_token_carries_its_engines_version(
     assert len(processes) >= 2  # the restarted worker's samples were trained too
     assert not wrong, "\n".join(wrong[:20])
     assert all(kl is None or kl < 1e-4 for kl in kls), kls
+
+
+def test_rl_run_on_a_reward_model_alone_starts_its_servers_and_evaluates_the_ground_truth(
+    tmp_path, demo_dir, plugin_path, monkeypatch, tiny_reward_model
+):
+    """rollout.reward_model.path: `asyncrl run` starts the /classify server as a supervised child
+    before the workers, which score every sample with it (rollout.reward: model, the exact-match
+    answer never used); the held-out evaluation scores exact match (rollout.eval_reward); the
+    server is stopped with the rest."""
+    from asyncrl.learner.source import decode_batch
+
+    steps = 2
+    rec = tmp_path / "batches"
+    rec.mkdir()
+    monkeypatch.setenv("ASYNCRL_TEST_RECORD_BATCHES", str(rec))
+    ov = _rl_overrides(
+        demo_dir,
+        tmp_path,
+        f"run.steps={steps}",
+        "rollout.reward=model",
+        f"rollout.reward_model.path={tiny_reward_model}",
+        "rollout.reward_model.input=text",  # another tokenizer than the demo model's
+        "rollout.eval_reward=exact_match",
+    )
+    s = launch.run(ROOT / "recipes/demo.yaml", ov, progress=False)
+    run_dir = tmp_path / "demo"
+    assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
+    assert "serving" in (run_dir / "logs/reward_model0.log").read_text()
+    rm = s["reward_model"]  # not a reward_model run's hf/ export: no accuracy to report
+    assert rm["path"] == str(tiny_reward_model) and rm["servers"] == 1
+    assert rm["eval_accuracy"] is None and rm["plot"] in s["plots"]
+    assert Path(rm["plot"]) == run_dir / "plots/reward_model.png" and Path(rm["plot"]).is_file()
+    assert s == json.loads((run_dir / "summary.json").read_text())
+    assert "reward_model0" in json.loads((run_dir / "logs/pids.json").read_text())
+    rewards = [
+        smp.reward
+        for p in sorted(rec.glob("batch-*.bin"))
+        for g in decode_batch(p.read_bytes()).groups
+        for smp in g.samples
+    ]
+    assert len(rewards) == steps * 2 * 4
+    for p in sorted(rec.glob("batch-*.bin")):
+        for g in decode_batch(p.read_bytes()).groups:
+            assert all("reward_failure" not in smp.metadata for smp in g.samples)
+    # the model's scores, not a 0/1 rule: a random head spreads them over a few units
+    assert len(set(rewards)) > 2 and any(r not in (0.0, 1.0) for r in rewards)
+    evals = metrics.read_metrics(run_dir, process="eval")
+    assert [e["step"] for e in evals] == [0, steps]
+    for e in evals:  # exact match over 16 prompts: a multiple of 1/16 in [0, 1]
+        assert 0 <= e["eval/success"] <= 1 and (e["eval/success"] * 16) % 1 == 0
+        assert e["eval/failed"] == 0
+    _no_children_left(run_dir)

@@ -262,3 +262,114 @@ def test_cli_bad_recipe_is_one_line(tmp_path, capsys):
     assert launch.main([str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err
     assert "recipe file not found" in err and "Traceback" not in err
+
+
+def _classify(url: str, text: str) -> float:
+    import urllib.request
+
+    req = urllib.request.Request(
+        url + "/classify",
+        data=json.dumps({"text": [text]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())[0]["embedding"][0]
+
+
+def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_port(
+    tmp_path, tiny_qwen3, tiny_reward_model
+):
+    """rollout.reward_model.path: `asyncrl run` starts `servers` built-in engines on it before the
+    learner and the workers, healthy, and hands their urls (not the path) to both; one killed is
+    restarted by the supervisor on the same port, so the urls the workers hold stay right."""
+    from asyncrl.launch.reward_servers import (
+        reward_server_children,
+        start_reward_servers,
+        url_overrides,
+    )
+    from asyncrl.rollout.engine.process import healthy
+    from asyncrl.rollout.model_reward import build_reward
+
+    r = _recipe(
+        tmp_path,
+        tiny_qwen3,
+        f"run.output_dir={tmp_path}",
+        "rollout.reward=model",
+        f"rollout.reward_model.path={tiny_reward_model}",
+        "rollout.reward_model.servers=2",
+    )
+    run_dir = prepare_run_dir(r, overwrite=False)
+    children = reward_server_children(r, run_dir, tmp_path)
+    assert [c.name for c in children] == ["reward_model0", "reward_model1"]
+    env = {**os.environ, **launch.CHILD_ENV}
+    try:
+        urls = start_reward_servers(children, env, timeout_s=120.0)
+        assert len(set(urls)) == 2 and all(healthy(u) for u in urls)
+        scores = [_classify(u, "dcab=abcd") for u in urls]
+        assert scores[0] == pytest.approx(scores[1], abs=1e-6)  # the same model behind both
+        # the learner and the worker get the urls and no path: their recipe loads, and scores
+        plan = make_plan(r, ROOT / "recipes/demo.yaml", url_overrides(urls), tmp_path)
+        for child in plan.children:
+            given = [a for a in child.argv if a.startswith("rollout.reward_model.")]
+            seen = recipe.load(
+                ROOT / "recipes/demo.yaml",
+                [f"model.path={tiny_qwen3}", "data.path=", "data.eval_path=", *given],
+            )
+            assert seen.rollout.reward_model.urls == urls and seen.rollout.reward_model.path == ""
+            build_reward(seen)  # no "needs urls" error
+        # killed: restarted (as any child) on the port the workers know
+        port = urls[0].rsplit(":", 1)[1]
+        assert children[0].argv[children[0].argv.index("--port") + 1] == port
+        children[0].signal_group(signal.SIGKILL)
+        _exited(children[0])
+        assert restart_the_dead(children, 1, env, run_dir) is None
+        assert children[0].restarts == 1
+        deadline = time.monotonic() + 120.0
+        while not healthy(urls[0]):
+            assert children[0].poll() is None, children[0].tail()
+            assert time.monotonic() < deadline, "the restarted server never answered /health"
+            time.sleep(0.2)
+        assert _classify(urls[0], "dcab=abcd") == pytest.approx(scores[0], abs=1e-6)
+    finally:
+        stop_children(children, grace_s=10.0)
+    assert all(c.poll() is not None for c in children)
+
+
+def test_a_reward_model_server_that_cannot_start_is_named_with_its_log(tmp_path, tiny_qwen3):
+    """A server that exits while starting stops the launch with its name and its log's tail."""
+    from asyncrl.launch.reward_servers import reward_server_children, start_reward_servers
+
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text('{"architectures": ["Qwen3ForSequenceClassification"]}')
+    r = _recipe(
+        tmp_path,
+        tiny_qwen3,
+        f"run.output_dir={tmp_path}",
+        "rollout.reward=model",
+        f"rollout.reward_model.path={rm}",
+    )
+    children = reward_server_children(r, prepare_run_dir(r, overwrite=False), tmp_path)
+    env = {**os.environ, **launch.CHILD_ENV}
+    with pytest.raises(launch.LaunchError, match="reward_model0 .* exited with code") as e:
+        start_reward_servers(children, env, timeout_s=120.0)
+    assert "reward_model0.log" in str(e.value)
+    assert all(c.poll() is not None for c in children)
+
+
+def test_a_causal_lm_as_reward_model_is_refused_before_anything_starts(
+    tmp_path, tiny_qwen3, capsys
+):
+    argv = [
+        str(ROOT / "recipes/demo.yaml"),
+        f"model.path={tiny_qwen3}",
+        "data.path=",
+        "data.eval_path=",
+        f"run.output_dir={tmp_path}",
+        "rollout.reward=model",
+        f"rollout.reward_model.path={tiny_qwen3}",
+    ]
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "rollout.reward_model.path" in err and "not a sequence-classification" in err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,28 @@ def test_demo_sft_recipe_points_at_what_make_demo_builds(tmp_path):
     )
     assert r.algorithm.loss == "sft"
     assert (out / "model/config.json").is_file()
+
+
+def test_the_rlhf_demo_chains_its_stages_and_never_gives_the_answer_to_the_rl_reward(tmp_path):
+    """`make demo-rlhf`: the pairs make_demo writes feed demo_rm; demo_rlhf starts from demo_sft's
+    export, is scored by demo_rm's export alone (served by `asyncrl run`) and evaluated on exact
+    match against the ground truth."""
+    from tools.make_demo import make_pairs
+
+    pairs = make_pairs(tmp_path / "pairs", train=20)
+    assert len((pairs / "train.jsonl").read_text().splitlines()) == 20
+    assert len((pairs / "eval.jsonl").read_text().splitlines()) == 500
+    rm = recipe.load(ROOT / "recipes/demo_rm.yaml", check_files=False)
+    assert rm.algorithm.loss == "reward_model"
+    assert rm.resolve(rm.data.path).resolve() == (ROOT / "build/demo-rlhf/pairs/train.jsonl")
+    rl = recipe.load(ROOT / "recipes/demo_rlhf.yaml", check_files=False)
+    ro = rl.rollout
+    assert ro.reward == "model" and ro.eval_reward == "exact_match" and not ro.reward_model.urls
+    sft = recipe.load(ROOT / "recipes/demo_sft.yaml", check_files=False)
+    # hf/latest links to the newest export: compare the paths the recipe names, links unresolved
+    assert _norm(rl.resolve(ro.reward_model.path)) == ROOT / "runs" / rm.run.name / "hf/latest"
+    assert _norm(rl.resolve(rl.model.path)) == ROOT / "runs" / sft.run.name / "hf/latest"
+
+
+def _norm(p: Path) -> Path:
+    return Path(os.path.normpath(p))

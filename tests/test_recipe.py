@@ -102,7 +102,26 @@ def test_overrides_are_typed(tmp_path):
             "learner.minibatches",
             "one update per batch of pairs",
         ),
-        ("rollout: {reward: model}\n", [], "rollout.reward", "rollout.reward_model.urls"),
+        ("rollout: {reward: model}\n", [], "rollout.reward", "rollout.reward_model.urls or"),
+        (  # the launcher's servers or the user's: one of the two
+            "rollout: {reward_model: {urls: ['http://127.0.0.1:30001'], path: rm}}\n",
+            ["rollout.reward_model.path=."],
+            "rollout.reward_model.path",
+            "not both",
+        ),
+        (
+            "rollout: {reward: model, reward_model: {path: no_such_rm}}\n",
+            [],
+            "rollout.reward_model.path",
+            "'no_such_rm' has no config.json",
+        ),
+        (
+            "rollout: {reward_model: {path: ., servers: 0}}\n",
+            [],
+            "rollout.reward_model.servers",
+            "must be >= 1",
+        ),
+        ("rollout: {eval_reward: model}\n", [], "rollout.eval_reward", "name a rule"),
         (
             "rollout: {reward_model: {urls: [localhost:30001]}}\n",
             [],

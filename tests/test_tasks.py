@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from asyncrl import tasks
@@ -68,3 +70,22 @@ def test_cli_writes_jsonl(tmp_path):
     held = list(tasks.read_jsonl(tmp_path / "eval.jsonl"))
     assert len(train) == 20 and len(held) == 10
     assert set(train[0]) == {"prompt", "answer", "completion"}
+
+
+def test_mixed_negatives_keep_a_sorted_answers_form_with_other_letters():
+    """negatives: mixed (the RLHF demo's reward model): half the rejected answers are the right
+    letters shuffled, half edits that stay sorted but drop, repeat or replace letters, near and far
+    (a reward model that never saw those ranks a policy's sorted wrong letters high)."""
+    rows = tasks.preferences("sort", split="train", n=400, seed=0, negatives="mixed")
+    assert rows == tasks.preferences("sort", split="train", n=400, seed=0, negatives="mixed")
+    assert all(r["rejected"] != r["chosen"] for r in rows)
+    shuffled = [r for r in rows if sorted(r["rejected"]) == sorted(r["chosen"])]
+    edited = [r for r in rows if sorted(r["rejected"]) != sorted(r["chosen"])]
+    assert 120 < len(shuffled) < 280 and 120 < len(edited) < 280
+    assert all(list(r["rejected"]) == sorted(r["rejected"]) for r in edited)
+    far = [r for r in edited if len(set(r["rejected"]) - set(r["chosen"])) >= 3]
+    assert far, "no far misses"
+    default = tasks.preferences("sort", split="train", n=50, seed=0)
+    assert all(sorted(r["rejected"]) == sorted(r["chosen"]) for r in default)  # shuffles only
+    rng = random.Random(0)
+    assert all(tasks.edited_answer(rng, a) != a for a in ("a", "ab", "abcde", "42") * 50)

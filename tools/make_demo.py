@@ -4,8 +4,11 @@
 
 writes ``OUT/model`` (Qwen3ForCausalLM: hidden 128, 2 layers, 4 heads / 4 KV heads, intermediate 512,
 tied embeddings, 64 positions: small enough to learn by RL in a minute on 2 cores, with the
-char tokenizer of tools/make_tiny_model.py) and ``OUT/data/{train,eval}.jsonl``. Idempotent: existing
-outputs made with the same arguments are kept, so `make demo` can be re-run cheaply.
+char tokenizer of tools/make_tiny_model.py) and ``OUT/data/{train,eval}.jsonl``. With ``--pairs-dir``
+(`make demo-rlhf`) also the reward model's preference pairs of the same task,
+``PAIRS_DIR/{train,eval}.jsonl`` (:func:`asyncrl.tasks.write_preferences`: the right answer over a
+near miss, shuffled or edited (``negatives: mixed``); ``--pairs`` training pairs, 500 held out). Idempotent: existing outputs made with the same
+arguments are kept, so `make demo` can be re-run cheaply.
 """
 
 from __future__ import annotations
@@ -47,6 +50,29 @@ def make_demo(
     return out
 
 
+def make_pairs(out: str | Path, *, task: str = "sort", seed: int = 0, train: int = 4000) -> Path:
+    """Make (or keep) the reward model's preference pairs under ``out``; returns ``out``."""
+    out = Path(out)
+    stamp = out / "made_with.json"
+    args = {
+        "task": task,
+        "seed": seed,
+        "train": train,
+        "eval": PAIRS_EVAL,
+        "negatives": "mixed",
+        "edits": "1..len",
+    }
+    if stamp.is_file() and json.loads(stamp.read_text()) == args:
+        return out
+    tasks.write_preferences(task, out, train=train, eval=PAIRS_EVAL, seed=seed, negatives="mixed")
+    stamp.write_text(json.dumps(args))
+    return out
+
+
+PAIRS_EVAL = 500
+"""Held-out pairs: the reward model's ``rm/eval_accuracy`` is measured on them."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="build/demo")
@@ -54,9 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train", type=int, default=20000)
     p.add_argument("--eval", type=int, default=500)
+    p.add_argument("--pairs-dir", help="also write the reward model's preference pairs here")
+    p.add_argument("--pairs", type=int, default=4000, help="training preference pairs")
     a = p.parse_args(argv)
     out = make_demo(a.out, task=a.task, seed=a.seed, train=a.train, eval=a.eval)
     print(f"demo model and data in {out}")
+    if a.pairs_dir:
+        pairs = make_pairs(a.pairs_dir, task=a.task, seed=a.seed, train=a.pairs)
+        print(f"preference pairs in {pairs}")
     return 0
 
 

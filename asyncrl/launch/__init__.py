@@ -1,9 +1,10 @@
 """`asyncrl run RECIPE [key=value ...]`: the whole system on one machine (docs/design.md §1).
 
-Starts the learner (alone, or under torchrun when ``learner.ranks > 1``) and ``rollout.workers``
-rollout workers (each starts its built-in engines) as child processes, each in its own process group
-with one thread, waits until the learner's buffer answers, shows progress, and stops everything when
-the learner finishes, on Ctrl-C / SIGTERM, or when a child dies for good (printing its log's tail).
+Starts the learner (alone, or under torchrun when ``learner.ranks > 1``), ``rollout.workers``
+rollout workers (each starts its built-in engines) and, with ``rollout.reward_model.path``, the
+reward model's /classify servers (``reward_servers``: healthy before the others start) as child
+processes, each in its own process group with one thread, waits until the learner's buffer answers,
+shows progress, and stops everything when the learner finishes, on Ctrl-C / SIGTERM, or when a child dies for good (printing its log's tail).
 A child that dies is first restarted, up to ``run.max_restarts`` times: a rollout worker with the same
 command (it resumes its data position from the buffer), the learner with ``run.resume=true`` (from its
 last checkpoint; the workers reconnect by themselves). Exit code 2 (a user's mistake: a bad recipe,
@@ -15,7 +16,8 @@ the held-out evaluation, ``plots/*.png`` and ``summary.json``, to which the laun
 No orphans: a child gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and every stop signals the
 child's whole process group (torchrun's ranks, a worker's engines), then SIGKILLs what is left.
 
-The parts: ``plan`` (the run folder; which processes, with which arguments), ``children``
+The parts: ``plan`` (the run folder; which processes, with which arguments), ``reward_servers``
+(the reward model's servers and their urls), ``children``
 (supervising them: start, restart the dead, stop), ``watch`` (the progress display) and
 ``run_summary`` (summary.json at the end).
 """
@@ -35,6 +37,13 @@ from asyncrl import recipe as recipe_mod
 from asyncrl import summary as summary_mod
 from asyncrl.launch.children import CHILD_ENV, STOP_GRACE_S, USAGE_EXIT, child_env, supervise
 from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
+from asyncrl.launch.reward_servers import (
+    check_reward_model,
+    reward_model_summary,
+    reward_server_children,
+    start_reward_servers,
+    url_overrides,
+)
 from asyncrl.launch.run_summary import write_run_summary
 from asyncrl.launch.watch import RunWatch
 
@@ -54,17 +63,27 @@ def run(
     recipe_path = Path(recipe_path).resolve()
     overrides = list(overrides)
     r = recipe_mod.load(recipe_path, overrides)
+    check_reward_model(r)
     run_dir = prepare_run_dir(r, overwrite=overwrite)
     (run_dir / "recipe.yaml").write_text(recipe_mod.dump(r))
     t0, started_at = time.monotonic(), time.time()
     sock_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))  # short path: ipc socket names are <108 B
-    plan = make_plan(r, recipe_path, overrides, sock_dir)
+    env = child_env(r)
+    try:
+        # the reward model's servers first: healthy before anything scores with them
+        reward_servers = reward_server_children(r, run_dir, sock_dir)
+        urls = start_reward_servers(reward_servers, env, timeout_s=r.generator.startup_timeout_s)
+    except BaseException:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        raise
+    plan = make_plan(r, recipe_path, [*overrides, *url_overrides(urls)], sock_dir)
+    plan.children.extend(reward_servers)  # after the learner: children[0] ends the run
     enabled = r.logging.progress if progress is None else progress
     watch = RunWatch(r, plan.buffer_address, run_dir, t0=t0, enabled=enabled)
     try:
         outcome, failed = supervise(
             plan.children,
-            env=child_env(r),
+            env=env,
             run_dir=run_dir,
             max_restarts=r.run.max_restarts,
             deadline=t0 + r.run.timeout_s,
@@ -80,7 +99,7 @@ def run(
             f"last lines of {failed.log}:\n{failed.tail()}",
             file=sys.stderr,
         )
-    return write_run_summary(
+    summary = write_run_summary(
         r,
         run_dir,
         outcome=outcome,
@@ -89,6 +108,12 @@ def run(
         status=watch.status,
         children=plan.children,
     )
+    if reward_servers:  # the learner saw only urls: the model, its accuracy and plot, here
+        summary["reward_model"] = rm = reward_model_summary(r, run_dir)
+        if rm.get("plot"):
+            summary.setdefault("plots", []).append(rm["plot"])
+        summary_mod.write_summary(run_dir, summary)
+    return summary
 
 
 def main(argv: list[str]) -> int:

@@ -205,7 +205,8 @@ def supervise(
     tick: Callable[[], None] = lambda: None,
     before_stop: Callable[[], None] = lambda: None,
 ) -> tuple[str, Child | None]:
-    """Start the children, keep them alive until the run ends, then stop them all.
+    """Start the children (those not started yet), keep them alive until the run ends, then stop
+    them all.
 
     Returns the outcome ("completed": the first child, the learner, exited 0; "failed"; "timeout"
     at ``deadline`` (monotonic); "stopped (SIGINT)" or SIGTERM) and the child that died for good.
@@ -216,7 +217,8 @@ def supervise(
     failed: Child | None = None
     try:
         for child in children:
-            child.start(env)
+            if child.proc is None:  # the reward model's servers are started (and healthy) already
+                child.start(env)
         write_pids(children, run_dir)
         while True:
             if children[0].poll() == 0:

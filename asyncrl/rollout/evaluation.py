@@ -25,6 +25,7 @@ from asyncrl.recipe import Recipe
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.model_reward import Reward, build_reward
+from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import ToolRegistry
@@ -74,6 +75,18 @@ def eval_rows(r: Recipe) -> list[dict[str, Any]]:
     return [dict(ds[i]) for i in range(min(n, len(ds)))]
 
 
+def eval_reward(r: Recipe) -> Reward:
+    """The held-out reward: ``rollout.eval_reward``'s rule against the data's answers when set (a
+    policy trained on a reward model alone is judged by the ground truth, not by the model it
+    optimises), else the rollouts' own (:func:`build_reward`)."""
+    ro = r.rollout
+    if not ro.eval_reward:
+        return build_reward(r)
+    return RewardRunner(
+        load_reward(ro.eval_reward), timeout_s=ro.reward_timeout_s, answer_key=r.data.answer_key
+    )
+
+
 @dataclass(kw_only=True)
 class Evaluation:
     """What an evaluation needs besides the generators, built once from the recipe."""
@@ -106,7 +119,7 @@ class Evaluation:
             rows=rows,
             tokenizer=tokenizer,
             workflow=load_workflow(ro.workflow),
-            reward=build_reward(r),
+            reward=eval_reward(r),
             params=dataclasses.replace(SamplingParams.from_recipe(ro), temperature=0.0),
             tools=tool_set.registry,
             tool_set=tool_set,

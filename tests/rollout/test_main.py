@@ -135,6 +135,19 @@ def test_user_mistakes_are_one_line_errors(tmp_path, tiny_qwen3, capsys):
     assert err[-1] == "asyncrl rollout: --learner-file gives the addresses: drop --buffer and --pub"
 
 
+def test_a_worker_started_alone_takes_urls_not_a_reward_model_path(
+    tmp_path, tiny_qwen3, tiny_reward_model, capsys
+):
+    """rollout.reward_model.path is for `asyncrl run`, which serves it and passes the urls; a worker
+    started alone with only the path says so in one line, before starting an engine."""
+    recipe = _recipe(tmp_path, tiny_qwen3)
+    argv = [str(recipe), "rollout.reward=model", f"rollout.reward_model.path={tiny_reward_model}"]
+    assert rollout_main.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("asyncrl rollout: rollout.reward_model.urls: `asyncrl run` starts")
+    assert "Traceback" not in "\n".join(err)
+
+
 @pytest.mark.faults
 def test_worker_exits_when_its_engine_dies(tmp_path, tiny_qwen3):
     """Kill the worker's built-in engine (SIGKILL): the worker ends with exit code 1 and says why,

@@ -278,3 +278,42 @@ def test_worker_groups_carry_the_models_scores_and_its_failures(
         _Hang.release.set()
         httpd.shutdown()
         set_label(rollout_engine.url, "default")
+
+
+def test_a_path_without_urls_is_for_asyncrl_run_to_serve(tiny_reward_model):
+    """rollout.reward_model.path is served by `asyncrl run`, which passes the servers' urls; a
+    process started alone (`asyncrl rollout`) with only the path is told to give urls."""
+    r = recipe_mod.from_dict(
+        {"rollout": {"reward": "model", "reward_model": {"path": str(tiny_reward_model)}}}
+    )
+    with pytest.raises(recipe_mod.RecipeError) as e:
+        build_reward(r)
+    assert e.value.key == "rollout.reward_model.urls" and "asyncrl run" in str(e.value)
+
+
+def test_held_out_evaluation_scores_the_ground_truth_with_eval_reward(rm_server):
+    """A policy trained on the reward model alone is judged by rollout.eval_reward's rule against
+    the data's answers, not by the model's score; unset, the evaluation scores as the rollouts do."""
+    from asyncrl.rollout.evaluation import eval_reward
+
+    def score(reward, completion: str) -> float:
+        async def go():
+            return await reward.score(
+                prompt="dcab=",
+                completion=completion,
+                prompt_ids=[1, 2],
+                completion_ids=[3, 4],
+                row={"answer": "abcd"},
+            )
+
+        return trio.run(go).value
+
+    rm = {"urls": [rm_server.url], "input": "text"}
+    ground_truth = eval_reward(
+        recipe_mod.from_dict(
+            {"rollout": {"reward": "model", "reward_model": rm, "eval_reward": "exact_match"}}
+        )
+    )
+    assert score(ground_truth, "abcd") == 1.0 and score(ground_truth, "dcab") == 0.0
+    same = eval_reward(recipe_mod.from_dict({"rollout": {"reward": "model", "reward_model": rm}}))
+    assert isinstance(same, CombinedReward) and score(same, "abcd") not in (0.0, 1.0)

@@ -121,7 +121,7 @@ def start_engine_process(
                 raise RuntimeError(f"engine not healthy within {timeout_s:.0f}s:\n{ep.log_tail()}")
             if ep.port == 0 and port_file.exists():
                 ep.port = int(port_file.read_text())
-            if ep.port and _healthy(ep.url):
+            if ep.port and healthy(ep.url):
                 return ep
             time.sleep(0.1)
     except BaseException:
@@ -129,7 +129,8 @@ def start_engine_process(
         raise
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Does the engine at ``url`` answer /health with 200 (within 2 s)?"""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2.0) as r:
             return r.status == 200
