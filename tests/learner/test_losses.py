@@ -18,12 +18,14 @@ from asyncrl.learner.losses import (
     bradley_terry,
     count_tokens_and_seqs,
     explained_variance,
+    explained_variance_from_sums,
     finalize_stats,
     kl_penalty,
     needs_prox,
     policy_loss,
     token_weights,
     value_loss,
+    variance_sums,
     zero_stats,
 )
 from asyncrl.recipe import AlgorithmConfig
@@ -693,6 +695,19 @@ def test_explained_variance():
         pytest.approx(0.2)
     )
     assert explained_variance(t(0.0, 1.0), t(3.0, 3.0), torch.ones(2)) == 0.0  # nothing to explain
+
+
+def test_explained_variance_from_sums_added_over_ranks_equals_the_whole():
+    """The learner adds variance_sums over its ranks (an all-reduce) before the ratio."""
+    g = torch.Generator().manual_seed(0)
+    v, r = torch.randn(50, generator=g, dtype=F64), torch.randn(50, generator=g, dtype=F64)
+    r = r + 2 * v  # values that explain part of the returns
+    m = torch.ones(50, dtype=torch.bool)
+    parts = variance_sums(v[:17], r[:17], m[:17]) + variance_sums(v[17:], r[17:], m[17:])
+    whole = explained_variance(v, r, m)
+    assert 0.5 < whole < 1
+    assert explained_variance_from_sums(parts) == pytest.approx(whole, rel=1e-12)
+    assert explained_variance_from_sums(torch.zeros(5, dtype=F64)) == 0.0  # a batch of no tokens
 
 
 def test_finalize_sums_critic_stats_with_the_policy_stats():
