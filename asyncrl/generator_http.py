@@ -169,21 +169,22 @@ _POLL_FIRST_S, _POLL_CAP_S = 0.05, 1.0  # a server coming up is asked again soon
 
 
 def healthy(http: httpx.Client, url: str, *, timeout_s: float | None = None) -> bool:
-    """Whether ``/health`` answers 200: the server is up and its scheduler serves."""
+    """Whether ``/health`` answers 200: the server is up and its scheduler serves. Only the status
+    counts (SGLang's body is empty; another server's may be text)."""
     try:
-        call(http, url, "GET", "/health", timeout_s=timeout_s or _HEALTH_TIMEOUT_S)
+        call(http, url, "GET", "/health", timeout_s=timeout_s)
         return True
-    except GeneratorError:
-        return False
+    except GeneratorError as e:
+        return e.status == 200
 
 
 async def ahealthy(http: httpx.AsyncClient, url: str, *, timeout_s: float | None = None) -> bool:
     """:func:`healthy` on trio."""
     try:
-        await acall(http, url, "GET", "/health", timeout_s=timeout_s or _HEALTH_TIMEOUT_S)
+        await acall(http, url, "GET", "/health", timeout_s=timeout_s)
         return True
-    except GeneratorError:
-        return False
+    except GeneratorError as e:
+        return e.status == 200
 
 
 async def wait_healthy(http: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
@@ -192,7 +193,9 @@ async def wait_healthy(http: httpx.AsyncClient, urls: list[str], timeout_s: floa
     waiting = list(urls)
     with trio.move_on_after(timeout_s):
         for attempt in itertools.count():
-            waiting = [u for u in waiting if not await ahealthy(http, u)]
+            waiting = [
+                u for u in waiting if not await ahealthy(http, u, timeout_s=_HEALTH_TIMEOUT_S)
+            ]
             if not waiting:
                 return
             await trio.sleep(backoff.delay_s(attempt, first=_POLL_FIRST_S, cap=_POLL_CAP_S))

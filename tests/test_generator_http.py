@@ -148,7 +148,7 @@ def test_a_server_that_does_not_listen_is_dead_for_both_paths():
 
 
 def test_wait_healthy_asks_again_until_a_server_is_up_and_names_one_that_never_is(scripted):
-    _Scripted.replies = {"/health": [(503, b"")] * 3 + [(200, b"")]}
+    _Scripted.replies = {"/health": [(503, b"")] * 3 + [(200, b"OK")]}  # text: up all the same
     nobody = f"http://127.0.0.1:{free_port('127.0.0.1')}"
 
     async def run():

@@ -1,4 +1,5 @@
-"""The generator client: SGLang's ``/generate`` over httpx on trio (docs/design.md §3).
+"""The generator client: SGLang's ``/generate`` on trio (docs/design.md §3), its HTTP calls made,
+and their failures told apart, by :mod:`asyncrl.generator_http` as the weight calls' are.
 
 One :class:`GeneratorPool` drives any number of SGLang servers or built-in engines (same HTTP API):
 
