@@ -189,3 +189,43 @@ def test_weight_calls_from_worker_threads_against_the_engine(rollout_engine):
     assert out["health"] is True
     assert out["version"] == out["model_info"]["weight_version"]
     assert isinstance(out["checksum"], str) and out["checksum"]
+
+
+def test_the_pool_moves_a_request_off_a_5xx_generator_but_not_off_a_refusal(
+    scripted, rollout_engine
+):
+    """What the pool does with the one error: an answer of 5xx (a server in trouble) marks that
+    generator down and the request goes to another; a 4xx says the request itself is bad, and
+    another generator would refuse it too, so it fails where it is."""
+    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.sglang_protocol import SamplingParams
+    from tests.labels import get_label, set_label
+
+    _Scripted.replies = {"/generate": [(503, _json({"message": "overloaded"}))]}
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+    async def go():
+        async with GeneratorPool([scripted, rollout_engine.url], retry_s=30.0) as pool:
+            for g in pool.generators.values():  # as after label(): both hold version 0
+                g.version = 0
+            done = [await pool.generate([5, 6, 7, i], params) for i in range(3)]
+            sick = pool.generators[scripted]
+            marked = (sick.failures, sick.last_error)
+            _Scripted.replies["/generate"] = [(400, b"prompt too long")]
+            sick.down_until, sick.version = 0.0, 0  # back up: it is asked first (in order)
+            pool.generators[rollout_engine.url].in_flight = 1  # so the pick is the scripted one
+            with pytest.raises(GeneratorError, match="HTTP 400: prompt too long") as e:
+                await pool.generate([5, 6, 7], params)
+            return done, marked, sick.failures, e.value
+
+    before = get_label(rollout_engine.url)
+    set_label(rollout_engine.url, "0")
+    try:
+        done, marked, failures, refused = trio.run(go)
+    finally:
+        set_label(rollout_engine.url, before)
+    assert all(c.generator == rollout_engine.url for c in done)
+    assert _Scripted.hits["/generate"] == 2  # 1 503 (then down), 1 refusal: nothing retried there
+    assert marked == (1, "HTTP 503: overloaded")
+    assert failures == 1  # the refusal is no failure of the server: it stays up
+    assert refused.refused and refused.url == scripted and not refused.dead
