@@ -189,8 +189,8 @@ class Doctor:
         return [self._check_server(url) for url in g.urls]
 
     def _check_server(self, url: str) -> Check:
+        from asyncrl.generator_http import GeneratorError, WeightsClient
         from asyncrl.rollout.sglang_protocol import parse_version_label
-        from asyncrl.weights.client import GeneratorError, WeightsClient
         from asyncrl.weights.rendezvous import LayoutError, server_ranks
         from asyncrl.wire import GeneratorInfo
 

@@ -282,12 +282,12 @@ def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_
     """rollout.reward_model.path: `asyncrl run` starts `servers` built-in engines on it before the
     learner and the workers, healthy, and hands their urls (not the path) to both; one killed is
     restarted by the supervisor on the same port, so the urls the workers hold stay right."""
+    from asyncrl.generator_http import healthy, sync_client
     from asyncrl.launch.reward_servers import (
         reward_server_children,
         start_reward_servers,
         url_overrides,
     )
-    from asyncrl.rollout.engine.process import healthy
     from asyncrl.rollout.model_reward import build_reward
 
     r = _recipe(
@@ -302,9 +302,10 @@ def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_
     children = reward_server_children(r, run_dir, tmp_path)
     assert [c.name for c in children] == ["reward_model0", "reward_model1"]
     env = {**os.environ, **launch.CHILD_ENV}
+    http = sync_client(2.0)
     try:
         urls = start_reward_servers(children, env, timeout_s=120.0)
-        assert len(set(urls)) == 2 and all(healthy(u) for u in urls)
+        assert len(set(urls)) == 2 and all(healthy(http, u) for u in urls)
         scores = [_classify(u, "dcab=abcd") for u in urls]
         assert scores[0] == pytest.approx(scores[1], abs=1e-6)  # the same model behind both
         # the learner and the worker get the urls and no path: their recipe loads, and scores
@@ -325,12 +326,13 @@ def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_
         assert restart_the_dead(children, 1, env, run_dir) is None
         assert children[0].restarts == 1
         deadline = time.monotonic() + 120.0
-        while not healthy(urls[0]):
+        while not healthy(http, urls[0]):
             assert children[0].poll() is None, children[0].tail()
             assert time.monotonic() < deadline, "the restarted server never answered /health"
             time.sleep(0.2)
         assert _classify(urls[0], "dcab=abcd") == pytest.approx(scores[0], abs=1e-6)
     finally:
+        http.close()
         stop_children(children, grace_s=10.0)
     assert all(c.poll() is not None for c in children)
 

@@ -69,13 +69,14 @@ def start_reward_servers(
     """Start the servers, wait until each answers /health, pin each one's port in its argv (for
     restarts); returns their urls. LaunchError naming the server and its log's tail if one exits
     or is not healthy within ``timeout_s`` (all of them stopped)."""
-    from asyncrl.rollout.engine.process import healthy
+    from asyncrl.generator_http import healthy, sync_client
 
     for c in children:
         port_file(c).unlink(missing_ok=True)
         c.start(env)
     urls: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
+    http = sync_client(2.0)
     try:
         while len(urls) < len(children):
             for c in children:
@@ -90,7 +91,7 @@ def start_reward_servers(
                 f = port_file(c)
                 if f.is_file():
                     url = f"http://{HOST}:{int(f.read_text())}"
-                    if healthy(url):
+                    if healthy(http, url):
                         urls[c.name] = url
                         c.argv[c.argv.index("--port") + 1] = url.rsplit(":", 1)[1]
             if time.monotonic() > deadline:
@@ -104,6 +105,8 @@ def start_reward_servers(
     except BaseException:
         stop_children(children, grace_s=10.0)
         raise
+    finally:
+        http.close()
     return [urls[c.name] for c in children]
 
 

@@ -3,7 +3,8 @@
 - :mod:`asyncrl.rollout.client`: the generator pool, SGLang ``/generate`` over HTTP (version bound,
   abort resume, load spreading, batching) for SGLang servers and the built-in engine alike;
   :mod:`asyncrl.rollout.sglang_protocol`: the protocol itself, pure (requests, parsed responses,
-  per-token versions).
+  per-token versions); the HTTP calls go through :mod:`asyncrl.generator_http`, as the weight
+  broadcaster's and the reward model's do.
 - :mod:`asyncrl.rollout.workflows` and :mod:`asyncrl.rollout.tools`: single-turn and multi-turn
   (tool-calling) episodes; user workflows and tools by import path.
 - :mod:`asyncrl.rollout.rewards`: exact match, math-verify, user rewards, run with timeouts.

@@ -1,4 +1,5 @@
-"""The generator client: SGLang's ``/generate`` over httpx on trio (docs/design.md §3).
+"""The generator client: SGLang's ``/generate`` on trio (docs/design.md §3), its HTTP calls made,
+and their failures told apart, by :mod:`asyncrl.generator_http` as the weight calls' are.
 
 One :class:`GeneratorPool` drives any number of SGLang servers or built-in engines (same HTTP API):
 
@@ -28,12 +29,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import trio
 
 from asyncrl import backoff
+from asyncrl.generator_http import GeneratorError, acall, async_client, wait_healthy
 from asyncrl.rollout.sglang_protocol import (
-    GeneratorPoolError,
     GeneratorResponseError,
     SamplingParams,
     Segment,
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 
 _SHARDS = 16  # httpx clients per pool; see GeneratorPool.__init__
 _SHARD = 32  # keep-alive connections per client
-
-
-class GeneratorRefused(GeneratorPoolError):
-    """A generator answered with HTTP 4xx: the request itself is bad (e.g. a prompt too long)."""
 
 
 @dataclass(eq=False)
@@ -159,9 +155,10 @@ class GeneratorPool:
         # httpcore's pool rescans every (request, connection) pair on each event, O(R x C): with
         # hundreds of episodes in flight that scan cost more CPU than the engine's decoding. Shards
         # of at most _SHARD concurrent requests keep each scan small.
-        timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=_SHARD)
-        self._shards = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(_SHARDS)]
+        self._shards = [
+            async_client(timeout_s, connect_s=connect_timeout_s, keepalive=_SHARD)
+            for _ in range(_SHARDS)
+        ]
         self._shard_rr = itertools.count()
         self._http = self._shards[0]  # control calls (health, abort): few, never concurrent
 
@@ -237,39 +234,29 @@ class GeneratorPool:
     async def _model_info_version(self, g: GeneratorState) -> Any:
         """``weight_version`` from the generator's ``/model_info`` (raises on a bad answer)."""
         g.version_read_at = trio.current_time()  # claimed: concurrent waiters do not ask again
-        r = await self._http.get(g.url + "/model_info", timeout=5.0)
-        if r.status_code != 200:
-            raise GeneratorPoolError(f"{g.url}/model_info: HTTP {r.status_code}: {r.text[:200]}")
-        try:
-            body = r.json()
-        except ValueError:
-            raise GeneratorResponseError(f"{g.url}/model_info: response is not JSON") from None
+        body = await acall(self._http, g.url, "GET", "/model_info", timeout_s=5.0)
         if not isinstance(body, dict) or "weight_version" not in body:
-            raise GeneratorResponseError(f"{g.url}/model_info: no weight_version")
+            raise GeneratorResponseError("no weight_version", url=g.url, path="/model_info")
         return body["weight_version"]
 
     async def label(self) -> None:
         """Before generating (and before the worker registers them with the learner, so that no
         broadcast races the label): read every generator's version; one that says ``"default"``
         was launched from the base model and is labelled ``"0"`` without aborting anything
-        (:func:`version_at_join`). Raises :class:`GeneratorPoolError` naming the generator."""
+        (:func:`version_at_join`). Raises :class:`GeneratorError` naming the generator."""
         for g in self.generators.values():
             try:
                 label = await self._model_info_version(g)
                 v, relabel = version_at_join(label)
                 if relabel:
                     body = {"new_version": str(v), "abort_all_requests": False}
-                    r = await self._http.post(
-                        g.url + "/update_weight_version", json=body, timeout=10.0
-                    )
-                    reply = r.json() if r.status_code == 200 else None
+                    path = "/update_weight_version"
+                    reply = await acall(self._http, g.url, "POST", path, body, timeout_s=10.0)
                     if not (isinstance(reply, dict) and reply.get("new_version") == str(v)):
-                        raise GeneratorPoolError(
-                            f"/update_weight_version: HTTP {r.status_code}: {r.text[:200]}"
-                        )
+                        raise GeneratorError(f"{path}: answered {str(reply)[:200]}")
                     log.info("generator %s: weight_version %r labelled %r", g.url, label, str(v))
-            except (httpx.HTTPError, ValueError, GeneratorPoolError) as e:
-                raise GeneratorPoolError(f"generator {g.url}: {e}") from None
+            except GeneratorError as e:
+                raise GeneratorError(f"generator {g.url}: {e}") from None
             g.version = v
             log.info("generator %s holds version %d", g.url, v)
 
@@ -284,8 +271,8 @@ class GeneratorPool:
                 continue
             try:
                 g.version = parse_version_label(await self._model_info_version(g))
-            except (httpx.HTTPError, GeneratorPoolError) as e:
-                log.info("generator %s: /model_info: %s", g.url, e)
+            except GeneratorError as e:
+                log.info("generator %s: %s", g.url, e)
 
     def any_eligible(self) -> bool:
         now = trio.current_time()
@@ -330,20 +317,8 @@ class GeneratorPool:
     # -- requests --------------------------------------------------------------------------------
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until every generator answers ``/health`` (raises :class:`GeneratorPoolError`)."""
-        with trio.move_on_after(timeout_s):
-            for g in self.generators.values():
-                while True:
-                    try:
-                        r = await self._http.get(g.url + "/health", timeout=5.0)
-                        if r.status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await trio.sleep(0.2)
-            return
-        down = [g.url for g in self.generators.values()]
-        raise GeneratorPoolError(f"generators not ready after {timeout_s:.0f}s: {', '.join(down)}")
+        """Wait until every generator answers ``/health`` (raises :class:`GeneratorError`)."""
+        await wait_healthy(self._http, list(self.generators), timeout_s)
 
     async def _request(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
@@ -367,7 +342,7 @@ class GeneratorPool:
                     wake = min(wake, trio.current_time() + self.version_poll_s)
                 if wake >= deadline:
                     errs = "; ".join(f"{x.url}: {x.last_error}" for x in gens)
-                    raise GeneratorPoolError(
+                    raise GeneratorError(
                         f"no generator within the version bound before the timeout "
                         f"({self.behind()})"
                         if behind
@@ -379,24 +354,17 @@ class GeneratorPool:
             g.requests += 1
             try:
                 http = self._shards[next(self._shard_rr) % _SHARDS]
-                r = await http.post(g.url + "/generate", json=payload)
-            except httpx.TransportError as e:
-                self._mark_down(g, f"{type(e).__name__}: {e}")
+                body = await acall(http, g.url, "POST", "/generate", payload)
+            except GeneratorError as e:
+                if not (e.dead or (e.status or 0) >= 500):
+                    raise  # refused (4xx) or not JSON: the request or the server is wrong
+                self._mark_down(g, e.message)
                 prefer = None
                 continue
             finally:
                 g.leave(trio.current_time())
-            if r.status_code >= 500:
-                self._mark_down(g, f"HTTP {r.status_code}: {r.text[:200]}")
-                prefer = None
-                continue
-            if r.status_code != 200:
-                raise GeneratorRefused(f"{g.url}/generate: HTTP {r.status_code}: {r.text[:500]}")
             self._mark_up(g)
-            try:
-                return r.json(), g
-            except ValueError:
-                raise GeneratorResponseError(f"{g.url}/generate: response is not JSON") from None
+            return body, g
 
     async def _post(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
@@ -445,16 +413,14 @@ class GeneratorPool:
                 return
             try:
                 body, g = await self._request(batched_payload(ps), prefer, deadline)
-            except GeneratorRefused:  # find the bad one: each goes again on its own
-                batch.outcomes = [_ALONE] * len(ps)
-                return
-            except GeneratorPoolError as e:
-                batch.outcomes = [e] * len(ps)
+            except GeneratorError as e:
+                # refused: find the bad one, each goes again on its own
+                batch.outcomes = [_ALONE if e.refused else e] * len(ps)
                 return
             if not isinstance(body, list) or len(body) != len(ps):
                 got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
                 err = GeneratorResponseError(
-                    f"{g.url}/generate: {len(ps)} responses expected, got {got}"
+                    f"{len(ps)} responses expected, got {got}", url=g.url, path="/generate"
                 )
                 batch.outcomes = [err] * len(ps)
                 return
@@ -467,7 +433,7 @@ class GeneratorPool:
                 except UnlabelledTokens as e:
                     self._refused(g, e)
                     outcomes.append(e)
-                except GeneratorPoolError as e:
+                except GeneratorError as e:
                     outcomes.append(e)
             batch.outcomes = outcomes
         except BaseException:  # cancelled while sending: stop the members' work, let them redo it
@@ -492,7 +458,7 @@ class GeneratorPool:
 
         ``rid`` prefixes the SGLang request ids (``{rid}.{n}``), so ``abort(rid)`` stops them all.
         With a ``batcher``, requests made in the same tick by other calls with it share one HTTP call.
-        Raises :class:`GeneratorPoolError` on a refused request or when no generator answers within
+        Raises :class:`GeneratorError` on a refused request or when no generator answers within
         ``timeout_s``.
         """
         budget = params.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -563,6 +529,8 @@ class GeneratorPool:
         targets = urls or [g.url for g in self.generators.values() if g.down_until <= now]
         for u in targets:
             try:
-                await self._http.post(u + "/abort_request", json={"rid": rid_prefix}, timeout=2.0)
-            except httpx.HTTPError:
+                await acall(
+                    self._http, u, "POST", "/abort_request", {"rid": rid_prefix}, timeout_s=2.0
+                )
+            except GeneratorError:
                 pass

@@ -21,12 +21,13 @@ from typing import Any
 import trio
 
 from asyncrl import metric_names as names
+from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.model_reward import Reward, build_reward
 from asyncrl.rollout.rewards import RewardRunner, load_reward
-from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, load_workflow, play
@@ -144,9 +145,7 @@ class Evaluation:
                 pool.min_version = version  # a generator behind it is not asked
                 await pool.refresh_versions()
                 if not pool.any_eligible():  # not waited for: the caller holds the version
-                    raise GeneratorPoolError(
-                        f"no generator holds version {version}: {pool.behind()}"
-                    )
+                    raise GeneratorError(f"no generator holds version {version}: {pool.behind()}")
                 async with trio.open_nursery() as nursery:
                     for start in range(0, len(self.rows), BATCH):
                         batcher = Batcher()

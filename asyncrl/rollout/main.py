@@ -36,12 +36,13 @@ import trio
 
 from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
+from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe, RecipeError
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptDataError, PromptSource
 from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.plugins import PluginError
-from asyncrl.rollout.sglang_protocol import GeneratorPoolError, SamplingParams
+from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, WorkerError
 from asyncrl.rollout.workflows import load_workflow
@@ -180,7 +181,7 @@ def start_engines(
     if errors:
         for e in engines:
             e.stop()
-        raise GeneratorPoolError(f"built-in engine failed to start: {errors[0]}")
+        raise GeneratorError(f"built-in engine failed to start: {errors[0]}")
     return engines
 
 
@@ -468,7 +469,7 @@ def main(argv: list[str]) -> int:
     except (RecipeError, UsageError, PluginError, PromptDataError) as e:
         print(f"asyncrl rollout: {e}", file=sys.stderr)
         return 2
-    except (WorkerError, GeneratorPoolError) as e:
+    except (WorkerError, GeneratorError) as e:
         print(f"asyncrl rollout: {e}", file=sys.stderr)
         return 1
     finally:

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import trio
 
+from asyncrl.generator_http import GeneratorError, acall, async_client
 from asyncrl.recipe import Recipe, RecipeError, RewardModelConfig
 from asyncrl.rollout.rewards import RewardResult, RewardRunner, ScoresEpisodes, load_reward
 
@@ -124,7 +125,7 @@ class ModelReward:
         evaluation runs one loop per evaluation (the worker one for its life)."""
         token = trio.lowlevel.current_trio_token()
         if self._http is None or self._loop is not token:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.timeout_s))
+            self._http = async_client(self.cfg.timeout_s)
             self._loop = token
         return self._http
 
@@ -155,13 +156,6 @@ class ModelReward:
             self.stats["failures"] += 1
         return item.score, item.failure
 
-    async def _post(self, url: str, body: dict, n: int) -> list[float]:
-        """One /classify request's scores; raises httpx.HTTPError or ValueError with the reason."""
-        resp = await self.http.post(f"{url}/classify", json=body)
-        if resp.status_code != 200:
-            raise ValueError(f"answered HTTP {resp.status_code}: {resp.text[:200]}")
-        return parse_scores(resp.json(), n)
-
     async def _send(self, batch: list[_Item]) -> None:
         """Score ``batch`` within ``timeout_s``: a server that cannot be reached or answers an error
         passes the batch to the next one (each server once); the last failure fails the batch."""
@@ -175,13 +169,16 @@ class ModelReward:
             first = next(self._turn) % len(urls)
             for url in urls[first:] + urls[:first]:
                 try:
-                    scores = await self._post(url, body, len(batch))
+                    answer = await acall(self.http, url, "POST", "/classify", body)
+                    scores = parse_scores(answer, len(batch))
                     failure = ""
                     break
-                except httpx.TimeoutException:
-                    scope.cancel()
-                except (httpx.HTTPError, ValueError) as e:
-                    failure = f"{url}/classify: {type(e).__name__}: {e}"[:500]
+                except GeneratorError as e:
+                    if e.timed_out:  # the bound is spent: no time for another server
+                        scope.cancel()
+                    failure = str(e)[:500]
+                except ValueError as e:
+                    failure = f"{url}/classify: {e}"[:500]
         if scope.cancelled_caught:
             self.stats["timeouts"] += 1
             failure = f"/classify timed out after {self.cfg.timeout_s:g}s"

@@ -16,15 +16,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.generator_http import GeneratorError
 from asyncrl.wire import FINISH_REASONS
 
 
-class GeneratorPoolError(RuntimeError):
-    """The generator pool could not serve: a request the generators refused (HTTP 4xx, a malformed
-    response) or could not serve in time, or a generator it cannot use (an unknown version label)."""
-
-
-class GeneratorResponseError(GeneratorPoolError):
+class GeneratorResponseError(GeneratorError):
     """A ``/generate`` response that does not follow SGLang's schema; the text says which field."""
 
 
@@ -152,7 +148,7 @@ def version_at_join(label: Any) -> tuple[int, bool]:
         return v, False
     if label == BASE_LABEL:
         return 0, True
-    raise GeneratorPoolError(
+    raise GeneratorError(
         f"weight_version {label!r} is not a policy version: launch the server with "
         f"--weight-version N, N being the version of its weights (0 for model.path)"
     )

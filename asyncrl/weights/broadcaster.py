@@ -40,11 +40,11 @@ import trio
 
 from asyncrl import metric_names
 from asyncrl.control import ControlPlane
+from asyncrl.generator_http import GeneratorError, GroupSpec, WeightsClient
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.sglang_protocol import parse_version_label
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
-from asyncrl.weights.client import GeneratorError, GroupSpec, WeightsClient
 from asyncrl.weights.exports import latest_export
 from asyncrl.wire import GeneratorInfo
 
@@ -728,7 +728,7 @@ class WeightBroadcaster:
             nursery.cancel_scope.deadline = trio.current_time() + wait_s
         for m in members:
             if m.url not in ok and m.url not in bad:
-                bad[m.url] = GeneratorError(m.url, "", f"no answer within {wait_s:g}s", dead=True)
+                bad[m.url] = GeneratorError(f"no answer within {wait_s:g}s", url=m.url, dead=True)
         return result, ok, bad
 
     async def _preflight(self, report: SyncReport) -> None:

@@ -38,8 +38,8 @@ STEPS = 10_000  # far more than needed: the test stops the learner (SIGTERM) onc
 
 @pytest.mark.timeout(600)  # its waits are bounded below; the loaded machine needs more than 300 s
 def test_generator_killed_mid_generation_is_dropped_and_rejoins(tmp_path: Path, tiny_qwen3):
+    from asyncrl.generator_http import WeightsClient
     from asyncrl.rollout.engine import start_engine_process
-    from asyncrl.weights.client import WeightsClient
     from asyncrl.wire import GeneratorInfo
 
     t_start = time.monotonic()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.generator_http import GeneratorError
 from asyncrl.rollout.sglang_protocol import (
-    GeneratorPoolError,
     GeneratorResponseError,
     SamplingParams,
     UnlabelledTokens,
@@ -104,9 +104,7 @@ def test_the_version_a_generator_holds_when_a_worker_joins_it():
     assert version_at_join("7") == (7, False)  # labelled: e.g. it outlived a worker restart
     assert version_at_join("v0") == (0, False)
     assert version_at_join("default") == (0, True)  # launched from model.path: label it "0"
-    with pytest.raises(
-        GeneratorPoolError, match="'latest' is not a policy version.*--weight-version"
-    ):
+    with pytest.raises(GeneratorError, match="'latest' is not a policy version.*--weight-version"):
         version_at_join("latest")
 
 
@@ -283,7 +281,7 @@ def test_wait_ready_returns_for_a_serving_engine_and_names_one_that_never_answer
         healthy = httpx.get(engine.url + "/health", timeout=10).status_code
         async with GeneratorPool([engine.url, dead]) as pool:
             t0 = trio.current_time()
-            with pytest.raises(GeneratorPoolError, match="not ready after 1s") as e:
+            with pytest.raises(GeneratorError, match="not ready after 1s") as e:
                 await pool.wait_ready(1)
             return healthy, str(e.value), trio.current_time() - t0
 
@@ -334,7 +332,7 @@ def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
             async def one(i, p):
                 try:
                     got[i] = await pool.generate(p, params, rid=f"b{i}", batcher=batcher)
-                except GeneratorPoolError as e:
+                except GeneratorError as e:
                     errors[i] = str(e)
 
             async with trio.open_nursery() as n:
@@ -417,7 +415,7 @@ def test_a_label_that_names_no_version_is_refused_at_join(engine):
         async with GeneratorPool([engine.url]) as pool:
             await pool.label()
 
-    with pytest.raises(GeneratorPoolError, match=f"{engine.url}: weight_version 'latest'"):
+    with pytest.raises(GeneratorError, match=f"{engine.url}: weight_version 'latest'"):
         trio.run(go)
 
 
@@ -451,7 +449,7 @@ def test_requests_wait_for_a_generator_within_the_version_bound(engine, caplog):
                 await trio.to_thread.run_sync(set_label, engine.url, "3")  # the broadcaster
             # nothing within the bound before the timeout: an error that says why
             pool.timeout_s, pool.min_version = 0.5, 9
-            with pytest.raises(GeneratorPoolError, match=r"version bound.*holds v3; .*v9 or newer"):
+            with pytest.raises(GeneratorError, match=r"version bound.*holds v3; .*v9 or newer"):
                 await pool.generate([5, 6, 7], params)
             return out["c"], g.version
 

@@ -11,9 +11,9 @@ import uuid
 import pytest
 from sglang_helpers import Served, perturbed
 
+from asyncrl.generator_http import GeneratorError, WeightsClient
 from asyncrl.recipe import WeightsConfig
 from asyncrl.weights.broadcaster import WeightBroadcaster
-from asyncrl.weights.client import GeneratorError, WeightsClient
 from asyncrl.wire import GeneratorInfo
 
 pytestmark = pytest.mark.sglang

@@ -26,11 +26,11 @@ from sglang_helpers import (
     sglang_checksums,
 )
 
+from asyncrl.generator_http import WeightsClient
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.client import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.weights.broadcaster import SyncReport, WeightBroadcaster
-from asyncrl.weights.client import WeightsClient
 from asyncrl.wire import GeneratorInfo
 
 pytestmark = pytest.mark.sglang

@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
+from asyncrl.generator_http import healthy, sync_client  # noqa: E402
 from asyncrl.launch.children import Child, stop_children  # noqa: E402
 from asyncrl.transport import free_port  # noqa: E402
 
@@ -124,18 +123,15 @@ class SGLangServer:
         Raises :class:`SGLangSetupError` (with the log tail) if it exits or times out."""
         assert self.child is not None, "start() first"
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5.0) as http:
+        with sync_client(5.0) as http:
             while time.monotonic() < deadline:
                 if self.child.poll() is not None:
                     raise SGLangSetupError(
                         f"SGLang server for {self.model} exited with code {self.child.poll()} "
                         f"during start-up (log {self.log}):\n{self.child.tail(25)}"
                     )
-                try:
-                    if http.get(self.url + "/health").status_code == 200:
-                        return time.monotonic() - self.started_at
-                except httpx.TransportError:
-                    pass
+                if healthy(http, self.url):
+                    return time.monotonic() - self.started_at
                 time.sleep(0.5)
         raise SGLangSetupError(
             f"SGLang server for {self.model} not healthy after {timeout_s:.0f}s "

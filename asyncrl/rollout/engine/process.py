@@ -11,10 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from asyncrl.generator_http import healthy, sync_client
 
 
 @dataclass
@@ -113,6 +113,7 @@ def start_engine_process(
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env)
     ep = EngineProcess(proc=proc, host=host, port=port, log_path=log, _tmpdir=tmp)
     deadline = time.monotonic() + timeout_s
+    http = sync_client(2.0)
     try:
         while True:
             if proc.poll() is not None:
@@ -121,18 +122,11 @@ def start_engine_process(
                 raise RuntimeError(f"engine not healthy within {timeout_s:.0f}s:\n{ep.log_tail()}")
             if ep.port == 0 and port_file.exists():
                 ep.port = int(port_file.read_text())
-            if ep.port and healthy(ep.url):
+            if ep.port and healthy(http, ep.url):
                 return ep
             time.sleep(0.1)
     except BaseException:
         ep.stop()
         raise
-
-
-def healthy(url: str) -> bool:
-    """Does the engine at ``url`` answer /health with 200 (within 2 s)?"""
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2.0) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    finally:
+        http.close()
