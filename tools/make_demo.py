@@ -6,6 +6,9 @@ writes ``OUT/model`` (Qwen3ForCausalLM: hidden 128, 2 layers, 4 heads / 4 KV hea
 tied embeddings, 64 positions: small enough to learn by RL in a minute on 2 cores, with the
 char tokenizer of tools/make_tiny_model.py) and ``OUT/data/{train,eval}.jsonl``. Idempotent: existing
 outputs made with the same arguments are kept, so `make demo` can be re-run cheaply.
+
+The agent demo (`make demo-agent`) is ``--task lookup --out build/demo_agent``: the same model with
+128 positions, room for a tool call, its result and the answer (~90 characters).
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ MODEL = dict(
     max_positions=64,
     tie_embeddings=True,
 )
+MAX_POSITIONS = {"lookup": 128}
+"""Tasks whose episodes need more than MODEL's positions (a tool call and its result)."""
+
+
+def model_config(task: str) -> dict:
+    """MODEL, with the positions ``task`` needs."""
+    return {**MODEL, "max_positions": MAX_POSITIONS.get(task, MODEL["max_positions"])}
 
 
 def make_demo(
@@ -38,10 +48,11 @@ def make_demo(
     """Make (or keep) the demo model and data under ``out``; returns ``out``."""
     out = Path(out)
     stamp = out / "made_with.json"
-    args = {"task": task, "seed": seed, "train": train, "eval": eval, "model": MODEL}
+    model = model_config(task)
+    args = {"task": task, "seed": seed, "train": train, "eval": eval, "model": model}
     if stamp.is_file() and json.loads(stamp.read_text()) == args:
         return out
-    make_tiny_model(out / "model", seed=seed, **MODEL)
+    make_tiny_model(out / "model", seed=seed, **model)
     tasks.write_task(task, out / "data", train=train, eval=eval, seed=seed)
     stamp.write_text(json.dumps(args))
     return out
