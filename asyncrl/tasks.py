@@ -71,10 +71,13 @@ def _answer(rng: random.Random, prompt: str, answer: str) -> str:
 LOOKUP_TOOL = "lookup"
 LOOKUP_KEY_LETTERS = 3
 """Keys of 3 letters: 17,576 keys, ~2,200 of them held out (enough for 500 distinct eval prompts)."""
-LOOKUP_TOOL_FRACTION = {"a-h": 0.8, "i-z": 0.2}
+LOOKUP_TOOL_FRACTION = {"a-h": 0.9, "i-z": 0.3}
 """Share of lookup SFT transcripts that call the tool, by the key's first letter; the others answer
-without it (a guess). The warm start thus calls the tool under greedy decoding for keys a-h only,
-and sometimes when sampling for the rest: RL has to learn to call it for every key."""
+without it, ``=000`` (a placeholder: random guesses there drown the few copy examples, and a tiny
+model then never learns to copy the tool's result). The warm start thus calls the tool under greedy
+decoding for keys a-h only, and often when sampling for the rest: RL has to learn to call it for
+every key."""
+LOOKUP_NO_ANSWER = "000"
 
 
 def lookup_value(key: str) -> str:
@@ -106,12 +109,12 @@ def _lookup(rng: random.Random) -> tuple[str, str]:
 
 
 def _lookup_transcript(rng: random.Random, prompt: str, answer: str) -> str:
-    """Call the tool and answer with its result, or answer with a guess (LOOKUP_TOOL_FRACTION)."""
+    """Call the tool and answer with its result, or answer without it (LOOKUP_TOOL_FRACTION)."""
     key = prompt.rstrip("?")
     p = LOOKUP_TOOL_FRACTION["a-h" if key[0] <= "h" else "i-z"]
     if rng.random() < p:
         return lookup_call(key) + lookup_result(answer) + f"={answer}"
-    return f"={rng.randrange(1000):03d}"
+    return f"={LOOKUP_NO_ANSWER}"
 
 
 SORT_COPY_FRACTION = 0.6
@@ -148,8 +151,8 @@ TASKS: dict[str, Task] = {
             make=_lookup,
             sft_target=_lookup_transcript,
             doc="a 3-letter key's value in a table only the 'lookup' tool knows: 'kqz?' -> '583', "
-            "answered '=583' after the tool's result (SFT: the tool called for 80% of keys a-h, "
-            "20% of the others; a guess otherwise)",
+            "answered '=583' after the tool's result (SFT: the tool called for 90% of keys a-h, "
+            "30% of the others; '=000' otherwise)",
         ),
     )
 }
