@@ -136,3 +136,113 @@ def test_the_real_mcp_client_looks_keys_up_through_the_recipes_command():
     assert not bad_key.ok and "no key 'KQ'" in bad_key.text
     assert not missing.ok and "missing argument(s) key" in missing.text
     assert not unknown.ok and "unknown argument(s) x" in unknown.text
+
+
+# ---- recipes/demo_agent.yaml end to end, at a tiny scale --------------------------------------------
+
+KEYS = ["abc", "kqz", "hit", "vox"]
+
+
+def _fit_lookup_caller(out):
+    """The demo's tiny model fitted to play the whole lookup transcript for KEYS under greedy
+    decoding (call, result, answer): an agent that calls the tool, as the SFT stage makes one,
+    in seconds instead of minutes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tools.make_demo import model_config
+    from tools.make_tiny_model import make_tiny_model
+
+    src = make_tiny_model(out / "random", seed=0, **model_config("lookup"))
+    tok = AutoTokenizer.from_pretrained(src)
+    rows = []
+    for key in KEYS:
+        value = tasks.lookup_value(key)
+        p = tok.encode(f"{key}?")
+        c = tok.encode(tasks.lookup_call(key) + tasks.lookup_result(value) + f"={value}")
+        rows.append((p, c + [tok.eos_token_id]))
+    n = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    labels = torch.full((len(rows), n), -100)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    extra = 10  # steps past the first exact greedy match: a margin for the engine's own kernels
+    for _ in range(600):
+        res = model(input_ids=ids, labels=labels)
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+        pred = res.logits[:, :-1].argmax(-1)
+        mask = labels[:, 1:] != -100
+        if (pred[mask] == labels[:, 1:][mask]).all():
+            extra -= 1
+            if extra == 0:
+                break
+    else:
+        raise AssertionError(
+            f"the tiny model did not learn the transcripts (loss {res.loss.item()})"
+        )
+    folder = out / "model"
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    (folder / "generation_config.json").write_text((src / "generation_config.json").read_text())
+    return folder
+
+
+@pytest.mark.faults  # 1-2.5 min on 2 loaded cores (the fit, two engines, 2 evaluations): `make test-faults`
+def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(tmp_path):
+    """`asyncrl run recipes/demo_agent.yaml` for 2 steps: every episode starts the recipe's MCP
+    server over stdio, the model's tool calls reach it, and the calls are recorded: in the
+    samples' counters, the rollout and held-out tool-call rates (metrics.jsonl and the W&B offline
+    runs) and summary.json's tool_call_rate_start/_end."""
+    pytest.importorskip("mcp")
+    from pathlib import Path
+
+    from asyncrl import launch, metric_names, metrics
+
+    root = Path(__file__).resolve().parents[1]
+    model = _fit_lookup_caller(tmp_path)
+    rows = [{"prompt": f"{k}?", "answer": tasks.lookup_value(k)} for k in KEYS]
+    data = tasks.write_jsonl(tmp_path / "rows.jsonl", rows)
+    ov = [
+        f"model.path={model}",
+        f"data.path={data}",
+        f"data.eval_path={data}",  # the fitted keys: this checks the plumbing, not generalisation
+        f"run.output_dir={tmp_path}",
+        "run.steps=2",
+        f"run.eval_prompts={len(KEYS)}",
+        "rollout.group_size=2",
+        "rollout.max_concurrent_groups=2",
+        "buffer.groups_per_batch=2",
+        "buffer.dynamic_sampling=false",  # a fitted model solves every prompt: equal rewards
+        "learner.checkpoint_every=0",
+        "generator.max_batch_size=16",
+        "rollout.temperature=0.2",  # a barely fitted model: near its greedy transcripts
+    ]
+    s = launch.run(root / "recipes/demo_agent.yaml", ov, progress=False)
+    run_dir = tmp_path / "demo_agent"
+    assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
+    assert s["tool_call_rate_start"] == 1.0 and s["reward_start"] == 1.0
+    assert s["tool_call_rate_end"] is not None and s["reward_end"] is not None
+    evals = metrics.read_metrics(run_dir, process="eval")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert evals[0][metric_names.EVAL_TOOL_CALL_RATE] == 1.0
+    workers = [r for r in metrics.read_metrics(run_dir) if r["process"].startswith("worker")]
+    counts = {  # counters since the worker's start: their last values
+        k: max(r.get(f"rollout/{k}", 0) for r in workers)
+        for k in ("tool_calls", "tool_errors", "tool_call_episodes", "episodes")
+    }
+    assert counts["episodes"] >= 8  # at least the 2 steps' 2 groups of 2
+    # sampled, a call may come out malformed (an error result, counted); most of the fitted
+    # model's calls are answered, and the episodes that made one are counted
+    assert counts["tool_calls"] >= 8 and counts["tool_errors"] < counts["tool_calls"] / 2
+    assert counts["episodes"] / 2 <= counts["tool_call_episodes"] <= counts["episodes"]
+    assert any(metric_names.ROLLOUT_TOOL_CALL_RATE in r for r in workers)
+    # W&B (offline, read back) has the held-out tool-call rate next to the success
+    (ev,) = [w for w in metrics.read_wandb_offline(run_dir) if w["job_type"] == "eval"]
+    hist = [h for h in ev["history"] if metric_names.EVAL_TOOL_CALL_RATE in h]
+    assert [h["step"] for h in hist] == [0, 2] and hist[0][metric_names.EVAL_TOOL_CALL_RATE] == 1.0
