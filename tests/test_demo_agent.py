@@ -246,3 +246,63 @@ def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(tmp_path):
     (ev,) = [w for w in metrics.read_wandb_offline(run_dir) if w["job_type"] == "eval"]
     hist = [h for h in ev["history"] if metric_names.EVAL_TOOL_CALL_RATE in h]
     assert [h["step"] for h in hist] == [0, 2] and hist[0][metric_names.EVAL_TOOL_CALL_RATE] == 1.0
+
+
+# ---- summary.json: the tool-call rates of models no generator evaluated ---------------------------
+
+
+def test_a_run_without_generators_evaluates_its_models_tool_call_rates(tmp_path, monkeypatch):
+    """An SFT stage (no generators): the end of the run evaluates the first and last model on an
+    engine of its own; with the recipe's tools, summary.json and metrics.jsonl get their tool-call
+    rates next to their success."""
+    from pathlib import Path
+
+    from asyncrl import metric_names, metrics, recipe, summary
+    from asyncrl.rollout.evaluation import EvalReport
+
+    root = Path(__file__).resolve().parents[1]
+    r = recipe.load(root / "recipes/demo_agent_sft.yaml", check_files=False)
+    evaluated: list[Path | None] = []
+
+    def fake_eval(r, model_dir, *, run_dir):
+        evaluated.append(model_dir)
+        n = len(evaluated)  # the start model calls the tool for 1 prompt of 4, the end one for 3
+        return EvalReport(version=0, score=0.25 * n, prompts=4, with_tools=True,
+                          tool_call_episodes=2 * n - 1)  # fmt: skip
+
+    monkeypatch.setattr(summary, "eval_held_out", fake_eval)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    s = summary.finish_run(r, run_dir=run_dir, outcome="completed", wall_seconds=1.0, status=None)
+    assert len(evaluated) == 2
+    assert (s["reward_start"], s["reward_end"]) == (0.25, 0.5)
+    assert (s["tool_call_rate_start"], s["tool_call_rate_end"]) == (0.25, 0.75)
+    line = json.loads(summary.summary_line(s))
+    assert line["tool_call_rate_start"] == 0.25 and line["tool_call_rate_end"] == 0.75
+    evals = metrics.read_metrics(run_dir, process="eval")
+    assert [e[metric_names.EVAL_TOOL_CALL_RATE] for e in evals] == [0.25, 0.75]
+    # a recipe without tools has no such keys
+    plain = recipe.load(root / "recipes/demo_sft.yaml", check_files=False)
+    monkeypatch.setattr(summary, "eval_held_out", lambda *a, **k: None)
+    s = summary.finish_run(
+        plain, run_dir=tmp_path / "plain", outcome="completed", wall_seconds=1.0, status=None
+    )
+    assert "tool_call_rate_start" not in s and "tool_call_rate_end" not in s
+
+
+def test_the_agent_recipes_name_what_make_demo_agent_builds_and_the_packaged_server():
+    from pathlib import Path
+
+    from asyncrl import recipe
+    from asyncrl.rollout.rewards import load_reward
+    from asyncrl.rollout.tool_envs import split_tool_specs
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("demo_agent_sft.yaml", "demo_agent.yaml"):
+        r = recipe.load(root / "recipes" / name, check_files=False)
+        data = r.resolve(r.data.path).resolve()
+        assert data == (root / "build/demo_agent/data/train.jsonl").resolve()
+        _, (server,) = split_tool_specs(r.rollout.tools)
+        assert server.command == ("python", "-m", "asyncrl.demo_agent")
+        assert r.rollout.workflow == "multi_turn"
+        assert load_reward(r.rollout.reward) is demo_agent.reward
