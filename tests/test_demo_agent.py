@@ -91,6 +91,11 @@ def test_the_server_answers_the_protocol_it_knows_and_refuses_the_rest():
         == METHOD_NOT_FOUND
     )
     assert srv.handle_line("{not json")["error"]["code"] == -32700
+    bad = [
+        '{"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": [1]}',
+        '{"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "lookup", "arguments": 3}}',
+    ]
+    assert [srv.handle_line(b)["error"]["code"] for b in bad] == [-32602, -32602]
     # a whole session over the streams: one reply per request, in order, until stdin ends
     out = io.StringIO()
     srv.serve(

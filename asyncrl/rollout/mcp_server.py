@@ -81,6 +81,8 @@ class StdioServer:
             return None  # a notification (notifications/initialized, cancelled, ...)
         rid, method = msg["id"], msg["method"]
         params = msg.get("params") or {}
+        if not isinstance(params, dict):
+            return _error(rid, INVALID_PARAMS, "params must be an object")
         if method == "initialize":
             asked = params.get("protocolVersion")
             version = asked if asked in PROTOCOL_VERSIONS else PROTOCOL_VERSIONS[-1]
@@ -106,6 +108,8 @@ class StdioServer:
             names = ", ".join(self.tools)
             return _error(rid, INVALID_PARAMS, f"no tool named {params.get('name')!r} ({names})")
         args = params.get("arguments") or {}
+        if not isinstance(args, dict):
+            return _error(rid, INVALID_PARAMS, "arguments must be an object")
         schema = tool.input_schema
         missing = [k for k in schema.get("required", []) if k not in args]
         unknown = [k for k in args if k not in schema.get("properties", {})]
