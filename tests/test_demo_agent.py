@@ -247,6 +247,8 @@ def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(tmp_path):
     assert counts["tool_calls"] >= 8 and counts["tool_errors"] < counts["tool_calls"] / 2
     assert counts["episodes"] / 2 <= counts["tool_call_episodes"] <= counts["episodes"]
     assert any(metric_names.ROLLOUT_TOOL_CALL_RATE in r for r in workers)
+    logged = {k for rec in metrics.read_metrics(run_dir) for k in rec}
+    assert set(metric_names.READ_WHEN_TOOLS) <= logged
     # W&B (offline, read back) has the held-out tool-call rate next to the success
     (ev,) = [w for w in metrics.read_wandb_offline(run_dir) if w["job_type"] == "eval"]
     hist = [h for h in ev["history"] if metric_names.EVAL_TOOL_CALL_RATE in h]
