@@ -124,11 +124,6 @@ def held_out(run_dir: Path, key: str = names.EVAL_SUCCESS) -> dict[int, float]:
     }
 
 
-def held_out_scores(run_dir: Path) -> dict[int, float]:
-    """version -> ``eval/success`` of every held-out evaluation logged in the run."""
-    return held_out(run_dir, names.EVAL_SUCCESS)
-
-
 def summary_version(run_dir: Path) -> int:
     """The last version the learner logged (0 if none)."""
     steps = [
