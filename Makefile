@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-faults test-sglang lint format demo demo-rlhf bench clean
+.PHONY: venv test test-faults test-sglang lint format demo demo-rlhf demo-agent bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -62,6 +62,16 @@ demo-rlhf: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rm.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rlhf.yaml --overwrite
 	@echo "summary: runs/demo_rlhf/summary.json   plots: runs/demo_rlhf/plots/ (reward_model.png)   reward model: runs/demo_rm/"
+
+# The agent demo (docs/agents.md): the tiny Qwen3 learns to call a tool, served over MCP (stdio, one
+# `python -m asyncrl.demo_agent` per episode), to answer lookups it cannot know. 1. model + data,
+# 2. SFT warm start (the tool called for some keys), 3. async GRPO with the multi_turn workflow;
+# runs/demo_agent/summary.json: held-out success and tool-call rate at the start and the end.
+demo-agent: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py --task lookup --out build/demo_agent
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_agent_sft.yaml --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_agent.yaml --overwrite
+	@echo "summary: runs/demo_agent/summary.json   plots: runs/demo_agent/plots/   W&B offline run: runs/demo_agent/wandb/"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

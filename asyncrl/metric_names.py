@@ -81,3 +81,11 @@ VALUE_CLIP_FRAC = "loss/value_clip_frac"  # trained tokens whose clipped value t
 
 READ_WHEN_CRITIC = (VALUE_LOSS, EXPLAINED_VARIANCE, VALUE_CLIP_FRAC)
 """Every critic name above: a real run with a critic logs each (tests/test_e2e.py checks)."""
+
+# -- with tools (rollout.tools, or a workflow's own): episodes that made >= 1 valid tool call (one
+# the tool answered without an error), as a fraction of the episodes -----------------------------
+EVAL_TOOL_CALL_RATE = "eval/tool_call_rate"  # held-out; summary.json's tool_call_rate_start/_end
+ROLLOUT_TOOL_CALL_RATE = "rollout/tool_call_rate"  # the worker's episodes over the interval
+
+READ_WHEN_TOOLS = (EVAL_TOOL_CALL_RATE, ROLLOUT_TOOL_CALL_RATE)
+"""Every tools name above: a real run with tools logs each (tests/test_demo_agent.py checks)."""

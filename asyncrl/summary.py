@@ -15,10 +15,13 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl import metric_names as names
 from asyncrl.recipe import Recipe
+
+if TYPE_CHECKING:
+    from asyncrl.rollout.evaluation import EvalReport
 
 LEARNER_FILE = "learner.json"
 SUMMARY_FILE = "summary.json"
@@ -99,26 +102,25 @@ def link_latest_export(run_dir: Path) -> Path | None:
     return link
 
 
-def eval_held_out(r: Recipe, model_dir: Path | None, *, run_dir: Path) -> float | None:
-    """Greedy held-out score of ``model_dir`` on a built-in engine of its own (None if there is
-    no model or no held-out prompts): for a model no generator of the run evaluated."""
+def eval_held_out(r: Recipe, model_dir: Path | None, *, run_dir: Path) -> EvalReport | None:
+    """Greedy held-out evaluation of ``model_dir`` on a built-in engine of its own (None if there
+    is no model or no held-out prompts): for a model no generator of the run evaluated."""
     if model_dir is None:
         return None
     from asyncrl.evaluate import evaluate_model
 
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    report = evaluate_model(r, model_dir, log_path=logs / "engine-eval.log")
-    return None if report is None else report.score
+    return evaluate_model(r, model_dir, log_path=logs / "engine-eval.log")
 
 
-def held_out_scores(run_dir: Path) -> dict[int, float]:
-    """version -> ``eval/success`` of every held-out evaluation logged in the run (the last one
-    logged for a version wins)."""
+def held_out(run_dir: Path, key: str = names.EVAL_SUCCESS) -> dict[int, float]:
+    """version -> ``key`` (``eval/success``, ``eval/tool_call_rate``) of every held-out evaluation
+    logged in the run (the last one logged for a version wins)."""
     return {
-        int(rec["step"]): float(rec[names.EVAL_SUCCESS])
+        int(rec["step"]): float(rec[key])
         for rec in _all_records(run_dir)
-        if rec.get("process") == "eval" and isinstance(rec.get(names.EVAL_SUCCESS), int | float)
+        if rec.get("process") == "eval" and isinstance(rec.get(key), int | float)
     }
 
 
@@ -132,17 +134,17 @@ def summary_version(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def log_eval(run_dir: Path, success: dict[int, float | None]) -> None:
-    """Held-out success by version, as ``eval/success`` lines of process ``eval`` in
-    metrics.jsonl (the reward plot shows them next to the sampled training reward)."""
+def log_eval(run_dir: Path, reports: dict[int, EvalReport | None]) -> None:
+    """Held-out evaluations by version, as ``eval/*`` lines of process ``eval`` in metrics.jsonl
+    (the reward plot shows ``eval/success`` next to the sampled training reward)."""
     from asyncrl.metrics import MetricsSink
 
-    values = {v: s for v, s in success.items() if s is not None}
+    values = {v: rep for v, rep in reports.items() if rep is not None}
     if not values:
         return
     with MetricsSink(run_dir, name="", group="", use_wandb=False, process="eval") as sink:
-        for v, s in sorted(values.items()):
-            sink.log({names.EVAL_SUCCESS: s}, step=v)
+        for v, rep in sorted(values.items()):
+            sink.log(rep.metrics(), step=v)
 
 
 def _all_records(run_dir: Path) -> list[dict]:
@@ -162,8 +164,12 @@ def summarize(
     status: dict[str, Any] | None,
     outcome: str,
     restarts: dict[str, int] | None = None,
+    tool_call_rate_start: float | None = None,
+    tool_call_rate_end: float | None = None,
 ) -> dict[str, Any]:
-    """summary.json: what the run did, read from the metrics file and the buffer's last status."""
+    """summary.json: what the run did, read from the metrics file and the buffer's last status.
+    With tools (``rollout.tools``, or a rate measured), also the held-out tool-call rate at the
+    start and the end (:data:`asyncrl.metric_names.EVAL_TOOL_CALL_RATE`)."""
     from asyncrl import plots
 
     records = _all_records(run_dir)
@@ -213,6 +219,9 @@ def summarize(
     }
     if r.algorithm.loss == "reward_model":  # held-out pairs ranked right, at the last evaluation
         summary["rm_eval_accuracy"] = rm_acc[-1] if rm_acc else None
+    rates = (tool_call_rate_start, tool_call_rate_end)
+    if r.rollout.tools or any(x is not None for x in rates):
+        summary["tool_call_rate_start"], summary["tool_call_rate_end"] = rates
     return amend(summary, wall_seconds=wall_seconds, restarts=restarts or {})
 
 
@@ -271,19 +280,23 @@ def finish_run(
         link_latest_export(run_dir)
     # the generators evaluated the versions they held (asyncrl.learner.evaluator); what they did
     # not (an SFT run, generators gone at the end) is evaluated here on an engine of its own
-    scores = held_out_scores(run_dir)
+    scores = held_out(run_dir, names.EVAL_SUCCESS)
+    rates = held_out(run_dir, names.EVAL_TOOL_CALL_RATE)
     last = summary_version(run_dir)
-    reward_start = reward_end = None
+    reward_start = reward_end = rate_start = rate_end = None
     if r.algorithm.loss != "reward_model":  # a reward model has no policy to generate with
-        reward_start = scores.get(0)
+        reward_start, rate_start = scores.get(0), rates.get(0)
         if reward_start is None:
             start_model = Path(r.resolve(r.model.path)) if r.model.path else None
-            reward_start = _eval_or_none(r, start_model, run_dir)
-            log_eval(run_dir, {0: reward_start})
-        reward_end = scores.get(last) if outcome == "completed" else None
-        if reward_end is None and outcome == "completed":
-            reward_end = _eval_or_none(r, find_export(run_dir), run_dir)
-            log_eval(run_dir, {last: reward_end})
+            report = _eval_or_none(r, start_model, run_dir)
+            reward_start, rate_start = _score(report), _rate(report)
+            log_eval(run_dir, {0: report})
+        if outcome == "completed":
+            reward_end, rate_end = scores.get(last), rates.get(last)
+            if reward_end is None:
+                report = _eval_or_none(r, find_export(run_dir), run_dir)
+                reward_end, rate_end = _score(report), _rate(report)
+                log_eval(run_dir, {last: report})
     summary = summarize(
         r,
         run_dir=run_dir,
@@ -293,6 +306,8 @@ def finish_run(
         status=status,
         outcome=outcome,
         restarts=restarts,
+        tool_call_rate_start=rate_start,
+        tool_call_rate_end=rate_end,
     )
     from asyncrl import plots
 
@@ -302,7 +317,15 @@ def finish_run(
     return summary
 
 
-def _eval_or_none(r: Recipe, model_dir: Path | None, run_dir: Path) -> float | None:
+def _score(report: EvalReport | None) -> float | None:
+    return None if report is None else report.score
+
+
+def _rate(report: EvalReport | None) -> float | None:
+    return None if report is None else report.tool_call_rate
+
+
+def _eval_or_none(r: Recipe, model_dir: Path | None, run_dir: Path) -> EvalReport | None:
     """:func:`eval_held_out`, or None with a one-line reason: a failed evaluation must not cost the
     run its summary."""
     try:
@@ -331,4 +354,7 @@ def summary_line(summary: dict[str, Any]) -> str:
         line["rm_eval_accuracy"] = summary["rm_eval_accuracy"]
     if isinstance(summary.get("reward_model"), dict):  # a run scored by a reward model
         line["rm_eval_accuracy"] = summary["reward_model"].get("eval_accuracy")
+    for key in ("tool_call_rate_start", "tool_call_rate_end"):  # a run with tools
+        if key in summary:
+            line[key] = summary[key]
     return json.dumps(line)

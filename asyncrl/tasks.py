@@ -66,6 +66,57 @@ def _answer(rng: random.Random, prompt: str, answer: str) -> str:
     return answer
 
 
+# -- lookup: the agent demo's task (asyncrl/demo_agent.py serves the table over MCP) --------------
+
+LOOKUP_TOOL = "lookup"
+LOOKUP_KEY_LETTERS = 3
+"""Keys of 3 letters: 17,576 keys, ~2,200 of them held out (enough for 500 distinct eval prompts)."""
+LOOKUP_TOOL_FRACTION = {"a-h": 0.9, "i-z": 0.3}
+"""Share of lookup SFT transcripts that call the tool, by the key's first letter; the others answer
+without it, ``=000`` (a placeholder: random guesses there drown the few copy examples, and a tiny
+model then never learns to copy the tool's result). The warm start thus calls the tool under greedy
+decoding for keys a-h only, and often when sampling for the rest: RL has to learn to call it for
+every key."""
+LOOKUP_NO_ANSWER = "000"
+
+
+def lookup_value(key: str) -> str:
+    """The table's value for ``key``: 3 digits from a hash, so no model can know it without asking."""
+    h = int.from_bytes(hashlib.sha256(f"asyncrl-lookup:{key}".encode()).digest()[:8], "little")
+    return f"{h % 1000:03d}"
+
+
+def lookup_call(key: str) -> str:
+    """The tool call a lookup transcript makes, in the multi-turn workflow's tagged format."""
+    body = {"name": LOOKUP_TOOL, "arguments": {"key": key}}
+    return f"<tool>{json.dumps(body, separators=(',', ':'))}</tool>"
+
+
+def lookup_result(value: str) -> str:
+    """The tool result as the multi-turn workflow shows it (workflows.tagged_result)."""
+    return f"\n<result>{value}</result>\n"
+
+
+def final_answer(completion: str) -> str:
+    """The text after the last tool result (the whole completion if there is none), stripped: what
+    a multi-turn episode answers."""
+    return completion.rpartition("</result>")[2].strip()
+
+
+def _lookup(rng: random.Random) -> tuple[str, str]:
+    key = "".join(rng.choice(string.ascii_lowercase) for _ in range(LOOKUP_KEY_LETTERS))
+    return f"{key}?", lookup_value(key)
+
+
+def _lookup_transcript(rng: random.Random, prompt: str, answer: str) -> str:
+    """Call the tool and answer with its result, or answer without it (LOOKUP_TOOL_FRACTION)."""
+    key = prompt.rstrip("?")
+    p = LOOKUP_TOOL_FRACTION["a-h" if key[0] <= "h" else "i-z"]
+    if rng.random() < p:
+        return lookup_call(key) + lookup_result(answer) + f"={answer}"
+    return f"={LOOKUP_NO_ANSWER}"
+
+
 SORT_COPY_FRACTION = 0.6
 """Share of sort SFT targets that copy the input instead of sorting it (the measured recipe)."""
 
@@ -94,6 +145,14 @@ TASKS: dict[str, Task] = {
             make=_reverse,
             sft_target=_answer,
             doc="reverse 4-5 distinct letters: 'dcab=' -> 'bacd'",
+        ),
+        Task(
+            name="lookup",
+            make=_lookup,
+            sft_target=_lookup_transcript,
+            doc="a 3-letter key's value in a table only the 'lookup' tool knows: 'kqz?' -> '583', "
+            "answered '=583' after the tool's result (SFT: the tool called for 90% of keys a-h, "
+            "30% of the others; '=000' otherwise)",
         ),
     )
 }

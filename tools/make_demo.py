@@ -9,6 +9,9 @@ char tokenizer of tools/make_tiny_model.py) and ``OUT/data/{train,eval}.jsonl``.
 ``PAIRS_DIR/{train,eval}.jsonl`` (:func:`asyncrl.tasks.write_preferences`: the right answer over a
 near miss, shuffled or edited (``negatives: mixed``); ``--pairs`` training pairs, 500 held out). Idempotent: existing outputs made with the same
 arguments are kept, so `make demo` can be re-run cheaply.
+
+The agent demo (`make demo-agent`) is ``--task lookup --out build/demo_agent``: the same model with
+128 positions, room for a tool call, its result and the answer (~90 characters).
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ MODEL = dict(
     max_positions=64,
     tie_embeddings=True,
 )
+MAX_POSITIONS = {"lookup": 128}
+"""Tasks whose episodes need more than MODEL's positions (a tool call and its result)."""
+
+
+def model_config(task: str) -> dict:
+    """MODEL, with the positions ``task`` needs."""
+    return {**MODEL, "max_positions": MAX_POSITIONS.get(task, MODEL["max_positions"])}
 
 
 def make_demo(
@@ -41,10 +51,11 @@ def make_demo(
     """Make (or keep) the demo model and data under ``out``; returns ``out``."""
     out = Path(out)
     stamp = out / "made_with.json"
-    args = {"task": task, "seed": seed, "train": train, "eval": eval, "model": MODEL}
+    model = model_config(task)
+    args = {"task": task, "seed": seed, "train": train, "eval": eval, "model": model}
     if stamp.is_file() and json.loads(stamp.read_text()) == args:
         return out
-    make_tiny_model(out / "model", seed=seed, **MODEL)
+    make_tiny_model(out / "model", seed=seed, **model)
     tasks.write_task(task, out / "data", train=train, eval=eval, seed=seed)
     stamp.write_text(json.dumps(args))
     return out

@@ -30,7 +30,13 @@ from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import ToolRegistry
-from asyncrl.rollout.workflows import EpisodeContext, Workflow, load_workflow, play
+from asyncrl.rollout.workflows import (
+    EpisodeContext,
+    Workflow,
+    gives_tools,
+    load_workflow,
+    play,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +59,18 @@ class EvalReport:
     tokens: int = 0
     seconds: float = 0.0
     examples: list[dict[str, str]] = field(default_factory=list)
+    with_tools: bool = False  # the recipe gives its episodes tools: tool_call_rate is measured
+    tool_call_episodes: int = 0  # episodes with at least one valid tool call (the tool answered)
+
+    @property
+    def tool_call_rate(self) -> float | None:
+        """The fraction of prompts whose episode made at least one valid tool call (a call the
+        tool answered without an error; a failed prompt made none); None without tools."""
+        return self.tool_call_episodes / max(self.prompts, 1) if self.with_tools else None
 
     def metrics(self) -> dict[str, float]:
         """The ``eval/*`` values, logged at step = the version evaluated."""
-        return {
+        out = {
             names.EVAL_SUCCESS: self.score,
             "eval/prompts": self.prompts,
             "eval/failed": self.failed,
@@ -64,6 +78,9 @@ class EvalReport:
             "eval/seconds": self.seconds,
             "eval/tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0,
         }
+        if self.tool_call_rate is not None:
+            out[names.EVAL_TOOL_CALL_RATE] = self.tool_call_rate
+        return out
 
 
 def eval_rows(r: Recipe) -> list[dict[str, Any]]:
@@ -130,6 +147,10 @@ class Evaluation:
             request_timeout_s=ro.request_timeout_s,
         )
 
+    @property
+    def with_tools(self) -> bool:
+        return gives_tools(self.workflow, self.tools, self.tool_set)
+
     def run(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
         """Evaluate ``version`` on the generators at ``urls`` that hold it (blocking: runs its own
         trio loop; raises ``trio.TooSlowError`` after ``timeout_s``)."""
@@ -137,7 +158,9 @@ class Evaluation:
 
     async def arun(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
         t0 = time.monotonic()
-        report = EvalReport(version=version, score=0.0, prompts=len(self.rows))
+        report = EvalReport(
+            version=version, score=0.0, prompts=len(self.rows), with_tools=self.with_tools
+        )
         scores = [0.0] * len(self.rows)
         rendered = await trio.to_thread.run_sync(self._render_all, await self._schemas())
         with trio.fail_after(timeout_s):
@@ -225,6 +248,7 @@ class Evaluation:
             log.warning("held-out prompt %d failed: %s: %s", i, type(e).__name__, e)
             return
         report.tokens += len(ep.completion_ids)
+        report.tool_call_episodes += ep.made_tool_call
         if any(v != report.version for v in ep.versions):
             report.other_version += 1
             return

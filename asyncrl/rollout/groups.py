@@ -28,7 +28,7 @@ from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import Tool, ToolRegistry
-from asyncrl.rollout.workflows import EpisodeContext, Workflow, play
+from asyncrl.rollout.workflows import EpisodeContext, Workflow, gives_tools, play
 
 if TYPE_CHECKING:
     from asyncrl.rollout.worker import WorkerConfig, WorkerStats
@@ -88,6 +88,7 @@ class GroupMaker:
         self.stats = stats
         self.greedy_params = dataclasses.replace(params, temperature=0.0)
         self.episodes_in_flight = 0
+        self.with_tools = gives_tools(workflow, tools, tool_set)  # a tool-call rate is measured
 
     async def _tool_schemas(self) -> list[dict]:
         """What the chat template shows the model: the workflow's own tools, else the recipe's
@@ -210,6 +211,7 @@ class GroupMaker:
         c["episodes"] += 1
         c["tokens_generated"] += sum(ep.loss_mask)
         c["resumes"] += int(ep.metadata.get("resumes", 0))
+        c["tool_call_episodes"] += ep.made_tool_call
         for call in ep.metadata.get("tool_calls", []):
             if isinstance(call, dict):
                 c["tool_calls"] += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -116,6 +117,19 @@ def split_tool_specs(specs: list[str]) -> tuple[list[str], list[MCPServer]]:
     return local, servers
 
 
+PYTHON_COMMANDS = ("python", "python3")
+
+
+def stdio_command(command: tuple[str, ...]) -> tuple[str, ...]:
+    """``command`` with a leading ``python`` or ``python3`` replaced by this process's interpreter:
+    a server shipped with the worker's environment (``mcp:stdio:python -m asyncrl.demo_agent``)
+    must start in that environment, whatever ``PATH`` finds first (a launcher run as
+    ``.venv/bin/asyncrl`` has no activated venv on its ``PATH``)."""
+    if command and command[0] in PYTHON_COMMANDS:
+        return (sys.executable, *command[1:])
+    return command
+
+
 def mcp_result_text(result: Any) -> str:
     """A ``CallToolResult``'s content as the text the model sees."""
     parts = []
@@ -162,7 +176,8 @@ async def mcp_session(server: MCPServer) -> AsyncIterator[Any]:
         else:
             from mcp.client.stdio import stdio_client
 
-            params = mcp.StdioServerParameters(command=server.command[0], args=server.command[1:])
+            cmd = stdio_command(server.command)
+            params = mcp.StdioServerParameters(command=cmd[0], args=cmd[1:])
             read, write = await stack.enter_async_context(stdio_client(params))
         session = await stack.enter_async_context(mcp.ClientSession(read, write))
         await session.initialize()

@@ -152,6 +152,7 @@ class WorkerStats:
                 "tool_calls",  # by multi-turn episodes (metadata["tool_calls"])
                 "tool_errors",  # error results the model saw, timeouts included
                 "tool_timeouts",
+                "tool_call_episodes",  # episodes with >= 1 valid tool call (Episode.made_tool_call)
             ],
             0,
         )
@@ -545,6 +546,10 @@ class RolloutWorker:
             out[names.REWARD_MEAN] = float(np.mean(self.stats.rewards))
             out[names.RESPONSE_LENGTH_MEAN] = float(np.mean(self.stats.lengths))
             out["rollout/response_length_max"] = float(np.max(self.stats.lengths))
+        episodes = c["episodes"] - prev["episodes"]
+        if self.groups.with_tools and episodes > 0:
+            calling = c["tool_call_episodes"] - prev["tool_call_episodes"]
+            out[names.ROLLOUT_TOOL_CALL_RATE] = calling / episodes
         if self.stats.greedy_rewards:
             out[names.GREEDY_REWARD_MEAN] = float(np.mean(self.stats.greedy_rewards))
         out.update({f"rollout/{k}": float(v) for k, v in c.items()})

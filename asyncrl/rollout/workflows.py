@@ -73,6 +73,14 @@ class Episode:
         self.versions += [v] * len(ids)
         self.loss_mask += [0] * len(ids)
 
+    @property
+    def made_tool_call(self) -> bool:
+        """Whether the episode made at least one valid tool call: one the tool answered without an
+        error (``metadata["tool_calls"]``, as :class:`MultiTurn` records them). The tool-call rate
+        counts these episodes."""
+        calls = self.metadata.get("tool_calls") or []
+        return any(isinstance(c, dict) and c.get("ok") for c in calls)
+
     def check(self) -> None:
         n = len(self.completion_ids)
         for name in ("logprobs", "versions", "loss_mask"):
@@ -133,6 +141,14 @@ class EpisodeContext:
 
 class Workflow(Protocol):
     async def run_episode(self, ctx: EpisodeContext) -> Episode: ...
+
+
+def gives_tools(workflow: Workflow, tools: ToolRegistry, tool_set: ToolSet | None) -> bool:
+    """Whether episodes have tools to call: the recipe's (Python functions or MCP servers) or the
+    workflow's own. A tool-call rate is measured only then."""
+    if tool_set is not None and tool_set.servers:
+        return True
+    return bool(tools.tools) or bool(getattr(workflow, "tools", None))
 
 
 async def play(workflow: Workflow, ctx: EpisodeContext) -> Episode:

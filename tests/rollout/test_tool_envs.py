@@ -317,6 +317,7 @@ def test_a_worker_with_a_hanging_mcp_tool_keeps_delivering_groups(mcp_engine):
             assert call["name"] == "add" and call["timed_out"] and not call["ok"]
     assert counters["tool_timeouts"] == counters["tool_calls"] >= 4
     assert counters["tool_errors"] == counters["tool_calls"]
+    assert counters["tool_call_episodes"] == 0  # a call cut at its timeout is not a valid one
 
 
 def test_held_out_evaluation_runs_the_mcp_servers_tools(mcp_engine):
@@ -352,3 +353,5 @@ def test_held_out_evaluation_runs_the_mcp_servers_tools(mcp_engine):
     (example,) = report.examples
     assert "error: add timed out after 2s" in example["completion"]
     assert tool_set.stats["timeouts"] == 1
+    # the call was made but not answered: no valid tool call, and the rate says so
+    assert report.tool_call_rate == 0.0 and report.metrics()["eval/tool_call_rate"] == 0.0
