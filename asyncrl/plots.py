@@ -287,17 +287,20 @@ def plot_learning(records, out: Path) -> Path | None:
     panels = [("loss", names.LOSS), ("entropy", names.ENTROPY), ("grad norm", names.GRAD_NORM)]
     panels.append(("response length", names.RESPONSE_LENGTH_MEAN))
     present = [(t, key) for t, key in panels if series(records, key)[1]]
-    if not present:
-        return None
+    return _panels(records, present, "Learning", out / "learning.png") if present else None
+
+
+def _panels(records, panels: list[tuple[str, str]], title: str, path: Path) -> Path:
+    """One small panel per ``(label, key)``, over the policy version."""
     plt = _plt()
-    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.2 * len(present)), sharex=True)
-    axes = axes if len(present) > 1 else [axes]
-    for ax, (title, key) in zip(axes, present, strict=True):
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True)
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (label, key) in zip(axes, panels, strict=True):
         _line(ax, records, key)
-        ax.set_ylabel(title)
-    axes[0].set_title("Learning")
+        ax.set_ylabel(label)
+    axes[0].set_title(title)
     axes[-1].set_xlabel("policy version")
-    return _save(fig, out / "learning.png")
+    return _save(fig, path)
 
 
 def plot_critic(records, out: Path) -> Path | None:
@@ -310,14 +313,7 @@ def plot_critic(records, out: Path) -> Path | None:
     ]
     if not series(records, names.VALUE_LOSS)[1]:
         return None
-    plt = _plt()
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), sharex=True)
-    for ax, (title, key) in zip(axes, panels, strict=True):
-        _line(ax, records, key)
-        ax.set_ylabel(title)
-    axes[0].set_title("Critic")
-    axes[-1].set_xlabel("policy version")
-    return _save(fig, out / "critic.png")
+    return _panels(records, panels, "Critic", out / "critic.png")
 
 
 PLOTS = (
