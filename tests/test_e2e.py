@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import launch, metric_names, metrics
+from tests.module_hook import sitecustomize
 from tests.numerics import GRAD_RTOL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,42 +185,25 @@ def letters(prompt, completion, prompt_ids, completion_ids, **row):
 # Records every batch the learner trains on, by wrapping asyncrl.learner.source.broadcast_batch when
 # the learner imports it (a sitecustomize on PYTHONPATH; the learner's code is not changed). The batch
 # is the real one, encoded with the learner's own codec.
-RECORDER = """
-import importlib.abc, importlib.util, os, sys
+RECORDER = sitecustomize(
+    "asyncrl.learner.source",
+    """
+    out = os.environ["ASYNCRL_TEST_RECORD_BATCHES"]
+    real = module.broadcast_batch
 
-_DIR = os.environ.get("ASYNCRL_TEST_RECORD_BATCHES")
+    def recording(source, **kw):
+        batch = real(source, **kw)
+        if not isinstance(batch, module.Batch):  # a stop or publish signal, not data
+            return batch
+        n = len(os.listdir(out))
+        with open(os.path.join(out, "batch-%05d.bin" % n), "wb") as f:
+            f.write(module.encode_batch(batch))
+        return batch
 
-
-class _Recorder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "asyncrl.learner.source":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            real = module.broadcast_batch
-
-            def recording(source, **kw):
-                batch = real(source, **kw)
-                if not isinstance(batch, module.Batch):  # a stop or publish signal, not data
-                    return batch
-                n = len(os.listdir(_DIR))
-                with open(os.path.join(_DIR, "batch-%05d.bin" % n), "wb") as f:
-                    f.write(module.encode_batch(batch))
-                return batch
-
-            module.broadcast_batch = recording
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if _DIR:
-    sys.meta_path.insert(0, _Recorder())
-"""
+    module.broadcast_batch = recording
+    """,
+    when='os.environ.get("ASYNCRL_TEST_RECORD_BATCHES")',
+)
 
 
 @pytest.fixture()

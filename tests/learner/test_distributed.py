@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from asyncrl import metric_names, tasks
 from asyncrl import recipe as recipe_mod
 from asyncrl.metrics import read_metrics
+from tests.module_hook import sitecustomize
 from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 
 STEPS = 3
@@ -45,47 +46,26 @@ def torchrun(recipe: Path, *overrides: str, env: dict | None = None) -> subproce
     )
 
 
+# The fault (a hard exit between two steps, after the checkpoint) is one a real process can have.
 CRASH_AFTER = """
-import importlib.abc, importlib.util, os, sys
+version = VERSION
+step = module.Trainer.step
 
-VERSION = {version}
+def crashing_step(self, batch):
+    if self.version == version:
+        self.wait_for_checkpoint()
+        os._exit(3)
+    return step(self, batch)
 
-
-class _Crash(importlib.abc.MetaPathFinder):
-    # Wraps Trainer.step when asyncrl.learner.trainer is imported; the learner's code is not
-    # changed. The fault (a hard exit between two steps) is one a real process can have.
-
-    def find_spec(self, name, path, target=None):
-        if name != "asyncrl.learner.trainer":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            step = module.Trainer.step
-
-            def crashing_step(self, batch):
-                if self.version == VERSION:
-                    self.wait_for_checkpoint()
-                    os._exit(3)
-                return step(self, batch)
-
-            module.Trainer.step = crashing_step
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _Crash())
+module.Trainer.step = crashing_step
 """
 
 
 def crash_env(folder: Path, version: int) -> dict[str, str]:
     """The environment of a learner that exits hard after version ``version`` (CRASH_AFTER)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(CRASH_AFTER.format(version=version))
+    patch = CRASH_AFTER.replace("VERSION", str(version))
+    (folder / "sitecustomize.py").write_text(sitecustomize("asyncrl.learner.trainer", patch))
     return {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
     }
