@@ -152,9 +152,9 @@ def _fit_lookup_caller(out):
     """The demo's tiny model fitted to play the whole lookup transcript for KEYS under greedy
     decoding (call, result, answer): an agent that calls the tool, as the SFT stage makes one,
     in seconds instead of minutes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from tests.tool_caller import fit_greedy
     from tools.make_demo import model_config
     from tools.make_tiny_model import make_tiny_model
 
@@ -166,36 +166,7 @@ def _fit_lookup_caller(out):
         p = tok.encode(f"{key}?")
         c = tok.encode(tasks.lookup_call(key) + tasks.lookup_result(value) + f"={value}")
         rows.append((p, c + [tok.eos_token_id]))
-    n = max(len(p) + len(c) for p, c in rows)
-    ids = torch.zeros(len(rows), n, dtype=torch.long)
-    labels = torch.full((len(rows), n), -100)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    extra = 10  # steps past the first exact greedy match: a margin for the engine's own kernels
-    for _ in range(600):
-        res = model(input_ids=ids, labels=labels)
-        opt.zero_grad()
-        res.loss.backward()
-        opt.step()
-        pred = res.logits[:, :-1].argmax(-1)
-        mask = labels[:, 1:] != -100
-        if (pred[mask] == labels[:, 1:][mask]).all():
-            extra -= 1
-            if extra == 0:
-                break
-    else:
-        raise AssertionError(
-            f"the tiny model did not learn the transcripts (loss {res.loss.item()})"
-        )
-    folder = out / "model"
-    model.save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    (folder / "generation_config.json").write_text((src / "generation_config.json").read_text())
-    return folder
+    return fit_greedy(src, rows, out / "model", steps=600)
 
 
 @pytest.mark.slow  # 31 s on 2 cores, 48-70 s under other agents' load (fit, run, 2 evaluations)
