@@ -331,6 +331,48 @@ class CriticConfig:
 
 
 @dataclass(kw_only=True)
+class RolePlacement:
+    """Where one model role of the learner runs (docs/placement.md): on which learner ranks, and
+    how its ranks are split between tensor parallelism and FSDP's data-parallel sharding."""
+
+    ranks: list[int] = _f(
+        factory=list, doc="learner ranks (torchrun RANK) of this role; empty: every rank"
+    )
+    tensor_parallel: int = _f(
+        1, lo=1, doc="tensor-parallel degree inside the role's ranks (the rest shard with FSDP2)"
+    )
+    offload: bool = _f(
+        False,
+        doc="between its calls, give the role's parameters, gradients and optimizer state back "
+        "(to pinned host memory on GPU; on CPU nothing is freed: a log line says so)",
+    )
+
+
+ROLES = ("actor", "critic", "ref")
+"""The learner's model roles a recipe places (the reward model is scored by the workers)."""
+
+
+@dataclass(kw_only=True)
+class PlacementConfig:
+    """Each learner role's ranks and parallel layout. Roles on disjoint ranks run their calls at
+    once; roles on the same ranks run in the dataflow's order. The default puts every role on
+    every rank, FSDP2 over all of them (data-parallel sharding only)."""
+
+    actor: RolePlacement = _f(factory=RolePlacement)
+    critic: RolePlacement = _f(factory=RolePlacement, doc="gae / vtrace's value model")
+    ref: RolePlacement = _f(
+        factory=RolePlacement, doc="the frozen π_ref of a KL term; empty ranks: the actor's ranks"
+    )
+
+    def ranks_of(self, role: str, world: int) -> list[int]:
+        """The role's ranks in a learner of ``world`` ranks (the ref follows the actor)."""
+        ranks = getattr(self, role).ranks
+        if not ranks and role == "ref":
+            return self.ranks_of("actor", world)
+        return list(ranks) if ranks else list(range(world))
+
+
+@dataclass(kw_only=True)
 class WeightsConfig:
     every: int = _f(1, lo=1, doc="publish weights every k versions")
     backend: Literal["auto", "gloo", "nccl"] = _f("auto")
@@ -376,6 +418,7 @@ class Recipe:
     algorithm: AlgorithmConfig = _f(factory=AlgorithmConfig)
     learner: LearnerConfig = _f(factory=LearnerConfig)
     critic: CriticConfig = _f(factory=CriticConfig)
+    placement: PlacementConfig = _f(factory=PlacementConfig)
     weights: WeightsConfig = _f(factory=WeightsConfig)
     logging: LoggingConfig = _f(factory=LoggingConfig)
     base_dir: str = field(default=".", metadata={"internal": True})
@@ -565,6 +608,47 @@ def load(
     return from_dict(data or {}, file=file, overrides=overrides, check_files=check_files)
 
 
+def check_placement(
+    placement: PlacementConfig, world: int | None = None, *, file: str | None = None
+) -> None:
+    """Each role's ranks exist (when ``world`` is known), are distinct, split evenly into its
+    tensor-parallel degree, and either equal another role's ranks or do not meet them."""
+    sets: dict[str, frozenset[int]] = {}
+    for role in ROLES:
+        rp: RolePlacement = getattr(placement, role)
+        key = f"placement.{role}"
+        if any(k < 0 for k in rp.ranks) or len(set(rp.ranks)) != len(rp.ranks):
+            raise RecipeError(
+                f"expected distinct ranks >= 0, got {rp.ranks}", file=file, key=f"{key}.ranks"
+            )
+        if world is not None and any(k >= world for k in rp.ranks):
+            raise RecipeError(
+                f"the learner has {world} rank(s) (0..{world - 1}), got {rp.ranks}",
+                file=file,
+                key=f"{key}.ranks",
+            )
+        n = len(rp.ranks) if rp.ranks else world
+        if n is not None and n % rp.tensor_parallel:
+            raise RecipeError(
+                f"{n} rank(s) do not split into tensor-parallel groups of {rp.tensor_parallel}",
+                file=file,
+                key=f"{key}.tensor_parallel",
+            )
+        if world is not None:
+            sets[role] = frozenset(placement.ranks_of(role, world))
+        elif rp.ranks:
+            sets[role] = frozenset(rp.ranks)
+    for i, a in enumerate(ROLES):
+        for b in ROLES[i + 1 :]:
+            if a in sets and b in sets and sets[a] != sets[b] and sets[a] & sets[b]:
+                raise RecipeError(
+                    f"shares ranks {sorted(sets[a] & sets[b])} with placement.{a} but not all: "
+                    "two roles run on the same ranks or on disjoint ones",
+                    file=file,
+                    key=f"placement.{b}.ranks",
+                )
+
+
 def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = True) -> None:
     """Checks across fields and on the file system (unless ``check_files`` is false)."""
     r = recipe
@@ -613,6 +697,7 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             file=file,
             key="algorithm.kl_reward_coef",
         )
+    check_placement(r.placement, file=file)
     if len(r.learner.betas) != 2 or not all(0 <= b < 1 for b in r.learner.betas):
         raise RecipeError("expected two numbers in [0, 1)", file=file, key="learner.betas")
     if r.generator.kind == "sglang" and not r.generator.urls and r.rollout.workers:

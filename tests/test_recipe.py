@@ -129,6 +129,20 @@ def test_overrides_are_typed(tmp_path):
             "http(s)://",
         ),
         (
+            "placement: {actor: {ranks: [0, 1]}, critic: {ranks: [1, 2]}}\n",
+            [],
+            "placement.critic.ranks",
+            "shares ranks [1] with placement.actor but not all",
+        ),
+        (
+            "placement: {actor: {ranks: [0, 1, 2], tensor_parallel: 2}}\n",
+            [],
+            "placement.actor.tensor_parallel",
+            "3 rank(s) do not split into tensor-parallel groups of 2",
+        ),
+        ("placement: {critic: {ranks: [1, 1]}}\n", [], "placement.critic.ranks", "distinct"),
+        ("placement: {actor: {tp: 2}}\n", [], "placement.actor.tp", "unknown key"),
+        (
             "rollout: {reward_model: {normalize: zscore}}\n",
             [],
             "rollout.reward_model.normalize",
@@ -234,3 +248,19 @@ def test_critic_fields_defaults(tmp_path):
         _write(tmp_path, GOOD), ["algorithm.advantage=gae", "algorithm.kl_reward_coef=0.05"]
     )
     assert r.algorithm.kl_reward_coef == 0.05
+
+
+def test_placement_against_the_learners_world():
+    """The rank checks that need the world size run in the learner, with the same one-line errors;
+    the ref follows the actor's ranks unless placed."""
+    p = recipe.PlacementConfig(
+        actor=recipe.RolePlacement(ranks=[0]), critic=recipe.RolePlacement(ranks=[1])
+    )
+    recipe.check_placement(p, world=2)
+    assert p.ranks_of("ref", 2) == [0] and p.ranks_of("critic", 2) == [1]
+    with pytest.raises(RecipeError, match=r"placement.critic.ranks: the learner has 1 rank"):
+        recipe.check_placement(p, world=1)
+    # the critic on every rank of 2 meets the actor's [0] without equalling it
+    p.critic.ranks = []
+    with pytest.raises(RecipeError, match="placement.critic.ranks: shares ranks"):
+        recipe.check_placement(p, world=2)
