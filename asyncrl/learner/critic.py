@@ -44,6 +44,7 @@ from asyncrl.learner.scalar_model import init_head, scalar_spec, token_values
 from asyncrl.recipe import AlgorithmConfig
 
 if TYPE_CHECKING:
+    from asyncrl.learner.placement import RoleMesh
     from asyncrl.learner.trainer import Trainer
 
 WHITEN_EPS = 1e-8
@@ -101,10 +102,51 @@ def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
         s.returns[i] = ret[b, : len(i)].numpy()
 
 
-class Critic:
-    """The value model on this rank: built, loaded and optimised as the actor is (collective)."""
+def assign_targets(seqs: list[Sequence], alg: AlgorithmConfig, *, reduce: bool) -> dict[str, float]:
+    """``seqs`` (carrying ``values``) get whitened advantages and returns; returns the batch's
+    critic metrics. With ``reduce`` the sequences are this rank's share and the whitening and the
+    metrics span every rank (collective); without, ``seqs`` are the whole batch (no collective:
+    roles on their own ranks, where every rank computes them all alike)."""
+    token_targets(seqs, alg)
+    adv = [s.token_advantages[s.mask > 0] for s in seqs]
+    a = np.concatenate(adv) if adv else np.zeros(0)
+    v = np.concatenate([s.values[s.mask > 0] for s in seqs]) if seqs else np.zeros(0)
+    ret = np.concatenate([s.returns[s.mask > 0] for s in seqs]) if seqs else np.zeros(0)
+    a64 = torch.from_numpy(a.astype(np.float64))
+    sums = torch.cat(
+        [
+            torch.tensor([float(a.size), float(a64.sum()), float(a64.square().sum())]),
+            torch.tensor([float(v.sum())], dtype=torch.float64),
+            variance_sums(torch.from_numpy(v), torch.from_numpy(ret), torch.ones(v.size)),
+        ]
+    ).to(torch.float64)
+    if reduce:
+        dist.all_reduce(sums)
+    n, a_sum, a_sq, v_sum = sums[:4].tolist()
+    mean = a_sum / n if n else 0.0
+    std = math.sqrt(max(a_sq / n - mean * mean, 0.0)) if n else 0.0
+    for s in seqs:
+        s.token_advantages = np.where(
+            s.mask > 0, (s.token_advantages - mean) / (std + WHITEN_EPS), 0.0
+        ).astype(np.float32)
+    return {
+        names.EXPLAINED_VARIANCE: explained_variance_from_sums(sums[4:]),
+        "critic/values_mean": v_sum / n if n else 0.0,
+        "critic/returns_mean": float(sums[5] / n) if n else 0.0,
+        "critic/advantages_std": std,
+    }
 
-    def __init__(self, trainer: Trainer) -> None:
+
+def critic_zero_stats() -> dict[str, Tensor]:
+    """The critic's per-update sums at zero: every rank reduces these keys, critic or not."""
+    return {k: torch.zeros((), dtype=torch.float64) for k in VALUE_STAT_KEYS}
+
+
+class Critic:
+    """The value model on this rank: built, loaded and optimised as the actor is (collective over
+    the critic's ranks, ``mesh``)."""
+
+    def __init__(self, trainer: Trainer, mesh: RoleMesh) -> None:
         r = trainer.recipe
         self.alg = r.algorithm
         self.grad_clip = r.learner.grad_clip
@@ -112,10 +154,10 @@ class Critic:
         self.spec = scalar_spec(
             self.folder, attention=r.model.attention, max_seq_len=r.model.max_seq_len
         )
-        self.model = trainer._build_model(self.spec)
+        self.model = trainer._build_model(self.spec, mesh=mesh)
         self.model.train()
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.folder))
-        trainer._load_hf(self.model, self.adapter, self.folder)
+        trainer._load_hf(self.model, self.adapter, self.folder, group=mesh.group)
         if not self.adapter.include_head:  # a causal LM's backbone: a fresh head from the seed
             init_head(self.model, r.run.seed)
         self.optimizers, self.lr_schedulers = trainer.optimizer(self.model, r.critic.lr)
@@ -132,40 +174,6 @@ class Critic:
     def values(self, mb: MicroBatch) -> Tensor:
         """V at each trained token of ``mb`` (flat over ``mb.sel``). Collective (FSDP)."""
         return token_values(self.model, mb.tokens, mb.positions)[mb.sel]
-
-    def assign_targets(self, mine: list[Sequence]) -> dict[str, float]:
-        """This rank's sequences (carrying ``values``) get whitened advantages and returns; returns
-        the batch's critic metrics. Collective: the whitening and the metrics span every rank."""
-        token_targets(mine, self.alg)
-        adv = [s.token_advantages[s.mask > 0] for s in mine]
-        a = np.concatenate(adv) if adv else np.zeros(0)
-        v = np.concatenate([s.values[s.mask > 0] for s in mine]) if mine else np.zeros(0)
-        ret = np.concatenate([s.returns[s.mask > 0] for s in mine]) if mine else np.zeros(0)
-        a64 = torch.from_numpy(a.astype(np.float64))
-        sums = torch.cat(
-            [
-                torch.tensor([float(a.size), float(a64.sum()), float(a64.square().sum())]),
-                torch.tensor([float(v.sum())], dtype=torch.float64),
-                variance_sums(torch.from_numpy(v), torch.from_numpy(ret), torch.ones(v.size)),
-            ]
-        ).to(torch.float64)
-        dist.all_reduce(sums)
-        n, a_sum, a_sq, v_sum = sums[:4].tolist()
-        mean = a_sum / n if n else 0.0
-        std = math.sqrt(max(a_sq / n - mean * mean, 0.0)) if n else 0.0
-        for s in mine:
-            s.token_advantages = np.where(
-                s.mask > 0, (s.token_advantages - mean) / (std + WHITEN_EPS), 0.0
-            ).astype(np.float32)
-        return {
-            names.EXPLAINED_VARIANCE: explained_variance_from_sums(sums[4:]),
-            "critic/values_mean": v_sum / n if n else 0.0,
-            "critic/returns_mean": float(sums[5] / n) if n else 0.0,
-            "critic/advantages_std": std,
-        }
-
-    def zero_stats(self) -> dict[str, Tensor]:
-        return {k: torch.zeros((), dtype=torch.float64) for k in VALUE_STAT_KEYS}
 
     def update(self, mbs: list[MicroBatch], norm: Normaliser, stats: dict[str, Tensor]) -> float:
         """One optimizer update of the critic on an actor update's micro-batches (collective),

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return train(recipe, invocation=Invocation(recipe_path=a.recipe, overrides=a.overrides))
-    except (DataError, ModelConfigError, LearnerError, SourceError) as e:
+    except (DataError, ModelConfigError, LearnerError, SourceError, recipe_mod.RecipeError) as e:
         print(f"asyncrl learner: {e}", file=sys.stderr)
         return 2
     finally:

@@ -45,8 +45,7 @@ from torchtitan.components.optimizer import (
     OptimizersContainer,
     ParamGroupConfig,
 )
-from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed import ParallelDims
+from torchtitan.config.configs import CompileConfig, TrainingConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
@@ -56,7 +55,7 @@ from asyncrl import metric_names as names
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
-from asyncrl.learner.critic import Critic
+from asyncrl.learner.critic import Critic, assign_targets, critic_zero_stats
 from asyncrl.learner.drift import drift_sums, finalize_drift
 from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
 from asyncrl.learner.losses import (
@@ -76,6 +75,13 @@ from asyncrl.learner.packing import (
     split_micro_batches,
     split_minibatches,
     split_over_ranks,
+)
+from asyncrl.learner.placement import (
+    RoleMesh,
+    build_role_meshes,
+    check_learner_placement,
+    exchanges,
+    placement_summary,
 )
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
@@ -211,11 +217,25 @@ class Trainer:
         self.last_export = ""
         self._batch_info: dict[str, float] = {}
 
-        parallelism = ParallelismConfig(
-            spmd_backend=cpu_shims.SPMD_BACKEND, data_parallel_shard_degree=-1
+        # Each role's ranks and parallel dims (asyncrl/learner/placement.py), checked first.
+        check_learner_placement(r.placement, self.world)
+        self.dataflow = dataflow.from_recipe(r)
+        self.check_dataflow()
+        self.with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES
+        with_ref = self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0
+        roles = ("actor",) + ("critic",) * self.with_critic + ("ref",) * with_ref
+        self.meshes = build_role_meshes(r.placement, self.world, self.rank, roles)
+        self.colocated = all(m.whole_world for m in self.meshes.values())
+        if not self.colocated and checkpointing:
+            raise LearnerError(
+                "placement: roles on their own ranks do not checkpoint or export yet "
+                f"({placement_summary(self.meshes)}); place every role on every rank"
+            )
+        self.exchanges = exchanges(
+            self.dataflow, {k: m.ranks for k, m in self.meshes.items()}, self.world
         )
-        self.parallel_dims = ParallelDims.from_config(parallelism, self.world)
-        self.parallel_dims.build_mesh()
+        actor = self.meshes["actor"]
+        self.parallel_dims, self._parallelism = actor.parallel_dims, actor.parallelism
         dist_utils.set_spmd_backend(cpu_shims.SPMD_BACKEND)
 
         self.spec = self.model_spec()
@@ -227,22 +247,42 @@ class Trainer:
                 "the tiny test model: 38-60 s per step against 0.3 s eager); it is meant for GPUs"
             )
 
-        self._parallelism = parallelism
-        self.model = self._build_model()
-        self.model.train()
+        # A rank outside the actor's ranks holds no actor (model, optimizer: None).
+        self.model: torch.nn.Module = None  # type: ignore[assignment]
+        self.optimizers: OptimizersContainer = None  # type: ignore[assignment]
+        self.lr_schedulers: LRSchedulersContainer = None  # type: ignore[assignment]
+        if actor.holds:
+            self.model = self._build_model(mesh=actor)
+            self.model.train()
+            self.optimizers, self.lr_schedulers = self.optimizer(self.model, r.learner.lr)
         self.ref_model: torch.nn.Module | None = None
-        self.optimizers, self.lr_schedulers = self.optimizer(self.model, r.learner.lr)
 
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.model_dir))
         self._state = _LearnerState()
-        # PPO with a critic: the value model, checkpointed with the actor (its own state keys)
-        self.dataflow = dataflow.from_recipe(r)
-        self.check_dataflow()
-        with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES
-        self.critic = Critic(self) if with_critic else None
-        extra_states = self.critic.states() if self.critic is not None else {}
-        lc = r.learner
+        # PPO with a critic: the value model on its ranks, checkpointed with the actor (its keys)
+        critic_mesh = self.meshes.get("critic")
+        self.critic = Critic(self, critic_mesh) if critic_mesh and critic_mesh.holds else None
+        self.checkpointing = checkpointing
+        self.checkpointer: CheckpointManager | None = None
+        if self.colocated:
+            self._build_checkpointer(checkpointing)
+            self._load()
+        elif actor.holds:  # the HF weights, over the actor's ranks only
+            self._load_hf(self.model, group=actor.group)
+        ref_mesh = self.meshes.get("ref")
+        if ref_mesh is not None and ref_mesh.holds:
+            # π_ref: the initial HF weights, frozen, sharded like the policy
+            self.ref_model = self._build_model(mesh=ref_mesh)
+            self._load_hf(self.ref_model, group=ref_mesh.group)
+            self.ref_model.eval().requires_grad_(False)
+
+    def _build_checkpointer(self, checkpointing: bool) -> None:
+        """TorchTitan's CheckpointManager over the actor (the critic's states as extra states); it
+        also loads the HF weights when no checkpoint exists (with ``checkpointing`` False, only
+        that)."""
+        lc = self.recipe.learner
         keep = lc.keep_checkpoints
+        extra_states = self.critic.states() if self.critic is not None else {}
         self.checkpointer = CheckpointManager.Config(
             enable=True,
             folder="checkpoints",
@@ -263,13 +303,6 @@ class Trainer:
             sd_adapter=self.adapter,
             base_folder=str(self.run_dir) if checkpointing else str(self.run_dir / ".no-ckpt"),
         )
-        self.checkpointing = checkpointing
-        self._load()
-        if self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0:
-            # π_ref: the initial HF weights, frozen, sharded like the policy
-            self.ref_model = self._build_model()
-            self._load_hf(self.ref_model)
-            self.ref_model.eval().requires_grad_(False)
 
     def model_spec(self) -> ModelSpec:
         """The TorchTitan spec of ``model.path`` (a subclass trains another head on it)."""
@@ -318,13 +351,19 @@ class Trainer:
         )
         return optimizers, sched.build(optimizers=optimizers, training_steps=total)
 
-    def _build_model(self, spec: ModelSpec | None = None) -> torch.nn.Module:
+    def _build_model(
+        self, spec: ModelSpec | None = None, *, mesh: RoleMesh | None = None
+    ) -> torch.nn.Module:
         """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights.
-        ``spec``: another model on the same ranks (the critic); default the actor's."""
+        ``spec``: another model (the critic's); default the actor's. ``mesh``: the role's ranks and
+        parallel dims (:mod:`asyncrl.learner.placement`); default the actor's. Collective over the
+        role's ranks only."""
         spec = self.spec if spec is None else spec
+        mesh = self.meshes["actor"] if mesh is None else mesh
+        assert mesh.holds, (self.rank, mesh.ranks)
 
         class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
-            parallelism = self._parallelism
+            parallelism = mesh.parallelism
 
         spec.model.update_from_config(config=_Cfg)
         with torch.device("meta"):
@@ -332,9 +371,9 @@ class Trainer:
         lc = self.recipe.learner
         model = spec.parallelize_fn(
             model,
-            parallel_dims=self.parallel_dims,
+            parallel_dims=mesh.parallel_dims,
             training=TrainingConfig(mixed_precision_param=self.recipe.model.dtype),
-            parallelism=self._parallelism,
+            parallelism=mesh.parallelism,
             compile_config=CompileConfig(enable=lc.compile, components=["model"]),
             ac_config=AC_CONFIGS[lc.activation_checkpointing](),
             dump_folder=str(self.run_dir),
@@ -347,10 +386,16 @@ class Trainer:
         return model
 
     def _load_hf(
-        self, model: torch.nn.Module, adapter: Any = None, folder: Path | None = None
+        self,
+        model: torch.nn.Module,
+        adapter: Any = None,
+        folder: Path | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         """An HF folder's weights into a (sharded) model, as CheckpointManager's HF load does;
-        default the actor's adapter and ``model.path``."""
+        default the actor's adapter and ``model.path``. Collective over ``group``, the model's
+        role's ranks (default: every rank)."""
         import torch.distributed.checkpoint as dcp
         from torchtitan.components.checkpoint import ModelWrapper
 
@@ -358,7 +403,8 @@ class Trainer:
         folder = self.model_dir if folder is None else folder
         wrapper = ModelWrapper([model])
         hf_sd = adapter.to_hf(wrapper.state_dict())
-        dcp.load(hf_sd, storage_reader=adapter.get_hf_storage_reader(str(folder)))
+        reader = adapter.get_hf_storage_reader(str(folder))
+        dcp.load(hf_sd, storage_reader=reader, process_group=group)
         wrapper.load_state_dict(adapter.from_hf(hf_sd))
 
     # ------------------------------------------------------------------------------------------
@@ -371,7 +417,9 @@ class Trainer:
 
     def latest_checkpoint_step(self) -> int:
         """The highest complete ``step-N`` in the run's checkpoint folder, or -1."""
-        return self.checkpointer._find_load_step() if self.checkpointing else -1
+        if not self.checkpointing or self.checkpointer is None:
+            return -1
+        return self.checkpointer._find_load_step()
 
     def _load(self) -> None:
         step = self.latest_checkpoint_step()
@@ -393,7 +441,7 @@ class Trainer:
 
         Saves when the version is a multiple of ``learner.checkpoint_every`` or when ``force``.
         """
-        if not self.checkpointing:
+        if not self.checkpointing or self.checkpointer is None:
             return False
         if not (force or self.checkpointer._should_save(self.version)):
             return False
@@ -407,17 +455,20 @@ class Trainer:
         """Drop the last step's gradients and give their memory back before a checkpoint or an
         export needs room (a model's size in float32: 2.4 GB for Qwen3-0.6B; the next step's
         backward allocates them again). They are not part of either."""
-        self.optimizers.zero_grad()  # set_to_none
+        if self.optimizers is not None:
+            self.optimizers.zero_grad()  # set_to_none
         if self.critic is not None:
             self.critic.optimizers.zero_grad()
         malloc.release_freed_memory()
 
     def wait_for_checkpoint(self) -> None:
-        self.checkpointer.maybe_wait_for_saving()
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_wait_for_saving()
 
     def close(self) -> None:
-        self.checkpointer.maybe_wait_for_saving()
-        self.checkpointer.close()
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_wait_for_saving()
+            self.checkpointer.close()
 
     # ------------------------------------------------------------------------------------------
     # Weights out
@@ -430,8 +481,11 @@ class Trainer:
 
         One tensor is gathered at a time, cast to ``dtype`` first (a bfloat16 broadcast gathers
         bfloat16). With ``all_ranks=False`` only rank 0 keeps them and the others get ``{}``: no rank
-        but the sender holds a second copy of the model (8B in float32 would be 32 GB per rank)."""
-        out = {}
+        but the sender holds a second copy of the model (8B in float32 would be 32 GB per rank).
+        Collective over the actor's ranks; a rank without the actor gets ``{}``."""
+        out: dict[str, torch.Tensor] = {}
+        if self.model is None:
+            return out
         for k, p in self.adapter.to_hf(self.model.state_dict()).items():
             v = p.detach()
             if dtype is not None and v.is_floating_point() and v.dtype != dtype:
@@ -452,6 +506,8 @@ class Trainer:
         from torchtitan.components.checkpoint import AsyncMode, ModelWrapper
         from torchtitan.config import TORCH_DTYPE_MAP
 
+        if self.checkpointer is None:
+            raise LearnerError("placement: roles on their own ranks do not export yet")
         path = Path(path).resolve()
         dtype = dtype or self.recipe.model.dtype
         self.free_gradients()
@@ -539,12 +595,15 @@ class Trainer:
             self._batch_info["learner/staleness_max"] = float(k.max())
         return seqs
 
-    def micro_batches(self, mine: list[Sequence]) -> list[MicroBatch]:
-        """This rank's sequences, packed; every rank runs the same number of micro-batches (FSDP's
-        collectives must pair up), padding with empty rows that carry no loss."""
+    def micro_batches(
+        self, mine: list[Sequence], group: dist.ProcessGroup | None = None
+    ) -> list[MicroBatch]:
+        """This rank's sequences, packed; every rank of the role (``group``, default every rank)
+        runs the same number of micro-batches (FSDP's collectives must pair up), padding with empty
+        rows that carry no loss."""
         bins = split_micro_batches(mine, self.recipe.learner.micro_batch_tokens)
         n = torch.tensor([len(bins)], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
         bins += [[] for _ in range(int(n) - len(bins))]
         return [pack(b).to(self.device) for b in bins]
 
@@ -583,13 +642,17 @@ class Trainer:
         )
 
     def _per_token(
-        self, mine: list[Sequence], compute: Callable[[MicroBatch], dict[str, torch.Tensor]]
+        self,
+        mine: list[Sequence],
+        compute: Callable[[MicroBatch], dict[str, torch.Tensor]],
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        """A forward-only pass over this rank's sequences (collective): ``compute`` gives, per
-        micro-batch, named values flat over its trained tokens, which are stored on each
-        :class:`Sequence` as a per-position array of that name (0 off its trained tokens)."""
+        """A forward-only pass over this rank's sequences (collective over the role's ``group``):
+        ``compute`` gives, per micro-batch, named values flat over its trained tokens, which are
+        stored on each :class:`Sequence` as a per-position array of that name (0 off its trained
+        tokens)."""
         by_index = {s.index: s for s in mine}
-        for mb in self.micro_batches(mine):
+        for mb in self.micro_batches(mine, group):
             out = {k: v.float().cpu().numpy() for k, v in compute(mb).items()}
             sel = mb.sel.cpu().numpy()
             starts = np.cumsum([0] + [len(by_index[i]) for i in mb.seq_index])
@@ -601,7 +664,9 @@ class Trainer:
                     arr[sel[at] - starts[j]] = flat[at]
                     setattr(seq, name, arr)
 
-    def _recompute_prox(self, mine: list[Sequence]) -> torch.Tensor:
+    def _recompute_prox(
+        self, mine: list[Sequence], group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
         """π_prox before a batch's first update (AReaL's recompute): one forward-only pass over this
         rank's sequences, stored on each :class:`Sequence`; returns the batch's drift sums."""
         drift = torch.zeros(self.recipe.buffer.max_staleness + 2, 3, dtype=torch.float64)
@@ -611,7 +676,7 @@ class Trainer:
             drift.add_(self._drift(mb, lp.float().cpu()))
             return {"prox_logp": lp}
 
-        self._per_token(mine, prox)
+        self._per_token(mine, prox, group)
         return drift
 
     # -- the learner's calls of the dataflow (CALL_RUNNERS) -----------------------------------------
@@ -619,28 +684,54 @@ class Trainer:
     def _call_prox(self, run: _Step) -> None:
         """``prox``: π_prox, the policy before the step's first update (several updates; V-trace's
         π). Its drift sums count when the updates do not measure the drift themselves."""
-        drift = self._recompute_prox(run.mine)
+        actor = self.meshes["actor"]
+        drift = self._recompute_prox(run.share("actor"), actor.group)
         if run.several:
             run.totals.drift += drift
 
     def _call_ref(self, run: _Step) -> None:
         """``ref``: the frozen reference's logprobs (a KL term in the loss, or a KL reward)."""
         ref = self.ref_model
-        self._per_token(run.mine, lambda mb: {"ref_logp": self._token_logprobs(mb, ref)[0]})
+        self._per_token(
+            run.share("ref"),
+            lambda mb: {"ref_logp": self._token_logprobs(mb, ref)[0]},
+            self.meshes["ref"].group,
+        )
 
     def _call_values(self, run: _Step) -> None:
         """``values``: the critic's V at every trained token."""
         critic = self.critic
         assert critic is not None
-        self._per_token(run.mine, lambda mb: {"values": critic.values(mb)})
+        group = self.meshes["critic"].group
+        self._per_token(run.share("critic"), lambda mb: {"values": critic.values(mb)}, group)
 
     def _call_advantages(self, run: _Step) -> None:
         """``advantages``: per token from the critic's values (whitened over the batch), or per
-        sample from the group rewards of the whole batch (each rank computes them all alike)."""
-        if self.critic is not None:
-            run.info |= self.critic.assign_targets(run.mine)
+        sample from the group rewards of the whole batch (each rank computes them all alike).
+        Roles on every rank: each rank its share, the whitening's sums reduced over them; roles on
+        their own ranks: every rank all sequences (their values exchanged), no collective."""
+        if self.with_critic:
+            seqs = run.mine if self.colocated else run.seqs
+            run.info |= assign_targets(seqs, self.alg, reduce=self.colocated)
         else:
             run.info |= self.group_advantages(run.batch, run.seqs)
+
+    def _exchange(self, run: _Step, keys: tuple[str, ...]) -> None:
+        """Every rank gets every sequence's ``keys`` (per-token arrays), each computed on its
+        producing role's ranks (collective over the global group)."""
+        role_of = {k: c.role for c in self.dataflow.calls for k in c.outputs}
+        mine: dict[int, dict[str, np.ndarray]] = {}
+        for k in keys:
+            for s in run.share(role_of[k]):
+                mine.setdefault(s.index, {})[k] = getattr(s, k)
+        gathered: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(gathered, mine)
+        by_index = {s.index: s for s in run.seqs}
+        for part in gathered:
+            for i, arrays in part.items():
+                for k, arr in arrays.items():
+                    if arr is not None:
+                        setattr(by_index[i], k, arr)
 
     def group_advantages(self, batch: Batch, seqs: list[Sequence]) -> dict[str, float]:
         """Each sequence's advantage from its group's rewards (``algorithm.advantage``);
@@ -662,19 +753,51 @@ class Trainer:
         # groups whose greedy episode failed: their baseline is their own mean reward
         return {names.REMAX_MEAN_BASELINES: float(baselines.count(None))}
 
-    def _call_train_actor(self, run: _Step) -> None:
-        """``train_actor``: ``learner.epochs`` passes of ``learner.minibatches`` updates, each
-        followed by the critic's update on the same micro-batches (``train_critic``: the two train
-        steps are independent calls of one level, interleaved per mini-batch on shared ranks)."""
+    def _critic_interleaved(self) -> bool:
+        """The critic shares the actor's ranks: its updates follow the actor's (one level's two
+        train steps, run in turn on the same ranks)."""
+        critic = self.meshes.get("critic")
+        return critic is not None and critic.ranks == self.meshes["actor"].ranks
+
+    def _minibatches(self, mine: list[Sequence]) -> list[list[Sequence]]:
+        """``learner.epochs`` passes over this rank's share of a role, each in ``learner.minibatches``
+        random parts (the same seeds for actor and critic), in update order."""
         lc = self.recipe.learner
-        for epoch in range(lc.epochs):
-            seed = (self.recipe.run.seed, self.version, epoch)
-            for part in split_minibatches(run.mine, lc.minibatches, seed=seed):
-                self._update(part, run.totals, drift=not run.several)
+        return [
+            part
+            for epoch in range(lc.epochs)
+            for part in split_minibatches(
+                mine, lc.minibatches, seed=(self.recipe.run.seed, self.version, epoch)
+            )
+        ]
+
+    def _call_train_actor(self, run: _Step) -> None:
+        """``train_actor``: ``learner.epochs`` passes of ``learner.minibatches`` updates on the
+        actor's ranks; with a critic on the same ranks, each update is followed by the critic's on
+        the same micro-batches and normaliser (``train_critic``: the two train steps are
+        independent calls of one level, interleaved per mini-batch on shared ranks)."""
+        interleaved = self.critic is not None and self._critic_interleaved()
+        for part in self._minibatches(run.share("actor")):
+            mbs, norm = self._update(part, run.totals, drift=not run.several)
+            if interleaved:
+                assert self.critic is not None
+                grad_norm = self.critic.update(mbs, norm, run.totals.stats)
+                run.totals.critic_grad_norms.append(grad_norm)
 
     def _call_train_critic(self, run: _Step) -> None:
-        """``train_critic``: done within :meth:`_call_train_actor`'s updates (see there)."""
-        assert self.critic is not None and "train_actor" in run.done
+        """``train_critic``: on the actor's ranks, done within :meth:`_call_train_actor`'s updates;
+        on its own ranks, the same epochs and mini-batch draws over its share, while the actor's
+        ranks train the actor."""
+        assert self.critic is not None
+        if self._critic_interleaved():
+            assert "train_actor" in run.done
+            return
+        group = self.meshes["critic"].group
+        for part in self._minibatches(run.share("critic")):
+            mbs = self.micro_batches(part, group)
+            norm = self._normaliser(mbs, group)
+            grad_norm = self.critic.update(mbs, norm, run.totals.stats)
+            run.totals.critic_grad_norms.append(grad_norm)
 
     def _micro_batch(
         self, mb: MicroBatch, norm: Normaliser, totals: _StepTotals, *, drift: bool, sync: bool
@@ -735,19 +858,28 @@ class Trainer:
         )
         hidden.backward(grad_hidden)
 
-    def _update(self, mine: list[Sequence], totals: _StepTotals, *, drift: bool) -> None:
-        """One optimizer update on this rank's share of a mini-batch (collective). The loss is
-        normalised by the mini-batch's GLOBAL counts; π_prox is the recomputed one when the
-        sequences carry it, else this forward's own (the step's starting weights, one update)."""
-        mbs = self.micro_batches(mine)
+    def _normaliser(self, mbs: list[MicroBatch], group: dist.ProcessGroup | None) -> Normaliser:
+        """A mini-batch's GLOBAL token and sequence counts: every micro-batch of every rank of the
+        role (``group``; collective over it)."""
         counts = sum((count_tokens_and_seqs(mb.mask, mb.seq_ids) for mb in mbs), torch.zeros(2))
         counts = counts.to(torch.float64)
-        dist.all_reduce(counts)  # the GLOBAL normaliser: every rank and micro-batch
-        norm = Normaliser(
+        dist.all_reduce(counts, group=group)
+        return Normaliser(
             tokens=float(counts[0]),
             seqs=float(counts[1]),
             seq_len=float(self.recipe.rollout.max_new_tokens),
         )
+
+    def _update(
+        self, mine: list[Sequence], totals: _StepTotals, *, drift: bool
+    ) -> tuple[list[MicroBatch], Normaliser]:
+        """One optimizer update on this rank's share of a mini-batch (collective over the actor's
+        ranks). The loss is normalised by the mini-batch's GLOBAL counts; π_prox is the recomputed
+        one when the sequences carry it, else this forward's own (the step's starting weights, one
+        update). Returns the micro-batches and normaliser (a critic on these ranks reuses them)."""
+        group = self.meshes["actor"].group
+        mbs = self.micro_batches(mine, group)
+        norm = self._normaliser(mbs, group)
         self.optimizers.zero_grad()
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
@@ -762,8 +894,7 @@ class Trainer:
         totals.micro_batches += len(mbs)
         self.optimizers.step()
         self.lr_schedulers.step()
-        if self.critic is not None:  # the same micro-batches, the same normaliser
-            totals.critic_grad_norms.append(self.critic.update(mbs, norm, totals.stats))
+        return mbs, norm
 
     def step(self, batch: Batch) -> StepResult:
         """One batch, one new version (collective; every rank passes the same batch).
@@ -776,31 +907,50 @@ class Trainer:
         lc, eta = self.recipe.learner, self.recipe.buffer.max_staleness
         seqs = self.sequences(batch)
         totals = _StepTotals(drift=torch.zeros(eta + 2, 3, dtype=torch.float64))
-        if self.critic is not None:
-            totals.stats |= self.critic.zero_stats()
+        if self.with_critic:
+            totals.stats |= critic_zero_stats()
         run = _Step(
             batch=batch,
             seqs=seqs,
             mine=split_over_ranks(seqs, self.world)[self.rank],
+            shares={role: m.share(seqs) for role, m in self.meshes.items()},
             totals=totals,
             several=lc.minibatches * lc.epochs > 1,
         )
         for level in self.dataflow.order():  # dependency order; one level's calls independent
             for call in level:
+                if call.name in self.exchanges:  # another role's outputs: every rank takes part
+                    self._exchange(run, self.exchanges[call.name])
                 runner = CALL_RUNNERS[call.name]
-                if (
-                    runner is not None
-                ):  # None: ran in the rollout workers, its outputs are the batch
+                # None: ran in the rollout workers, its outputs are the batch. A model role's call
+                # runs on its ranks only; roles on disjoint ranks thus run one level's calls at once.
+                mesh = self.meshes.get(call.role)
+                if runner is not None and (mesh is None or mesh.holds):
                     getattr(self, runner)(run)
                 run.done.add(call.name)
         self.version += 1
 
-        # Every rank reduces the same keys and shapes, whatever its share held (zero_stats).
+        # Every rank reduces the same keys and shapes, whatever its share held (zero_stats); a
+        # role's per-update numbers (the same on its ranks) come from its first rank alone.
         keys = sorted(totals.stats)
+        actor, critic = self.meshes["actor"], self.meshes.get("critic")
+        role_numbers = torch.zeros(5, dtype=torch.float64)
+        if actor.leader:
+            role_numbers[:4] = torch.tensor(
+                [
+                    float(np.mean(totals.grad_norms)),
+                    float(max(totals.grad_norms)),
+                    float(totals.lrs[0]),
+                    float(totals.micro_batches),
+                ]
+            )
+        if critic is not None and critic.leader:
+            role_numbers[4] = float(np.mean(totals.critic_grad_norms))
         local = torch.cat(
             [
                 totals.loss.reshape(1),
                 torch.tensor([float(totals.tokens)], dtype=torch.float64),
+                role_numbers,
                 torch.stack([totals.stats[k] for k in keys]),
                 totals.drift.reshape(-1),
             ]
@@ -808,29 +958,30 @@ class Trainer:
         dist.all_reduce(local)
         updates = lc.minibatches * lc.epochs
         loss_total, tokens_total = float(local[0]) / updates, float(local[1])
-        summed = dict(zip(keys, local[2 : 2 + len(keys)].tolist(), strict=True))
+        grad_norm, grad_norm_max, lr, micro_batches, critic_grad_norm = local[2:7].tolist()
+        summed = dict(zip(keys, local[7 : 7 + len(keys)].tolist(), strict=True))
         dt = time.perf_counter() - t0
         metrics = {
             names.LOSS: loss_total,
-            names.GRAD_NORM: float(np.mean(totals.grad_norms)),
-            "lr": float(totals.lrs[0]),
+            names.GRAD_NORM: grad_norm,
+            "lr": lr,
             "learner/step_s": dt,
             names.TRAINED_TOKENS: tokens_total,
             names.TRAINED_TOKENS_PER_S: tokens_total / dt if dt > 0 else 0.0,
-            "learner/micro_batches": float(totals.micro_batches),
+            "learner/micro_batches": micro_batches,
             "learner/updates": float(updates),
             "learner/sequences": float(len(seqs)),
         }
         if updates > 1:
-            metrics["grad_norm/max"] = float(max(totals.grad_norms))
-        if self.critic is not None:
+            metrics["grad_norm/max"] = grad_norm_max
+        if self.with_critic:
             metrics[names.VALUE_LOSS] = summed.pop("value_loss") / updates
-            metrics["critic/grad_norm"] = float(np.mean(totals.critic_grad_norms))
+            metrics["critic/grad_norm"] = critic_grad_norm
         metrics |= peak_memory()
         metrics |= self._batch_info | run.info
         metrics |= finalize_stats(summed)
         if self.alg.loss != "sft":
-            metrics |= finalize_drift(local[2 + len(keys) :].reshape(eta + 2, 3))
+            metrics |= finalize_drift(local[7 + len(keys) :].reshape(eta + 2, 3))
         for k, v in batch.stats.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 metrics.setdefault(k if "/" in k else f"buffer/{k}", float(v))
@@ -859,16 +1010,20 @@ for the calls of the rollout workers (generation, rewards), whose outputs arrive
 
 @dataclass(kw_only=True)
 class _Step:
-    """One step's data as its calls run: the batch, its sequences and this rank's share of them,
+    """One step's data as its calls run: the batch, its sequences and this rank's shares of them,
     the running totals, what the calls reported, and which calls have run."""
 
     batch: Batch
     seqs: list[Sequence]
-    mine: list[Sequence]
+    mine: list[Sequence]  # this rank's share when split over every rank
+    shares: dict[str, list[Sequence]]  # each role's share on this rank (none off its ranks)
     totals: _StepTotals
     several: bool  # more than one update per batch
     info: dict[str, float] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
+
+    def share(self, role: str) -> list[Sequence]:
+        return self.shares[role]
 
 
 @dataclass(kw_only=True)
