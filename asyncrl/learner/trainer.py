@@ -942,7 +942,8 @@ class Trainer:
                     float(max(totals.grad_norms)),
                     float(totals.lrs[0]),
                     float(totals.micro_batches),
-                ]
+                ],
+                dtype=torch.float64,
             )
         if critic is not None and critic.leader:
             role_numbers[4] = float(np.mean(totals.critic_grad_norms))
