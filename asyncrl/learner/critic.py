@@ -1,18 +1,19 @@
 """PPO's critic: a value model V(x_t) trained beside the actor (``algorithm.advantage: gae`` or
 ``vtrace``; docs/design.md §11).
 
-The critic is the scalar-head model of :mod:`asyncrl.learner.scalar_model`, built on the learner's
-ranks with FSDP2 like the actor, from ``critic.path`` (a causal LM: its backbone and a fresh head;
-a sequence-classification folder such as the reward model: backbone and head). Its model,
-optimizer and LR schedule are part of the learner's DCP checkpoint, so a resumed run continues it
-exactly.
+The critic is the scalar-head model of :mod:`asyncrl.learner.scalar_model`, built on its ranks
+(``placement.critic``: :mod:`asyncrl.learner.placement`) with FSDP2 like the actor, from
+``critic.path`` (a causal LM: its backbone and a fresh head; a sequence-classification folder such
+as the reward model: backbone and head). Its model, optimizer and LR schedule are part of the
+learner's DCP checkpoint, so a resumed run continues it exactly.
 
-Per batch (:class:`~asyncrl.learner.trainer.Trainer` calls, every rank alike):
+Per batch (:class:`~asyncrl.learner.trainer.Trainer` calls, on the critic's ranks):
 1. before the updates, V at every trained token of this rank's sequences (forward only), then
    :func:`token_targets` gives each token's advantage A_t and value target R_t from the sample's
    reward at its last trained token (GAE, or V-trace with π/μ), and the advantages are whitened
    over the whole batch (every rank's tokens);
-2. at each actor update, one critic update on the same micro-batches: the clipped value loss of
+2. at each actor update, one critic update on the same micro-batches (on the actor's ranks; on its
+   own, the same mini-batch draws at the same time as the actor's): the clipped value loss of
    :func:`~asyncrl.learner.losses.value_loss` against R_t, with V_old the values of step 1.
 
 Values sit at the positions the actor's logprobs do: the hidden state that predicts completion
