@@ -84,7 +84,7 @@ def worker(a: argparse.Namespace) -> None:
         "model": {"path": str(tmp / "model"), "max_seq_len": 512},
         "algorithm": {"loss": "ppo", "advantage": "gae"},
         "learner": {"lr": 1e-4, "micro_batch_tokens": a.micro_batch_tokens},
-        "buffer": {"max_staleness": 1 << 20},
+        "buffer": {"max_staleness": a.steps + 2},  # every batch is of version 0
         "run": {"output_dir": str(tmp / "runs")},
     }
     shared = Trainer(recipe_mod.from_dict(spec), checkpointing=False, run_dir=tmp / "shared")
