@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 WHITEN_EPS = 1e-8
 """Added to the batch's advantage std before dividing (verl's and OpenRLHF's whitening)."""
 
+CRITIC_STATES = ("critic", "critic_optimizer", "critic_lr_scheduler")
+"""The critic's model, optimizer and LR schedule: extra states of the learner's DCP checkpoint."""
+
 VALUE_STAT_KEYS = ("value_loss", "value_tokens", "value_clipped")
 """The critic's per-update sums, reduced over ranks with the actor's (every rank the same keys)."""
 
@@ -165,11 +168,13 @@ class Critic:
 
     def states(self) -> dict[str, Any]:
         """The critic's part of the learner's checkpoint (resumed from it, not from the folder)."""
-        return {
-            "critic": ModelWrapper([self.model]),
-            "critic_optimizer": self.optimizers,
-            "critic_lr_scheduler": self.lr_schedulers,
-        }
+        return dict(
+            zip(
+                CRITIC_STATES,
+                (ModelWrapper([self.model]), self.optimizers, self.lr_schedulers),
+                strict=True,
+            )
+        )
 
     @torch.no_grad()
     def values(self, mb: MicroBatch) -> Tensor:

@@ -195,8 +195,3 @@ def build_role_meshes(
         out[role] = by_layout[layout]
         out[role].roles.append(role)
     return out
-
-
-def placement_summary(meshes: dict[str, RoleMesh]) -> str:
-    """``actor on ranks [0], critic on ranks [1]``: for one-line messages."""
-    return ", ".join(f"{role} on ranks {list(m.ranks)}" for role, m in meshes.items())

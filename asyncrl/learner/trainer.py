@@ -55,7 +55,7 @@ from asyncrl import metric_names as names
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
-from asyncrl.learner.critic import Critic, assign_targets, critic_zero_stats
+from asyncrl.learner.critic import CRITIC_STATES, Critic, assign_targets, critic_zero_stats
 from asyncrl.learner.drift import drift_sums, finalize_drift
 from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
 from asyncrl.learner.losses import (
@@ -81,7 +81,6 @@ from asyncrl.learner.placement import (
     build_role_meshes,
     check_learner_placement,
     exchanges,
-    placement_summary,
 )
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
@@ -157,6 +156,16 @@ def ensure_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+class _Absent(Stateful):
+    """A state of a role this rank does not hold (placement): nothing to save, nothing to load."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
 class _LearnerState(Stateful):
     """The learner's own part of a checkpoint: version and the batch source's state, as JSON text.
 
@@ -226,11 +235,6 @@ class Trainer:
         roles = ("actor",) + ("critic",) * self.with_critic + ("ref",) * with_ref
         self.meshes = build_role_meshes(r.placement, self.world, self.rank, roles)
         self.colocated = all(m.whole_world for m in self.meshes.values())
-        if not self.colocated and checkpointing:
-            raise LearnerError(
-                "placement: roles on their own ranks do not checkpoint or export yet "
-                f"({placement_summary(self.meshes)}); place every role on every rank"
-            )
         self.exchanges = exchanges(
             self.dataflow, {k: m.ranks for k, m in self.meshes.items()}, self.world
         )
@@ -263,12 +267,8 @@ class Trainer:
         critic_mesh = self.meshes.get("critic")
         self.critic = Critic(self, critic_mesh) if critic_mesh and critic_mesh.holds else None
         self.checkpointing = checkpointing
-        self.checkpointer: CheckpointManager | None = None
-        if self.colocated:
-            self._build_checkpointer(checkpointing)
-            self._load()
-        elif actor.holds:  # the HF weights, over the actor's ranks only
-            self._load_hf(self.model, group=actor.group)
+        self._build_checkpointer(checkpointing)
+        self._load()
         ref_mesh = self.meshes.get("ref")
         if ref_mesh is not None and ref_mesh.holds:
             # π_ref: the initial HF weights, frozen, sharded like the policy
@@ -279,26 +279,34 @@ class Trainer:
     def _build_checkpointer(self, checkpointing: bool) -> None:
         """TorchTitan's CheckpointManager over the actor (the critic's states as extra states); it
         also loads the HF weights when no checkpoint exists (with ``checkpointing`` False, only
-        that)."""
+        that). Collective over every rank: a rank saves and loads the states of the roles it holds
+        (DCP writes the union, each rank reads its own keys), a role elsewhere is :class:`_Absent`."""
         lc = self.recipe.learner
         keep = lc.keep_checkpoints
-        extra_states = self.critic.states() if self.critic is not None else {}
+        everywhere = self.meshes["actor"].whole_world
+        extra_states: dict[str, Any] = {}
+        if self.critic is not None:
+            extra_states = self.critic.states()
+        elif self.with_critic:
+            extra_states = {k: _Absent() for k in CRITIC_STATES}
         self.checkpointer = CheckpointManager.Config(
             enable=True,
             folder="checkpoints",
             interval=lc.checkpoint_every or (1 << 40),
             keep_latest_k=0 if keep == 0 else max(keep, 2),
-            initial_load_path=str(self.model_dir.resolve()),
-            initial_load_in_hf=True,
+            # the HF weights: through the manager when every rank holds the actor, else
+            # :meth:`_load` loads them on the actor's ranks (the adapter wants every key)
+            initial_load_path=str(self.model_dir.resolve()) if everywhere else None,
+            initial_load_in_hf=everywhere,
             initial_load_model_only=True,
             last_save_model_only=False,
             async_mode="async" if lc.checkpoint_async else "disabled",
             load_only=not checkpointing,
         ).build(
             dataloader=None,
-            model_parts=[self.model],
-            optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers,
+            model_parts=[self.model] if self.model is not None else [],
+            optimizers=self.optimizers if self.optimizers is not None else _Absent(),
+            lr_schedulers=self.lr_schedulers if self.lr_schedulers is not None else _Absent(),
             states={"learner": self._state, **extra_states},
             sd_adapter=self.adapter,
             base_folder=str(self.run_dir) if checkpointing else str(self.run_dir / ".no-ckpt"),
@@ -417,9 +425,7 @@ class Trainer:
 
     def latest_checkpoint_step(self) -> int:
         """The highest complete ``step-N`` in the run's checkpoint folder, or -1."""
-        if not self.checkpointing or self.checkpointer is None:
-            return -1
-        return self.checkpointer._find_load_step()
+        return self.checkpointer._find_load_step() if self.checkpointing else -1
 
     def _load(self) -> None:
         step = self.latest_checkpoint_step()
@@ -429,6 +435,9 @@ class Trainer:
                 "set run.resume=true to continue it or pick another run.name"
             )
         self.checkpointer.load()  # the latest step-N, else the HF weights of model.path
+        actor = self.meshes["actor"]
+        if step < 0 and not actor.whole_world and actor.holds:
+            self._load_hf(self.model, group=actor.group)
         if step >= 0:
             state = json.loads(self._state.text)
             self.version = int(state.get("version", step))
@@ -441,7 +450,7 @@ class Trainer:
 
         Saves when the version is a multiple of ``learner.checkpoint_every`` or when ``force``.
         """
-        if not self.checkpointing or self.checkpointer is None:
+        if not self.checkpointing:
             return False
         if not (force or self.checkpointer._should_save(self.version)):
             return False
@@ -462,13 +471,11 @@ class Trainer:
         malloc.release_freed_memory()
 
     def wait_for_checkpoint(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.maybe_wait_for_saving()
+        self.checkpointer.maybe_wait_for_saving()
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.maybe_wait_for_saving()
-            self.checkpointer.close()
+        self.checkpointer.maybe_wait_for_saving()
+        self.checkpointer.close()
 
     # ------------------------------------------------------------------------------------------
     # Weights out
@@ -506,8 +513,6 @@ class Trainer:
         from torchtitan.components.checkpoint import AsyncMode, ModelWrapper
         from torchtitan.config import TORCH_DTYPE_MAP
 
-        if self.checkpointer is None:
-            raise LearnerError("placement: roles on their own ranks do not export yet")
         path = Path(path).resolve()
         dtype = dtype or self.recipe.model.dtype
         self.free_gradients()
@@ -519,7 +524,9 @@ class Trainer:
         dist.barrier()
         states = {
             k: v.to(tdtype) if v.is_floating_point() and v.dtype != tdtype else v
-            for k, v in ModelWrapper([self.model]).state_dict().items()
+            for k, v in ModelWrapper([self.model] if self.model is not None else [])
+            .state_dict()
+            .items()
         }
         self.checkpointer.dcp_save(
             states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED, to_hf=True

@@ -1,13 +1,15 @@
 """Run learner steps on a recorded batch under torchrun and save both trained models.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \
-        tests/learner/placement_steps.py RECIPE BATCH OUT_DIR STEPS
+        tests/learner/placement_steps.py RECIPE BATCH OUT_DIR STEPS [RUN_DIR]
 
 Every rank builds the trainer (the recipe's ``placement`` says which ranks hold the actor and the
 critic) and steps ``STEPS`` times on the same batch. The actor's first rank writes
 ``OUT_DIR/actor.safetensors`` (HF names) and ``OUT_DIR/metrics.json`` (every step's metrics, the
 same on every rank); the critic's first rank ``OUT_DIR/critic.safetensors`` (its parameters, full).
-Used by tests/learner/test_placement.py and tools/bench/bench_placement.py.
+With ``RUN_DIR`` the trainer checkpoints there: it resumes the latest checkpoint in it if any, and
+after the steps writes a checkpoint and an HF export (``OUT_DIR/hf``).
+Used by tests/learner/test_placement.py.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from asyncrl.learner.source import decode_batch
 from asyncrl.learner.trainer import Trainer
 
 
-def main(recipe_path: str, batch_path: str, out_dir: str, steps: str) -> None:
+def main(recipe_path: str, batch_path: str, out_dir: str, steps: str, run_dir: str = "") -> None:
     torch.set_num_threads(1)
-    recipe = recipe_mod.load(recipe_path)
+    recipe = recipe_mod.load(recipe_path, ["run.resume=true"] if run_dir else [])
     out = Path(out_dir)
-    trainer = Trainer(recipe, run_dir=out / "run", checkpointing=False)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(recipe, run_dir=run_dir or out / "run", checkpointing=bool(run_dir))
     try:
         batch = decode_batch(Path(batch_path).read_bytes())
         metrics = []
@@ -48,6 +51,9 @@ def main(recipe_path: str, batch_path: str, out_dir: str, steps: str) -> None:
             }
             if trainer.meshes["critic"].leader:
                 save_file(critic, out / "critic.safetensors")
+        if run_dir:
+            trainer.save_checkpoint(force=True)
+            trainer.export_hf(out / "hf")
     finally:
         trainer.close()
         dist.destroy_process_group()

@@ -2,8 +2,9 @@
 
 Two real ranks under torchrun (gloo, FSDP2, TorchTitan): PPO with a critic (GAE and a KL-shaped
 reward, two epochs) with the actor on rank 0 and the critic on rank 1 trains both models to what
-both roles on both ranks do; the values and the reference logprobs cross between the roles. Also
-which keys cross before which call, and the one-line errors for placements the learner refuses.
+both roles on both ranks do; the values and the reference logprobs cross between the roles; a
+checkpoint of that placement resumes bitwise and its export holds the actor. Also which keys cross
+before which call, and the one-line errors for placements the learner refuses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -70,26 +72,25 @@ def ppo_batch() -> Batch:
     return Batch(groups=groups, version=0, stats={})
 
 
-def torchrun_steps(recipe: Path, batch: Path, out: Path) -> subprocess.Popen:
+def torchrun_steps(
+    recipe: Path, batch: Path, out: Path, steps: int = STEPS, run_dir: Path | None = None
+) -> subprocess.Popen:
+    """``steps`` learner steps on ``batch`` on 2 ranks (tests/learner/placement_steps.py); with
+    ``run_dir``, checkpointed there (resumed from it when it holds one) and exported."""
     script = Path(__file__).with_name("placement_steps.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-        str(recipe),
-        str(batch),
-        str(out),
-        str(STEPS),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(script), str(recipe), str(batch), str(out), str(steps)]
+    cmd += [str(run_dir)] if run_dir is not None else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    out.mkdir(parents=True)
     return subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )
+
+
+def finish(procs: dict[str, subprocess.Popen]) -> None:
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
 
 
 def ppo_recipe(tmp_path: Path, model: Path, placement: dict | None) -> Path:
@@ -110,27 +111,56 @@ def ppo_recipe(tmp_path: Path, model: Path, placement: dict | None) -> Path:
     return path
 
 
-def test_actor_and_critic_on_their_own_ranks_train_as_on_shared_ranks(tiny_qwen3, tmp_path):
-    batch = tmp_path / "batch.bin"
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tmp_path_factory) -> Path:
+    """Both roles on both ranks, 2 steps; actor on rank 0 and critic on rank 1, 2 steps; the same
+    placement 1 step, checkpoint and export, then a new learner resuming it for the second step."""
+    root = tmp_path_factory.mktemp("placement")
+    batch = root / "batch.bin"
     batch.write_bytes(encode_batch(ppo_batch()))
-    runs = {
-        name: torchrun_steps(ppo_recipe(tmp_path, tiny_qwen3, placement), batch, tmp_path / name)
-        for name, placement in (("shared", None), ("disjoint", DISJOINT))
-    }
-    for name, proc in runs.items():
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+    shared, disjoint = (ppo_recipe(root, tiny_qwen3, p) for p in (None, DISJOINT))
+    finish(
+        {
+            "shared": torchrun_steps(shared, batch, root / "shared"),
+            "disjoint": torchrun_steps(disjoint, batch, root / "disjoint"),
+            "first": torchrun_steps(disjoint, batch, root / "first", 1, root / "run"),
+        }
+    )
+    finish({"resumed": torchrun_steps(disjoint, batch, root / "resumed", 1, root / "run")})
+    return root
+
+
+def test_actor_and_critic_on_their_own_ranks_train_as_on_shared_ranks(runs):
     for model in ("actor", "critic"):
-        shared = load_file(str(tmp_path / "shared" / f"{model}.safetensors"))
-        disjoint = load_file(str(tmp_path / "disjoint" / f"{model}.safetensors"))
+        shared = load_file(str(runs / "shared" / f"{model}.safetensors"))
+        disjoint = load_file(str(runs / "disjoint" / f"{model}.safetensors"))
         assert set(shared) == set(disjoint)
         worst = max(float((shared[k] - disjoint[k]).abs().max()) for k in shared)
         assert worst <= WEIGHT_ATOL, (model, worst)
-    shared_m = json.loads((tmp_path / "shared" / "metrics.json").read_text())
-    disjoint_m = json.loads((tmp_path / "disjoint" / "metrics.json").read_text())
+    shared_m = json.loads((runs / "shared" / "metrics.json").read_text())
+    disjoint_m = json.loads((runs / "disjoint" / "metrics.json").read_text())
     for a, b in zip(shared_m, disjoint_m, strict=True):
         for key in ("loss", "grad_norm", "critic/value_loss", "critic/grad_norm", "loss/tokens"):
             assert_close_rel(a[key], b[key], rtol=METRIC_RTOL)
+
+
+def test_roles_on_their_own_ranks_checkpoint_resume_and_export_bitwise(runs):
+    """Each rank saves the states of the roles it holds into one DCP checkpoint (the actor's from
+    rank 0, the critic's from rank 1) and reads them back; the resumed step is the uninterrupted
+    run's second, bitwise. The HF export of the actor holds the weights the actor trained."""
+    assert (runs / "run" / "checkpoints" / "step-1" / ".metadata").is_file()
+    for model in ("actor", "critic"):
+        a = load_file(str(runs / "disjoint" / f"{model}.safetensors"))
+        b = load_file(str(runs / "resumed" / f"{model}.safetensors"))
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), model
+    whole = json.loads((runs / "disjoint" / "metrics.json").read_text())
+    resumed = json.loads((runs / "resumed" / "metrics.json").read_text())
+    assert resumed[0]["loss"] == whole[1]["loss"]
+    assert resumed[0]["critic/value_loss"] == whole[1]["critic/value_loss"]
+    exported = load_file(str(runs / "first" / "hf" / "model-00001-of-00001.safetensors"))
+    trained = load_file(str(runs / "first" / "actor.safetensors"))
+    assert set(exported) == set(trained)
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
 
 
 def test_which_keys_cross_between_roles_before_which_call():
@@ -163,26 +193,16 @@ def test_a_placement_the_learner_cannot_run_is_one_line_naming_the_key(placement
     assert "\n" not in str(e.value)
 
 
-def test_the_cli_refuses_a_placement_it_cannot_run_in_one_line(tiny_qwen3, tmp_path):
-    """Under torchrun, through the learner's CLI: the actor off rank 0 (the buffer client's and
-    the broadcaster's rank), and roles on their own ranks with checkpoints, which they cannot write
-    yet. Both before any model loads."""
-    cases = {
-        "off_rank_0": (
-            {"actor": {"ranks": [1]}, "critic": {"ranks": [0]}},
-            "placement.actor.ranks",
-        ),
-        "checkpoints": (DISJOINT, "placement: roles on their own ranks do not checkpoint"),
-    }
-    procs = {}
-    for name, (placement, _) in cases.items():
-        recipe = ppo_recipe(tmp_path / name, tiny_qwen3, placement)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-        cmd += ["2", "-m", "asyncrl.learner.main", str(recipe), f"run.name={name}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs[name] = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode != 0
-        ours = [line for line in err.splitlines() if line.startswith("asyncrl learner: ")]
-        assert ours and all(cases[name][1] in line for line in ours), err[-3000:]
+def test_the_cli_refuses_the_actor_off_rank_0_in_one_line(tiny_qwen3, tmp_path):
+    """Under torchrun, through the learner's CLI, before any model loads: rank 0 runs the buffer
+    client and the weight broadcaster, so the actor must be there."""
+    placement = {"actor": {"ranks": [1]}, "critic": {"ranks": [0]}}
+    recipe = ppo_recipe(tmp_path, tiny_qwen3, placement)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["2", "-m", "asyncrl.learner.main", str(recipe)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("asyncrl learner: ")]
+    assert len(ours) == 2, proc.stderr[-3000:]  # one line from each rank
+    assert all("placement.actor.ranks: rank 0 runs the buffer client" in line for line in ours)
