@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,12 +32,10 @@ from asyncrl.recipe import PlacementConfig, RecipeError, check_placement
 if TYPE_CHECKING:
     from asyncrl.dataflow import Dataflow
 
-MODEL_ROLES = ("actor", "critic", "ref")
-"""The dataflow roles whose calls the learner runs on a model (the driver's run on every rank)."""
-
-PRODUCED_BY_LEARNER = {"prox": "prox_logp", "ref": "ref_logp", "values": "values"}
-"""The learner's forward-only calls → the per-token key each stores on a :class:`Sequence` (the
-only keys one role computes for another)."""
+LEARNER_INFERENCE = ("prox", "ref", "values")
+"""The learner's forward-only calls: each stores a per-token key on every :class:`Sequence` of its
+role's share (``prox_logp``, ``ref_logp``, ``values``), the only keys one role computes for
+another."""
 
 
 def check_learner_placement(placement: PlacementConfig, world: int) -> None:
@@ -63,7 +61,7 @@ def exchanges(flow: Dataflow, ranks: dict[str, tuple], world: int) -> dict[str, 
     ranks than its producer (the driver's calls run on every rank). Empty when every role is on
     every rank. Pure."""
     everyone = tuple(range(world))
-    producer = {k: c for c in flow.calls for k in c.outputs if c.name in PRODUCED_BY_LEARNER}
+    producer = {k: c for c in flow.calls for k in c.outputs if c.name in LEARNER_INFERENCE}
     out: dict[str, tuple[str, ...]] = {}
     sent: set[str] = set()
     for level in flow.order():
@@ -125,7 +123,6 @@ class RoleMesh:
     parallel_dims: RoleParallelDims
     rank: int  # this process's global rank
     whole_world: bool  # the role spans every learner rank: its group is the global one
-    roles: list[str] = field(default_factory=list)
 
     @property
     def holds(self) -> bool:
@@ -193,5 +190,4 @@ def build_role_meshes(
                 whole_world=len(ranks) == world,
             )
         out[role] = by_layout[layout]
-        out[role].roles.append(role)
     return out

@@ -817,7 +817,8 @@ class Trainer:
         collectives (the projection on one row, with gradient 0), so FSDP's pair up."""
         alg = self.alg
         h = self._hidden(mb)
-        ref_logp = mb.ref_logp if self.ref_model is not None else None  # the ``ref`` call's
+        # the ``ref`` call's, computed here or on the ref's own ranks (then exchanged)
+        ref_logp = mb.ref_logp if "ref" in self.meshes else None
         rows = mb.sel if mb.sel.numel() else torch.zeros(1, dtype=torch.long, device=h.device)
         hidden, labels = h[0, rows], mb.labels[0, rows].clamp(min=0)
         chunking = {"temperature": self.temperature, "chunk": self.chunk_tokens}

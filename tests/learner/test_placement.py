@@ -175,6 +175,15 @@ def test_which_keys_cross_between_roles_before_which_call():
     got = exchanges(flow, ranks, world)
     assert set(got) == {"advantages"}
     assert sorted(got["advantages"]) == ["prox_logp", "ref_logp", "values"]
+    # the ref beside the critic: the actor's KL term reads π_ref from there too, once
+    kl_loss = dataflow.ppo_with_critic(False, kl_loss=True)
+    apart = PlacementConfig(actor=RolePlacement(ranks=[0]), ref=RolePlacement(ranks=[1]))
+    apart.critic = RolePlacement(ranks=[1])
+    ranks = role_ranks(apart, world, ("actor", "critic", "ref"))
+    assert exchanges(kl_loss, ranks, world) == {
+        "advantages": ("values",),
+        "train_actor": ("ref_logp",),
+    }
 
 
 @pytest.mark.parametrize(
