@@ -6,7 +6,8 @@
 Every rank builds the trainer (the recipe's ``placement`` says which ranks hold the actor and the
 critic) and steps ``STEPS`` times on the same batch. The actor's first rank writes
 ``OUT_DIR/actor.safetensors`` (HF names) and ``OUT_DIR/metrics.json`` (every step's metrics, the
-same on every rank); the critic's first rank ``OUT_DIR/critic.safetensors`` (its parameters, full).
+same on every rank); the critic's first rank ``OUT_DIR/critic.safetensors`` (its parameters, full);
+every rank ``OUT_DIR/roles-rank<r>.json``, the roles whose models it holds.
 With ``RUN_DIR`` the trainer checkpoints there: it resumes the latest checkpoint in it if any, and
 after the steps writes a checkpoint and an HF export (``OUT_DIR/hf``).
 Used by tests/learner/test_placement.py.
@@ -40,6 +41,9 @@ def main(recipe_path: str, batch_path: str, out_dir: str, steps: str, run_dir: s
         for _ in range(int(steps)):
             res = trainer.step(batch)
             metrics.append({"loss": res.loss, **res.metrics})
+        held = {"actor": trainer.model, "critic": trainer.critic, "ref": trainer.ref_model}
+        roles = sorted(role for role, held_here in held.items() if held_here is not None)
+        (out / f"roles-rank{trainer.rank}.json").write_text(json.dumps(roles))
         actor = trainer.hf_state_dict()  # collective over the actor's ranks
         if trainer.meshes["actor"].leader:
             save_file({k: v.contiguous() for k, v in actor.items()}, out / "actor.safetensors")

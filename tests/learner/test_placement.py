@@ -131,6 +131,12 @@ def runs(tiny_qwen3, tmp_path_factory) -> Path:
 
 
 def test_actor_and_critic_on_their_own_ranks_train_as_on_shared_ranks(runs):
+    def roles(run: str, rank: int) -> list[str]:
+        return json.loads((runs / run / f"roles-rank{rank}.json").read_text())
+
+    assert roles("shared", 0) == roles("shared", 1) == ["actor", "critic", "ref"]
+    # a rank outside a role holds no model of it; the ref follows the actor
+    assert (roles("disjoint", 0), roles("disjoint", 1)) == (["actor", "ref"], ["critic"])
     for model in ("actor", "critic"):
         shared = load_file(str(runs / "shared" / f"{model}.safetensors"))
         disjoint = load_file(str(runs / "disjoint" / f"{model}.safetensors"))
