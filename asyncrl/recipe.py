@@ -612,7 +612,8 @@ def check_placement(
     placement: PlacementConfig, world: int | None = None, *, file: str | None = None
 ) -> None:
     """Each role's ranks exist (when ``world`` is known), are distinct, split evenly into its
-    tensor-parallel degree, and either equal another role's ranks or do not meet them."""
+    tensor-parallel degree, and either equal another role's ranks or do not meet them; the actor's
+    include rank 0, which runs the buffer client and the weight broadcaster."""
     sets: dict[str, frozenset[int]] = {}
     for role in ROLES:
         rp: RolePlacement = getattr(placement, role)
@@ -620,6 +621,13 @@ def check_placement(
         if any(k < 0 for k in rp.ranks) or len(set(rp.ranks)) != len(rp.ranks):
             raise RecipeError(
                 f"expected distinct ranks >= 0, got {rp.ranks}", file=file, key=f"{key}.ranks"
+            )
+        if role == "actor" and rp.ranks and 0 not in rp.ranks:
+            raise RecipeError(
+                "rank 0 runs the buffer client and the weight broadcaster, so the actor's ranks "
+                f"must include it, got {rp.ranks}",
+                file=file,
+                key=f"{key}.ranks",
             )
         if world is not None and any(k >= world for k in rp.ranks):
             raise RecipeError(

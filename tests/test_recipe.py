@@ -141,6 +141,12 @@ def test_overrides_are_typed(tmp_path):
             "3 rank(s) do not split into tensor-parallel groups of 2",
         ),
         ("placement: {critic: {ranks: [1, 1]}}\n", [], "placement.critic.ranks", "distinct"),
+        (
+            "placement: {actor: {ranks: [1]}, critic: {ranks: [0]}}\n",
+            [],
+            "placement.actor.ranks",
+            "the actor's ranks must include it, got [1]",
+        ),
         ("placement: {actor: {tp: 2}}\n", [], "placement.actor.tp", "unknown key"),
         (
             "rollout: {reward_model: {normalize: zscore}}\n",

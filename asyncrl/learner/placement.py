@@ -27,7 +27,7 @@ from torchtitan.distributed import ParallelDims
 
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.packing import Sequence, split_over_ranks
-from asyncrl.recipe import PlacementConfig, RecipeError, check_placement
+from asyncrl.recipe import PlacementConfig
 
 if TYPE_CHECKING:
     from asyncrl.dataflow import Dataflow
@@ -36,18 +36,6 @@ LEARNER_INFERENCE = ("prox", "ref", "values")
 """The learner's forward-only calls: each stores a per-token key on every :class:`Sequence` of its
 role's share (``prox_logp``, ``ref_logp``, ``values``), the only keys one role computes for
 another."""
-
-
-def check_learner_placement(placement: PlacementConfig, world: int) -> None:
-    """The recipe's placement checks at the learner's world size, and the actor on rank 0, which
-    runs the buffer client and the weight broadcaster. Raises a one-line :class:`RecipeError`."""
-    check_placement(placement, world)
-    if 0 not in placement.ranks_of("actor", world):
-        raise RecipeError(
-            f"rank 0 runs the buffer client and the weight broadcaster, so the actor's ranks must "
-            f"include it, got {placement.actor.ranks}",
-            key="placement.actor.ranks",
-        )
 
 
 def role_ranks(placement: PlacementConfig, world: int, roles: tuple[str, ...]) -> dict[str, tuple]:

@@ -79,11 +79,10 @@ from asyncrl.learner.packing import (
 from asyncrl.learner.placement import (
     RoleMesh,
     build_role_meshes,
-    check_learner_placement,
     exchanges,
 )
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
-from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
+from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe, check_placement
 
 Publisher = Callable[[int, "Trainer"], None]
 """Called on every rank after each optimizer step with the new version (weights, announcements)."""
@@ -227,7 +226,7 @@ class Trainer:
         self._batch_info: dict[str, float] = {}
 
         # Each role's ranks and parallel dims (asyncrl/learner/placement.py), checked first.
-        check_learner_placement(r.placement, self.world)
+        check_placement(r.placement, self.world)
         self.dataflow = dataflow.from_recipe(r)
         self.check_dataflow()
         self.with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES

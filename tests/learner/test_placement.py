@@ -22,9 +22,9 @@ import yaml
 from safetensors.torch import load_file
 
 from asyncrl import dataflow, wire
-from asyncrl.learner.placement import check_learner_placement, exchanges, role_ranks
+from asyncrl.learner.placement import exchanges, role_ranks
 from asyncrl.learner.source import Batch, encode_batch
-from asyncrl.recipe import PlacementConfig, RecipeError, RolePlacement
+from asyncrl.recipe import PlacementConfig, RecipeError, RolePlacement, check_placement
 from tests.numerics import assert_close_rel
 
 STEPS = 2
@@ -203,7 +203,7 @@ def test_which_keys_cross_between_roles_before_which_call():
 def test_a_placement_the_learner_cannot_run_is_one_line_naming_the_key(placement, key, says):
     p = PlacementConfig(**{role: RolePlacement(ranks=r) for role, r in placement.items()})
     with pytest.raises(RecipeError) as e:
-        check_learner_placement(p, 2)
+        check_placement(p, 2)
     assert str(e.value).startswith(f"{key}: ") and says in str(e.value)
     assert "\n" not in str(e.value)
 
