@@ -609,13 +609,18 @@ def load(
 
 
 def check_placement(
-    placement: PlacementConfig, world: int | None = None, *, file: str | None = None
+    placement: PlacementConfig,
+    world: int | None = None,
+    *,
+    file: str | None = None,
+    roles: tuple[str, ...] = ROLES,
 ) -> None:
     """Each role's ranks exist (when ``world`` is known), are distinct, split evenly into its
     tensor-parallel degree, and either equal another role's ranks or do not meet them; the actor's
-    include rank 0, which runs the buffer client and the weight broadcaster."""
+    include rank 0, which runs the buffer client and the weight broadcaster. ``roles``: the ones
+    the run uses (the learner's; a role it does not build meets no other)."""
     sets: dict[str, frozenset[int]] = {}
-    for role in ROLES:
+    for role in roles:
         rp: RolePlacement = getattr(placement, role)
         key = f"placement.{role}"
         if any(k < 0 for k in rp.ranks) or len(set(rp.ranks)) != len(rp.ranks):
@@ -646,8 +651,8 @@ def check_placement(
             sets[role] = frozenset(placement.ranks_of(role, world))
         elif rp.ranks:
             sets[role] = frozenset(rp.ranks)
-    for i, a in enumerate(ROLES):
-        for b in ROLES[i + 1 :]:
+    for i, a in enumerate(roles):
+        for b in roles[i + 1 :]:
             if a in sets and b in sets and sets[a] != sets[b] and sets[a] & sets[b]:
                 raise RecipeError(
                     f"shares ranks {sorted(sets[a] & sets[b])} with placement.{a} but not all: "

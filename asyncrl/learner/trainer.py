@@ -226,12 +226,12 @@ class Trainer:
         self._batch_info: dict[str, float] = {}
 
         # Each role's ranks and parallel dims (asyncrl/learner/placement.py), checked first.
-        check_placement(r.placement, self.world)
         self.dataflow = dataflow.from_recipe(r)
         self.check_dataflow()
         self.with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES
         with_ref = self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0
         roles = ("actor",) + ("critic",) * self.with_critic + ("ref",) * with_ref
+        check_placement(r.placement, self.world, roles=roles)
         self.meshes = build_role_meshes(r.placement, self.world, self.rank, roles)
         self.colocated = all(m.whole_world for m in self.meshes.values())
         self.exchanges = exchanges(

@@ -221,3 +221,12 @@ def test_the_cli_refuses_the_actor_off_rank_0_in_one_line(tiny_qwen3, tmp_path):
     ours = [line for line in proc.stderr.splitlines() if line.startswith("asyncrl learner: ")]
     assert len(ours) == 2, proc.stderr[-3000:]  # one line from each rank
     assert all("placement.actor.ranks: rank 0 runs the buffer client" in line for line in ours)
+
+
+def test_only_the_roles_a_run_uses_are_placed():
+    """GRPO or SFT with the actor on rank 0 of 2: no critic and no ref, so nothing to meet (the
+    unused critic's default, every rank, would otherwise share rank 0 with the actor)."""
+    p = PlacementConfig(actor=RolePlacement(ranks=[0]))
+    check_placement(p, 2, roles=("actor",))
+    with pytest.raises(RecipeError, match="placement.critic.ranks: shares ranks"):
+        check_placement(p, 2, roles=("actor", "critic"))
