@@ -230,3 +230,36 @@ def test_only_the_roles_a_run_uses_are_placed():
     check_placement(p, 2, roles=("actor",))
     with pytest.raises(RecipeError, match="placement.critic.ranks: shares ranks"):
         check_placement(p, 2, roles=("actor", "critic"))
+
+
+def test_the_cli_runs_and_resumes_with_a_rank_that_holds_no_model(tiny_qwen3, tmp_path):
+    """`asyncrl learner` under torchrun, SFT with the actor on rank 0 of 2 (rank 1 holds nothing but
+    joins every global collective): it checkpoints and exports each version, ends cleanly, and a
+    second run resumes the first's last checkpoint."""
+    from asyncrl import tasks
+
+    train, _ = tasks.write_task("reverse", tmp_path / "data", train=64, eval=8)
+    spec = {
+        "run": {"name": "s", "output_dir": str(tmp_path / "runs"), "steps": 2},
+        "model": {"path": str(tiny_qwen3), "max_seq_len": 64},
+        "data": {"path": str(train)},
+        "algorithm": {"loss": "sft"},
+        "learner": {"batch_size": 8, "checkpoint_every": 1, "export_every": 1},
+        "logging": {"wandb": False},
+        "placement": {"actor": {"ranks": [0]}},
+    }
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["2", "-m", "asyncrl.learner.main", str(recipe)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "runs" / "s"
+    assert (run / "checkpoints" / "step-2" / ".metadata").is_file()
+    assert (run / "hf" / "v2" / "config.json").is_file()
+    again = cmd + ["run.resume=true", "run.steps=3"]
+    second = subprocess.run(again, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "asyncrl learner: resumed at version 2" in second.stderr
+    assert "completed at version 3" in second.stderr
