@@ -33,7 +33,7 @@ from asyncrl.learner.scalar_model import (
     write_seq_cls_config,
 )
 from asyncrl.learner.source import Batch
-from asyncrl.learner.trainer import StepResult, Trainer, peak_memory
+from asyncrl.learner.trainer import LearnerError, StepResult, Trainer, peak_memory
 
 Pair = tuple[np.ndarray, np.ndarray]
 """(chosen, rejected): each the whole sequence's token ids, prompt then completion."""
@@ -72,6 +72,11 @@ class RewardModelTrainer(Trainer):
 
     def __init__(self, recipe: Any, **kw: Any) -> None:
         super().__init__(recipe, **kw)
+        if not self.meshes["actor"].whole_world:  # its step is written for every rank
+            raise LearnerError(
+                "placement.actor.ranks: the reward model trains on every learner rank, got "
+                f"{recipe.placement.actor.ranks}"
+            )
         if self.version == 0 and not self.adapter.include_head:  # a causal LM's backbone: new head
             init_head(self.model, recipe.run.seed)
         self.adapter.include_head = True  # loaded: exports carry the head from now on
