@@ -173,14 +173,20 @@ def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
     assert "set learner.micro_batch_tokens=14363" in c.detail
 
 
+def _placed(tmp_path: Path, *placement: str) -> tuple[Doctor, dict[str, Check]]:
+    """PPO with a critic and a KL term, Qwen3-8B on 8 80-GiB GPUs: the doctor and its placement
+    checks by name."""
+    d = _multinode(tmp_path, "learner.ranks=8", *PPO_8B, *placement)
+    d.device = _gpu(80)
+    return d, {c.name: c for c in d.check_placement()}
+
+
 def test_placement_per_rank_on_8_gpus(tmp_path):
     """PPO with a critic and a KL term, Qwen3-8B on 8 GPUs: the actor and its reference on ranks
     0-5, the critic on 6-7 (test_memory_plan has the numbers by hand). The critic's ranks are the
     fullest (93.4 GiB): they do not fit an 80 GiB GPU, and the learner's verdict is theirs."""
     placed = ["placement.actor.ranks=[0,1,2,3,4,5]", "placement.critic.ranks=[6,7]"]
-    d = _multinode(tmp_path, "learner.ranks=8", *PPO_8B, *placed)
-    d.device = _gpu(80)
-    by_name = {c.name: c for c in d.check_placement()}
+    d, by_name = _placed(tmp_path, *placed)
     assert by_name["placement"].detail == (
         "actor on ranks 0-5 (TP 1 × DP 6); critic on ranks 6-7 (TP 1 × DP 2); "
         "ref on ranks 0-5 (TP 1 × DP 6)"
@@ -205,10 +211,7 @@ def test_reallocation_lowers_the_peak_it_can(tmp_path):
     """Every role on every rank, critic and ref offloaded between their calls: the ref's 4·P/8
     (3.81 GiB) leaves the update's peak; the critic's stays (its update runs inside the actor's
     train step). On CPU nothing is offloaded, and the check says so."""
-    offload = ["placement.critic.offload=true", "placement.ref.offload=true"]
-    d = _multinode(tmp_path, "learner.ranks=8", *PPO_8B, *offload)
-    d.device = _gpu(80)
-    by_name = {c.name: c for c in d.check_placement()}
+    d, by_name = _placed(tmp_path, "placement.critic.offload=true", "placement.ref.offload=true")
     assert by_name["placement"].detail == (
         "actor on ranks 0-7 (TP 1 × DP 8); "
         "critic on ranks 0-7 (TP 1 × DP 8, offloaded between calls); "
