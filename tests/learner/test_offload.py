@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -129,3 +133,29 @@ def test_a_step_with_critic_and_ref_offloaded_trains_exactly_as_without(
     plain, offloaded = runs
     assert len(plain) == len(offloaded) > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded, strict=True))
+
+
+def test_two_ranks_offload_their_own_shards_and_train_on(tiny_qwen3, tmp_path):
+    """2 ranks under torchrun (gloo): each rank frees its own shards, gradients and AdamW state,
+    gets them back bitwise, and the next step equals a run's that did not offload."""
+    out = tmp_path / "found.json"
+    script = Path(__file__).with_name("offload_two_ranks.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    p = subprocess.run(
+        [*cmd, str(script), str(tiny_qwen3), str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    p_all = ModelDims.from_hf_config(json.loads((tiny_qwen3 / "config.json").read_text())).params
+    assert sum(r["local_params"] for r in ranks) == p_all
+    for r in ranks:
+        assert r["emptied"] and r["bitwise"] and r["same_step"]
+        # parameters and gradients as FSDP2 keeps them, padded to ceil(rows / ranks) rows (the
+        # shard and the reduce-scatter output), AdamW's moments unpadded, one step counter each
+        assert r["freed"] == 8 * r["padded_params"] + 8 * r["local_params"] + 4 * r["tensors"]
+    # measured: rank 1's half of the 99-row embedding is padded by one row of 128 in both
+    assert [r["freed"] for r in ranks] == [4_040_784, 4_039_760]
