@@ -20,7 +20,7 @@ Pure mechanism: which roles offload, and when, is the trainer's (it reads the re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def role_tensors(
-    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer] = ()
+    model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()
 ) -> Iterator[torch.Tensor]:
     """The role's tensors that hold memory between calls: each parameter's local shard, its
     gradient, and the optimizers' state (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``)."""
@@ -103,9 +103,9 @@ class Offloader:
         sizes = [s.nbytes() for s in storages]
         if [h.nbytes() for h in self._host] != sizes:
             pin = self.device.type == "cuda"
-            self._host = [torch.UntypedStorage(n, device="cpu") for n in sizes]
-            if pin:
-                self._host = [h.pin_memory() for h in self._host]
+            self._host = [
+                torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage() for n in sizes
+            ]
         for s, h in zip(storages, self._host, strict=True):
             h.copy_(s, non_blocking=True)
         if self.device.type == "cuda":

@@ -288,7 +288,7 @@ class Trainer:
                     if cpu_shims.ON_CPU
                     else "the actor is published and checkpointed between steps"
                     if role == "actor"
-                    else f"this run has no {role} model"
+                    else f"no {role} model on this rank"
                 )
                 log.info("placement.%s.offload: %s: nothing is freed", role, why)
             elif role == "critic":
