@@ -479,7 +479,12 @@ class Doctor:
         """What to change so that the learner fits, each priced with the same plan."""
         r = self.recipe
         rank0, _ = self.learner_plans()
-        biggest = max(rank0.items(), key=lambda kv: kv[1])
+        name, size = max(rank0.items(), key=lambda kv: kv[1])
+        largest = f"{name} {gib(size)} GiB"
+        if self.placed():  # the fullest rank's largest role
+            top = max(self.rank_plans(), key=lambda p: p.peak)
+            name, size = max(top.states.items(), key=lambda kv: kv[1])
+            largest = f"{name} states {gib(size)} GiB on rank {top.rank}"
         out = []
         if r.learner.activation_checkpointing != "full":
             need_full, _ = self.learner_need(activation_checkpointing="full")
@@ -504,10 +509,7 @@ class Doctor:
                 "more learner ranks (FSDP shards params, grads and AdamW), "
                 "learner.activation_checkpointing=full, or a shorter model.max_seq_len"
             )
-        return (
-            f"does not fit by {gib(need - have)} GiB (largest: {biggest[0]} {gib(biggest[1])} "
-            f"GiB): " + "; or ".join(out)
-        )
+        return f"does not fit by {gib(need - have)} GiB (largest: {largest}): " + "; or ".join(out)
 
     def check_generator_memory(self) -> list[Check]:
         if self.dims is None or self.device is None:

@@ -203,6 +203,7 @@ def test_placement_per_rank_on_8_gpus(tmp_path):
     (c,) = d.check_learner_memory()
     assert not c.ok
     assert c.detail.startswith("with placement the fullest rank, 6, needs 93.4 GiB at its peak")
+    assert "(largest: critic states 61.0 GiB on rank 6)" in c.detail
     d.device = _gpu(96)
     assert all(c.ok for c in d.check_placement() + d.check_learner_memory())
 
