@@ -68,6 +68,7 @@ from asyncrl.learner.losses import (
     zero_stats,
 )
 from asyncrl.learner.model import build_spec
+from asyncrl.learner.offload import Offloader, Reallocation
 from asyncrl.learner.packing import (
     MicroBatch,
     Sequence,
@@ -270,6 +271,34 @@ class Trainer:
             self.ref_model = self._build_model()
             self._load_hf(self.ref_model)
             self.ref_model.eval().requires_grad_(False)
+        self.realloc = self.reallocation()
+
+    def reallocation(self) -> Reallocation:
+        """The critic and the reference placed with ``offload: true`` give their device memory back
+        between their calls (docs/placement.md). Not the actor: it is published, checkpointed and
+        exported between steps. On CPU the device is host memory: nothing to free."""
+        offloaders = {}
+        roles = {"critic": self.critic, "ref": self.ref_model}
+        for role in ("actor", "critic", "ref"):
+            if not getattr(self.recipe.placement, role).offload:
+                continue
+            if cpu_shims.ON_CPU or roles.get(role) is None:
+                why = (
+                    "on CPU the device is host memory"
+                    if cpu_shims.ON_CPU
+                    else "the actor is published and checkpointed between steps"
+                    if role == "actor"
+                    else f"no {role} model on this rank"
+                )
+                log.info("placement.%s.offload: %s: nothing is freed", role, why)
+            elif role == "critic":
+                c = self.critic
+                offloaders[role] = Offloader(
+                    model=c.model, optimizers=list(c.optimizers), device=self.device
+                )
+            else:
+                offloaders[role] = Offloader(model=self.ref_model, device=self.device)
+        return Reallocation(offloaders=offloaders)
 
     def model_spec(self) -> ModelSpec:
         """The TorchTitan spec of ``model.path`` (a subclass trains another head on it)."""
@@ -398,6 +427,7 @@ class Trainer:
         if not (force or self.checkpointer._should_save(self.version)):
             return False
         self.free_gradients()
+        self.realloc.reload_all()  # the critic's state, offloaded after its calls
         src = self.source.state_dict() if self.source is not None and self.rank == 0 else None
         text = json.dumps({"version": self.version, "source": src})
         self._state.text = broadcast_bytes(text.encode() if self.rank == 0 else None).decode()
@@ -785,7 +815,8 @@ class Trainer:
             totals=totals,
             several=lc.minibatches * lc.epochs > 1,
         )
-        for level in self.dataflow.order():  # dependency order; one level's calls independent
+        # dependency order; one level's calls independent; offloaded roles reloaded around theirs
+        for level in self.realloc.levels(self.dataflow.order()):
             for call in level:
                 runner = CALL_RUNNERS[call.name]
                 if (
