@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from asyncrl import metric_names, tasks
 from asyncrl import recipe as recipe_mod
 from asyncrl.metrics import read_metrics
+from tests.learner.step_on_batch import run_two_ranks
 from tests.module_hook import sitecustomize
 from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 
@@ -213,21 +214,7 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(
     recipe_file = tmp_path / "rl.yaml"
     recipe_file.write_text(yaml.safe_dump(spec))
     (tmp_path / "batch.bin").write_bytes(encode_batch(batch))
-    script = Path(__file__).with_name("step_on_batch.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-        str(recipe_file),
-        str(tmp_path / "batch.bin"),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_two_ranks(recipe_file, tmp_path / "batch.bin", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "metrics.json").read_text())
     # a weight broadcast's gather: rank 0 keeps every tensor, in the wire dtype; rank 1 nothing
