@@ -19,33 +19,49 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
 from asyncrl import recipe as recipe_mod
+from asyncrl import wire
 from asyncrl.learner.source import decode_batch
 from asyncrl.learner.trainer import Trainer
 from tests.numerics import hf_grads
+
+TORCHRUN_TWO = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc-per-node",
+    "2",
+]
+"""torchrun with two local ranks (gloo on CPU); the script or ``-m module`` and its arguments follow."""
+
+
+def random_sample(i: int, n: int, trained: bool) -> wire.Sample:
+    """Sample ``i`` of group ``g``: a 5-token prompt, ``n`` completion tokens (all trained, or none:
+    e.g. all tool output) sampled at version 0, reward ``i``; its tokens from seed ``i``."""
+    rng = np.random.default_rng(i)
+    return wire.Sample(
+        id=f"s{i}",
+        group_id="g",
+        prompt_ids=rng.integers(3, 90, 5).astype(np.int32),
+        completion_ids=rng.integers(3, 90, n).astype(np.int32),
+        behavior_logprobs=np.full(n, -4.5, np.float32),
+        versions=np.zeros(n, np.int32),
+        loss_mask=np.full(n, float(trained), np.float32),
+        reward=float(i),
+    )
 
 
 def run_two_ranks(
     recipe: Path, batch: Path, out: Path, *flags: str, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """This script on two ranks under torchrun (gloo), one thread each."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        __file__,
-        str(recipe),
-        str(batch),
-        str(out),
-        *flags,
-    ]
+    cmd = [*TORCHRUN_TWO, __file__, str(recipe), str(batch), str(out), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 

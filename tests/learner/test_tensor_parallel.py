@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 from asyncrl import metric_names, wire
 from asyncrl import recipe as recipe_mod
 from asyncrl.learner.source import Batch, encode_batch
-from tests.learner.step_on_batch import run_two_ranks
+from tests.learner.step_on_batch import random_sample, run_two_ranks
 from tests.numerics import (
     assert_adam_steps_agree,
     assert_close_rel,
@@ -36,21 +35,8 @@ g/(|g|+ε); measured 1.9e-5): those are held to :func:`assert_adam_steps_agree`'
 
 def _batch() -> Batch:
     """Four samples of one group, uneven lengths, one with no trained token."""
-
-    def sample(i: int, n: int, trained: bool) -> wire.Sample:
-        rng = np.random.default_rng(i)
-        return wire.Sample(
-            id=f"s{i}",
-            group_id="g",
-            prompt_ids=rng.integers(3, 90, 5).astype(np.int32),
-            completion_ids=rng.integers(3, 90, n).astype(np.int32),
-            behavior_logprobs=np.full(n, -4.5, np.float32),
-            versions=np.zeros(n, np.int32),
-            loss_mask=np.full(n, float(trained), np.float32),
-            reward=float(i % 3),
-        )
-
-    samples = [sample(0, 30, True), sample(1, 6, False), sample(2, 17, True), sample(3, 11, True)]
+    lengths = [(30, True), (6, False), (17, True), (11, True)]
+    samples = [random_sample(i, n, trained) for i, (n, trained) in enumerate(lengths)]
     return Batch(groups=[wire.Group(id="g", samples=samples)], version=0, stats={})
 
 
