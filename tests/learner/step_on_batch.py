@@ -6,8 +6,9 @@
 Every rank builds the trainer and steps on the same batch (``asyncrl.learner.source.encode_batch``
 bytes); rank 0 writes ``OUT_DIR/metrics.json`` and ``OUT_DIR/weights.safetensors`` (HF names),
 and every rank ``OUT_DIR/kept-rank<r>.json``: what it kept of a rank-0-only bfloat16 gather.
-``--before``: also ``logprobs.safetensors`` (log π of the batch's trained tokens) and
-``before.safetensors`` (the weights) before the step; ``--grads``: ``grads.safetensors`` after it; ``--export``: an HF export in ``OUT_DIR/export``.
+``--before``: also ``logprobs.safetensors`` (log π of the batch's trained tokens),
+``before.safetensors`` (the weights) and ``sent.safetensors`` (a bfloat16 broadcast's rank-0
+gather) before the step; ``--grads``: ``grads.safetensors`` after it; ``--export``: an HF export in ``OUT_DIR/export``.
 Used by tests/learner/test_distributed.py to compare a multi-rank step with a one-rank step.
 """
 
@@ -66,6 +67,10 @@ def run_two_ranks(
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+
+
 def main(recipe_path: str, batch_path: str, out_dir: str, *flags: str) -> None:
     recipe = recipe_mod.load(recipe_path)
     out = Path(out_dir)
@@ -76,23 +81,23 @@ def main(recipe_path: str, batch_path: str, out_dir: str, *flags: str) -> None:
             seqs = trainer.sequences(batch)
             lp = torch.cat(trainer.logprobs(trainer.micro_batches(seqs)))  # every rank: all
             before = trainer.hf_state_dict()
+            sent = trainer.hf_state_dict(torch.bfloat16, all_ranks=False)  # a broadcast's
             if trainer.rank == 0:
-                save_file({"logp": lp.contiguous()}, out / "logprobs.safetensors")
-                save_file(
-                    {k: v.contiguous() for k, v in before.items()}, out / "before.safetensors"
-                )
+                _save({"logp": lp}, out / "logprobs.safetensors")
+                _save(before, out / "before.safetensors")
+                _save(sent, out / "sent.safetensors")
         res = trainer.step(batch)
         weights = trainer.hf_state_dict()  # a collective
         sent = trainer.hf_state_dict(torch.bfloat16, all_ranks=False)  # what a broadcast gathers
         kept = {"tensors": len(sent), "dtypes": sorted({str(t.dtype) for t in sent.values()})}
         (out / f"kept-rank{trainer.rank}.json").write_text(json.dumps(kept))
         if trainer.rank == 0:
-            save_file({k: v.contiguous() for k, v in weights.items()}, out / "weights.safetensors")
+            _save(weights, out / "weights.safetensors")
             (out / "metrics.json").write_text(json.dumps({"loss": res.loss, **res.metrics}))
         if "--grads" in flags:  # the step's (clipped) gradients, under HF names
             grads = hf_grads(trainer)
             if trainer.rank == 0:
-                save_file({k: v.contiguous() for k, v in grads.items()}, out / "grads.safetensors")
+                _save(grads, out / "grads.safetensors")
         if "--export" in flags:
             trainer.export_hf(out / "export")
     finally:

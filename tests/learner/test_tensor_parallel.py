@@ -29,8 +29,8 @@ PARAM_ATOL = 1e-5
 """Weights after one step, TP=2 against TP=1, where the entry's gradient is clearly non-zero
 (|g| > 1e-4 · max |g| of its tensor): one AdamW step of lr 1e-3 from bitwise-equal weights, with
 gradients summed in another order (the row-parallel layers' partial sums are all-reduced).
-Measured: ≤ 6e-8. Entries whose gradient is rounding (~1e-9) move by up to 2·lr apart (Adam's
-g/(|g|+ε); measured 1.9e-5): those are held to :func:`assert_adam_steps_agree`'s bound."""
+Measured: ≤ 1.7e-7. Entries whose gradient is rounding (~1e-9) move by up to 2·lr apart (Adam's
+g/(|g|+ε); measured ≤ 4.6e-5): those are held to :func:`assert_adam_steps_agree`'s bound."""
 
 
 def _batch() -> Batch:
@@ -93,6 +93,7 @@ def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, reques
         seqs = tr.sequences(batch)
         lp_one = torch.cat(tr.logprobs(tr.micro_batches(seqs)))
         before = tr.hf_state_dict()
+        sent = tr.hf_state_dict(torch.bfloat16)
         one = tr.step(batch)
         after = tr.hf_state_dict()
         grads = hf_grads(tr)
@@ -107,10 +108,14 @@ def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, reques
     gathered = load_file(str(tmp_path / "before.safetensors"))
     assert set(gathered) == set(before)
     assert all(torch.equal(gathered[k], before[k]) for k in before)
+    # what a bfloat16 weight broadcast sends (rank 0's gather), bitwise TP=1's
+    sent_two = load_file(str(tmp_path / "sent.safetensors"))
+    assert set(sent_two) == set(sent)
+    assert all(torch.equal(sent_two[k], sent[k]) for k in sent)
 
     # one step: every rank of the group trained on the same tokens, counted once
     assert one.metrics["loss/tokens"] == two["loss/tokens"] == 58
-    assert_close_rel(one.loss, two["loss"])
+    assert_close_rel(one.loss, two["loss"], scale=1.0)  # with a critic: whitened advantages
     assert_close_rel(one.metrics["grad_norm"], two["grad_norm"])
     if alg is CRITIC:
         for k in (metric_names.VALUE_LOSS, "critic/grad_norm", metric_names.EXPLAINED_VARIANCE):
