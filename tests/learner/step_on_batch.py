@@ -31,15 +31,18 @@ from asyncrl.learner.source import decode_batch
 from asyncrl.learner.trainer import Trainer
 from tests.numerics import hf_grads
 
-TORCHRUN_TWO = [
-    sys.executable,
-    "-m",
-    "torch.distributed.run",
-    "--standalone",
-    "--nproc-per-node",
-    "2",
-]
-"""torchrun with two local ranks (gloo on CPU); the script or ``-m module`` and its arguments follow."""
+
+def torchrun(ranks: int = 2) -> list[str]:
+    """torchrun with ``ranks`` local ranks (gloo on CPU); the script or ``-m module`` and its
+    arguments follow."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+    ]
 
 
 def random_sample(i: int, n: int, trained: bool) -> wire.Sample:
@@ -58,11 +61,11 @@ def random_sample(i: int, n: int, trained: bool) -> wire.Sample:
     )
 
 
-def run_two_ranks(
-    recipe: Path, batch: Path, out: Path, *flags: str, timeout: float = 300
+def run_ranks(
+    recipe: Path, batch: Path, out: Path, *flags: str, ranks: int = 2, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """This script on two ranks under torchrun (gloo), one thread each."""
-    cmd = [*TORCHRUN_TWO, __file__, str(recipe), str(batch), str(out), *flags]
+    """This script on ``ranks`` ranks under torchrun (gloo), one thread each."""
+    cmd = [*torchrun(ranks), __file__, str(recipe), str(batch), str(out), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 

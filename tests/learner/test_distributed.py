@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from asyncrl import metric_names, tasks
 from asyncrl import recipe as recipe_mod
 from asyncrl.metrics import read_metrics
-from tests.learner.step_on_batch import TORCHRUN_TWO, random_sample, run_two_ranks
+from tests.learner.step_on_batch import random_sample, run_ranks
+from tests.learner.step_on_batch import torchrun as torchrun_cmd
 from tests.module_hook import sitecustomize
 from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 
@@ -28,7 +29,7 @@ STEPS = 3
 
 
 def torchrun(recipe: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [*TORCHRUN_TWO, "-m", "asyncrl.learner.main", str(recipe), *overrides]
+    cmd = [*torchrun_cmd(), "-m", "asyncrl.learner.main", str(recipe), *overrides]
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
         cmd, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -188,7 +189,7 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(
     recipe_file = tmp_path / "rl.yaml"
     recipe_file.write_text(yaml.safe_dump(spec))
     (tmp_path / "batch.bin").write_bytes(encode_batch(batch))
-    proc = run_two_ranks(recipe_file, tmp_path / "batch.bin", tmp_path)
+    proc = run_ranks(recipe_file, tmp_path / "batch.bin", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "metrics.json").read_text())
     # a weight broadcast's gather: rank 0 keeps every tensor, in the wire dtype; rank 1 nothing

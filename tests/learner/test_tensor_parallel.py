@@ -1,7 +1,8 @@
 """Tensor parallelism in the learner (``placement.<role>.tensor_parallel``): two gloo ranks forming
-one tensor-parallel group, TorchTitan's plan for Qwen3 and Llama, against one rank without it on the
-same batch: the same log π, the same weights before and after one optimizer step, the same tensors
-for a weight broadcast and in an HF export; the critic as well."""
+one tensor-parallel group (and four: two data-parallel ranks of two), TorchTitan's plan for Qwen3
+and Llama, against one rank without it on the same batch: the same log π, the same weights before
+and after one optimizer step, the same tensors for a weight broadcast and in an HF export; the
+critic as well."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 from asyncrl import metric_names, wire
 from asyncrl import recipe as recipe_mod
 from asyncrl.learner.source import Batch, encode_batch
-from tests.learner.step_on_batch import random_sample, run_two_ranks
+from tests.learner.step_on_batch import random_sample, run_ranks
 from tests.numerics import (
     assert_adam_steps_agree,
     assert_close_rel,
@@ -65,26 +66,27 @@ CRITIC = {"loss": "ppo", "advantage": "gae", "kl_reward_coef": 0.1}
 
 
 @pytest.mark.parametrize(
-    ("fixture", "chunk_mb", "alg", "tp"),
+    ("fixture", "chunk_mb", "alg", "tp", "ranks"),
     [
         # tied embeddings, one chunk; π_ref without TP beside the actor with it
-        ("tiny_qwen3", 256.0, KL_LOSS, {"actor": 2}),
+        ("tiny_qwen3", 256.0, KL_LOSS, {"actor": 2}, 2),
         # untied, 6-token chunks, the output projection in its own FSDP group; π_ref with TP
-        ("tiny_llama", 0.01, KL_LOSS, {"actor": 2, "ref": 2}),
-        # a critic (its one-output head sharded over a group of two) and a KL reward
-        ("tiny_qwen3", 256.0, CRITIC, {"actor": 2, "critic": 2, "ref": 2}),
+        ("tiny_llama", 0.01, KL_LOSS, {"actor": 2, "ref": 2}, 2),
+        # a critic (its one-output head replicated over the group) and a KL reward
+        ("tiny_qwen3", 256.0, CRITIC, {"actor": 2, "critic": 2, "ref": 2}, 2),
+        # two data-parallel ranks of two tensor-parallel ones: the batch split in two, FSDP × TP
+        ("tiny_llama", 0.01, KL_LOSS, {"actor": 2, "ref": 2}, 4),
     ],
-    ids=["qwen3-tied", "llama-untied-chunks", "qwen3-critic"],
+    ids=["qwen3-tied", "llama-untied-chunks", "qwen3-critic", "llama-dp2-tp2"],
 )
-def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, request, tmp_path):
+def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, ranks, request, tmp_path):
     from asyncrl.learner.trainer import Trainer
 
     one_file, two_file = _recipes(tmp_path, request.getfixturevalue(fixture), alg, chunk_mb, tp)
     batch = _batch()
     (tmp_path / "batch.bin").write_bytes(encode_batch(batch))
-    proc = run_two_ranks(
-        two_file, tmp_path / "batch.bin", tmp_path, "--before", "--grads", "--export"
-    )
+    flags = ("--before", "--grads", "--export")
+    proc = run_ranks(two_file, tmp_path / "batch.bin", tmp_path, *flags, ranks=ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "metrics.json").read_text())
 
@@ -130,11 +132,9 @@ def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, reques
     assert_adam_steps_agree(after, weights, grads, lr=one.metrics["lr"])
 
     # a broadcast's gather: rank 0 alone keeps every tensor, in the wire dtype
-    kept = [json.loads((tmp_path / f"kept-rank{r}.json").read_text()) for r in (0, 1)]
-    assert kept == [
-        {"tensors": len(after), "dtypes": ["torch.bfloat16"]},
-        {"tensors": 0, "dtypes": []},
-    ]
+    kept = [json.loads((tmp_path / f"kept-rank{r}.json").read_text()) for r in range(ranks)]
+    assert kept[0] == {"tensors": len(after), "dtypes": ["torch.bfloat16"]}
+    assert kept[1:] == [{"tensors": 0, "dtypes": []}] * (ranks - 1)
     # the HF export (DCP's writer over the TP and FSDP shards) holds the gathered weights
     exported = load_file(str(tmp_path / "export" / "model-00001-of-00001.safetensors"))
     assert set(exported) == set(weights)
