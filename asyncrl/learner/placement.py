@@ -1,4 +1,4 @@
-"""A learner role's parallel layout from the recipe's ``placement`` section (docs/placement.md)."""
+"""A learner role's parallel layout from the recipe's ``placement`` section (docs/design.md §12)."""
 
 from __future__ import annotations
 

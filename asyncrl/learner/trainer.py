@@ -274,7 +274,7 @@ class Trainer:
         self.checkpointing = checkpointing
         self._load()
         if self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0:
-            # π_ref: the initial HF weights, frozen, sharded like the policy
+            # π_ref: the initial HF weights, frozen, sharded by its own placement (forward only)
             self.ref_model = self._build_model(role="ref")
             self._load_hf(self.ref_model)
             self.ref_model.eval().requires_grad_(False)
