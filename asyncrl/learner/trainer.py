@@ -229,7 +229,11 @@ class Trainer:
 
         self.spec = self.model_spec()
         self.max_seq_len = self.spec.model.max_seq_len
-        self.chunk_tokens = chunk_tokens(self.spec.model.vocab_size, r.learner.logits_chunk_mb)
+        # a rank's logits span its vocabulary slice: 1/tp of it under tensor parallelism (the
+        # actor's and π_ref's projections share the chunk, so the smaller degree sizes it)
+        tp = min(r.placement.actor.tensor_parallel, r.placement.ref.tensor_parallel)
+        vocab = -(-self.spec.model.vocab_size // tp)
+        self.chunk_tokens = chunk_tokens(vocab, r.learner.logits_chunk_mb)
         if r.learner.compile and cpu_shims.ON_CPU:
             log.warning(
                 "learner.compile on CPU: every new batch layout recompiles the blocks (measured on "

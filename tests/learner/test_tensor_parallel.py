@@ -70,7 +70,7 @@ CRITIC = {"loss": "ppo", "advantage": "gae", "kl_reward_coef": 0.1}
     [
         # tied embeddings, one chunk; π_ref without TP beside the actor with it
         ("tiny_qwen3", 256.0, KL_LOSS, {"actor": 2}, 2),
-        # untied, 6-token chunks, the output projection in its own FSDP group; π_ref with TP
+        # untied, chunks of 13 tokens (6 at TP=1), the output projection in its own FSDP group; π_ref with TP
         ("tiny_llama", 0.01, KL_LOSS, {"actor": 2, "ref": 2}, 2),
         # a critic (its one-output head replicated over the group) and a KL reward
         ("tiny_qwen3", 256.0, CRITIC, {"actor": 2, "critic": 2, "ref": 2}, 2),
