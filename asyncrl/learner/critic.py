@@ -112,7 +112,19 @@ class Critic:
         self.spec = scalar_spec(
             self.folder, attention=r.model.attention, max_seq_len=r.model.max_seq_len
         )
-        self.model = trainer._build_model(self.spec)
+        from asyncrl.learner.trainer import LearnerError
+
+        pl, world = r.placement, trainer.world
+        same_ranks = pl.ranks_of("critic", world) == pl.ranks_of("actor", world)
+        if same_ranks and pl.critic.tensor_parallel != pl.actor.tensor_parallel:
+            # it trains on the actor's micro-batches: each rank's share must be the actor's
+            raise LearnerError(
+                f"placement.critic.tensor_parallel {pl.critic.tensor_parallel} differs from the "
+                f"actor's {pl.actor.tensor_parallel} on the same ranks: the critic trains on the "
+                "actor's data shares"
+            )
+        self.dp_group = trainer.dp_group
+        self.model = trainer._build_model(self.spec, role="critic")
         self.model.train()
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.folder))
         trainer._load_hf(self.model, self.adapter, self.folder)
@@ -149,7 +161,7 @@ class Critic:
                 variance_sums(torch.from_numpy(v), torch.from_numpy(ret), torch.ones(v.size)),
             ]
         ).to(torch.float64)
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=self.dp_group)
         n, a_sum, a_sq, v_sum = sums[:4].tolist()
         mean = a_sum / n if n else 0.0
         std = math.sqrt(max(a_sq / n - mean * mean, 0.0)) if n else 0.0

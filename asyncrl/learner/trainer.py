@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ from torchtitan.components.optimizer import (
     OptimizersContainer,
     ParamGroupConfig,
 )
-from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import CompileConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -58,7 +59,12 @@ from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.drift import drift_sums, finalize_drift
-from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
+from asyncrl.learner.logprobs import (
+    chunk_tokens,
+    chunked_backward,
+    chunked_logprobs,
+    local_hidden,
+)
 from asyncrl.learner.losses import (
     Normaliser,
     count_tokens_and_seqs,
@@ -78,6 +84,7 @@ from asyncrl.learner.packing import (
     split_minibatches,
     split_over_ranks,
 )
+from asyncrl.learner.placement import role_parallelism
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
 
@@ -212,23 +219,28 @@ class Trainer:
         self.last_export = ""
         self._batch_info: dict[str, float] = {}
 
-        parallelism = ParallelismConfig(
-            spmd_backend=cpu_shims.SPMD_BACKEND, data_parallel_shard_degree=-1
-        )
-        self.parallel_dims = ParallelDims.from_config(parallelism, self.world)
-        self.parallel_dims.build_mesh()
+        self._dims: dict[int, ParallelDims] = {}  # per tensor-parallel degree
+        self.parallel_dims = self.role_dims("actor")
         dist_utils.set_spmd_backend(cpu_shims.SPMD_BACKEND)
+        # Data parallelism: the ranks of one tensor-parallel group see the same sequences, so the
+        # batch is split over the actor's FSDP ranks and its sums are reduced over them alone.
+        dp_mesh = self.parallel_dims.get_mesh("fsdp")
+        self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+        self.dp_group = dp_mesh.get_group()
 
         self.spec = self.model_spec()
         self.max_seq_len = self.spec.model.max_seq_len
-        self.chunk_tokens = chunk_tokens(self.spec.model.vocab_size, r.learner.logits_chunk_mb)
+        # a rank's logits span its vocabulary slice: 1/tp of it under tensor parallelism (the
+        # actor's and π_ref's projections share the chunk, so the smaller degree sizes it)
+        tp = min(r.placement.actor.tensor_parallel, r.placement.ref.tensor_parallel)
+        vocab = -(-self.spec.model.vocab_size // tp)
+        self.chunk_tokens = chunk_tokens(vocab, r.learner.logits_chunk_mb)
         if r.learner.compile and cpu_shims.ON_CPU:
             log.warning(
                 "learner.compile on CPU: every new batch layout recompiles the blocks (measured on "
                 "the tiny test model: 38-60 s per step against 0.3 s eager); it is meant for GPUs"
             )
 
-        self._parallelism = parallelism
         self.model = self._build_model()
         self.model.train()
         self.ref_model: torch.nn.Module | None = None
@@ -267,8 +279,8 @@ class Trainer:
         self.checkpointing = checkpointing
         self._load()
         if self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0:
-            # π_ref: the initial HF weights, frozen, sharded like the policy
-            self.ref_model = self._build_model()
+            # π_ref: the initial HF weights, frozen, sharded by its own placement (forward only)
+            self.ref_model = self._build_model(role="ref")
             self._load_hf(self.ref_model)
             self.ref_model.eval().requires_grad_(False)
         self.realloc = self.reallocation()
@@ -347,23 +359,40 @@ class Trainer:
         )
         return optimizers, sched.build(optimizers=optimizers, training_steps=total)
 
-    def _build_model(self, spec: ModelSpec | None = None) -> torch.nn.Module:
-        """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights.
-        ``spec``: another model on the same ranks (the critic); default the actor's."""
+    def role_dims(self, role: str) -> ParallelDims:
+        """The device mesh of ``role``'s parallelism (:func:`role_parallelism`), built once per
+        tensor-parallel degree (collective the first time: every rank builds it)."""
+        parallelism = role_parallelism(self.recipe.placement, role)
+        tp = parallelism.tensor_parallel_degree
+        if tp not in self._dims:
+            if self.world % tp:
+                raise LearnerError(
+                    f"placement.{role}.tensor_parallel: {self.world} rank(s) do not split into "
+                    f"tensor-parallel groups of {tp}"
+                )
+            dims = ParallelDims.from_config(parallelism, self.world)
+            dims.build_mesh()
+            self._dims[tp] = dims
+        return self._dims[tp]
+
+    def _build_model(self, spec: ModelSpec | None = None, role: str = "actor") -> torch.nn.Module:
+        """TorchTitan's build order: meta build → parallelize_fn (FSDP2, and tensor parallelism
+        when the role's placement asks for it) → to_empty → init_weights.
+        ``spec``: another model (the critic's); default the actor's. ``role``: whose placement."""
         spec = self.spec if spec is None else spec
+        parallelism = role_parallelism(self.recipe.placement, role)
+        parallel_dims = self.role_dims(role)
 
-        class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
-            parallelism = self._parallelism
-
-        spec.model.update_from_config(config=_Cfg)
+        # update_from_config reads only .parallelism from a non-Trainer config
+        spec.model.update_from_config(config=SimpleNamespace(parallelism=parallelism))
         with torch.device("meta"):
             model = spec.model.build()
         lc = self.recipe.learner
         model = spec.parallelize_fn(
             model,
-            parallel_dims=self.parallel_dims,
+            parallel_dims=parallel_dims,
             training=TrainingConfig(mixed_precision_param=self.recipe.model.dtype),
-            parallelism=self._parallelism,
+            parallelism=parallelism,
             compile_config=CompileConfig(enable=lc.compile, components=["model"]),
             ac_config=AC_CONFIGS[lc.activation_checkpointing](),
             dump_folder=str(self.run_dir),
@@ -580,10 +609,11 @@ class Trainer:
 
     def _hidden(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """The last hidden states ``[1, L, D]``: the models stop before their output projection,
-        which runs a chunk of trained tokens at a time (:mod:`asyncrl.learner.logprobs`)."""
+        which runs a chunk of trained tokens at a time (:mod:`asyncrl.learner.logprobs`). A plain
+        tensor, also under tensor parallelism (:func:`local_hidden`)."""
         mb = mb.to(self.device)
         model = self.model if model is None else model
-        return model(mb.tokens, mb.positions, attention_masks(self.model, mb.positions))
+        return local_hidden(model(mb.tokens, mb.positions, attention_masks(model, mb.positions)))
 
     @torch.no_grad()
     def _token_logprobs(
@@ -772,7 +802,9 @@ class Trainer:
         mbs = self.micro_batches(mine)
         counts = sum((count_tokens_and_seqs(mb.mask, mb.seq_ids) for mb in mbs), torch.zeros(2))
         counts = counts.to(torch.float64)
-        dist.all_reduce(counts)  # the GLOBAL normaliser: every rank and micro-batch
+        # the GLOBAL normaliser: every data-parallel rank and micro-batch (a tensor-parallel
+        # group's ranks hold the same tokens: counted once)
+        dist.all_reduce(counts, group=self.dp_group)
         norm = Normaliser(
             tokens=float(counts[0]),
             seqs=float(counts[1]),
@@ -811,7 +843,7 @@ class Trainer:
         run = _Step(
             batch=batch,
             seqs=seqs,
-            mine=split_over_ranks(seqs, self.world)[self.rank],
+            mine=split_over_ranks(seqs, self.dp_size)[self.dp_rank],
             totals=totals,
             several=lc.minibatches * lc.epochs > 1,
         )
@@ -836,7 +868,7 @@ class Trainer:
                 totals.drift.reshape(-1),
             ]
         )
-        dist.all_reduce(local)
+        dist.all_reduce(local, group=self.dp_group)
         updates = lc.minibatches * lc.epochs
         loss_total, tokens_total = float(local[0]) / updates, float(local[1])
         summed = dict(zip(keys, local[2 : 2 + len(keys)].tolist(), strict=True))
