@@ -78,6 +78,7 @@ class Doctor:
             ("attention", self.check_attention),
             ("generators", self.check_generators),
             ("learner memory", self.check_learner_memory),
+            ("placement", self.check_placement),
             ("generator memory", self.check_generator_memory),
             ("NCCL", self.check_nccl),
             ("ports", self.check_ports),
@@ -263,6 +264,61 @@ class Doctor:
         rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.uses_rollouts, **kw)
         return rank0, memory.learner_plan(self.dims, rank0=False, **kw)
 
+    def layouts(self) -> list[memory.RoleLayout]:
+        return memory.role_layouts(self.recipe)
+
+    def phases(self) -> list[memory.Phase]:
+        """The learner's levels of the recipe's dataflow (generation and rewards run in the
+        workers); a reward model's ``train_step`` trains the learner's model, placed as the actor."""
+        from asyncrl import dataflow
+
+        out = []
+        for level in dataflow.from_recipe(self.recipe).order():
+            calls = [
+                c
+                for c in level
+                if c.role in ("actor", "critic", "ref")
+                and c.call != "generate"
+                or c.role == "reward"
+                and c.call == "train_step"
+            ]
+            if not calls:
+                continue
+            role = {c.name: "actor" if c.role == "reward" else c.role for c in calls}
+            out.append(
+                memory.Phase(
+                    label=", ".join(c.name for c in calls),
+                    roles=frozenset(role.values()),
+                    trains=frozenset(role[c.name] for c in calls if c.call == "train_step"),
+                )
+            )
+        return out
+
+    def rank_plans(self, **changes: Any) -> list[memory.RankPlan]:
+        """Every learner rank's plan with this recipe's placement (``changes`` as for
+        :meth:`learner_plans`)."""
+        from asyncrl.learner.logprobs import chunk_tokens
+
+        assert self.dims is not None
+        r = self.recipe
+        lc = dataclasses.replace(r.learner, **changes)
+        layouts = self.layouts()
+        return memory.rank_plans(
+            self.dims,
+            layouts,
+            self.phases(),
+            world=lc.ranks,
+            publisher=layouts[0].ranks[0] if r.algorithm.uses_rollouts else None,
+            weights_dtype=r.weights.dtype,
+            weights_overlap=r.weights.overlap,
+            compute_dtype=r.model.dtype,
+            micro_batch_tokens=lc.micro_batch_tokens,
+            max_seq_len=r.model.max_seq_len,
+            checkpointing=lc.activation_checkpointing,
+            chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
+            samples_per_update=self.samples_per_update(),
+        )
+
     def samples_per_update(self) -> int:
         """Sequences one optimizer update trains on: sft's batch, or an RL batch's minibatch."""
         r = self.recipe
@@ -309,15 +365,16 @@ class Doctor:
         return r.rollout.workers * r.generator.engines_per_worker if builtin else 0
 
     def learner_need(self, **changes: Any) -> tuple[int, int]:
-        """(bytes the learner needs where it is compared, bytes there). On a GPU: rank 0's plan
-        against the smallest free GPU memory. On CPU every rank, every built-in engine and one
+        """(bytes the learner needs where it is compared, bytes there). On a GPU: the fullest
+        rank's peak with placement (:meth:`rank_plans`) against the smallest free GPU memory. On CPU every rank, every built-in engine and one
         runtime per process share the host's available RAM."""
         assert self.device is not None
-        rank0, other = self.learner_plans(**changes)
+        rank0, _ = self.learner_plans(**changes)
+        plans = self.rank_plans(**changes)
         if self.device.cuda:
-            return rank0.total, self.device.learner_memory
+            return max(p.peak for p in plans), self.device.learner_memory
         ranks = self.recipe.learner.ranks
-        need = rank0.total + (ranks - 1) * other.total + ranks * rank0.checkpoint_staging
+        need = sum(p.peak_without_offload for p in plans) + ranks * rank0.checkpoint_staging
         return need + self.engines_need(), self.device.host_available
 
     def engines_need(self) -> int:
@@ -349,7 +406,14 @@ class Doctor:
                 f"{gib(have)} GiB available on the host, with {r.learner.ranks} rank(s), "
                 f"{self.engines_here()} built-in engine(s) and a runtime each"
             )
-        line = f"rank 0 needs {gib(rank0.total)} GiB = {parts} {what}; in all {gib(need)} GiB of {where}"
+        line = f"rank 0 needs {gib(rank0.total)} GiB = {parts} {what}"
+        if self.placed():
+            top = max(self.rank_plans(), key=lambda p: p.peak)
+            line = (
+                f"with placement the fullest rank, {top.rank}, needs {gib(top.peak)} GiB at its "
+                f"peak ({top.peak_phase or 'between calls'}; per rank below) {what}"
+            )
+        line += f"; in all {gib(need)} GiB of {where}"
         if need > have:
             return [
                 Check(name="learner memory", ok=False, detail=f"{line}; {self.fixes(need, have)}")
@@ -367,11 +431,60 @@ class Doctor:
             ]
         return [Check(name="learner memory", ok=True, detail=line)]
 
+    def placed(self) -> bool:
+        """Whether the recipe places a role other than every role on every rank with FSDP only."""
+        return self.recipe.placement != recipe_mod.PlacementConfig()
+
+    def check_placement(self) -> list[Check]:
+        """Each role's ranks and layout, then each group of ranks alike: its roles' states and its
+        peak over the step's phases, with and without reallocation (``offload``)."""
+        if self.dims is None or self.device is None:
+            return [Check(name="placement", ok=False, detail="no plan without the model")]
+        layouts = self.layouts()
+        said = "; ".join(lay.describe() for lay in layouts)
+        asked = [x for x in ("critic", "ref") if getattr(self.recipe.placement, x).offload]
+        if self.recipe.placement.actor.offload:
+            said += "; placement.actor.offload is not done (the actor is published between steps)"
+        if asked and not self.device.cuda:
+            said += "; on CPU nothing is offloaded (the device is host memory): a CPU run needs "
+            said += "the peaks without offload"
+        out = [Check(name="placement", ok=True, detail=said)]
+        groups: dict[tuple, list[memory.RankPlan]] = {}
+        for p in self.rank_plans():
+            key = (p.roles, tuple(p.states.items()), tuple(p.phases.items()), p.weight_snapshot)
+            groups.setdefault(key, []).append(p)
+        have = self.device.learner_memory
+        for plans in groups.values():
+            p = plans[0]
+            name = f"rank{'s' if len(plans) > 1 else ''} {memory.span([q.rank for q in plans])}"
+            if not p.roles:
+                out.append(Check(name=name, ok=True, detail="no learner role: idle"))
+                continue
+            states = " + ".join(f"{role} {gib(b)}" for role, b in p.states.items())
+            phases = "; ".join(f"{k} {gib(v)}" for k, v in p.phases.items())
+            detail = f"{', '.join(p.roles)}: states {states} GiB; peak {gib(p.peak)} GiB"
+            if p.peak != p.peak_without_offload:
+                detail += f" with offload, {gib(p.peak_without_offload)} GiB without"
+            if p.weight_snapshot:
+                detail += f" (with the weight snapshot {gib(p.weight_snapshot)})"
+            detail += f"; by phase: {phases}"
+            if self.device.cuda and p.peak > have:
+                detail += f"; does not fit the smallest GPU's {gib(have)} GiB free"
+                out.append(Check(name=name, ok=False, detail=detail))
+            else:
+                out.append(Check(name=name, ok=True, detail=detail))
+        return out
+
     def fixes(self, need: int, have: int) -> str:
         """What to change so that the learner fits, each priced with the same plan."""
         r = self.recipe
         rank0, _ = self.learner_plans()
-        biggest = max(rank0.items(), key=lambda kv: kv[1])
+        name, size = max(rank0.items(), key=lambda kv: kv[1])
+        largest = f"{name} {gib(size)} GiB"
+        if self.placed():  # the fullest rank's largest role
+            top = max(self.rank_plans(), key=lambda p: p.peak)
+            name, size = max(top.states.items(), key=lambda kv: kv[1])
+            largest = f"{name} states {gib(size)} GiB on rank {top.rank}"
         out = []
         if r.learner.activation_checkpointing != "full":
             need_full, _ = self.learner_need(activation_checkpointing="full")
@@ -396,10 +509,7 @@ class Doctor:
                 "more learner ranks (FSDP shards params, grads and AdamW), "
                 "learner.activation_checkpointing=full, or a shorter model.max_seq_len"
             )
-        return (
-            f"does not fit by {gib(need - have)} GiB (largest: {biggest[0]} {gib(biggest[1])} "
-            f"GiB): " + "; or ".join(out)
-        )
+        return f"does not fit by {gib(need - have)} GiB (largest: {largest}): " + "; or ".join(out)
 
     def check_generator_memory(self) -> list[Check]:
         if self.dims is None or self.device is None:

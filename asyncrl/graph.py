@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from asyncrl import dataflow
+from asyncrl import dataflow, memory
 from asyncrl import recipe as recipe_mod
 
 ROLE_COLOURS = {
@@ -29,8 +29,38 @@ def default_out(r: recipe_mod.Recipe) -> Path:
     return r.run_dir.with_name(r.run_dir.name + ".dataflow.png")
 
 
-def draw(flow: dataflow.Dataflow, out: Path) -> Path:
-    """Write ``flow`` as a PNG: one column per level, left to right."""
+def call_places(flow: dataflow.Dataflow, r: recipe_mod.Recipe) -> dict[str, str]:
+    """Where each call runs: a learner role's ranks and layout (``placement``), the rollout
+    workers (generation, rewards), or every learner rank (the advantages)."""
+    layouts = {lay.role: lay for lay in memory.role_layouts(r)}
+    out = {}
+    for c in flow.calls:
+        role = "actor" if c.role == "reward" and c.call == "train_step" else c.role
+        if c.call == "generate":
+            out[c.name] = "rollout workers' generators"
+        elif role in layouts:
+            out[c.name] = layouts[role].layout
+        elif c.role in ("reward", "driver") and c.name.startswith("reward"):
+            out[c.name] = "rollout workers"
+        else:
+            out[c.name] = "every learner rank"
+    return out
+
+
+def describe(flow: dataflow.Dataflow, r: recipe_mod.Recipe) -> str:
+    """The dataflow's lines (:meth:`~asyncrl.dataflow.Dataflow.describe`), each call's with where
+    it runs."""
+    places = call_places(flow, r)
+    head, *lines = flow.describe().splitlines()
+    calls = [c for level in flow.order() for c in level]
+    return "\n".join(
+        [head, *(f"{x}  @ {places[c.name]}" for x, c in zip(lines, calls, strict=True))]
+    )
+
+
+def draw(flow: dataflow.Dataflow, out: Path, places: dict[str, str] | None = None) -> Path:
+    """Write ``flow`` as a PNG: one column per level, left to right; ``places``: a line under each
+    call saying where it runs (:func:`call_places`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,6 +118,8 @@ def draw(flow: dataflow.Dataflow, out: Path) -> Path:
     for c in flow.calls:
         from_data = [k for k in c.inputs if k not in producer]
         text = f"{c.name}\n{c.label}" + (f"\ndata: {', '.join(from_data)}" if from_data else "")
+        if places:
+            text += f"\n{places[c.name]}"
         ax.text(
             *pos[c.name],
             text,
@@ -124,14 +156,14 @@ def main(argv: list[str]) -> int:
     try:
         r = recipe_mod.load(a.recipe, a.overrides, check_files=False)
         flow = dataflow.from_recipe(r)
-        text = flow.describe()
+        text = describe(flow, r)
     except (recipe_mod.RecipeError, dataflow.DataflowError) as e:
         print(f"asyncrl graph: {e}", file=sys.stderr)
         return 2
     print(text)
     out = a.out if a.out is not None else default_out(r)
     try:
-        draw(flow, out)
+        draw(flow, out, call_places(flow, r))
     except OSError as e:
         print(f"asyncrl graph: cannot write {out}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.recipe import Checkpointing, GeneratorKind
+from asyncrl.recipe import TOKEN_ADVANTAGES, Checkpointing, GeneratorKind, Recipe
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -205,8 +205,16 @@ def learner_plan(
     weights_overlap: bool = True,
     samples_per_update: int = 0,
     checkpoint_async: bool = False,
+    tensor_parallel: int = 1,
 ) -> LearnerPlan:
     """Bytes on one learner rank at the peak of a step, FSDP2 over ``ranks``.
+
+    With ``tensor_parallel`` t > 1 the ``ranks`` are t-way tensor parallel × ranks/t FSDP: the
+    float32 states are still ``P/ranks`` a rank (TP splits each matrix, FSDP the rest; the norms
+    TP replicates are left out), and the FSDP gather and the activations are divided by t (each
+    rank gathers and computes its column or row of every matrix; sequence parallelism splits the
+    norms' activations): an estimate, not a measurement. The data is split over the ranks/t
+    data-parallel groups.
 
     - params, grads, AdamW (two moments): float32 shards, ``4·P/N`` each, ``8·P/N`` for AdamW
       (:data:`MASTER_BYTES`); a frozen reference model (``algorithm.kl_coef > 0``) another ``4·P/N``; a critic (``algorithm.advantage`` gae / vtrace)
@@ -229,8 +237,10 @@ def learner_plan(
     shard = math.ceil(p / ranks)
     tokens = max(micro_batch_tokens, max_seq_len)
     if samples_per_update:
-        tokens = min(tokens, math.ceil(samples_per_update / ranks) * max_seq_len)
-    per_token = activation_bytes_per_token(dims, checkpointing, compute)
+        tokens = min(tokens, math.ceil(samples_per_update * tensor_parallel / ranks) * max_seq_len)
+    per_token = math.ceil(
+        activation_bytes_per_token(dims, checkpointing, compute) / tensor_parallel
+    )
     snapshots = (2 if weights_overlap else 1) if rank0 else 0
     return LearnerPlan(
         params=MASTER_BYTES * shard,
@@ -238,7 +248,7 @@ def learner_plan(
         optimizer=2 * MASTER_BYTES * shard,
         reference=MASTER_BYTES * shard if reference_model else 0,
         critic=4 * MASTER_BYTES * shard if critic_model else 0,
-        fsdp_gather=3 * dims.largest_fsdp_unit * compute,
+        fsdp_gather=math.ceil(3 * dims.largest_fsdp_unit * compute / tensor_parallel),
         activations=tokens * per_token,
         logits=logits_chunk_bytes(dims.vocab, min(chunk_tokens, tokens)),
         weight_snapshot=snapshots * p * DTYPE_BYTES[weights_dtype],
@@ -248,6 +258,173 @@ def learner_plan(
         if checkpoint_async
         else 0,
     )
+
+
+STATE_BYTES = {"actor": 4 * MASTER_BYTES, "critic": 4 * MASTER_BYTES, "ref": MASTER_BYTES}
+"""Float32 bytes per parameter a role keeps between its calls: parameters, gradients and both AdamW
+moments for a trained role; the parameters alone for the frozen reference."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleLayout:
+    """One learner role's placement: its ranks, split t-way tensor parallel × FSDP over the rest,
+    and whether it gives its states back between its calls (``placement.<role>.offload``)."""
+
+    role: str
+    ranks: tuple[int, ...]
+    tensor_parallel: int = 1
+    offload: bool = False
+
+    @property
+    def data_parallel(self) -> int:
+        return len(self.ranks) // self.tensor_parallel
+
+    @property
+    def layout(self) -> str:
+        """``ranks 0-5, TP 1 × DP 6`` (and ``, offloaded between calls``)."""
+        off = ", offloaded between calls" if self.offload else ""
+        return f"ranks {span(self.ranks)}, TP {self.tensor_parallel} × DP {self.data_parallel}{off}"
+
+    def describe(self) -> str:
+        """``actor on ranks 0-5 (TP 1 × DP 6)``."""
+        return f"{self.role} on {self.layout.replace(', TP', ' (TP', 1)})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One level of the learner's dataflow: the roles it calls and those of them it trains (their
+    backward holds activations; a forward-only call holds only its gathered unit and logits)."""
+
+    label: str
+    roles: frozenset[str]
+    trains: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """One learner rank with placement: its roles and its peak over the step's phases, with the
+    offloaded roles' states counted only in the phases that call them, and without offload."""
+
+    rank: int
+    roles: tuple[str, ...]
+    states: dict[str, int]
+    """Bytes each role here keeps between calls (float32 states, see :data:`STATE_BYTES`)."""
+    phases: dict[str, int]
+    """Bytes at each phase's peak, with reallocation."""
+    weight_snapshot: int
+    peak: int
+    peak_without_offload: int
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: self.phases[k]) if self.phases else ""
+
+
+def rank_plans(
+    dims: ModelDims,
+    layouts: list[RoleLayout],
+    phases: list[Phase],
+    *,
+    world: int,
+    publisher: int | None = 0,
+    weights_dtype: str = "bfloat16",
+    weights_overlap: bool = True,
+    **kw: Any,
+) -> list[RankPlan]:
+    """Each learner rank's peak with placement and reallocation.
+
+    A role on k ranks with TP t keeps ``STATE_BYTES[role]·P/k`` a rank (:func:`learner_plan` with
+    ``ranks=k``, its FSDP gather, activations and logits chunk as there, the critic priced at the
+    actor's size and without a vocabulary chunk). A phase's peak on a rank: the states of every
+    role there that is resident (not offloaded) or called by the phase, plus the largest working
+    set of the roles it calls there (their calls run one after another): FSDP gather and logits
+    chunk, and the activations of a role it trains. ``publisher`` (the actor's first rank, when
+    the run publishes weights) also holds the weight snapshot(s) throughout. ``kw``: the other
+    :func:`learner_plan` arguments."""
+    plans = {
+        lay.role: learner_plan(
+            dims, ranks=len(lay.ranks), tensor_parallel=lay.tensor_parallel, rank0=False, **kw
+        )
+        for lay in layouts
+    }
+    snapshot = (2 if weights_overlap else 1) * dims.params * DTYPE_BYTES[weights_dtype]
+
+    def working(role: str, trains: bool) -> int:
+        lp = plans[role]
+        logits = lp.logits if role != "critic" else 0
+        return lp.fsdp_gather + logits + (lp.activations if trains else 0)
+
+    out = []
+    for rank in range(world):
+        here = [lay for lay in layouts if rank in lay.ranks]
+        states = {
+            lay.role: math.ceil(STATE_BYTES[lay.role] * dims.params / len(lay.ranks))
+            for lay in here
+        }
+        snap = snapshot if rank == publisher else 0
+        by_phase, without = {}, 0
+        for ph in phases:
+            called = [lay.role for lay in here if lay.role in ph.roles]
+            if not called:
+                continue
+            work = max(working(r, r in ph.trains) for r in called)
+            resident = sum(
+                b for r, b in states.items() if r in called or not _layout(here, r).offload
+            )
+            by_phase[ph.label] = resident + work + snap
+            without = max(without, sum(states.values()) + work + snap)
+        out.append(
+            RankPlan(
+                rank=rank,
+                roles=tuple(lay.role for lay in here),
+                states=states,
+                phases=by_phase,
+                weight_snapshot=snap,
+                peak=max(by_phase.values(), default=sum(states.values()) + snap),
+                peak_without_offload=max(without, sum(states.values()) + snap),
+            )
+        )
+    return out
+
+
+def role_layouts(recipe: Recipe) -> list[RoleLayout]:
+    """The learner's model roles in ``recipe`` (the actor; the critic of gae / vtrace; the
+    reference of a KL term) with their ``placement``, as on GPUs (a reference without ranks of
+    its own is laid out as the actor, on its ranks). The actor is never offloaded:
+    the learner publishes, checkpoints and exports it between steps."""
+    a, world = recipe.algorithm, recipe.learner.ranks
+    roles = ["actor"]
+    if a.uses_rollouts and a.advantage in TOKEN_ADVANTAGES:
+        roles.append("critic")
+    if a.kl_coef > 0 or a.kl_reward_coef > 0:
+        roles.append("ref")
+    out = []
+    for role in roles:
+        rp = getattr(recipe.placement, role)
+        follows = role == "ref" and not rp.ranks  # built like the actor, on its ranks
+        out.append(
+            RoleLayout(
+                role=role,
+                ranks=tuple(recipe.placement.ranks_of(role, world)),
+                tensor_parallel=recipe.placement.actor.tensor_parallel
+                if follows
+                else rp.tensor_parallel,
+                offload=rp.offload and role != "actor",
+            )
+        )
+    return out
+
+
+def _layout(layouts: list[RoleLayout], role: str) -> RoleLayout:
+    return next(lay for lay in layouts if lay.role == role)
+
+
+def span(ranks: tuple[int, ...] | list[int]) -> str:
+    """``0-5`` for consecutive ranks, else ``0,2,4``."""
+    r = sorted(ranks)
+    if len(r) > 1 and r == list(range(r[0], r[-1] + 1)):
+        return f"{r[0]}-{r[-1]}"
+    return ",".join(map(str, r))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -162,6 +162,17 @@ class RolloutConfig:
         30.0, lo=0, lo_open=True, doc="per tool call; a call cut is an error"
     )
     max_turns: int = _f(4, lo=1)
+    turn_samples: bool = _f(
+        False,
+        doc="multi-turn episodes: train each model turn as its own sample (its prompt: the "
+        "conversation before it) instead of the whole trajectory as one (AReaL's individual export)",
+    )
+    turn_discount: float = _f(
+        1.0,
+        lo=0,
+        hi=1,
+        doc="with turn_samples: turn t of T gets the trajectory's reward R as γ^(T-1-t)·R",
+    )
     temperature: float = _f(1.0, lo=0)
     top_p: float = _f(1.0, lo=0, hi=1, lo_open=True)
     top_k: int = _f(-1, lo=-1)
@@ -711,6 +722,12 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             key="algorithm.kl_reward_coef",
         )
     check_placement(r.placement, file=file)
+    if r.rollout.turn_discount != 1 and not r.rollout.turn_samples:
+        raise RecipeError(
+            "discounts the rewards of per-turn samples: set rollout.turn_samples: true",
+            file=file,
+            key="rollout.turn_discount",
+        )
     if len(r.learner.betas) != 2 or not all(0 <= b < 1 for b in r.learner.betas):
         raise RecipeError("expected two numbers in [0, 1)", file=file, key="learner.betas")
     if r.generator.kind == "sglang" and not r.generator.urls and r.rollout.workers:

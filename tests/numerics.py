@@ -90,9 +90,12 @@ def assert_grads_close(a: dict, b: dict, *, rtol: float = GRAD_RTOL) -> None:
     assert worst <= rtol, f"gradients differ by {worst:.2e} of their scale (allowed {rtol:.0e})"
 
 
-def assert_close_rel(a: float, b: float, *, rtol: float = GRAD_RTOL) -> None:
-    """Two scalars of the same computation (a loss, a gradient norm) up to float32 reordering."""
-    assert abs(a - b) <= rtol * max(abs(a), abs(b)), f"{a!r} vs {b!r} (rtol {rtol:.0e})"
+def assert_close_rel(a: float, b: float, *, rtol: float = GRAD_RTOL, scale: float = 0.0) -> None:
+    """Two scalars of the same computation (a loss, a gradient norm) up to float32 reordering.
+    ``scale``: the size of the terms summed, when they cancel (a loss on whitened advantages sums
+    terms of size ~1 to ~0, and rounds at the terms' scale, not the sum's)."""
+    bound = rtol * max(abs(a), abs(b), scale)
+    assert abs(a - b) <= bound, f"{a!r} vs {b!r} (rtol {rtol:.0e})"
 
 
 def adam_first_step_bound(grad: torch.Tensor, lr: float, grad_tol: float) -> torch.Tensor:

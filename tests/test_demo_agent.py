@@ -148,6 +148,11 @@ def test_the_real_mcp_client_looks_keys_up_through_the_recipes_command():
 KEYS = ["abc", "kqz", "hit", "vox"]
 
 
+@pytest.fixture(scope="module")
+def lookup_caller(tmp_path_factory):
+    return _fit_lookup_caller(tmp_path_factory.mktemp("lookup_caller"))
+
+
 def _fit_lookup_caller(out):
     """The demo's tiny model fitted to play the whole lookup transcript for KEYS under greedy
     decoding (call, result, answer): an agent that calls the tool, as the SFT stage makes one,
@@ -170,18 +175,22 @@ def _fit_lookup_caller(out):
 
 
 @pytest.mark.slow  # 31 s on 2 cores, 48-70 s under other agents' load (fit, run, 2 evaluations)
-def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(tmp_path):
+@pytest.mark.parametrize("turn_samples", [False, True], ids=["trajectory", "turns"])
+def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(
+    tmp_path, lookup_caller, turn_samples
+):
     """`asyncrl run recipes/demo_agent.yaml` for 2 steps: every episode starts the recipe's MCP
     server over stdio, the model's tool calls reach it, and the calls are recorded: in the
     samples' counters, the rollout and held-out tool-call rates (metrics.jsonl and the W&B offline
-    runs) and summary.json's tool_call_rate_start/_end."""
+    runs) and summary.json's tool_call_rate_start/_end. With ``rollout.turn_samples`` the learner
+    trains each episode's turns (the tool call, the answer) as samples of their own."""
     pytest.importorskip("mcp")
     from pathlib import Path
 
     from asyncrl import launch, metric_names, metrics
 
     root = Path(__file__).resolve().parents[1]
-    model = _fit_lookup_caller(tmp_path)
+    model = lookup_caller
     rows = [{"prompt": f"{k}?", "answer": tasks.lookup_value(k)} for k in KEYS]
     data = tasks.write_jsonl(tmp_path / "rows.jsonl", rows)
     ov = [
@@ -199,6 +208,8 @@ def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(tmp_path):
         "generator.max_batch_size=16",
         "rollout.temperature=0.2",  # a barely fitted model: near its greedy transcripts
     ]
+    if turn_samples:
+        ov += ["rollout.turn_samples=true", "rollout.turn_discount=0.5"]
     s = launch.run(root / "recipes/demo_agent.yaml", ov, progress=False)
     run_dir = tmp_path / "demo_agent"
     assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
@@ -218,6 +229,14 @@ def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(tmp_path):
     assert counts["tool_calls"] >= 8 and counts["tool_errors"] < counts["tool_calls"] / 2
     assert counts["episodes"] / 2 <= counts["tool_call_episodes"] <= counts["episodes"]
     assert any(metric_names.ROLLOUT_TOOL_CALL_RATE in r for r in workers)
+    # 2 groups of 2 episodes per step: one sample each, or one per turn (1 or 2 turns each)
+    steps = [r for r in metrics.read_metrics(run_dir, process="learner") if "loss" in r]
+    seqs = [r["learner/sequences"] for r in steps]
+    assert len(seqs) == 2
+    if turn_samples:
+        assert all(4 <= n <= 8 for n in seqs) and sum(seqs) > 8
+    else:
+        assert seqs == [4, 4]
     logged = {k for rec in metrics.read_metrics(run_dir) for k in rec}
     assert set(metric_names.READ_WHEN_TOOLS) <= logged
     # W&B (offline, read back) has the held-out tool-call rate next to the success

@@ -65,6 +65,8 @@ def test_the_demo_recipe_passes_on_this_machine(demo_overrides):
         "attention",
         "generators",
         "learner memory",
+        "placement",
+        "rank 0",
         "generator memory",
         "NCCL",
         "ports",
@@ -74,7 +76,8 @@ def test_the_demo_recipe_passes_on_this_machine(demo_overrides):
     out = p.stdout
     assert "attention: sdpa: CPU: per-document SDPA" in out  # choose_attention's own words
     assert "weights go over gloo" in out and "checkpointing none" in out
-    assert "all 11 checks pass" in p.stderr
+    assert "✓ placement: actor on ranks 0 (TP 1 × DP 1)\n✓ rank 0: actor: states actor " in out
+    assert "all 13 checks pass" in p.stderr
     assert "Traceback" not in p.stderr
 
 
@@ -96,7 +99,7 @@ def test_a_plan_that_does_not_fit_exits_2_naming_it(tmp_path, demo_overrides):
     assert "more learner ranks" in line  # no checkpointing or micro-batch fits this host
     # the built-in engine alone (float32 weights twice, the KV of 128 such sequences) neither
     assert "✗ generator memory: each built-in engine: " in p.stdout
-    assert p.stderr.strip().endswith("2 of 11 checks fail: learner memory, generator memory")
+    assert p.stderr.strip().endswith("2 of 13 checks fail: learner memory, generator memory")
     assert "Traceback" not in p.stderr
 
 
@@ -120,6 +123,9 @@ def _multinode(tmp_path: Path, *overrides: str) -> Doctor:
     d = Doctor(recipe=r)
     d.check_model()
     return d
+
+
+PPO_8B = ["algorithm.loss=ppo", "algorithm.advantage=gae", "algorithm.kl_coef=0.05"]
 
 
 def _gpu(free_gib: float, host_gib: float = 2048) -> Device:
@@ -165,6 +171,59 @@ def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
     (c,) = d.check_learner_memory()
     # (120 GiB − 44,955,087,872 bytes) // 5,840,896 bytes per token = 14,363 tokens
     assert "set learner.micro_batch_tokens=14363" in c.detail
+
+
+def _placed(tmp_path: Path, *placement: str) -> tuple[Doctor, dict[str, Check]]:
+    """PPO with a critic and a KL term, Qwen3-8B on 8 80-GiB GPUs: the doctor and its placement
+    checks by name."""
+    d = _multinode(tmp_path, "learner.ranks=8", *PPO_8B, *placement)
+    d.device = _gpu(80)
+    return d, {c.name: c for c in d.check_placement()}
+
+
+def test_placement_per_rank_on_8_gpus(tmp_path):
+    """PPO with a critic and a KL term, Qwen3-8B on 8 GPUs: the actor and its reference on ranks
+    0-5, the critic on 6-7 (test_memory_plan has the numbers by hand). The critic's ranks are the
+    fullest (93.4 GiB): they do not fit an 80 GiB GPU, and the learner's verdict is theirs."""
+    placed = ["placement.actor.ranks=[0,1,2,3,4,5]", "placement.critic.ranks=[6,7]"]
+    d, by_name = _placed(tmp_path, *placed)
+    assert by_name["placement"].detail == (
+        "actor on ranks 0-5 (TP 1 × DP 6); critic on ranks 6-7 (TP 1 × DP 2); "
+        "ref on ranks 0-5 (TP 1 × DP 6)"
+    )
+    assert list(by_name) == ["placement", "rank 0", "ranks 1-5", "ranks 6-7"]
+    assert by_name["ranks 1-5"].ok and by_name["ranks 1-5"].detail.startswith(
+        "actor, ref: states actor 20.3 + ref 5.09 GiB; peak 58.0 GiB; by phase: values, ref 29.2; "
+        "train_actor, train_critic 58.0"
+    )
+    assert "(with the weight snapshot 30.5)" in by_name["rank 0"].detail
+    six = by_name["ranks 6-7"]
+    assert not six.ok and six.detail.startswith("critic: states critic 61.0 GiB; peak 93.4 GiB")
+    assert six.detail.endswith("does not fit the smallest GPU's 80.0 GiB free")
+    (c,) = d.check_learner_memory()
+    assert not c.ok
+    assert c.detail.startswith("with placement the fullest rank, 6, needs 93.4 GiB at its peak")
+    assert "(largest: critic states 61.0 GiB on rank 6)" in c.detail
+    d.device = _gpu(96)
+    assert all(c.ok for c in d.check_placement() + d.check_learner_memory())
+
+
+def test_reallocation_lowers_the_peak_it_can(tmp_path):
+    """Every role on every rank, critic and ref offloaded between their calls: the ref's 4·P/8
+    (3.81 GiB) leaves the update's peak; the critic's stays (its update runs inside the actor's
+    train step). On CPU nothing is offloaded, and the check says so."""
+    d, by_name = _placed(tmp_path, "placement.critic.offload=true", "placement.ref.offload=true")
+    assert by_name["placement"].detail == (
+        "actor on ranks 0-7 (TP 1 × DP 8); "
+        "critic on ranks 0-7 (TP 1 × DP 8, offloaded between calls); "
+        "ref on ranks 0-7 (TP 1 × DP 8, offloaded between calls)"
+    )
+    assert "peak 63.1 GiB with offload, 66.9 GiB without;" in by_name["ranks 1-7"].detail
+    d.device = Device(cuda=False, gpus=[], host_available=2048 * GiB, host_total=2048 * GiB)
+    (said, *_) = d.check_placement()
+    assert said.detail.endswith(
+        "on CPU nothing is offloaded (the device is host memory): a CPU run needs the peaks without offload"
+    )
 
 
 # ---- SGLang servers -------------------------------------------------------------------------

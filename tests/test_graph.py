@@ -79,3 +79,30 @@ def test_graph_unwritable_out_is_one_line(tmp_path, capsys):
     assert main([str(DEMO), "--out", str(blocker / "g.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("asyncrl graph: cannot write")
+
+
+def test_graph_says_where_each_call_runs(tmp_path, capsys):
+    """With a placement, each learner call carries its role's ranks and layout; generation and
+    rewards run in the rollout workers, the advantages on every learner rank."""
+    path = tmp_path / "ppo.yaml"
+    path.write_text(PPO)
+    placed = [
+        "learner.ranks=8",
+        "placement.actor.ranks=[0,1,2,3,4,5]",
+        "placement.actor.tensor_parallel=2",
+        "placement.critic.ranks=[6,7]",
+        "placement.critic.offload=true",
+    ]
+    assert main([str(path), *placed, "--out", str(tmp_path / "g.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = {x.split(":")[0].split()[-1]: x.rsplit("  @ ", 1)[1] for x in lines[1:]}
+    assert at == {
+        "generate": "rollout workers' generators",
+        "reward_fn": "rollout workers",
+        "values": "ranks 6-7, TP 1 × DP 2, offloaded between calls",
+        "ref": "ranks 0-5, TP 2 × DP 3",  # laid out as the actor
+        "advantages": "every learner rank",
+        "train_actor": "ranks 0-5, TP 2 × DP 3",
+        "train_critic": "ranks 6-7, TP 1 × DP 2, offloaded between calls",
+    }
+    _valid_png(tmp_path / "g.png")

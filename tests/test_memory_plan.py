@@ -10,16 +10,21 @@ The configurations are those of the published models' config.json files:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from asyncrl.learner.logprobs import chunk_tokens
 from asyncrl.memory import (
     ModelDims,
+    Phase,
     PlanError,
+    RoleLayout,
     activation_bytes_per_token,
     generator_plan,
     in_flight_sequences,
     learner_plan,
+    rank_plans,
     saved_per_layer,
 )
 
@@ -233,3 +238,132 @@ def test_a_small_batch_bounds_the_micro_batch_and_an_async_checkpoint_stages_on_
     # float32 parameters and both AdamW moments copied to the host: 12 bytes × 596,049,920
     assert plan.checkpoint_staging == 7_152_599_040
     assert plan.total == sum(v for _, v in plan.items())  # staging is host memory, not in total
+
+
+# ---- placement and reallocation (rank_plans) -----------------------------------------------------
+
+P8B = 8_190_735_360
+PPO_PHASES = [  # the learner's levels of PPO with a critic and a KL term (asyncrl graph)
+    Phase(label="values, ref", roles=frozenset({"critic", "ref"})),
+    Phase(
+        label="train_actor, train_critic",
+        roles=frozenset({"actor", "critic"}),
+        trains=frozenset({"actor", "critic"}),
+    ),
+]
+KW_8B = dict(
+    compute_dtype="bfloat16",
+    micro_batch_tokens=65_536,
+    max_seq_len=8192,
+    checkpointing="full",
+    chunk_tokens=110,
+)
+
+
+def _layouts(**roles) -> list[RoleLayout]:
+    return [RoleLayout(role=k, **v) for k, v in roles.items()]
+
+
+def test_every_role_on_every_rank_is_the_learner_plan():
+    """The default placement: rank 0's peak is :func:`learner_plan`'s total with the critic and the
+    reference (all resident, the train phase's working set), the other ranks' without the snapshot."""
+    small = ModelDims.from_hf_config(QWEN3_0_6B)
+    kw = dict(KW_8B, micro_batch_tokens=32_768, max_seq_len=4096, checkpointing="none")
+    four = tuple(range(4))
+    plans = rank_plans(
+        small,
+        _layouts(actor={"ranks": four}, critic={"ranks": four}, ref={"ranks": four}),
+        PPO_PHASES,
+        world=4,
+        weights_overlap=False,
+        **kw,
+    )
+    whole = learner_plan(
+        small, ranks=4, reference_model=True, critic_model=True, weights_overlap=False, **kw
+    )
+    assert [p.peak for p in plans] == [whole.total] + [whole.total - whole.weight_snapshot] * 3
+    assert plans[0].peak_phase == "train_actor, train_critic"
+    assert all(p.peak == p.peak_without_offload for p in plans)
+    assert plans[1].states == {
+        "actor": 16 * 149_012_480,
+        "critic": 16 * 149_012_480,
+        "ref": 4 * 149_012_480,
+    }
+
+
+def test_disjoint_roles_each_rank_holds_its_own():
+    """8 GPUs, Qwen3-8B: the actor (and its π_ref) FSDP over ranks 0-5, the critic over 6-7."""
+    big = ModelDims.from_hf_config(QWEN3_8B)
+    plans = rank_plans(
+        big,
+        _layouts(
+            actor={"ranks": tuple(range(6))},
+            critic={"ranks": (6, 7)},
+            ref={"ranks": tuple(range(6))},
+        ),
+        PPO_PHASES,
+        world=8,
+        **KW_8B,
+    )
+    assert [p.roles for p in plans] == [("actor", "ref")] * 6 + [("critic",)] * 2
+    six, two = math.ceil(P8B / 6), P8B // 2  # 1,365,122,560 and 4,095,367,680 parameters
+    assert plans[1].states == {"actor": 16 * six, "ref": 4 * six}
+    assert plans[6].states == {"critic": 16 * two}  # 65.5 GB: a quarter of the ranks, 3× a shard
+    gather = 3 * 622_333_952 * 2  # the largest unit (norm + output projection), bfloat16
+    activations = 65_536 * 473_088  # full checkpointing, 65,536 tokens
+    logits = 110 * 151_936 * 16
+    # rank 1: the ref's forward (gather + logits) and the actor's update (+ activations)
+    assert plans[1].phases == {
+        "values, ref": 20 * six + gather + logits,
+        "train_actor, train_critic": 20 * six + gather + activations + logits,
+    }
+    # rank 6: the critic's forward and its update (no vocabulary chunk: a scalar head)
+    assert plans[6].phases == {
+        "values, ref": 16 * two + gather,
+        "train_actor, train_critic": 16 * two + gather + activations,
+    }
+    assert plans[6].peak == 100_264_181_760  # 93.4 GiB: the critic's two ranks are the fullest
+    assert plans[0].weight_snapshot == 2 * P8B * 2 and plans[0].peak == plans[1].peak + 2 * P8B * 2
+    assert plans[7].weight_snapshot == 0
+
+
+def test_tensor_parallel_divides_the_gather_and_activations_and_the_data_over_dp():
+    """The actor TP 2 × DP 4 on 8 ranks: states still 16·P/8 a rank; the gathered unit and the
+    activations halved; an update's 32 sequences split over 4 data-parallel groups, not 8."""
+    big = ModelDims.from_hf_config(QWEN3_8B)
+    kw = dict(KW_8B, samples_per_update=32)
+    eight = tuple(range(8))
+    fsdp = rank_plans(big, _layouts(actor={"ranks": eight}), PPO_PHASES[1:], world=8, **kw)
+    tp = rank_plans(
+        big, _layouts(actor={"ranks": eight, "tensor_parallel": 2}), PPO_PHASES[1:], world=8, **kw
+    )
+    assert tp[3].states == fsdp[3].states == {"actor": 16 * P8B // 8}
+    lp1 = learner_plan(big, ranks=8, **kw)
+    lp2 = learner_plan(big, ranks=8, tensor_parallel=2, **kw)
+    assert lp1.tokens == 4 * 8192 and lp2.tokens == 8 * 8192  # 32/8 vs 32/4 sequences a rank
+    assert lp2.fsdp_gather * 2 == lp1.fsdp_gather
+    assert lp2.activation_bytes_per_token * 2 == lp1.activation_bytes_per_token
+    assert lp2.activations == lp1.activations  # twice the tokens, half the bytes per token
+    assert tp[3].peak == fsdp[3].peak - lp1.fsdp_gather // 2
+
+
+def test_reallocation_counts_an_offloaded_roles_states_only_while_it_runs():
+    """Every role on all 8 ranks, critic and ref offloaded: the ref's 4·P/8 leaves the update's
+    peak; the critic's does not (its update runs inside the actor's train step, one level)."""
+    big = ModelDims.from_hf_config(QWEN3_8B)
+    eight = tuple(range(8))
+    lay = _layouts(
+        actor={"ranks": eight},
+        critic={"ranks": eight, "offload": True},
+        ref={"ranks": eight, "offload": True},
+    )
+    (_, rank1, *_) = rank_plans(big, lay, PPO_PHASES, world=8, **KW_8B)
+    shard = P8B // 8
+    lp = learner_plan(big, ranks=8, **KW_8B)
+    assert rank1.phases["values, ref"] == (16 + 16 + 4) * shard + lp.fsdp_gather + lp.logits
+    assert (
+        rank1.phases["train_actor, train_critic"]
+        == (16 + 16) * shard + lp.fsdp_gather + lp.activations + lp.logits
+    )
+    assert rank1.peak == rank1.phases["train_actor, train_critic"]
+    assert rank1.peak_without_offload - rank1.peak == 4 * shard  # the ref's 4.1 GB

@@ -149,6 +149,12 @@ def test_overrides_are_typed(tmp_path):
         ),
         ("placement: {actor: {tp: 2}}\n", [], "placement.actor.tp", "unknown key"),
         (
+            "rollout: {turn_discount: 0.9}\n",
+            [],
+            "rollout.turn_discount",
+            "set rollout.turn_samples: true",
+        ),
+        (
             "rollout: {reward_model: {normalize: zscore}}\n",
             [],
             "rollout.reward_model.normalize",

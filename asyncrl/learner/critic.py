@@ -106,11 +106,18 @@ def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
         s.returns[i] = ret[b, : len(i)].numpy()
 
 
-def assign_targets(seqs: list[Sequence], alg: AlgorithmConfig, *, reduce: bool) -> dict[str, float]:
+def assign_targets(
+    seqs: list[Sequence],
+    alg: AlgorithmConfig,
+    *,
+    reduce: bool,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
     """``seqs`` (carrying ``values``) get whitened advantages and returns; returns the batch's
-    critic metrics. With ``reduce`` the sequences are this rank's share and the whitening and the
-    metrics span every rank (collective); without, ``seqs`` are the whole batch (no collective:
-    roles on their own ranks, where every rank computes them all alike)."""
+    critic metrics. With ``reduce`` the sequences are this rank's data-parallel share and the
+    whitening and the metrics span the data-parallel ``group`` (collective); without, ``seqs`` are
+    the whole batch (no collective: roles on their own ranks, where every rank computes them all
+    alike)."""
     token_targets(seqs, alg)
     adv = [s.token_advantages[s.mask > 0] for s in seqs]
     a = np.concatenate(adv) if adv else np.zeros(0)
@@ -125,7 +132,7 @@ def assign_targets(seqs: list[Sequence], alg: AlgorithmConfig, *, reduce: bool) 
         ]
     ).to(torch.float64)
     if reduce:
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=group)
     n, a_sum, a_sq, v_sum = sums[:4].tolist()
     mean = a_sum / n if n else 0.0
     std = math.sqrt(max(a_sq / n - mean * mean, 0.0)) if n else 0.0
@@ -158,7 +165,7 @@ class Critic:
         self.spec = scalar_spec(
             self.folder, attention=r.model.attention, max_seq_len=r.model.max_seq_len
         )
-        self.model = trainer._build_model(self.spec, mesh=mesh)
+        self.model = trainer._build_model(self.spec, role="critic")
         self.model.train()
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.folder))
         trainer._load_hf(self.model, self.adapter, self.folder, group=mesh.group)

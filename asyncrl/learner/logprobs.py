@@ -22,8 +22,13 @@ behaviour logprobs that way (docs/off-policy.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def chunk_tokens(vocab_size: int, budget_mb: float) -> int:
@@ -32,8 +37,88 @@ def chunk_tokens(vocab_size: int, budget_mb: float) -> int:
     return max(1, int(budget_mb * 2**20 // (4 * 4 * vocab_size)))
 
 
+def local_hidden(h: Tensor) -> Tensor:
+    """The hidden states as a plain tensor: a tensor-parallel model's are a DTensor replicated over
+    its group (every rank the same rows), whose local tensor is the whole; the gradient given to it
+    flows back as the replicated one."""
+    if not isinstance(h, DTensor):
+        return h
+    if not all(p.is_replicate() for p in h.placements):
+        raise ValueError(f"hidden states placed {h.placements}: expected replicated ones")
+    return h.to_local()
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over a tensor-parallel group whose ranks then compute the same replicated
+    loss: the backward is the identity (each rank already holds d loss / d sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """A value replicated over a tensor-parallel group, used by each rank's vocabulary slice: the
+    identity forward; backward, each rank's slice gave only its part of the gradient, so the parts
+    are summed over the group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def _vocab_parallel_logprobs(
+    logits: DTensor, labels: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`_token_logprobs` of logits sharded over the vocabulary (a tensor-parallel output
+    projection): each rank works on its own vocabulary slice; the maximum, the sum of exponentials,
+    the label's logit and Σ p·z are reduced over the group (Megatron's vocab-parallel cross-entropy),
+    so no rank holds a whole row of logits. Differentiable: the gradient of the local logits is the
+    local slice of the full one."""
+    mesh_dims = [i for i, p in enumerate(logits.placements) if p.is_shard(logits.ndim - 1)]
+    if len(mesh_dims) != 1 or any(
+        not p.is_replicate() for i, p in enumerate(logits.placements) if i != mesh_dims[0]
+    ):
+        raise ValueError(f"logits placed {logits.placements}: expected one vocabulary shard")
+    group = logits.device_mesh.get_group(mesh_dims[0])
+    _, offset = compute_local_shape_and_global_offset(
+        logits.shape, logits.device_mesh, logits.placements
+    )
+    z = logits.to_local().float()
+    if temperature != 1.0:
+        z = z / temperature
+    width = z.shape[-1]
+    m = z.detach().amax(-1) if width else z.new_full(z.shape[:-1], -torch.inf)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    lse = m + torch.log(_SumOverGroup.apply(torch.exp(z - m[:, None]).sum(-1), group))
+    local = labels - offset[-1]
+    inside = (local >= 0) & (local < width)
+    picked = z.gather(-1, local.clamp(0, max(width - 1, 0))[:, None])[:, 0] if width else m * 0
+    logp = _SumOverGroup.apply(torch.where(inside, picked, 0.0), group) - lse
+    pz = (torch.exp(z - _CopyToGroup.apply(lse, group)[:, None]) * z).sum(-1)
+    entropy = lse - _SumOverGroup.apply(pz, group)
+    return logp, entropy
+
+
 def _token_logprobs(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """(log π of ``labels``, entropy) of softmax(logits / T), per row, in float32."""
+    if isinstance(logits, DTensor):
+        if any(p.is_shard() for p in logits.placements):
+            return _vocab_parallel_logprobs(logits, labels, temperature)
+        logits = logits.to_local()
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature

@@ -152,7 +152,7 @@ def train(
                 invocation=invocation,
             )
             report.announce()
-            report.start()
+            report.start(plane)
         if is_rl and rank == 0:  # held-out prompts, on the generators while they hold a version
             evaluator = _evaluator(recipe, report)
         if is_rl:  # weights to the generators after every step (every rank joins the gather)

@@ -32,33 +32,61 @@ from asyncrl.recipe import PlacementConfig
 if TYPE_CHECKING:
     from asyncrl.dataflow import Dataflow
 
+
+def role_parallelism(placement: PlacementConfig, role: str) -> ParallelismConfig:
+    """TorchTitan's parallelism of one role: ``tensor_parallel`` ranks per tensor-parallel group
+    (TorchTitan's plan for Qwen3 and Llama: attention and MLP column/row-wise, the embedding and
+    the output projection sharded over the vocabulary), FSDP2 over the role's other ranks.
+
+    Sequence parallelism stays off: the final norm's output (the hidden states the chunked output
+    projection reads) is then replicated over the tensor-parallel group, the same rows on each."""
+    return ParallelismConfig(
+        spmd_backend=cpu_shims.SPMD_BACKEND,
+        data_parallel_shard_degree=-1,
+        tensor_parallel_degree=getattr(placement, role).tensor_parallel,
+        enable_sequence_parallel=False,
+    )
+
+
 LEARNER_INFERENCE = ("prox", "ref", "values")
 """The learner's forward-only calls: each stores a per-token key on every :class:`Sequence` of its
 role's share (``prox_logp``, ``ref_logp``, ``values``), the only keys one role computes for
 another."""
 
 
-def role_ranks(placement: PlacementConfig, world: int, roles: tuple[str, ...]) -> dict[str, tuple]:
-    """Each of ``roles``' ranks (sorted) in a learner of ``world`` ranks. Pure."""
-    return {role: tuple(sorted(placement.ranks_of(role, world))) for role in roles}
+def role_layouts(
+    placement: PlacementConfig, world: int, roles: tuple[str, ...]
+) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Each of ``roles``' ranks (sorted) in a learner of ``world`` ranks (the ref's follow the
+    actor's unless placed) and its tensor-parallel degree: what decides how a role splits the
+    batch. Pure."""
+    return {
+        role: (
+            tuple(sorted(placement.ranks_of(role, world))),
+            getattr(placement, role).tensor_parallel,
+        )
+        for role in roles
+    }
 
 
-def exchanges(flow: Dataflow, ranks: dict[str, tuple], world: int) -> dict[str, tuple[str, ...]]:
+def exchanges(
+    flow: Dataflow, layouts: dict[str, tuple], driver: tuple | None
+) -> dict[str, tuple[str, ...]]:
     """Before which call (by name) which keys must cross the global group: a key one of the
-    learner's forward-only calls produces is exchanged before its first reader that runs on other
-    ranks than its producer (the driver's calls run on every rank). Empty when every role is on
-    every rank. Pure."""
-    everyone = tuple(range(world))
+    learner's forward-only calls produces is exchanged before its first reader whose sequences are
+    split otherwise (another ``layouts`` entry: a role's ranks and tensor-parallel degree). The
+    driver's calls read the actor's shares when ``driver`` is the actor's layout, else (None) the
+    whole batch on every rank. Empty when every role has the actor's layout. Pure."""
     producer = {k: c for c in flow.calls for k in c.outputs if c.name in LEARNER_INFERENCE}
     out: dict[str, tuple[str, ...]] = {}
     sent: set[str] = set()
     for level in flow.order():
         for c in level:
-            where = ranks.get(c.role, everyone)
+            where = layouts.get(c.role, driver)
             keys = tuple(
                 k
                 for k in c.inputs
-                if k in producer and k not in sent and ranks[producer[k].role] != where
+                if k in producer and k not in sent and layouts[producer[k].role] != where
             )
             if keys:
                 out[c.name] = keys
@@ -107,6 +135,7 @@ class RoleMesh:
     over them, and this rank's place in it."""
 
     ranks: tuple[int, ...]
+    layout: tuple[tuple[int, ...], int]  # (ranks, tensor-parallel degree): how it splits data
     parallelism: ParallelismConfig
     parallel_dims: RoleParallelDims
     rank: int  # this process's global rank
@@ -135,29 +164,38 @@ class RoleMesh:
         assert self.holds, (self.rank, self.ranks)
         return self.parallel_dims.world_mesh.get_group()
 
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """This rank's data-parallel group in the role (the ranks of one tensor-parallel group see
+        the same sequences: the role's sums are reduced over this group alone)."""
+        return self.parallel_dims.get_mesh("fsdp").get_group()
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group (0 without tensor parallelism)."""
+        tp = self.parallel_dims.get_optional_mesh("tp")
+        return tp.get_local_rank() if tp is not None else 0
+
     def share(self, seqs: list[Sequence]) -> list[Sequence]:
-        """This rank's sequences of the role (balanced by tokens over its ranks; none off it)."""
-        return split_over_ranks(seqs, len(self.ranks))[self.index] if self.holds else []
+        """This rank's sequences of the role: balanced by tokens over its data-parallel ranks (a
+        tensor-parallel group's ranks share one); none off the role."""
+        if not self.holds:
+            return []
+        dp = self.parallel_dims.get_mesh("fsdp")
+        return split_over_ranks(seqs, dp.size())[dp.get_local_rank()]
 
 
 def build_role_meshes(
     placement: PlacementConfig, world: int, rank: int, roles: tuple[str, ...]
 ) -> dict[str, RoleMesh]:
-    """A mesh per role of ``roles`` (collective: every rank, the same roles). Roles on the same
-    ranks with the same tensor-parallel degree share one mesh (and its process groups)."""
+    """A mesh per role of ``roles`` (collective: every rank, the same roles). Roles with the same
+    layout (ranks, tensor-parallel degree) share one mesh (and its process groups)."""
     by_layout: dict[tuple, RoleMesh] = {}
     out: dict[str, RoleMesh] = {}
-    for role, ranks in role_ranks(placement, world, roles).items():
-        tp = getattr(placement, role).tensor_parallel
-        if role == "ref" and not placement.ref.ranks:
-            tp = placement.actor.tensor_parallel  # it follows the actor
-        layout = (ranks, tp)
+    for role, layout in role_layouts(placement, world, roles).items():
         if layout not in by_layout:
-            parallelism = ParallelismConfig(
-                spmd_backend=cpu_shims.SPMD_BACKEND,
-                data_parallel_shard_degree=-1,
-                tensor_parallel_degree=tp,
-            )
+            ranks = layout[0]
+            parallelism = role_parallelism(placement, role)
             dims = RoleParallelDims(
                 dp_replicate=parallelism.data_parallel_replicate_degree,
                 dp_shard=parallelism.data_parallel_shard_degree,
@@ -172,6 +210,7 @@ def build_role_meshes(
             dims.build_mesh()
             by_layout[layout] = RoleMesh(
                 ranks=ranks,
+                layout=layout,
                 parallelism=parallelism,
                 parallel_dims=dims,
                 rank=rank,

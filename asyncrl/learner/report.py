@@ -5,7 +5,9 @@ and that the run is over.
   line that joins them, printed and written to ``run_dir/learner.json`` (for scripts and the sbatch
   launcher).
 - While it trains: a progress bar on a terminal, a line every 15 s in a log (version, reward,
-  staleness, throughput, workers registered), and why it waits when it waits for data.
+  staleness, throughput, workers registered), and why it waits when it waits for data. The display
+  is a named task of rank 0's control plane (asyncrl/control.py), refreshed once a second in a
+  worker thread (it reads metrics.jsonl).
 - At its last version: ``wire.End`` on the Pub/Sub channel (workers stop), and ``ended_at`` in
   learner.json (`asyncrl run` then knows a worker's exit 0 is its normal end).
 """
@@ -15,22 +17,28 @@ from __future__ import annotations
 import os
 import shlex
 import socket
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+import trio
 
 from asyncrl import progress
 from asyncrl.recipe import Recipe
 from asyncrl.summary import LearnerInfo
 
+if TYPE_CHECKING:
+    from asyncrl.control import ControlPlane
+
 NO_WORKER_HINT_S = 60.0
 """Waiting for data this long with no worker registered: say so, and how to start one."""
 WAIT_SHOWN_AFTER_S = 5.0
 """Waiting for a batch this long: the progress line says what the buffer holds."""
+REFRESH_S = 1.0
+"""The progress display's refresh interval."""
 END_LINGER_S = 3.0
 """The buffer service keeps answering this long after the end, so workers can give back starts."""
 
@@ -90,8 +98,9 @@ class LearnerReport:
         self.tail = progress.MetricsTail(trainer.run_dir / "metrics.jsonl")
         self._t0 = time.monotonic()
         self._last_hint = -float("inf")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._plane: ControlPlane | None = None
+        self._progress_scope: trio.CancelScope | None = None
+        self._progress_done: trio.Event | None = None
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -131,23 +140,36 @@ class LearnerReport:
         lines += ["start a rollout worker with:", f"  {cmd}"]
         self.display.note("\n".join(lines))
 
-    def start(self) -> LearnerReport:
-        self._thread = threading.Thread(target=self._run, name="learner-progress", daemon=True)
-        self._thread.start()
+    def start(self, plane: ControlPlane) -> LearnerReport:
+        """Run the progress display as the task ``learner-progress`` of ``plane``."""
+        self._plane = plane
+        plane.start(self._progress, name="learner-progress")
         return self
 
     # -- while training --------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
+    async def _progress(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self._progress_scope, self._progress_done = scope, trio.Event()
+            task_status.started()
             try:
-                self.refresh()
-            except Exception as e:  # progress is a convenience: never the learner's end
-                self.display.note(f"asyncrl learner: progress display failed: {e}")
-                return
+                while True:
+                    await trio.sleep(REFRESH_S)
+                    try:
+                        await trio.to_thread.run_sync(self.refresh)
+                    except Exception as e:  # progress is a convenience: never the learner's end
+                        self.display.note(f"asyncrl learner: progress display failed: {e}")
+                        return
+            finally:
+                self._progress_done.set()
+
+    async def _stop_progress(self) -> None:
+        assert self._progress_scope is not None and self._progress_done is not None
+        self._progress_scope.cancel()
+        await self._progress_done.wait()  # a refresh in its thread finishes first
 
     def refresh(self) -> None:
-        """One progress update (every second, from the progress thread)."""
+        """One progress update (every second, from the control plane's progress task)."""
         self.tail.update()
         rl = self.source is not None
         info = progress.progress_info(self.tail, self.r.buffer.max_staleness, sft=not rl)
@@ -205,11 +227,11 @@ class LearnerReport:
                 time.sleep(left)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        if self._plane is not None:
             try:
+                if self._progress_scope is not None:
+                    self._plane.run(self._stop_progress)
                 self.refresh()  # the last version on the bar
-            except Exception:
+            except Exception:  # the plane has stopped (its failure is reported by the learner)
                 pass
         self.display.close()

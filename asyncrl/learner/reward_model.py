@@ -126,7 +126,7 @@ class RewardModelTrainer(Trainer):
         the loss of each pair over the GLOBAL number of pairs, summed over micro-batches."""
         t0 = time.perf_counter()
         pairs = batch_pairs(batch, self.max_seq_len)
-        mine = pairs[self.rank :: self.world]
+        mine = pairs[self.dp_rank :: self.dp_size]
         n_pairs = max(len(pairs), 1)
         # loss sum, correct pairs, margin sum, tokens
         totals = torch.zeros(4, dtype=torch.float64)
@@ -158,7 +158,7 @@ class RewardModelTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
         self.version += 1
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.dp_group)
         loss, correct, margin, tokens = totals.tolist()
         dt = time.perf_counter() - t0
         metrics = {
@@ -218,7 +218,7 @@ class RewardModelTrainer(Trainer):
             return None
         if self._eval_pairs is None:
             self._eval_pairs = self._load_eval_pairs()
-        mine = self._eval_pairs[self.rank :: self.world]
+        mine = self._eval_pairs[self.dp_rank :: self.dp_size]
         counts = torch.zeros(2, dtype=torch.float64)
         self.model.eval()
         try:
@@ -228,7 +228,7 @@ class RewardModelTrainer(Trainer):
                     counts += torch.tensor([float((s[0::2] > s[1::2]).sum()), len(mb)])
         finally:
             self.model.train()
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.dp_group)
         return float(counts[0] / counts[1]) if counts[1] > 0 else None
 
     # -- export ----------------------------------------------------------------------------------

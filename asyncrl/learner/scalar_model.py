@@ -69,18 +69,47 @@ def scalar_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int =
         m.enable_weight_tying = False
         m.tok_embeddings.param_init = _EMB_INIT
     spec.state_dict_adapter = scalar_adapter(spec.state_dict_adapter, head_in_folder)
+    spec.parallelize_fn = partial(_parallelize_replicating_head, base=spec.parallelize_fn)
     spec.flavor = f"scalar:{Path(path).name}"
     return spec
+
+
+def _parallelize_replicating_head(model: nn.Module, *, base: Any, **kw: Any) -> nn.Module:
+    """The backbone's ``parallelize_fn`` with the one-output head replicated over a tensor-parallel
+    group: TorchTitan's plan shards the output projection over its outputs, and one output does not
+    split (DTensor then computes a replicated output the plan refuses)."""
+    import spmd_types as spmd
+    from torchtitan.models.common.decoder_sharding import (
+        dense_activation_placement,
+        dense_param_placement,
+    )
+    from torchtitan.protocols.sharding import ShardingConfig
+
+    act = dense_activation_placement(tp=spmd.R)
+    model.lm_head._sharding_config = ShardingConfig(
+        state_shardings={"weight": dense_param_placement(tp=spmd.R)},
+        in_src_shardings={"input": act},
+        in_dst_shardings={"input": act},
+        out_src_shardings=act,
+        out_dst_shardings=act,
+    )
+    return base(model, **kw)
 
 
 def token_values(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The head's value at every token of packed rows ``[1, L]`` (positions restart at 0 at each
     sequence): ``[L]`` float32. A sequence's reward score is its last token's; a critic's values
     are all of them. Collective under FSDP (every rank calls it)."""
-    from asyncrl.learner.attention import attention_masks
+    from torch.distributed.tensor import DTensor
 
-    h = model(tokens, positions, attention_masks(model, positions))
-    return model.lm_head(h[0]).squeeze(-1).float()
+    from asyncrl.learner.attention import attention_masks
+    from asyncrl.learner.logprobs import local_hidden
+
+    h = local_hidden(model(tokens, positions, attention_masks(model, positions)))
+    v = model.lm_head(h[0])
+    if isinstance(v, DTensor):  # tensor-parallel: replicated over the group
+        v = v.to_local()
+    return v.squeeze(-1).float()
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,12 @@ from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
 from asyncrl.learner.critic import CRITIC_STATES, Critic, assign_targets, critic_zero_stats
 from asyncrl.learner.drift import drift_sums, finalize_drift
-from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
+from asyncrl.learner.logprobs import (
+    chunk_tokens,
+    chunked_backward,
+    chunked_logprobs,
+    local_hidden,
+)
 from asyncrl.learner.losses import (
     Normaliser,
     count_tokens_and_seqs,
@@ -67,6 +73,7 @@ from asyncrl.learner.losses import (
     zero_stats,
 )
 from asyncrl.learner.model import build_spec
+from asyncrl.learner.offload import Offloader, Reallocation
 from asyncrl.learner.packing import (
     MicroBatch,
     Sequence,
@@ -74,7 +81,6 @@ from asyncrl.learner.packing import (
     pack,
     split_micro_batches,
     split_minibatches,
-    split_over_ranks,
 )
 from asyncrl.learner.placement import (
     RoleMesh,
@@ -82,7 +88,7 @@ from asyncrl.learner.placement import (
     exchanges,
 )
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
-from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe, check_placement
+from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe, RecipeError, check_placement
 
 Publisher = Callable[[int, "Trainer"], None]
 """Called on every rank after each optimizer step with the new version (weights, announcements)."""
@@ -231,19 +237,49 @@ class Trainer:
         self.with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES
         with_ref = self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0
         roles = ("actor",) + ("critic",) * self.with_critic + ("ref",) * with_ref
-        check_placement(r.placement, self.world, roles=roles)
+        pl = r.placement
+        same_ranks = pl.ranks_of("critic", self.world) == pl.ranks_of("actor", self.world)
+        if (
+            self.with_critic
+            and same_ranks
+            and pl.critic.tensor_parallel != pl.actor.tensor_parallel
+        ):
+            # it trains on the actor's micro-batches: each rank's share must be the actor's
+            raise LearnerError(
+                f"placement.critic.tensor_parallel {pl.critic.tensor_parallel} differs from the "
+                f"actor's {pl.actor.tensor_parallel} on the same ranks: the critic trains on the "
+                "actor's data shares"
+            )
+        try:
+            check_placement(pl, self.world, roles=roles)
+        except RecipeError as e:  # one line, as the learner's other configuration errors
+            raise LearnerError(str(e)) from None
         self.meshes = build_role_meshes(r.placement, self.world, self.rank, roles)
         self.colocated = all(m.whole_world for m in self.meshes.values())
-        self.exchanges = exchanges(
-            self.dataflow, {k: m.ranks for k, m in self.meshes.items()}, self.world
-        )
         actor = self.meshes["actor"]
-        self.parallel_dims, self._parallelism = actor.parallel_dims, actor.parallelism
+        # the driver's calls read the actor's shares when every role is on every rank
+        self.exchanges = exchanges(
+            self.dataflow,
+            {k: m.layout for k, m in self.meshes.items()},
+            actor.layout if self.colocated else None,
+        )
+        self.parallel_dims = actor.parallel_dims
         dist_utils.set_spmd_backend(cpu_shims.SPMD_BACKEND)
+        # Data parallelism: the ranks of one tensor-parallel group see the same sequences, so the
+        # batch is split over the actor's FSDP ranks and its sums are reduced over them alone.
+        self.dp_rank, self.dp_size, self.dp_group = 0, 1, None
+        if actor.holds:
+            dp_mesh = self.parallel_dims.get_mesh("fsdp")
+            self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+            self.dp_group = dp_mesh.get_group()
 
         self.spec = self.model_spec()
         self.max_seq_len = self.spec.model.max_seq_len
-        self.chunk_tokens = chunk_tokens(self.spec.model.vocab_size, r.learner.logits_chunk_mb)
+        # a rank's logits span its vocabulary slice: 1/tp of it under tensor parallelism (the
+        # actor's and π_ref's projections share the chunk, so the smaller degree sizes it)
+        tp = min(r.placement.actor.tensor_parallel, r.placement.ref.tensor_parallel)
+        vocab = -(-self.spec.model.vocab_size // tp)
+        self.chunk_tokens = chunk_tokens(vocab, r.learner.logits_chunk_mb)
         if r.learner.compile and cpu_shims.ON_CPU:
             log.warning(
                 "learner.compile on CPU: every new batch layout recompiles the blocks (measured on "
@@ -255,7 +291,7 @@ class Trainer:
         self.optimizers: OptimizersContainer = None  # type: ignore[assignment]
         self.lr_schedulers: LRSchedulersContainer = None  # type: ignore[assignment]
         if actor.holds:
-            self.model = self._build_model(mesh=actor)
+            self.model = self._build_model()
             self.model.train()
             self.optimizers, self.lr_schedulers = self.optimizer(self.model, r.learner.lr)
         self.ref_model: torch.nn.Module | None = None
@@ -270,10 +306,11 @@ class Trainer:
         self._load()
         ref_mesh = self.meshes.get("ref")
         if ref_mesh is not None and ref_mesh.holds:
-            # π_ref: the initial HF weights, frozen, sharded like the policy
-            self.ref_model = self._build_model(mesh=ref_mesh)
+            # π_ref: the initial HF weights, frozen, sharded by its own placement (forward only)
+            self.ref_model = self._build_model(role="ref")
             self._load_hf(self.ref_model, group=ref_mesh.group)
             self.ref_model.eval().requires_grad_(False)
+        self.realloc = self.reallocation()
 
     def _build_checkpointer(self, checkpointing: bool) -> None:
         """TorchTitan's CheckpointManager over the actor (the critic's states as extra states); it
@@ -310,6 +347,33 @@ class Trainer:
             sd_adapter=self.adapter,
             base_folder=str(self.run_dir) if checkpointing else str(self.run_dir / ".no-ckpt"),
         )
+
+    def reallocation(self) -> Reallocation:
+        """The critic and the reference placed with ``offload: true`` give their device memory back
+        between their calls (docs/placement.md). Not the actor: it is published, checkpointed and
+        exported between steps. On CPU the device is host memory: nothing to free."""
+        offloaders = {}
+        roles = {"critic": self.critic, "ref": self.ref_model}
+        for role in ("actor", "critic", "ref"):
+            if not getattr(self.recipe.placement, role).offload:
+                continue
+            if cpu_shims.ON_CPU or roles.get(role) is None:
+                why = (
+                    "on CPU the device is host memory"
+                    if cpu_shims.ON_CPU
+                    else "the actor is published and checkpointed between steps"
+                    if role == "actor"
+                    else f"no {role} model on this rank"
+                )
+                log.info("placement.%s.offload: %s: nothing is freed", role, why)
+            elif role == "critic":
+                c = self.critic
+                offloaders[role] = Offloader(
+                    model=c.model, optimizers=list(c.optimizers), device=self.device
+                )
+            else:
+                offloaders[role] = Offloader(model=self.ref_model, device=self.device)
+        return Reallocation(offloaders=offloaders)
 
     def model_spec(self) -> ModelSpec:
         """The TorchTitan spec of ``model.path`` (a subclass trains another head on it)."""
@@ -358,21 +422,17 @@ class Trainer:
         )
         return optimizers, sched.build(optimizers=optimizers, training_steps=total)
 
-    def _build_model(
-        self, spec: ModelSpec | None = None, *, mesh: RoleMesh | None = None
-    ) -> torch.nn.Module:
-        """TorchTitan's build order: meta build → parallelize_fn (FSDP2) → to_empty → init_weights.
-        ``spec``: another model (the critic's); default the actor's. ``mesh``: the role's ranks and
-        parallel dims (:mod:`asyncrl.learner.placement`); default the actor's. Collective over the
-        role's ranks only."""
+    def _build_model(self, spec: ModelSpec | None = None, role: str = "actor") -> torch.nn.Module:
+        """TorchTitan's build order: meta build → parallelize_fn (FSDP2, and tensor parallelism
+        when the role's placement asks for it) → to_empty → init_weights.
+        ``spec``: another model (the critic's); default the actor's. ``role``: whose placement: its
+        ranks and parallel dims (:mod:`asyncrl.learner.placement`). Collective over its ranks."""
         spec = self.spec if spec is None else spec
-        mesh = self.meshes["actor"] if mesh is None else mesh
+        mesh = self.meshes[role]
         assert mesh.holds, (self.rank, mesh.ranks)
 
-        class _Cfg:  # update_from_config reads only .parallelism from a non-Trainer config
-            parallelism = mesh.parallelism
-
-        spec.model.update_from_config(config=_Cfg)
+        # update_from_config reads only .parallelism from a non-Trainer config
+        spec.model.update_from_config(config=SimpleNamespace(parallelism=mesh.parallelism))
         with torch.device("meta"):
             model = spec.model.build()
         lc = self.recipe.learner
@@ -454,6 +514,7 @@ class Trainer:
         if not (force or self.checkpointer._should_save(self.version)):
             return False
         self.free_gradients()
+        self.realloc.reload_all()  # the critic's state, offloaded after its calls
         src = self.source.state_dict() if self.source is not None and self.rank == 0 else None
         text = json.dumps({"version": self.version, "source": src})
         self._state.text = broadcast_bytes(text.encode() if self.rank == 0 else None).decode()
@@ -615,10 +676,11 @@ class Trainer:
 
     def _hidden(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """The last hidden states ``[1, L, D]``: the models stop before their output projection,
-        which runs a chunk of trained tokens at a time (:mod:`asyncrl.learner.logprobs`)."""
+        which runs a chunk of trained tokens at a time (:mod:`asyncrl.learner.logprobs`). A plain
+        tensor, also under tensor parallelism (:func:`local_hidden`)."""
         mb = mb.to(self.device)
         model = self.model if model is None else model
-        return model(mb.tokens, mb.positions, attention_masks(self.model, mb.positions))
+        return local_hidden(model(mb.tokens, mb.positions, attention_masks(model, mb.positions)))
 
     @torch.no_grad()
     def _token_logprobs(
@@ -718,7 +780,8 @@ class Trainer:
         their own ranks: every rank all sequences (their values exchanged), no collective."""
         if self.with_critic:
             seqs = run.mine if self.colocated else run.seqs
-            run.info |= assign_targets(seqs, self.alg, reduce=self.colocated)
+            group = self.meshes["actor"].dp_group if self.colocated else None
+            run.info |= assign_targets(seqs, self.alg, reduce=self.colocated, group=group)
         else:
             run.info |= self.group_advantages(run.batch, run.seqs)
 
@@ -798,10 +861,10 @@ class Trainer:
         if self._critic_interleaved():
             assert "train_actor" in run.done
             return
-        group = self.meshes["critic"].group
+        mesh = self.meshes["critic"]
         for part in self._minibatches(run.share("critic")):
-            mbs = self.micro_batches(part, group)
-            norm = self._normaliser(mbs, group)
+            mbs = self.micro_batches(part, mesh.group)
+            norm = self._normaliser(mbs, mesh)
             grad_norm = self.critic.update(mbs, norm, run.totals.stats)
             run.totals.critic_grad_norms.append(grad_norm)
 
@@ -865,12 +928,13 @@ class Trainer:
         )
         hidden.backward(grad_hidden)
 
-    def _normaliser(self, mbs: list[MicroBatch], group: dist.ProcessGroup | None) -> Normaliser:
-        """A mini-batch's GLOBAL token and sequence counts: every micro-batch of every rank of the
-        role (``group``; collective over it)."""
+    def _normaliser(self, mbs: list[MicroBatch], mesh: RoleMesh) -> Normaliser:
+        """A mini-batch's GLOBAL token and sequence counts: every micro-batch of every
+        data-parallel rank of the role (collective over them; a tensor-parallel group's ranks hold
+        the same tokens: counted once)."""
         counts = sum((count_tokens_and_seqs(mb.mask, mb.seq_ids) for mb in mbs), torch.zeros(2))
         counts = counts.to(torch.float64)
-        dist.all_reduce(counts, group=group)
+        dist.all_reduce(counts, group=mesh.dp_group)
         return Normaliser(
             tokens=float(counts[0]),
             seqs=float(counts[1]),
@@ -884,9 +948,9 @@ class Trainer:
         ranks). The loss is normalised by the mini-batch's GLOBAL counts; π_prox is the recomputed
         one when the sequences carry it, else this forward's own (the step's starting weights, one
         update). Returns the micro-batches and normaliser (a critic on these ranks reuses them)."""
-        group = self.meshes["actor"].group
-        mbs = self.micro_batches(mine, group)
-        norm = self._normaliser(mbs, group)
+        actor = self.meshes["actor"]
+        mbs = self.micro_batches(mine, actor.group)
+        norm = self._normaliser(mbs, actor)
         self.optimizers.zero_grad()
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
@@ -919,12 +983,13 @@ class Trainer:
         run = _Step(
             batch=batch,
             seqs=seqs,
-            mine=split_over_ranks(seqs, self.world)[self.rank],
+            mine=self.meshes["actor"].share(seqs),
             shares={role: m.share(seqs) for role, m in self.meshes.items()},
             totals=totals,
             several=lc.minibatches * lc.epochs > 1,
         )
-        for level in self.dataflow.order():  # dependency order; one level's calls independent
+        # dependency order; one level's calls independent; offloaded roles reloaded around theirs
+        for level in self.realloc.levels(self.dataflow.order()):
             for call in level:
                 if call.name in self.exchanges:  # another role's outputs: every rank takes part
                     self._exchange(run, self.exchanges[call.name])
@@ -963,6 +1028,11 @@ class Trainer:
                 totals.drift.reshape(-1),
             ]
         )
+        # a tensor-parallel group's ranks hold the same tokens: its first rank counts them
+        trained = [m for role, m in self.meshes.items() if role != "ref" and m.holds]
+        if any(m.tp_rank != 0 for m in trained):
+            local[:2].zero_()
+            local[7:].zero_()
         dist.all_reduce(local)
         updates = lc.minibatches * lc.epochs
         loss_total, tokens_total = float(local[0]) / updates, float(local[1])

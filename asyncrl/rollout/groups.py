@@ -28,6 +28,7 @@ from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import Tool, ToolRegistry
+from asyncrl.rollout.turns import split_turns
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, gives_tools, play
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class GroupMaker:
         """``group_size`` episodes of ``prompt``, each with its reward, as one group (and with
         ``greedy_baseline``, the greedy episode's reward as its ``baseline_reward``)."""
         n = self.cfg.group_size
-        samples: list[wire.Sample | None] = [None] * n
+        samples: list[list[wire.Sample]] = [[] for _ in range(n)]  # an episode's (or its turns')
         greedy = _Greedy()
         batcher = Batcher()  # the n episodes' first requests go to the generator as one
         async with trio.open_nursery() as nursery:
@@ -145,7 +146,7 @@ class GroupMaker:
         return wire.Group(
             id=group_id,
             lease_id=lease_id,
-            samples=[s for s in samples if s is not None],
+            samples=[s for episode in samples for s in episode],
             prompt_index=prompt.item.index,
             baseline_reward=greedy.reward,
             metadata=meta,
@@ -196,7 +197,7 @@ class GroupMaker:
         group_id: str,
         i: int,
         prompt: Prompt,
-        out: list[wire.Sample | None],
+        out: list[list[wire.Sample]],
         batcher: Batcher,
     ) -> None:
         ctx = self._context(f"{group_id}/{i}", prompt, batcher, self.params)
@@ -225,7 +226,7 @@ class GroupMaker:
         self.stats.rewards.append(r.value)
         self.stats.lengths.append(len(ep.completion_ids))
         prompt_ids = prompt.ids if ep.prompt_ids is None else ep.prompt_ids
-        out[i] = wire.Sample(
+        sample = wire.Sample(
             id=f"{group_id}/{i}",
             group_id=group_id,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
@@ -237,3 +238,4 @@ class GroupMaker:
             finish_reason=ep.finish_reason,
             metadata=meta,
         )
+        out[i] = split_turns(sample, self.cfg.turn_discount) if self.cfg.turn_samples else [sample]

@@ -89,6 +89,8 @@ class WorkerConfig:
     max_consecutive_failures: int = 20  # groups failing in a row before the worker gives up
     max_groups: int = 0  # stop after this many groups are delivered (0: run until cancelled)
     greedy_baseline: bool = False  # ReMax: each group also plays one greedy episode (its baseline)
+    turn_samples: bool = False  # each model turn its own sample (rollout/turns.py)
+    turn_discount: float = 1.0  # turn t of T gets γ^(T-1-t)·R
     acked_log: str = ""  # JSONL file for the ids of acknowledged groups (exactly-once audits)
     learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
     end_release_s: float = 3.0  # after the run's end: bound on giving starts back
@@ -109,6 +111,8 @@ class WorkerConfig:
             max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
             max_groups=max_groups,
             greedy_baseline=r.algorithm.advantage == "remax" and r.algorithm.uses_rollouts,
+            turn_samples=ro.turn_samples,
+            turn_discount=ro.turn_discount,
             acked_log=acked_log,
         )
 

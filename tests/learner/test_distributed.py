@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from safetensors.torch import load_file
 from asyncrl import metric_names, tasks
 from asyncrl import recipe as recipe_mod
 from asyncrl.metrics import read_metrics
+from tests.learner.step_on_batch import random_sample, run_ranks
+from tests.learner.step_on_batch import torchrun as torchrun_cmd
 from tests.module_hook import sitecustomize
 from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 
@@ -28,18 +29,7 @@ STEPS = 3
 
 
 def torchrun(recipe: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "asyncrl.learner.main",
-        str(recipe),
-        *overrides,
-    ]
+    cmd = [*torchrun_cmd(), "-m", "asyncrl.learner.main", str(recipe), *overrides]
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
         cmd, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -171,27 +161,13 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(
     the same batch. (Before, rank 1 skipped the reference forward and reduced a shorter statistics
     tensor: a crash.) Tied and untied embeddings put the projection in different FSDP groups. With
     a critic: its values pass, the advantages' whitening and its update pair up as well."""
-    import numpy as np
 
     from asyncrl import wire
     from asyncrl.learner.packing import make_sequence, split_over_ranks
     from asyncrl.learner.source import Batch, encode_batch
     from asyncrl.learner.trainer import Trainer
 
-    def sample(i: int, n: int, trained: bool) -> wire.Sample:
-        rng = np.random.default_rng(i)
-        return wire.Sample(
-            id=f"s{i}",
-            group_id="g",
-            prompt_ids=rng.integers(3, 90, 5).astype(np.int32),
-            completion_ids=rng.integers(3, 90, n).astype(np.int32),
-            behavior_logprobs=np.full(n, -4.5, np.float32),
-            versions=np.zeros(n, np.int32),
-            loss_mask=np.full(n, float(trained), np.float32),  # e.g. all tool output
-            reward=float(i),
-        )
-
-    samples = [sample(0, 30, True), sample(1, 6, False)]
+    samples = [random_sample(0, 30, True), random_sample(1, 6, False)]
     batch = Batch(groups=[wire.Group(id="g", samples=samples)], version=0, stats={})
     shares = split_over_ranks(
         [
@@ -213,21 +189,7 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(
     recipe_file = tmp_path / "rl.yaml"
     recipe_file.write_text(yaml.safe_dump(spec))
     (tmp_path / "batch.bin").write_bytes(encode_batch(batch))
-    script = Path(__file__).with_name("step_on_batch.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-        str(recipe_file),
-        str(tmp_path / "batch.bin"),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_ranks(recipe_file, tmp_path / "batch.bin", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "metrics.json").read_text())
     # a weight broadcast's gather: rank 0 keeps every tensor, in the wire dtype; rank 1 nothing

@@ -22,7 +22,7 @@ import yaml
 from safetensors.torch import load_file
 
 from asyncrl import dataflow, wire
-from asyncrl.learner.placement import exchanges, role_ranks
+from asyncrl.learner.placement import exchanges, role_layouts
 from asyncrl.learner.source import Batch, encode_batch
 from asyncrl.recipe import PlacementConfig, RecipeError, RolePlacement, check_placement
 from tests.numerics import assert_close_rel
@@ -171,25 +171,29 @@ def test_roles_on_their_own_ranks_checkpoint_resume_and_export_bitwise(runs):
 
 def test_which_keys_cross_between_roles_before_which_call():
     flow = dataflow.ppo_with_critic(True, vtrace=True, prox=True)
-    world = 2
-    shared = role_ranks(PlacementConfig(), world, ("actor", "critic", "ref"))
-    assert exchanges(flow, shared, world) == {}
+    world, roles = 2, ("actor", "critic", "ref")
+    shared = role_layouts(PlacementConfig(), world, roles)
+    assert exchanges(flow, shared, shared["actor"]) == {}  # the driver reads the actor's shares
     apart = PlacementConfig(actor=RolePlacement(ranks=[0]), critic=RolePlacement(ranks=[1]))
-    ranks = role_ranks(apart, world, ("actor", "critic", "ref"))
-    assert ranks == {"actor": (0,), "critic": (1,), "ref": (0,)}  # the ref follows the actor
-    # the advantages (every rank) read all three; the actor reads its own prox and its ref's logp
-    got = exchanges(flow, ranks, world)
+    layouts = role_layouts(apart, world, roles)
+    assert layouts == {"actor": ((0,), 1), "critic": ((1,), 1), "ref": ((0,), 1)}  # ref: actor's
+    # the advantages (every rank, the whole batch) read all three; the actor its own prox and ref
+    got = exchanges(flow, layouts, None)
     assert set(got) == {"advantages"}
     assert sorted(got["advantages"]) == ["prox_logp", "ref_logp", "values"]
     # the ref beside the critic: the actor's KL term reads π_ref from there too, once
     kl_loss = dataflow.ppo_with_critic(False, kl_loss=True)
     apart = PlacementConfig(actor=RolePlacement(ranks=[0]), ref=RolePlacement(ranks=[1]))
     apart.critic = RolePlacement(ranks=[1])
-    ranks = role_ranks(apart, world, ("actor", "critic", "ref"))
-    assert exchanges(kl_loss, ranks, world) == {
+    layouts = role_layouts(apart, world, roles)
+    assert exchanges(kl_loss, layouts, None) == {
         "advantages": ("values",),
         "train_actor": ("ref_logp",),
     }
+    # every rank, but the ref in one tensor-parallel group of 2: it splits the batch otherwise
+    tp_ref = PlacementConfig(ref=RolePlacement(tensor_parallel=2))
+    layouts = role_layouts(tp_ref, world, roles)
+    assert exchanges(kl_loss, layouts, layouts["actor"]) == {"train_actor": ("ref_logp",)}
 
 
 @pytest.mark.parametrize(

@@ -79,3 +79,25 @@ def test_end_tells_the_service_and_learner_json(learner):
     assert svc.stats()["ended"]
     info = json.loads((rep.trainer.run_dir / "learner.json").read_text())
     assert info["version"] == 7 and info["ended_at"] >= info["started_at"]
+
+
+def test_the_progress_display_is_a_task_of_the_control_plane(learner):
+    """``start(plane)`` runs the refresh as a named task of rank 0's control plane: it picks up what
+    the learner appends to metrics.jsonl; ``close`` ends the task and leaves the plane running."""
+    from asyncrl.control import ControlPlane
+    from tests.faults.harness import wait_until
+
+    rep, _ = learner
+    plane = ControlPlane("test-control")
+    try:
+        rep.start(plane)
+        run_dir = rep.trainer.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"process": "learner", "step": 3, "loss": 0.5}) + "\n")
+        wait_until(lambda: rep.tail.learner_step == 3, timeout_s=10, what="a refresh by the task")
+        rep.close()
+        assert rep._progress_done is not None and rep._progress_done.is_set()
+        assert plane.alive and plane.failure is None
+    finally:
+        plane.close()

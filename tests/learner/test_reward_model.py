@@ -118,9 +118,11 @@ def test_preferences_prefer_the_right_answer():
     assert tasks.wrong_answer(random.Random(0), "aa") != "aa"
 
 
-def test_two_ranks_match_one_rank(tiny_qwen3, tmp_path):
-    """Under torchrun (2 ranks, gloo, FSDP2, several micro-batches each): the same losses, gradient
-    norms and held-out accuracy as one rank on the same batches."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp", "tensor-parallel"])
+def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
+    """Under torchrun (2 ranks, gloo, FSDP2, several micro-batches each; or one tensor-parallel
+    group of two, the head replicated over it): the same losses, gradient norms and held-out
+    accuracy as one rank on the same batches."""
     from asyncrl.learner.data import PreferenceSource
     from asyncrl.learner.reward_model import RewardModelTrainer
     from tests.learner.test_distributed import finish, torchrun
@@ -129,7 +131,7 @@ def test_two_ranks_match_one_rank(tiny_qwen3, tmp_path):
     recipe = tmp_path / "rm.yaml"
     spec = rm_recipe(tmp_path, tiny_qwen3, 2, micro_batch_tokens=100)
     recipe.write_text(yaml.safe_dump(spec))
-    rc, err = finish(torchrun(recipe))
+    rc, err = finish(torchrun(recipe, f"placement.actor.tensor_parallel={tp}"))
     assert rc == 0, err[-3000:]
     two = {m["step"]: m for m in read_metrics(tmp_path / "runs" / "rm") if "rm/loss" in m}
     r = recipe_mod.load(recipe, ["learner.micro_batch_tokens=100000"])

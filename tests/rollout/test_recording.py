@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import pytest
 import trio
 
@@ -231,24 +232,21 @@ def test_a_mismatched_call_changes_nothing():
     )
 
 
-def test_an_agent_named_in_a_recipe_makes_groups_of_its_samples(served):
-    """Through the worker's group maker: the sample's prompt is the agent's first rendered chat
-    (not the row's prompt) and its reward the agent's."""
+def make_group(srv, tok, **config):
+    """One group of the recipe-named agent through the worker's group maker."""
     from asyncrl.rollout.data import PromptSource
     from asyncrl.rollout.groups import GroupMaker
     from asyncrl.rollout.rewards import RewardRunner, load_reward
     from asyncrl.rollout.worker import WorkerConfig, WorkerStats
     from asyncrl.rollout.workflows import load_workflow
 
-    srv, tok = served
     rows = [{"prompt": "unused", "question": CHAT[0]["content"]}]
-    first = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False)
 
     async def go():
         async with GeneratorPool([srv.url]) as pool:
             await pool.label()
             maker = GroupMaker(
-                WorkerConfig(worker_id="w", group_size=2),
+                WorkerConfig(worker_id="w", group_size=2, **config),
                 pool=pool,
                 source=PromptSource(rows, name="rows", seed=0),
                 tokenizer=tok,
@@ -261,13 +259,50 @@ def test_an_agent_named_in_a_recipe_makes_groups_of_its_samples(served):
             )
             return await maker.make("g0", "lease0", await maker.take_prompt())
 
-    group = trio.run(go)
+    return trio.run(go)
+
+
+def test_an_agent_named_in_a_recipe_makes_groups_of_its_samples(served):
+    """Through the worker's group maker: the sample's prompt is the agent's first rendered chat
+    (not the row's prompt) and its reward the agent's."""
+    srv, tok = served
+    first = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    group = make_group(srv, tok)
     assert len(group.samples) == 2
     for s in group.samples:
         assert s.reward == 1.0 and s.metadata["turns"] == 2
         assert s.prompt_ids.tolist() == tok.encode(first, add_special_tokens=False)
         assert len(s.completion_ids) == len(s.loss_mask) == len(s.behavior_logprobs)
         assert 0 < s.loss_mask.sum() < len(s.loss_mask)
+
+
+def test_each_turn_its_own_sample_with_the_reward_discounted_per_turn(served):
+    """``rollout.turn_samples``: each model turn is a sample whose prompt is exactly the
+    conversation the engine saw for that call, with the trajectory's tokens, logprobs and versions
+    split between them; the reward is γ^(turns after it)·R."""
+    srv, tok = served
+    whole = make_group(srv, tok).samples  # temperature 0: the same conversations
+    turns = make_group(srv, tok, turn_samples=True, turn_discount=0.5).samples
+    assert len(turns) == 2 * len(whole)
+    for k, w in enumerate(whole):
+        a, b = turns[2 * k], turns[2 * k + 1]
+        assert (a.id, b.id) == (f"{w.id}.0", f"{w.id}.1")
+        assert (a.reward, b.reward) == (0.5 * w.reward, w.reward) == (0.5, 1.0)
+        assert a.loss_mask.all() and b.loss_mask.all()
+        assert a.prompt_ids.tolist() == w.prompt_ids.tolist()
+        # turn 2's prompt: the first turn and the template/tool tokens after it
+        gap = len(b.prompt_ids) - len(w.prompt_ids) - len(a.completion_ids)
+        assert gap > 0 and w.loss_mask[len(a.completion_ids) :][:gap].sum() == 0
+        joined = np.concatenate([b.prompt_ids, b.completion_ids])
+        assert joined.tolist() == np.concatenate([w.prompt_ids, w.completion_ids]).tolist()
+        trained = w.loss_mask > 0
+        for name in ("completion_ids", "versions"):
+            both = np.concatenate([getattr(a, name), getattr(b, name)])
+            assert both.tolist() == getattr(w, name)[trained].tolist()
+        # the engine's logprobs (another run: batched differently, so equal to rounding)
+        both = np.concatenate([a.behavior_logprobs, b.behavior_logprobs])
+        assert both == pytest.approx(w.behavior_logprobs[trained], abs=1e-5)
+        assert a.finish_reason == "stop" and b.finish_reason == w.finish_reason
 
 
 def test_text_between_turns_past_the_budget_is_cut():
