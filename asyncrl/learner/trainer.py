@@ -786,21 +786,33 @@ class Trainer:
             run.info |= self.group_advantages(run.batch, run.seqs)
 
     def _exchange(self, run: _Step, keys: tuple[str, ...]) -> None:
-        """Every rank gets every sequence's ``keys`` (per-token arrays), each computed on its
-        producing role's ranks (collective over the global group)."""
+        """Every rank gets every sequence's ``keys`` (per-token float32 arrays), each computed on
+        its producing role's ranks: one float32 sum over the global group (a CPU tensor: gloo), to
+        which the first rank of each tensor-parallel group that computed a sequence writes its
+        arrays and a presence mark, every other rank zeros. Tensors, not pickled objects: ranks may
+        sit on other hosts."""
         role_of = {k: c.role for c in self.dataflow.calls for k in c.outputs}
-        mine: dict[int, dict[str, np.ndarray]] = {}
-        for k in keys:
+        ends = np.cumsum([0] + [len(s) for s in run.seqs])
+        total, n = int(ends[-1]), len(run.seqs)
+        pos = {s.index: j for j, s in enumerate(run.seqs)}
+        buf = np.zeros((len(keys), total + n), np.float32)  # each key: its arrays, then presence
+        for a, k in enumerate(keys):
+            mesh = self.meshes[role_of[k]]
+            if not mesh.holds or mesh.tp_rank != 0:
+                continue
             for s in run.share(role_of[k]):
-                mine.setdefault(s.index, {})[k] = getattr(s, k)
-        gathered: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in range(self.world)]
-        dist.all_gather_object(gathered, mine)
-        by_index = {s.index: s for s in run.seqs}
-        for part in gathered:
-            for i, arrays in part.items():
-                for k, arr in arrays.items():
-                    if arr is not None:
-                        setattr(by_index[i], k, arr)
+                arr = getattr(s, k)
+                if arr is not None:
+                    j = pos[s.index]
+                    buf[a, ends[j] : ends[j + 1]] = arr
+                    buf[a, total + j] = 1.0
+        summed = torch.from_numpy(buf)
+        dist.all_reduce(summed)
+        buf = summed.numpy()
+        for a, k in enumerate(keys):
+            for j, s in enumerate(run.seqs):
+                if buf[a, total + j] > 0:
+                    setattr(s, k, buf[a, ends[j] : ends[j + 1]].copy())
 
     def group_advantages(self, batch: Batch, seqs: list[Sequence]) -> dict[str, float]:
         """Each sequence's advantage from its group's rewards (``algorithm.advantage``);
