@@ -7,7 +7,9 @@ on the same batches, so machine load hits both alike. In the disjoint learner, r
 disjoint step's wall time over max(actor, critic) says how close it comes to perfect overlap (1:
 the step is no longer than its slower train step; the forward passes and the exchange come on top),
 over (actor + critic) how much running them at once saves against running them one after the
-other (0.5 would be perfect halving when they take equally long). The last line is JSON:
+other (0.5 would be perfect halving when they take equally long). The train level's own wall time
+(from the first of the two train steps to start to the last to end) over the same two says how
+much the train steps themselves overlap. The last line is JSON:
 
     {"bench": "placement", "disjoint_over_max": ..., "disjoint_over_sum": ..., ...}
 
@@ -60,14 +62,15 @@ def make_batch(batch: int, lo: int, hi: int, vocab: int, seed: int):
     return Batch(groups=groups, version=0, stats={})
 
 
-def timed(trainer, name: str, into: list[float]) -> None:
-    """Time ``trainer``'s runner ``name`` where it runs (this instance only)."""
+def timed(trainer, name: str, into: list[tuple[float, float]]) -> None:
+    """Time ``trainer``'s runner ``name`` where it runs (this instance only): its start and end on
+    the machine's monotonic clock, which the two ranks (processes of one host) share."""
     run = getattr(trainer, name)
 
     def wrapper(step_run) -> None:
         t0 = time.perf_counter()
         run(step_run)
-        into.append(time.perf_counter() - t0)
+        into.append((t0, time.perf_counter()))
 
     setattr(trainer, name, wrapper)
 
@@ -90,8 +93,8 @@ def worker(a: argparse.Namespace) -> None:
     shared = Trainer(recipe_mod.from_dict(spec), checkpointing=False, run_dir=tmp / "shared")
     spec["placement"] = {"actor": {"ranks": [0]}, "critic": {"ranks": [1]}}
     disjoint = Trainer(recipe_mod.from_dict(spec), checkpointing=False, run_dir=tmp / "disjoint")
-    actor_s: list[float] = []
-    critic_s: list[float] = []
+    actor_s: list[tuple[float, float]] = []
+    critic_s: list[tuple[float, float]] = []
     timed(disjoint, "_call_train_actor", actor_s)
     timed(disjoint, "_call_train_critic", critic_s)
     vocab = shared.spec.model.vocab_size
@@ -106,17 +109,28 @@ def worker(a: argparse.Namespace) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
             if i >= 2:
                 steps[name].append(float(t))
-    # rank 0 timed the actor's train steps, rank 1 the critic's: every rank gets both
-    train = torch.tensor([sum(actor_s[2:]), sum(critic_s[2:])], dtype=torch.float64)
-    dist.all_reduce(train)
+    # rank 0 timed the actor's train steps, rank 1 the critic's: every rank gets both, and the
+    # train level's wall time per step, from the first of the two to start to the last to end
+    n = a.steps + 2
+    spans = torch.zeros(2, n, 2, dtype=torch.float64)
+    for k, mine in enumerate((actor_s, critic_s)):
+        if mine:
+            spans[k] = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(spans)
+    spans = spans[:, 2:]
     if dist.get_rank() == 0:
-        actor, critic = (float(x) / a.steps for x in train)
+        actor, critic = (float((s[:, 1] - s[:, 0]).mean()) for s in spans)
+        level = (spans[:, :, 1].max(0).values - spans[:, :, 0].min(0).values).mean()
+        level = float(level)
         step_d, step_s = statistics.median(steps["disjoint"]), statistics.median(steps["shared"])
         result = {
             "bench": "placement",
             "disjoint_over_max": round(step_d / max(actor, critic), 3),
             "disjoint_over_sum": round(step_d / (actor + critic), 3),
             "disjoint_over_shared": round(step_d / step_s, 3),
+            "train_level_over_max": round(level / max(actor, critic), 3),
+            "train_level_over_sum": round(level / (actor + critic), 3),
+            "train_level_s": round(level, 4),
             "disjoint_step_s": round(step_d, 4),
             "shared_step_s": round(step_s, 4),
             "actor_train_s": round(actor, 4),
@@ -164,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         f"actor train {result['actor_train_s']:.3f}s  critic train {result['critic_train_s']:.3f}s"
         f"  disjoint/max {result['disjoint_over_max']:.2f}"
         f"  disjoint/sum {result['disjoint_over_sum']:.2f}"
+        f"  train level {result['train_level_s']:.3f}s: /max {result['train_level_over_max']:.2f}"
+        f"  /sum {result['train_level_over_sum']:.2f}"
     )
     print(json.dumps(result))
     return 0
