@@ -87,6 +87,7 @@ from asyncrl.learner.placement import (
     build_role_meshes,
     exchanges,
 )
+from asyncrl.learner.reshard import reshard
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe, RecipeError, check_placement
 
@@ -305,12 +306,35 @@ class Trainer:
         self._build_checkpointer(checkpointing)
         self._load()
         ref_mesh = self.meshes.get("ref")
+        self.ref_source = ""  # how π_ref was filled on this rank: "reshard" or "hf"
         if ref_mesh is not None and ref_mesh.holds:
             # π_ref: the initial HF weights, frozen, sharded by its own placement (forward only)
             self.ref_model = self._build_model(role="ref")
-            self._load_hf(self.ref_model, group=ref_mesh.group)
+            self._fill_ref(ref_mesh)
             self.ref_model.eval().requires_grad_(False)
         self.realloc = self.reallocation()
+
+    def _fill_ref(self, ref_mesh: RoleMesh) -> None:
+        """π_ref's initial weights: at a fresh start on the actor's ranks they are the actor's
+        just-loaded ones, resharded into the ref's layout (:func:`reshard`: no second read of the
+        HF folder); after a resume the actor holds trained weights, and on other ranks there is no
+        actor to copy from: read from the HF folder. Collective over the ref's ranks."""
+        assert self.ref_model is not None
+        if not self.resumed and ref_mesh.ranks == self.meshes["actor"].ranks:
+            moved = reshard(self.model, self.ref_model)
+            self.ref_source = "reshard"
+            log.info(
+                "π_ref: resharded from the actor's initial weights (tensor_parallel %d -> %d, "
+                "%.1f MiB gathered)",
+                self.recipe.placement.actor.tensor_parallel,
+                self.recipe.placement.ref.tensor_parallel,
+                moved / 2**20,
+            )
+            return
+        self._load_hf(self.ref_model, group=ref_mesh.group)
+        self.ref_source = "hf"
+        why = "the actor holds trained weights" if self.resumed else "not on the actor's ranks"
+        log.info("π_ref: loaded from %s (%s)", self.model_dir, why)
 
     def _build_checkpointer(self, checkpointing: bool) -> None:
         """TorchTitan's CheckpointManager over the actor (the critic's states as extra states); it
@@ -493,6 +517,7 @@ class Trainer:
                 f"{self.checkpoint_dir} already holds checkpoints (step {step}); "
                 "set run.resume=true to continue it or pick another run.name"
             )
+        self.resumed = step >= 0  # the actor holds a checkpoint's weights, not model.path's
         self.checkpointer.load()  # the latest step-N, else the HF weights of model.path
         actor = self.meshes["actor"]
         if step < 0 and not actor.whole_world and actor.holds:
