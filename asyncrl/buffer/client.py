@@ -23,9 +23,18 @@ class BufferRefused(RuntimeError):
         self.code = code
 
 
+REQUEST_TIMEOUT_S = 10.0
+"""A worker's wait for the buffer's reply before it says "no reply" and resends."""
+
+
 class BufferClient:
     def __init__(
-        self, address: str, *, worker_id: str, tls: TLS | None = None, timeout_s: float = 10.0
+        self,
+        address: str,
+        *,
+        worker_id: str,
+        tls: TLS | None = None,
+        timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.worker_id = worker_id
         self.timeout_s = timeout_s

@@ -22,6 +22,8 @@ from harness import (
     write_recipe,
 )
 
+from asyncrl.buffer.client import REQUEST_TIMEOUT_S
+
 pytestmark = pytest.mark.faults
 
 ETA = 1
@@ -105,7 +107,10 @@ def test_learner_killed_restarts_from_its_checkpoint_and_loses_nothing(tmp_path:
             "the learner's weights arrived"
         )
         waited = waiting_at_death or "waiting for the learner's weights" in wlog[log_at_death:]
-        assert sum(retries.values()) >= 1 or waited, wlog[-3000:]
+        # (a learner back before any request could time out leaves nothing to retry: nng resends
+        # the pending request to the restarted learner, which answers it)
+        quick = t_down < REQUEST_TIMEOUT_S
+        assert sum(retries.values()) >= 1 or waited or quick, (t_down, wlog[-3000:])
         assert max(retries.values()) <= 2 + t_down / 60, (retries, t_down)
         wait_until(
             lambda: (
