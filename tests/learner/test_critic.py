@@ -16,6 +16,8 @@ from tests.learner.test_model import make_trainer
 from tests.learner.test_step import rl_batch
 from tests.numerics import assert_close_rel, assert_grads_close
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 RL = {"learner": {"lr": 1e-3, "grad_clip": 1.0}, "buffer": {"max_staleness": 8}}
 GAE = {"advantage": "gae", "loss": "ppo"}
 

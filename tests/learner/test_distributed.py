@@ -106,6 +106,7 @@ def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
     return {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir)}
 
 
+@pytest.mark.numerics
 def test_two_ranks_match_one_rank_on_the_same_global_batch(runs, tmp_path):
     from asyncrl.learner.data import SFTSource
     from asyncrl.learner.trainer import Trainer
@@ -144,6 +145,7 @@ KL_LOSS = {"loss": "ppo", "kl_coef": 0.1}
 CRITIC_KL_REWARD = {"loss": "ppo", "advantage": "gae", "kl_reward_coef": 0.1}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("fixture", "chunk_mb", "alg"),
     [

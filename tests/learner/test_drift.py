@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from asyncrl.learner.drift import drift_metrics, drift_sums, finalize_drift
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 F64 = torch.float64
 
 

@@ -9,6 +9,8 @@ import torch
 from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
 from tests.numerics import assert_grads_close
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 F64 = torch.float64
 
 

@@ -11,6 +11,8 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.learner.packing import make_sequence, pack
 from tests.numerics import assert_logits_close
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 FIXTURES = ["tiny_qwen3", "tiny_qwen3_untied", "tiny_llama", "tiny_llama_tied"]
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -22,6 +23,8 @@ from asyncrl.learner.offload import Offloader, Reallocation, role_tensors
 from asyncrl.memory import ModelDims
 from tests.learner.test_model import make_trainer
 from tests.learner.test_step import rl_batch
+
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
 
 RL = {"learner": {"lr": 1e-3, "grad_clip": 1.0}, "buffer": {"max_staleness": 8}}
 PPO = {"advantage": "gae", "loss": "ppo", "kl_coef": 0.05}

@@ -25,7 +25,12 @@ from asyncrl import dataflow, wire
 from asyncrl.learner.placement import exchanges, role_layouts
 from asyncrl.learner.source import Batch, encode_batch
 from asyncrl.recipe import PlacementConfig, RecipeError, RolePlacement, check_placement
-from tests.numerics import assert_close_rel
+from tests.numerics import (
+    GRAD_RTOL,
+    assert_adam_steps_agree,
+    assert_close_rel,
+    assert_grads_close,
+)
 
 STEPS = 2
 
@@ -33,18 +38,22 @@ DISJOINT = {"actor": {"ranks": [0]}, "critic": {"ranks": [1]}}
 
 LR = 1e-3
 
-WEIGHT_ATOL = 0.01 * LR
-"""Actor and critic weights after two PPO steps (two Adam updates each per step) on disjoint ranks
-against both roles on both ranks: max |Δw| ≤ WEIGHT_ATOL. The runs differ only in the order float32
-sums are added (one rank's micro-batches against two ranks' reduce-scatter; the whitening's sums
-over the whole batch against two shares' all-reduce), but Adam's update g/(√v+ε) turns a rounding
-difference in a gradient entry near 0 into a weight difference of up to lr. Measured on a 2-core AMD
-EPYC: 3.9e-6 (0.004·lr) on one MLP entry of the actor, every other entry ≤ 1e-6; the critic ≤ 7.5e-9.
-A wrong split, exchange or normaliser moves most entries by about lr."""
+METRIC_RTOL = GRAD_RTOL
+"""Every step's loss, gradient norms and value loss, disjoint against shared: float32 sums over a
+few hundred tokens added in another order (one rank's micro-batches against two ranks'
+reduce-scatter; the whitening's sums over the batch against two shares' all-reduce). Measured on a
+2-core AMD EPYC (the first step's loss): 3.7e-7 relative on its AVX-512 kernels, 2.0e-6 with
+``ATEN_CPU_CAPABILITY=avx2`` (the old bound, 1e-6, failed there). The second step starts from weights
+that already differ where Adam amplified rounding (below), so its metrics get the gradients' bound,
+not the first step's measured figure."""
 
-METRIC_RTOL = 1e-6
-"""The steps' loss, gradient norms and value loss, same runs: measured ≤ 3.7e-7 relative (the loss
-of the first step); float32 reordering of sums over a few hundred tokens."""
+DRIFT_RTOL = 1e-2
+"""After all the steps, ‖w_disjoint − w_shared‖ ≤ DRIFT_RTOL · ‖w_shared − w_start‖ per model: the
+runs may differ only at the few entries whose gradient is within rounding of 0 (Adam moves those by
+up to 2·lr in either direction; tests/numerics.py), a vanishing share of the whole update's norm. A
+wrong split, exchange or normaliser moves most entries by about lr: a ratio near 1. Measured
+(AMD EPYC): ≤ 3.8e-6 on its AVX-512 and generic kernels, 1.2e-5 with ``ATEN_CPU_CAPABILITY=avx2``,
+where one actor entry ends 1.48e-5 (0.015·lr) apart: the old absolute bound, 0.01·lr, failed there."""
 
 
 def ppo_batch() -> Batch:
@@ -130,6 +139,7 @@ def runs(tiny_qwen3, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.numerics
 def test_actor_and_critic_on_their_own_ranks_train_as_on_shared_ranks(runs):
     def roles(run: str, rank: int) -> list[str]:
         return json.loads((runs / run / f"roles-rank{rank}.json").read_text())
@@ -137,19 +147,40 @@ def test_actor_and_critic_on_their_own_ranks_train_as_on_shared_ranks(runs):
     assert roles("shared", 0) == roles("shared", 1) == ["actor", "critic", "ref"]
     # a rank outside a role holds no model of it; the ref follows the actor
     assert (roles("disjoint", 0), roles("disjoint", 1)) == (["actor", "ref"], ["critic"])
+
+    def weights(run: str, name: str) -> dict[str, torch.Tensor]:
+        return load_file(str(runs / run / f"{name}.safetensors"))
+
     for model in ("actor", "critic"):
-        shared = load_file(str(runs / "shared" / f"{model}.safetensors"))
-        disjoint = load_file(str(runs / "disjoint" / f"{model}.safetensors"))
-        assert set(shared) == set(disjoint)
-        worst = max(float((shared[k] - disjoint[k]).abs().max()) for k in shared)
-        assert worst <= WEIGHT_ATOL, (model, worst)
+        # the first update starts from the same weights: the same gradient up to float32
+        # reordering, and so the same Adam step wherever that gradient is clearly non-zero
+        grads = weights("shared", f"{model}-first-grads")
+        assert_grads_close(grads, weights("disjoint", f"{model}-first-grads"))
+        first = weights("shared", f"{model}-first")
+        assert_adam_steps_agree(first, weights("disjoint", f"{model}-first"), grads, lr=LR)
+        # the whole run: the two end points apart by a vanishing share of the distance trained
+        start = weights("shared", f"{model}-start")
+        assert all(
+            torch.equal(w, weights("disjoint", f"{model}-start")[k]) for k, w in start.items()
+        )
+        start = {k: w.double() for k, w in start.items()}
+        shared, disjoint = weights("shared", model), weights("disjoint", model)
+        assert set(shared) == set(disjoint) == set(start)
+        apart = sum(
+            float((shared[k].double() - disjoint[k].double()).square().sum()) for k in start
+        )
+        moved = sum(float((shared[k].double() - start[k]).square().sum()) for k in start)
+        assert moved > 0 and apart**0.5 <= DRIFT_RTOL * moved**0.5, (model, apart**0.5, moved**0.5)
     shared_m = json.loads((runs / "shared" / "metrics.json").read_text())
     disjoint_m = json.loads((runs / "disjoint" / "metrics.json").read_text())
+    assert len(shared_m) == len(disjoint_m) == STEPS
     for a, b in zip(shared_m, disjoint_m, strict=True):
-        for key in ("loss", "grad_norm", "critic/value_loss", "critic/grad_norm", "loss/tokens"):
+        for key in ("loss", "grad_norm", "critic/value_loss", "critic/grad_norm"):
             assert_close_rel(a[key], b[key], rtol=METRIC_RTOL)
+        assert a["loss/tokens"] == b["loss/tokens"]
 
 
+@pytest.mark.numerics
 def test_roles_on_their_own_ranks_checkpoint_resume_and_export_bitwise(runs):
     """Each rank saves the states of the roles it holds into one DCP checkpoint (the actor's from
     rank 0, the critic's from rank 1) and reads them back; the resumed step is the uninterrupted

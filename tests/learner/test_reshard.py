@@ -19,6 +19,8 @@ from asyncrl.learner.source import encode_batch
 from tests.learner.step_on_batch import torchrun
 from tests.learner.test_tensor_parallel import KL_LOSS, _batch
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 SCRIPT = Path(__file__).with_name("reshard_ranks.py")
 
 

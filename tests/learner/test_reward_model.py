@@ -118,6 +118,7 @@ def test_preferences_prefer_the_right_answer():
     assert tasks.wrong_answer(random.Random(0), "aa") != "aa"
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("tp", [1, 2], ids=["fsdp", "tensor-parallel"])
 def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
     """Under torchrun (2 ranks, gloo, FSDP2, several micro-batches each; or one tensor-parallel

@@ -22,6 +22,8 @@ from tests.numerics import (
     weights_and_grads,
 )
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 
 def rl_batch(vocab: int, *, groups: int = 3, n: int = 4, seed: int = 0, logp=None) -> Batch:
     """Random groups; ``logp(prompt, completion)`` gives behaviour logprobs (default: noisy)."""

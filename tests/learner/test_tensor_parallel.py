@@ -26,6 +26,8 @@ from tests.numerics import (
     hf_grads,
 )
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 PARAM_ATOL = 1e-5
 """Weights after one step, TP=2 against TP=1, where the entry's gradient is clearly non-zero
 (|g| > 1e-4 · max |g| of its tensor): one AdamW step of lr 1e-3 from bitwise-equal weights, with

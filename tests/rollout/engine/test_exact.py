@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 from asyncrl.rollout.engine import EngineConfig, serve
 from tests.numerics import assert_logits_close
 
+pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
+
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [9], [12, 13, 14, 15, 16]]
 MAX_NEW = [12, 5, 20, 9]
 
