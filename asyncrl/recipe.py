@@ -242,7 +242,9 @@ class AlgorithmConfig:
     loss: Loss = _f("decoupled_ppo")
     advantage: Advantage = _f("grpo")
     aggregation: Aggregation = _f(
-        "auto", doc="auto: seq_mean_token_mean for gspo (its definition), token_mean otherwise"
+        "auto",
+        doc="auto: seq_mean_token_mean for gspo (its definition), seq_mean_token_sum_norm for "
+        "dr_grpo (Dr. GRPO's constant-length sum), token_mean otherwise",
     )
     clip_low: float = _f(0.2, lo=0)
     clip_high: float = _f(0.28, lo=0, doc="clip-higher (DAPO) when > clip_low")
@@ -253,6 +255,21 @@ class AlgorithmConfig:
     is_cap: float = _f(5.0, lo=0, lo_open=True, doc="C: cap on importance weights")
     ratio_mask_low: float = _f(0.0, lo=0, doc="mask tokens with ratio below this (0: off)")
     ratio_mask_high: float = _f(0.0, lo=0, doc="mask tokens with ratio above this (0: off)")
+    seq_mask_low: float = _f(
+        0.0,
+        lo=0,
+        doc="mask sequences whose geometric-mean ratio exp(mean log ρ) is below this (0: off; < 1)",
+    )
+    seq_mask_high: float = _f(
+        0.0,
+        lo=0,
+        doc="mask sequences whose geometric-mean ratio exp(mean log ρ) is above this (0: off; > 1)",
+    )
+    is_level: Literal["token", "sequence"] = _f(
+        "token",
+        doc="tis, decoupled_ppo: the truncated IS weight per token, min(ρ_t, C), or per sequence, "
+        "min(Π_t ρ_t, C) on each of its tokens (verl's sequence-level rollout IS)",
+    )
     kl_coef: float = _f(0.0, lo=0, doc="β of the KL(π ‖ π_ref) penalty in the loss")
     kl_estimator: Literal["k1", "k2", "k3"] = _f(
         "k3",
@@ -289,7 +306,11 @@ class AlgorithmConfig:
         """The aggregation the loss runs with (``auto`` resolved)."""
         if self.aggregation != "auto":
             return self.aggregation
-        return "seq_mean_token_mean" if self.loss == "gspo" else "token_mean"
+        if self.loss == "gspo":
+            return "seq_mean_token_mean"
+        if self.advantage == "dr_grpo" and self.uses_rollouts:
+            return "seq_mean_token_sum_norm"
+        return "token_mean"
 
 
 @dataclass(kw_only=True)
@@ -739,6 +760,28 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             "must be greater than algorithm.ratio_mask_low",
             file=file,
             key="algorithm.ratio_mask_high",
+        )
+    # The band must hold 1, every on-policy sequence's ratio (so low < high too).
+    if alg.seq_mask_low >= 1:
+        raise RecipeError(
+            f"must be < 1 (0: off), got {alg.seq_mask_low}: the band would drop on-policy "
+            "sequences, whose geometric-mean ratio is 1",
+            file=file,
+            key="algorithm.seq_mask_low",
+        )
+    if alg.seq_mask_high and alg.seq_mask_high <= 1:
+        raise RecipeError(
+            f"must be > 1 (0: off), got {alg.seq_mask_high}: the band would drop on-policy "
+            "sequences, whose geometric-mean ratio is 1",
+            file=file,
+            key="algorithm.seq_mask_high",
+        )
+    if alg.is_level == "sequence" and alg.loss not in ("tis", "decoupled_ppo"):
+        raise RecipeError(
+            "a sequence-level weight replaces the truncated IS weight of tis and decoupled_ppo; "
+            f"{alg.loss} has none (leave it token)",
+            file=file,
+            key="algorithm.is_level",
         )
     if alg.loss == "reward_model":
         lc = r.learner

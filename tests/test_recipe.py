@@ -96,6 +96,22 @@ def test_overrides_are_typed(tmp_path):
             "token-level advantage (gae, vtrace)",
         ),
         ("algorithm: {advantage: gea}\n", [], "algorithm.advantage", "did you mean 'gae'"),
+        ("algorithm: {seq_mask_low: -0.1}\n", [], "algorithm.seq_mask_low", "must be >= 0"),
+        ("algorithm: {seq_mask_high: -1}\n", [], "algorithm.seq_mask_high", "must be >= 0"),
+        (  # low >= high: the band cannot hold 1, the ratio of every on-policy sequence
+            "algorithm: {seq_mask_low: 1.2, seq_mask_high: 1.1}\n",
+            [],
+            "algorithm.seq_mask_low",
+            "must be < 1",
+        ),
+        ("algorithm: {seq_mask_high: 0.9}\n", [], "algorithm.seq_mask_high", "must be > 1"),
+        (
+            "algorithm: {loss: ppo, is_level: sequence}\n",
+            [],
+            "algorithm.is_level",
+            "tis and decoupled_ppo",
+        ),
+        ("algorithm: {is_level: geometric}\n", [], "algorithm.is_level", "one of token, sequence"),
         (
             "algorithm: {loss: reward_model}\nlearner: {minibatches: 2}\n",
             [],
@@ -241,6 +257,33 @@ def test_check_cli_warns_of_settings_that_run_but_mislead(tmp_path):
         path, ["algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4", "rollout.top_p=1"]
     )
     assert recipe.warnings(quiet) == []
+
+
+def test_auto_aggregation_follows_the_loss_and_the_advantage(tmp_path):
+    """auto: gspo's mean over sequences (its definition), Dr. GRPO's constant-length sum for
+    dr_grpo (its second bias fix, without which its advantage is GRPO's without the std), else the
+    token mean. An explicit aggregation is kept."""
+    want = {
+        ("tis", "dr_grpo"): "seq_mean_token_sum_norm",
+        ("decoupled_ppo", "dr_grpo"): "seq_mean_token_sum_norm",
+        ("gspo", "dr_grpo"): "seq_mean_token_mean",
+        ("gspo", "grpo"): "seq_mean_token_mean",
+        ("tis", "grpo"): "token_mean",
+        ("ppo", "gae"): "token_mean",
+    }
+    for (loss, adv), agg in want.items():
+        over = [f"algorithm.loss={loss}", f"algorithm.advantage={adv}"]
+        assert recipe.load(_write(tmp_path, GOOD), over).algorithm.aggregation_used == agg
+    over = ["algorithm.advantage=dr_grpo", "algorithm.aggregation=token_mean"]
+    assert recipe.load(_write(tmp_path, GOOD), over).algorithm.aggregation_used == "token_mean"
+
+
+def test_sequence_corrections_default_off_and_load(tmp_path):
+    alg = recipe.load(_write(tmp_path, GOOD)).algorithm
+    assert (alg.seq_mask_low, alg.seq_mask_high, alg.is_level) == (0.0, 0.0, "token")
+    over = ["algorithm.loss=tis", "algorithm.is_level=sequence", "algorithm.seq_mask_low=0.5"]
+    alg = recipe.load(_write(tmp_path, GOOD), over + ["algorithm.seq_mask_high=2"]).algorithm
+    assert (alg.seq_mask_low, alg.seq_mask_high, alg.is_level) == (0.5, 2.0, "sequence")
 
 
 def test_critic_fields_defaults(tmp_path):

@@ -257,12 +257,16 @@ def vtrace(
     With ρ_t = min(ρ̄, π_t/μ_t), c_t = λ·min(c̄, π_t/μ_t) and next(t), V(next) = 0 as in :func:`gae`:
 
         v_t = V(x_t) + ρ_t·(r_t + γ·V(x_next) − V(x_t)) + γ·c_t·(v_next − V(x_next))
-        A_t = ρ_t·(r_t + γ·v_next − V(x_t))       (the policy-gradient advantage)
+        A_t = r_t + γ·v_next − V(x_t)       (the policy-gradient advantage, without ρ_t)
 
     ``returns`` are the v_t. ρ̄ sets the value function learnt (V^π at ρ̄ = ∞, nearer V^μ below);
     c̄ the variance of the trace. With μ = π and ρ̄, c̄ ≥ 1 both truncations vanish and v_t is
     :func:`gae`'s return with the same λ, so GAE's targets are right only for fresh data and
-    V-trace's stay right when the tokens are several versions stale."""
+    V-trace's stay right when the tokens are several versions stale.
+
+    IMPALA's policy gradient is ρ_t·∇log π_t·A_t with ONE importance weight. Every policy loss of
+    :mod:`asyncrl.learner.losses` already weights each token by its own π/μ (tis's min(π/μ, C),
+    ppo's ratio, ...), so A_t leaves ρ_t out: the loss's weight is the one ρ (docs/off-policy.md)."""
     if rho_bar <= 0 or c_bar <= 0:
         raise ValueError(f"rho_bar and c_bar must be > 0, got {rho_bar}, {c_bar}")
     m, x = _rows(mask, rewards=rewards, values=values, log_pi=log_pi, log_mu=log_mu)
@@ -278,7 +282,7 @@ def vtrace(
         mt = m[:, t]
         vs_t = v[:, t] + rho[:, t] * (r[:, t] + gamma * next_v - v[:, t])
         vs_t = vs_t + gamma * c[:, t] * (next_vs - next_v)
-        a = rho[:, t] * (r[:, t] + gamma * next_vs - v[:, t])
+        a = r[:, t] + gamma * next_vs - v[:, t]
         vs[:, t] = torch.where(mt, vs_t, 0.0)
         adv[:, t] = torch.where(mt, a, 0.0)
         next_vs = torch.where(mt, vs_t, next_vs)

@@ -84,15 +84,18 @@ def decoupled_ppo(
     clip_high: float,
     is_cap: float,
     clip_c: float = 0.0,
+    seq_ids: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decoupled PPO (AReaL): ℓ = −w · min(r·A, clip(r, 1−ε_low, 1+ε_high)·A),
     r = π/π_prox, w = sg[min(π_prox/μ, C)]. The trust region is around π_prox, the IS weight
     corrects for sampling from μ; with π_prox = μ (and C ≥ 1) it is exactly :func:`ppo`.
+    With ``seq_ids`` the weight is the sequence's, :func:`is_weight`'s min(Π_t π_prox/μ, C).
 
     π_prox is the policy at the start of the batch's updates. With one update per batch that is the
     policy being trained: r ≡ 1, the clip never acts and the loss equals :func:`tis`. The trust
     region acts from a batch's second update on (``learner.minibatches``, ``learner.epochs``)."""
-    w = torch.exp(prox_logp - behavior_logp).clamp(max=is_cap).detach()
+    w, _ = is_weight(prox_logp - behavior_logp, is_cap=is_cap, seq_ids=seq_ids, mask=mask)
     loss, clip_active = ppo(
         logp, prox_logp, adv, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c
     )
@@ -100,11 +103,39 @@ def decoupled_ppo(
 
 
 def tis(
-    logp: Tensor, behavior_logp: Tensor, adv: Tensor, *, is_cap: float
+    logp: Tensor,
+    behavior_logp: Tensor,
+    adv: Tensor,
+    *,
+    is_cap: float,
+    seq_ids: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Truncated importance-weighted policy gradient: ℓ = −sg[min(π/μ, C)] · A · log π."""
-    w = torch.exp(logp - behavior_logp).detach()
-    return -w.clamp(max=is_cap) * adv * logp, w > is_cap
+    """Truncated importance-weighted policy gradient: ℓ = −sg[min(π/μ, C)] · A · log π; with
+    ``seq_ids`` the weight is the sequence's, :func:`is_weight`'s min(Π_t π_t/μ_t, C)."""
+    w, capped = is_weight(logp - behavior_logp, is_cap=is_cap, seq_ids=seq_ids, mask=mask)
+    return -w * adv * logp, capped
+
+
+def is_weight(
+    log_rho: Tensor, *, is_cap: float, seq_ids: Tensor | None = None, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The truncated importance weight of :func:`tis` and :func:`decoupled_ppo`, and where its
+    cap C acted. Per token (``algorithm.is_level: token``): w_t = sg[min(ρ_t, C)]. Per sequence
+    (``is_level: sequence``, ``seq_ids`` given; verl's sequence-level rollout IS): every token of
+    y_i gets w_i = sg[min(Π_{t∈y_i} ρ_t, C)], the product over the sequence's ``mask`` tokens
+    (computed as exp(Σ log ρ_t): no overflow, ∞ is capped).
+
+    Π_t ρ_t is the likelihood ratio of the whole completion, the unbiased weight of a
+    sequence-level estimator when A is the sequence's; each token's own ρ_t ignores how its
+    sequence's earlier tokens moved (low variance, biased). The product's variance grows with the
+    length, so C matters more: verl uses 2 to 10."""
+    log_rho = log_rho.detach()
+    if seq_ids is not None:
+        m = torch.ones_like(log_rho, dtype=torch.bool) if mask is None else mask.bool()
+        log_rho = seq_sum(torch.where(m, log_rho, 0), seq_ids)
+    rho = torch.exp(log_rho)
+    return rho.clamp(max=is_cap), rho > is_cap
 
 
 def cispo(
@@ -127,19 +158,21 @@ def gspo(
     clip_low: float,
     clip_high: float,
 ) -> tuple[Tensor, Tensor]:
-    """GSPO: s_i = exp(1/|y_i| Σ_{t∈y_i} (log π_t − log μ_t)) (geometric mean of the token ratios,
-    gradient flows through it), and for t ∈ y_i: ℓ_t = −min(s_i·A_t, clip(s_i, 1−ε_low, 1+ε_high)·A_t).
+    """GSPO-token (Zheng et al. 2025). With s_i = exp(1/|y_i| Σ_{t∈y_i} (log π_t − log μ_t)), the
+    geometric mean of the token ratios over the ``mask`` tokens of y_i, each t ∈ y_i has the ratio
+    s_i,t = sg[s_i] · π_t/sg[π_t] and ℓ_t = −min(s_i,t·A_t, clip(s_i,t, 1−ε_low, 1+ε_high)·A_t).
 
-    ℓ_t is the sequence's loss on each of its tokens, so ``seq_mean_token_mean`` gives the paper's
-    mean over sequences. GSPO's clip ranges are small (paper: 3e-4 / 4e-4); set them in the recipe.
+    s_i,t has s_i's value, so the clip acts per sequence as GSPO's; its gradient is s_i·∇log π_t,
+    on token t alone. With one advantage per sequence (the group estimators) loss and gradient are
+    GSPO's: GSPO spreads ∇s_i = s_i/|y_i|·Σ_t ∇log π_t over the tokens and the mean over the
+    sequence's tokens gathers it back. With per-token advantages (gae, vtrace, per-turn discounts)
+    each token's gradient follows its own A_t, where GSPO's would follow the sequence's mean A.
+    ``seq_mean_token_mean`` gives the paper's mean over sequences. GSPO's clip ranges are small
+    (paper: 3e-4 / 4e-4); set them in the recipe.
     """
-    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
-    m = mask.to(logp.dtype)
-    count = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(0, seq_ids, m)
-    total = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add_(
-        0, seq_ids, (logp - behavior_logp) * m
-    )
-    s = torch.exp(total / count.clamp(min=1))[seq_ids]
+    m, lp = mask.to(logp.dtype), logp.detach()
+    log_s = seq_sum((lp - behavior_logp) * m, seq_ids) / seq_sum(m, seq_ids).clamp(min=1)
+    s = torch.exp(log_s) * torch.exp(logp - lp)  # s_i,t: s_i's value, gradient s_i·∇log π_t
     unclipped, clipped = s * adv, torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
@@ -209,6 +242,13 @@ def count_tokens_and_seqs(mask: Tensor, seq_ids: Tensor) -> Tensor:
     )
 
 
+def seq_sum(x: Tensor, seq_ids: Tensor) -> Tensor:
+    """Σ of ``x`` over each token's sequence, on every token of it (``x`` 0 where it must not
+    count). Differentiable in ``x``."""
+    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq_ids, x)[seq_ids]
+
+
 def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Normaliser) -> Tensor:
     """The c_t of L = Σ_t c_t ℓ_t (0 where mask is 0), with N_tok, N_seq, L from ``norm``:
     - ``token_mean``:              c_t = 1 / N_tok
@@ -219,11 +259,7 @@ def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Norm
     if aggregation == "token_mean":
         c = m / max(norm.tokens, 1)
     elif aggregation == "seq_mean_token_mean":
-        n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
-        length = torch.zeros(n, dtype=torch.float64, device=m.device).index_add_(0, seq_ids, m)[
-            seq_ids
-        ]
-        c = m / (length.clamp(min=1) * max(norm.seqs, 1))
+        c = m / (seq_sum(m, seq_ids).clamp(min=1) * max(norm.seqs, 1))
     elif aggregation == "seq_mean_token_sum_norm":
         if norm.seq_len <= 0:
             raise ValueError(
@@ -366,7 +402,10 @@ def policy_loss(
     (KL_t from :func:`kl_penalty`: the estimator's value, KL(π ‖ π_ref)'s gradient),
     α = ``entropy_coef``, H_t the caller's per-token entropy (with gradient). m_t drops tokens whose
     IS ratio ρ_t = π_prox/μ (π/μ without π_prox) lies outside [ratio_mask_low, ratio_mask_high]
-    (IcePop / masked IS; a bound of 0 is off); dropped tokens stay in the denominators.
+    (IcePop / masked IS), and every token of a sequence whose geometric-mean ratio
+    exp(mean_t log ρ_t) lies outside [seq_mask_low, seq_mask_high] (:func:`seq_in_bounds`); a
+    bound of 0 is off, and dropped tokens stay in the denominators. ``is_level: sequence`` gives
+    tis and decoupled_ppo the sequence's truncated weight (:func:`is_weight`).
 
     Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch, always
     keyed by :data:`STAT_KEYS`: add them up over micro-batches and ranks (start from
@@ -387,6 +426,8 @@ def policy_loss(
         return torch.where(valid, x, zero.to(x.dtype))
 
     lp = clean(logp, "logp")
+    ratio_masked = seq_masked = torch.zeros_like(valid)
+    level: dict[str, Tensor] = {}
     if name == "sft":
         log_rho, keep = torch.zeros_like(lp.detach()), valid
         per_token, clip_active = sft(lp)
@@ -395,27 +436,38 @@ def policy_loss(
         adv = clean(advantages, "advantages").detach()
         plp = clean(prox_logp, "prox_logp").detach() if needs_prox(name) else None
         log_rho = (lp.detach() if plp is None else plp) - blp
-        keep = valid & ratio_in_bounds(torch.exp(log_rho), cfg.ratio_mask_low, cfg.ratio_mask_high)
+        in_band = ratio_in_bounds(torch.exp(log_rho), cfg.ratio_mask_low, cfg.ratio_mask_high)
+        ratio_masked = valid & ~in_band
+        seq_masked = valid & ~seq_in_bounds(
+            log_rho, seq_ids, valid, cfg.seq_mask_low, cfg.seq_mask_high
+        )
+        keep = valid & ~ratio_masked & ~seq_masked
         eps = {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}
         dual = {"clip_c": cfg.clip_c if cfg.dual_clip else 0.0}
+        if cfg.is_level == "sequence":
+            level = {"seq_ids": seq_ids, "mask": valid}
         if name == "ppo":
             per_token, clip_active = ppo(lp, blp, adv, **eps, **dual)
         elif name == "decoupled_ppo":
             per_token, clip_active = decoupled_ppo(
-                lp, plp, blp, adv, **eps, is_cap=cfg.is_cap, **dual
+                lp, plp, blp, adv, **eps, is_cap=cfg.is_cap, **dual, **level
             )
         elif name == "tis":
-            per_token, clip_active = tis(lp, blp, adv, is_cap=cfg.is_cap)
+            per_token, clip_active = tis(lp, blp, adv, is_cap=cfg.is_cap, **level)
         elif name == "cispo":
             per_token, clip_active = cispo(lp, blp, adv, **eps)
         else:
             per_token, clip_active = gspo(lp, blp, adv, seq_ids=seq_ids, mask=keep, **eps)
 
     rho = torch.exp(log_rho)
-    capped = keep & (rho > cfg.is_cap) if name in ("decoupled_ppo", "tis") else keep & False
+    capped = keep & False
+    if name in ("decoupled_ppo", "tis"):
+        capped = keep & is_weight(log_rho, is_cap=cfg.is_cap, **level)[1]
     stats = {
         "tokens": valid.sum(),
-        "ratio_masked": (valid & ~keep).sum(),
+        "ratio_masked": ratio_masked.sum(),
+        "seqs": count_tokens_and_seqs(valid, seq_ids)[1],
+        "seq_masked": count_tokens_and_seqs(seq_masked, seq_ids)[1],
         "clipped": (keep & clip_active).sum(),
         "is_capped": capped.sum(),
         "is_weight": torch.where(valid, rho, 0).sum(),
@@ -456,8 +508,24 @@ def ratio_in_bounds(rho: Tensor, lo: float, hi: float) -> Tensor:
     return keep
 
 
+def seq_in_bounds(log_rho: Tensor, seq_ids: Tensor, mask: Tensor, lo: float, hi: float) -> Tensor:
+    """The sequence mask (``algorithm.seq_mask_low/high``; SkyRL's geometric mask, verl's geometric
+    rejection sampling): keep the tokens of each sequence y_i whose geometric-mean ratio
+    ρ̄_i = exp(1/|y_i| Σ_{t∈y_i} log ρ_t), over its ``mask`` tokens, lies in [lo, hi]; a bound of 0
+    is off. A sequence is judged whole: tokens whose ratios swing both ways but average out keep
+    it, as IcePop would not; one whose tokens drift the same way goes, whatever its length (the
+    mean, unlike the product, does not grow with it)."""
+    if lo <= 0 and hi <= 0:
+        return torch.ones_like(mask, dtype=torch.bool)
+    m = mask.bool()
+    x = torch.where(m, log_rho.detach(), 0)
+    mean = seq_sum(x, seq_ids) / seq_sum(m.to(x.dtype), seq_ids).clamp(min=1)
+    return ratio_in_bounds(torch.exp(mean), lo, hi)
+
+
 def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
-    """Summed stats → logged metrics (means over trained tokens; ESS = (Σw)² / (N·Σw²)).
+    """Summed stats → logged metrics (means over trained tokens, ``loss/seq_masked_frac`` over
+    trained sequences; ESS = (Σw)² / (N·Σw²)).
 
     Over no tokens every fraction is 0 and ESS is 1 (nothing to weight). The stats of
     :func:`value_loss` and :func:`bradley_terry` may be summed in too (or alone)."""
@@ -473,6 +541,7 @@ def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
             "loss/ess": 1.0,
             "loss/clip_frac": 0.0,
             "loss/ratio_masked_frac": 0.0,
+            "loss/seq_masked_frac": 0.0,
             "loss/is_capped_frac": 0.0,
         }
     out["loss/is_weight_mean"] = s["is_weight"] / n
@@ -481,6 +550,7 @@ def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
     )
     out["loss/clip_frac"] = s["clipped"] / n
     out["loss/ratio_masked_frac"] = s["ratio_masked"] / n
+    out["loss/seq_masked_frac"] = s["seq_masked"] / s["seqs"] if s["seqs"] > 0 else 0.0
     out["loss/is_capped_frac"] = s["is_capped"] / n
     out["loss/kl_mu_k1"] = s["kl_mu_k1"] / n
     out["loss/kl_mu_k3"] = s["kl_mu_k3"] / n
@@ -506,6 +576,8 @@ def _critic_metrics(s: dict[str, float]) -> dict[str, float]:
 STAT_KEYS = (
     "tokens",
     "ratio_masked",
+    "seqs",
+    "seq_masked",
     "clipped",
     "is_capped",
     "is_weight",

@@ -193,23 +193,24 @@ def test_gae_lambda_one_is_monte_carlo_and_zero_is_td():
 
 def test_vtrace_golden():
     # γ = 0.9, π/μ = [2, 0.5], ρ̄ = c̄ = 1: ρ = c = [1, 0.5]. Backwards, V after the end = 0:
-    #   t=1: v = 0.8 + 0.5·(1 − 0.8) = 0.9;                       A = 0.5·(1 − 0.8) = 0.1
-    #   t=0: v = 0.5 + 1·(0.9·0.8 − 0.5) + 0.9·1·(0.9 − 0.8) = 0.81; A = 1·(0.9·0.9 − 0.5) = 0.31
-    # With ρ̄ = 1.5 (c̄ = 1): ρ_0 = 1.5, so v_0 = 0.5 + 1.5·0.22 + 0.09 = 0.92, A_0 = 1.5·0.31.
-    # With π/μ = [0.5, 0.5]: t=0: v = 0.5 + 0.5·0.22 + 0.9·0.5·0.1 = 0.655, A = 0.5·0.31 = 0.155.
+    #   t=1: v = 0.8 + 0.5·(1 − 0.8) = 0.9;                          A = 1 − 0.8 = 0.2
+    #   t=0: v = 0.5 + 1·(0.9·0.8 − 0.5) + 0.9·1·(0.9 − 0.8) = 0.81; A = 0.9·0.9 − 0.5 = 0.31
+    # A carries no ρ: the policy loss's own weight is IMPALA's one ρ (docs/off-policy.md).
+    # With ρ̄ = 1.5 (c̄ = 1): ρ_0 = 1.5, so v_0 = 0.5 + 1.5·0.22 + 0.09 = 0.92; A unchanged.
+    # With π/μ = [0.5, 0.5]: t=0: v = 0.5 + 0.5·0.22 + 0.9·0.5·0.1 = 0.655; A unchanged.
     r, v, m = rows([0, 1]), rows([0.5, 0.8]), torch.ones(1, 2)
     log_mu = rows([-1.0, -1.0])
     log_pi = log_mu + torch.log(rows([2.0, 0.5]))
     a, vs = vtrace(r, v, log_pi, log_mu, m, gamma=0.9, rho_bar=1.0, c_bar=1.0)
     torch.testing.assert_close(vs, rows([0.81, 0.9]))
-    torch.testing.assert_close(a, rows([0.31, 0.1]))
+    torch.testing.assert_close(a, rows([0.31, 0.2]))
     a, vs = vtrace(r, v, log_pi, log_mu, m, gamma=0.9, rho_bar=1.5, c_bar=1.0)
     torch.testing.assert_close(vs, rows([0.92, 0.9]))
-    torch.testing.assert_close(a, rows([0.465, 0.1]))
+    torch.testing.assert_close(a, rows([0.31, 0.2]))
     log_pi = log_mu + math.log(0.5)
     a, vs = vtrace(r, v, log_pi, log_mu, m, gamma=0.9, rho_bar=1.0, c_bar=1.0)
     torch.testing.assert_close(vs, rows([0.655, 0.9]))
-    torch.testing.assert_close(a, rows([0.155, 0.1]))
+    torch.testing.assert_close(a, rows([0.31, 0.2]))
 
 
 def _random_batch(seed: int, b: int = 4, t: int = 7):

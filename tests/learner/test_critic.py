@@ -78,7 +78,7 @@ def test_kl_reward_and_vtrace_targets_by_hand():
     vs1 = v[1] + rho[1] * (r[1] - v[1])
     vs0 = v[0] + rho[0] * (r[0] + v[1] - v[0]) + rho[0] * (vs1 - v[1])  # c = ρ here (c̄ = ρ̄ = 1)
     np.testing.assert_allclose(s.returns[at : at + 2], [vs0, vs1], rtol=1e-6)
-    a = [rho[0] * (r[0] + vs1 - v[0]), rho[1] * (r[1] - v[1])]
+    a = [r[0] + vs1 - v[0], r[1] - v[1]]  # no ρ: the policy loss's weight is the one ρ
     np.testing.assert_allclose(s.token_advantages[at : at + 2], a, rtol=1e-6)
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl import recipe
+from asyncrl.learner.critic import assign_targets, token_targets
 from asyncrl.learner.losses import (
     KL_CLAMP,
     LOSSES,
@@ -28,6 +31,7 @@ from asyncrl.learner.losses import (
     variance_sums,
     zero_stats,
 )
+from asyncrl.learner.packing import make_sequence, pack
 from asyncrl.recipe import AlgorithmConfig
 
 F64 = torch.float64
@@ -142,6 +146,59 @@ def test_gspo_golden_and_gradient():
     assert finalize_stats(stats)["loss/clip_frac"] == pytest.approx(0.5)
 
 
+def _gspo_as_a_sequence_loss(logp, blp, adv, seq_ids, mask, clip_low, clip_high):
+    """GSPO's sequence form, the gradient through s_i's mean: what gspo computed before GSPO-token."""
+    m = mask.to(logp.dtype)
+    count = torch.zeros(int(seq_ids.max()) + 1, dtype=F64).index_add_(0, seq_ids, m)
+    total = torch.zeros(int(seq_ids.max()) + 1, dtype=F64).index_add_(0, seq_ids, (logp - blp) * m)
+    s = torch.exp(total / count.clamp(min=1))[seq_ids]
+    per_token = -torch.minimum(s * adv, torch.clamp(s, 1 - clip_low, 1 + clip_high) * adv)
+    tokens, seqs = count_tokens_and_seqs(mask, seq_ids).tolist()
+    c = token_weights(
+        mask, seq_ids, aggregation="seq_mean_token_mean", norm=Normaliser(tokens=tokens, seqs=seqs)
+    )
+    return torch.where(mask, per_token * c, 0).sum()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gspo_token_is_gspo_when_the_advantage_is_the_sequences(seed):
+    """One advantage per sequence (the group estimators): GSPO-token's loss is GSPO's exactly and
+    its gradient GSPO's (s_i/|y_i| on each token, gathered back by the mean over the tokens)."""
+    b = _random_batch(torch.Generator().manual_seed(seed), n_seqs=6, max_len=5)
+    kw = dict(clip_low=0.02, clip_high=0.03)  # some sequences clipped, some not
+    args = (b["blp"], b["adv"], b["seq_ids"], b["mask"], kw["clip_low"], kw["clip_high"])
+
+    def new(x):
+        return run("gspo", **{**b, "logp": x}, **kw)[0]
+
+    def old(x):
+        return _gspo_as_a_sequence_loss(x, *args)
+
+    assert float(new(b["logp"])) == float(old(b["logp"]))
+    g_new, g_old = grad_of(new, b["logp"]), grad_of(old, b["logp"])
+    torch.testing.assert_close(g_new, g_old, rtol=1e-12, atol=1e-15)
+    assert (g_old != 0).any() and (g_old[b["mask"]] == 0).any()  # both clipped and unclipped
+
+
+def test_gspo_token_gradient_follows_each_tokens_advantage():
+    """Per-token advantages (gae, vtrace, per-turn discounts): token t of y_i has the ratio
+    s_i,t = sg[s_i]·π_t/sg[π_t], so ∂ℓ_t/∂log π_t = −s_i·A_t where unclipped, and the clip acts per
+    token by the sign of A_t. Sequence GSPO would give every token of y_i the same −s_i·mean(A)/|y_i|.
+
+    Seq 0: ratios [2, 0.5, 1] → s0 = 1, A = [1, −2, 0.5]; seq 1: ratios [1.44, 1] → s1 = 1.2,
+    A = [1, −1]; clip [0.8, 1.1]: seq 1's A > 0 token is clipped (min(1.2, 1.1)), its A < 0 one not.
+    seq_mean_token_mean: c = 1/(3·2) on seq 0, 1/(2·2) on seq 1."""
+    blp = t(-1.0, -2.0, -0.5, -1.5, -0.7)
+    logp = blp + torch.log(t(2.0, 0.5, 1.0, 1.44, 1.0))
+    seq, adv = torch.tensor([0, 0, 0, 1, 1]), t(1.0, -2.0, 0.5, 1.0, -1.0)
+    kw = dict(seq_ids=seq, clip_low=0.2, clip_high=0.1)
+    loss, stats = run("gspo", logp=logp, blp=blp, adv=adv, **kw)
+    assert float(loss) == pytest.approx(-(1 - 2 + 0.5) / 6 - (1.1 - 1.2) / 4)
+    assert finalize_stats(stats)["loss/clip_frac"] == pytest.approx(1 / 5)
+    g = grad_of(lambda x: run("gspo", logp=x, blp=blp, adv=adv, **kw)[0], logp)
+    torch.testing.assert_close(g, t(-1 / 6, 2 / 6, -0.5 / 6, 0.0, 1.2 / 4))
+
+
 def test_sft_is_masked_cross_entropy():
     mask = torch.tensor([True, False, True, True])
     loss, _ = run("sft", logp=LOGP, mask=mask)
@@ -188,13 +245,16 @@ def _random_batch(gen, n_seqs, max_len):
     aggregation=st.sampled_from(AGGS),
     seed=st.integers(0, 2**31 - 1),
     n_micro=st.integers(1, 4),
+    is_level=st.sampled_from(["token", "sequence"]),
 )
-def test_micro_batch_split_invariance(loss, aggregation, seed, n_micro):
+def test_micro_batch_split_invariance(loss, aggregation, seed, n_micro, is_level):
     """Σ over micro-batches of (contribution / global normaliser) = the full-batch loss, and so
     are the gradients; whole sequences per micro-batch, split points drawn at random."""
     gen = torch.Generator().manual_seed(seed)
     b = _random_batch(gen, n_seqs=6, max_len=5)
-    kw = dict(aggregation=aggregation, ratio_mask_high=1.3, kl_coef=0.1)
+    kw = dict(aggregation=aggregation, ratio_mask_high=1.3, kl_coef=0.1, seq_mask_high=1.1)
+    if loss in ("tis", "decoupled_ppo"):
+        kw["is_level"] = is_level
     ref = b["blp"] + 0.05
     tok, seqs = count_tokens_and_seqs(b["mask"], b["seq_ids"]).tolist()
     norm = Normaliser(tokens=tok, seqs=seqs, seq_len=7)
@@ -243,19 +303,15 @@ def test_summed_stats_equal_full_batch_stats():
     gen = torch.Generator().manual_seed(1)
     b = _random_batch(gen, n_seqs=4, max_len=6)
     norm = Normaliser(tokens=1, seqs=1)
-    _, full = run("decoupled_ppo", **b, norm=norm, clip_low=0.1, clip_high=0.1)
+    kw = dict(norm=norm, clip_low=0.1, clip_high=0.1, seq_mask_low=0.97)
+    _, full = run("decoupled_ppo", **b, **kw)
     sums = None
     for s in (b["seq_ids"] < 2, b["seq_ids"] >= 2):
-        _, part = run(
-            "decoupled_ppo",
-            **{k: v[s] for k, v in b.items()},
-            norm=norm,
-            clip_low=0.1,
-            clip_high=0.1,
-        )
+        _, part = run("decoupled_ppo", **{k: v[s] for k, v in b.items()}, **kw)
         sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
     assert finalize_stats(sums) == pytest.approx(finalize_stats(full))
     assert finalize_stats(full)["loss/clip_frac"] > 0  # the example exercises clipping
+    assert 0 < finalize_stats(full)["loss/seq_masked_frac"] < 1  # and the sequence mask
 
 
 # ---- identities ---------------------------------------------------------------------------------
@@ -284,11 +340,13 @@ def test_on_policy_every_weight_is_one(loss):
     gradient is the plain policy gradient −A·∇log π / N."""
     b = _random_batch(torch.Generator().manual_seed(3), n_seqs=3, max_len=4)
     b["blp"] = b["prox_logp"] = b["logp"].clone()
-    kw = dict(ratio_mask_low=0.9, ratio_mask_high=1.1, is_cap=1.0)
+    kw = dict(ratio_mask_low=0.9, ratio_mask_high=1.1, seq_mask_low=0.99, seq_mask_high=1.01)
+    kw |= dict(is_cap=1.0)
     _, stats = run(loss, **b, **kw)
     m = finalize_stats(stats)
     assert m["loss/is_weight_mean"] == 1.0 and m["loss/ess"] == 1.0
     assert m["loss/clip_frac"] == m["loss/is_capped_frac"] == m["loss/ratio_masked_frac"] == 0.0
+    assert m["loss/seq_masked_frac"] == 0.0
     assert m["loss/kl_mu_k1"] == m["loss/kl_mu_k3"] == 0.0
     g = grad_of(lambda x: run(loss, **{**b, "logp": x}, **kw)[0], b["logp"])
     tokens, seqs = count_tokens_and_seqs(b["mask"], b["seq_ids"]).tolist()
@@ -352,6 +410,78 @@ def test_ratio_masking_in_gspo_drops_tokens_from_the_geometric_mean():
     kw = dict(seq_ids=seq, aggregation="seq_mean_token_mean", ratio_mask_high=1.2)
     loss, _ = run("gspo", logp=LOGP, blp=BLP, adv=adv, **kw)
     assert float(loss) == pytest.approx((-0.5 / 2 + math.sqrt(1.1)) / 2)
+
+
+# Sequence-level corrections. Seq 0: ratios [2, 0.5] (geometric mean 1, product 1); seq 1: [1.5,
+# 1.5] (1.5, 2.25); seq 2: [0.5] (0.5); seq 3: [1.1]. Token-level ρ would be far from 1 in seq 0.
+SEQ_BLP = t(-1.0, -2.0, -0.5, -1.5, -0.7, -0.3)
+SEQ_R = t(2.0, 0.5, 1.5, 1.5, 0.5, 1.1)
+SEQ_LOGP = SEQ_BLP + torch.log(SEQ_R)
+SEQ_IDS = torch.tensor([0, 0, 1, 1, 2, 3])
+SEQ_A = t(1.0, -1.0, 2.0, 1.0, -1.0, 0.5)
+
+
+def test_seq_mask_drops_sequences_whose_geometric_mean_ratio_leaves_the_band():
+    """[0.8, 1.2] keeps seq 0 (mean 1, though its tokens' ratios are 2 and 0.5) and seq 3, drops
+    seq 1 (1.5 > 1.2) and seq 2 (0.5 < 0.8). Dropped sequences stay in the denominators, as
+    IcePop's tokens do: tis's gradient on the kept tokens is −ρ_t·A_t/6, 0 on the dropped ones."""
+    kw = dict(seq_ids=SEQ_IDS, seq_mask_low=0.8, seq_mask_high=1.2)
+    loss, stats = run("tis", logp=SEQ_LOGP, blp=SEQ_BLP, adv=SEQ_A, **kw)
+    kept = torch.tensor([True, True, False, False, False, True])
+    assert float(loss) == pytest.approx(float(-(SEQ_R * SEQ_A * SEQ_LOGP)[kept].sum() / 6))
+    g = grad_of(lambda x: run("tis", logp=x, blp=SEQ_BLP, adv=SEQ_A, **kw)[0], SEQ_LOGP)
+    torch.testing.assert_close(g, torch.where(kept, -SEQ_R * SEQ_A / 6, 0.0))
+    m = finalize_stats(stats)
+    assert m["loss/seq_masked_frac"] == 0.5 and m["loss/ratio_masked_frac"] == 0.0
+    only_high, stats = run(
+        "tis", logp=SEQ_LOGP, blp=SEQ_BLP, adv=SEQ_A, **{**kw, "seq_mask_low": 0}
+    )
+    assert finalize_stats(stats)["loss/seq_masked_frac"] == 0.25
+    kept[4] = True
+    assert float(only_high) == pytest.approx(float(-(SEQ_R * SEQ_A * SEQ_LOGP)[kept].sum() / 6))
+
+
+@pytest.mark.parametrize("loss", RL_LOSSES)
+def test_seq_mask_zeroes_the_dropped_sequences_and_leaves_the_others(loss):
+    """Every loss: a kept sequence's gradient is the unmasked loss's. decoupled_ppo's band is on
+    π_prox/μ (as IcePop's): with π_prox = μ it drops nothing, whatever π is."""
+    b = dict(blp=SEQ_BLP, adv=SEQ_A, seq_ids=SEQ_IDS, prox_logp=SEQ_LOGP)
+    b |= dict(clip_low=0.6, clip_high=1.0)  # no clip acts: every unmasked token has a gradient
+    band = dict(seq_mask_low=0.8, seq_mask_high=1.2)
+    g_all = grad_of(lambda x: run(loss, logp=x, **b)[0], SEQ_LOGP)
+    g = grad_of(lambda x: run(loss, logp=x, **b, **band)[0], SEQ_LOGP)
+    kept = torch.tensor([True, True, False, False, False, True])
+    torch.testing.assert_close(g, torch.where(kept, g_all, 0.0))
+    assert (g_all[~kept] != 0).any()
+    prox_at_mu = {**b, "prox_logp": SEQ_BLP}
+    _, stats = run("decoupled_ppo", logp=SEQ_LOGP, **prox_at_mu, **band)
+    assert finalize_stats(stats)["loss/seq_masked_frac"] == 0.0
+
+
+def test_sequence_level_is_weight_is_the_truncated_product_of_the_ratios():
+    """``is_level: sequence`` (verl's rollout_is: sequence): each token of y_i is weighted by
+    w_i = sg[min(Π_{t∈y_i} ρ_t, C)]. Seq 0: ratios [2, 0.5, 1.5] → 1.5; seq 1: [3, 2] → 6 → C = 5.
+    tis: ∂L/∂log π_t = −w_i·A_t/N; decoupled_ppo: −w_i·r_t·A_t/N with ρ = π_prox/μ, r = π/π_prox."""
+    blp = t(-1.0, -2.0, -0.5, -1.5, -0.7)
+    rho = t(2.0, 0.5, 1.5, 3.0, 2.0)
+    seq, adv = torch.tensor([0, 0, 0, 1, 1]), t(1.0, -1.0, 2.0, 1.0, -1.0)
+    w = t(1.5, 1.5, 1.5, 5.0, 5.0)
+    kw = dict(seq_ids=seq, is_level="sequence", is_cap=5.0)
+    logp = blp + torch.log(rho)
+    loss, stats = run("tis", logp=logp, blp=blp, adv=adv, **kw)
+    assert float(loss) == pytest.approx(float(-(w * adv * logp).sum() / 5))
+    assert finalize_stats(stats)["loss/is_capped_frac"] == pytest.approx(2 / 5)
+    g = grad_of(lambda x: run("tis", logp=x, blp=blp, adv=adv, **kw)[0], logp)
+    torch.testing.assert_close(g, -w * adv / 5)
+    r = t(1.1, 1.0, 0.95, 1.0, 1.05)  # inside the clip [0.8, 1.28]
+    prox = logp.clone()
+    g = grad_of(
+        lambda x: run("decoupled_ppo", logp=x, blp=blp, adv=adv, prox_logp=prox, **kw)[0],
+        prox + torch.log(r),
+    )
+    torch.testing.assert_close(g, -w * r * adv / 5)
+    _, stats = run("decoupled_ppo", logp=logp, blp=blp, adv=adv, prox_logp=prox, **kw)
+    assert finalize_stats(stats)["loss/is_capped_frac"] == pytest.approx(2 / 5)
 
 
 def test_masked_positions_may_hold_garbage():
@@ -573,6 +703,68 @@ def test_decoupled_ppo_with_prox_equal_to_pi_is_tis(aggregation):
     assert float((g_dec - g_tis).abs().max()) <= 1e-7 * float(g_tis.abs().max())
     _, stats = run("decoupled_ppo", **{**b, "prox_logp": b["logp"]}, **kw)
     assert finalize_stats(stats)["loss/clip_frac"] == 0.0
+
+
+# ---- V-trace: one importance weight per token, along the learner's own path ---------------------
+
+
+def _vtrace_through_the_learner(loss, samples, *, whiten):
+    """The learner's path from the critic's values to the loss's gradient: one-token samples
+    (π/μ, reward, V) → ``token_targets`` (or ``assign_targets``, which the trainer calls: it
+    whitens over the batch) → ``pack`` → ``policy_loss`` with the micro-batch's tensors as
+    ``Trainer._micro_batch`` passes them, π = π_prox (the batch's one update), the recipe's config
+    (validated: the recipe accepts the loss with ``advantage: vtrace``). Returns ∂L/∂log π and c_t."""
+    r = recipe.from_dict({"algorithm": {"loss": loss, "advantage": "vtrace", "clip_low": 0.6}})
+    alg = r.algorithm
+    seqs = []
+    for i, (ratio, reward, value) in enumerate(samples):
+        s = make_sequence(
+            i, np.array([1, 2]), np.array([3]), behavior_logprobs=np.array([-1.0]), reward=reward
+        )
+        s.values = np.array([0.0, value], np.float32)  # completion token 0 sits at row position 1
+        s.prox_logp = np.array([0.0, -1.0 + math.log(ratio)], np.float32)
+        seqs.append(s)
+    if whiten:
+        assign_targets(seqs, alg, reduce=False)
+    else:
+        token_targets(seqs, alg)
+    mb = pack(seqs)
+    logp = mb.prox_logp.clone().requires_grad_(True)
+    tokens, n_seqs = count_tokens_and_seqs(mb.mask, mb.seq_ids).tolist()
+    norm = Normaliser(tokens=tokens, seqs=n_seqs, seq_len=float(r.rollout.max_new_tokens))
+    out, _ = policy_loss(
+        cfg=alg,
+        norm=norm,
+        logp=logp,
+        mask=mb.mask,
+        seq_ids=mb.seq_ids,
+        behavior_logp=mb.behavior_logp,
+        advantages=mb.advantages,
+        prox_logp=mb.prox_logp if needs_prox(loss) else None,
+    )
+    (g,) = torch.autograd.grad(out, logp)
+    c = token_weights(mb.mask, mb.seq_ids, aggregation=alg.aggregation_used, norm=norm)
+    return g.double(), c
+
+
+@pytest.mark.parametrize("loss", RL_LOSSES)
+def test_vtrace_weights_a_stale_token_by_its_ratio_once(loss):
+    """IMPALA's policy gradient is ρ_t·∇log π_t·(r_t + γ·v_{t+1} − V(x_t)) with ONE ρ. A stale
+    token with π/μ = 0.5, r = 1, V = 0: ∂L/∂log π = −0.5·c (the loss's own weight is the ρ; the
+    advantage is 1), not −0.25 (ρ in the advantage and again in the loss)."""
+    g, c = _vtrace_through_the_learner(loss, [(0.5, 1.0, 0.0)], whiten=False)
+    torch.testing.assert_close(g, -0.5 * c, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("loss", RL_LOSSES)
+def test_vtrace_advantages_whitened_as_the_trainer_does_carry_no_ratio(loss):
+    """The trainer whitens the critic's advantages over the batch: TD errors [1, 0, −1] (the stale
+    token's without its ρ = 0.5) → Â = δ/std(δ); each token's gradient is −(π/μ)·Â·c."""
+    g, c = _vtrace_through_the_learner(
+        loss, [(0.5, 1.0, 0.0), (1.0, 0.0, 0.0), (1.0, -1.0, 0.0)], whiten=True
+    )
+    a_hat = t(1.0, 0.0, -1.0) / math.sqrt(2 / 3)
+    torch.testing.assert_close(g, -t(0.5, 1.0, 1.0) * a_hat * c, rtol=1e-6, atol=1e-7)
 
 
 # --------------------------------------------------------------------------------------------------
