@@ -171,7 +171,8 @@ class RolloutConfig:
         1.0,
         lo=0,
         hi=1,
-        doc="with turn_samples: turn t of T gets the trajectory's reward R as γ^(T-1-t)·R",
+        doc="with turn_samples: turn t of T gets the trajectory's reward R as γ^(T-1-t)·R, and "
+        "γ^(T-1-t) times its episode's advantage (the group baseline is over episodes)",
     )
     temperature: float = _f(1.0, lo=0)
     top_p: float = _f(1.0, lo=0, hi=1, lo_open=True)

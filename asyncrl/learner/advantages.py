@@ -24,6 +24,17 @@ ReMax (:func:`remax_groups`) is the one group estimator with an outside baseline
 greedy-completion reward, which the rollout worker scores alongside the group
 (``wire.Group.baseline_reward``). Its advantages are r_i − b_g, so an all-equal group still has a
 signal when the greedy completion scored differently, and a group of one has a baseline.
+
+Per-turn samples (``rollout.turn_samples``, :mod:`asyncrl.rollout.turns`): a group's members are its
+episodes, not its samples. :func:`compute_advantages` runs the estimator over one reward per
+episode, its undiscounted R (its last turn's reward; the earlier turns' rewards, discounted by the
+worker, are not read again), and gives turn t of T γ^(T-1-t) times its episode's advantage
+(γ = ``rollout.turn_discount``). Over the samples instead, an episode's own
+turns would sit in its baseline (RLOO would no longer leave it out) and a long episode would weigh
+more in the mean and std. Discounting the advantage, not the reward before the baseline, is the
+discounted return from turn t, γ^(T-1-t)·R, less the baseline discounted alike, γ^(T-1-t)·b: no
+turn of an episode that scored its group's baseline has an advantage (an all-equal group gives
+exactly 0, and ReMax's greedy R, undiscounted as R is, cancels a successful episode on every turn).
 """
 
 from __future__ import annotations
@@ -107,19 +118,80 @@ ESTIMATORS: dict[str, Callable[..., Tensor]] = {
 sample's group baseline (only ReMax reads it)."""
 
 
+TurnPlace = tuple[str, int, int]
+"""A per-turn sample's place in its group: (its episode's key, turn t, of T turns)."""
+
+
+def _episodes(
+    r: Tensor, sizes: list[int], turns: Sequence[Sequence[TurnPlace | None]], gamma: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-turn samples as episodes (module docstring): each episode's reward and group index, and
+    each sample's episode index and discount γ^(T-1-t). A sample with no place (None) is an episode
+    of its own. An episode's reward is its last turn's, the one whose reward is undiscounted."""
+    if len(turns) != len(sizes):
+        raise ValueError(f"turns: {len(turns)} entries for {len(sizes)} groups")
+    rewards = r.tolist()
+    ep_reward: list[float | None] = []
+    ep_group: list[int] = []
+    of: list[int] = []
+    discount: list[float] = []
+    i = 0
+    for gi, (n, places) in enumerate(zip(sizes, turns, strict=True)):
+        if len(places) != n:
+            raise ValueError(f"turns[{gi}]: {len(places)} entries for {n} samples")
+        index: dict[str, tuple[int, int]] = {}  # episode key -> (episode index, T)
+        for place in places:
+            if place is None:
+                e, w = len(ep_reward), 1.0
+                ep_reward.append(rewards[i])
+                ep_group.append(gi)
+            else:
+                key, t, T = place
+                if not 0 <= t < T:
+                    raise ValueError(f"turns[{gi}]: episode {key!r}: turn {t} of {T}")
+                e, seen = index.setdefault(key, (len(ep_reward), T))
+                if seen != T:
+                    raise ValueError(
+                        f"turns[{gi}]: episode {key!r}: turn {t} of {T}, an earlier turn said {seen}"
+                    )
+                if e == len(ep_reward):
+                    ep_reward.append(None)
+                    ep_group.append(gi)
+                if t == T - 1:
+                    ep_reward[e] = rewards[i]
+                w = gamma ** (T - 1 - t)
+            of.append(e)
+            discount.append(w)
+            i += 1
+        for key, (e, _) in index.items():
+            if ep_reward[e] is None:
+                raise ValueError(f"turns[{gi}]: episode {key!r} has no last turn (its reward)")
+    return (
+        torch.tensor(ep_reward, dtype=torch.float64),
+        torch.tensor(ep_group),
+        torch.tensor(of),
+        torch.tensor(discount, dtype=torch.float64),
+    )
+
+
 def compute_advantages(
     rewards: Tensor | Sequence[Sequence[float] | Tensor],
     *,
     kind: AdvantageKind,
     eps: float = 1e-6,
     baselines: Sequence[float | None] | None = None,
+    turns: Sequence[Sequence[TurnPlace | None]] | None = None,
+    turn_discount: float = 1.0,
 ) -> Tensor | list[Tensor]:
     """Per-sample advantages, shaped like ``rewards``.
 
     ``rewards`` is either a ``[num_groups, group_size]`` tensor (returns a tensor of that shape) or a
     list of per-group reward lists of any sizes (returns a list of 1-D tensors, one per group).
     ``baselines`` has one entry per group, ``Group.baseline_reward`` (None: the group has none);
-    ``remax`` needs it, the other estimators ignore it.
+    ``remax`` needs it, the other estimators ignore it. ``turns``, shaped like ``rewards``, gives
+    each per-turn sample's place in its episode (None: a whole episode), and ``turn_discount`` the
+    γ its rewards were discounted with: the estimator then runs over episodes and each turn gets
+    its episode's advantage discounted (module docstring).
     """
     if kind not in ESTIMATORS:
         raise ValueError(
@@ -145,6 +217,8 @@ def compute_advantages(
             "rewards: non-finite reward (NaN or inf); a failed reward must be a number"
         )
     g = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    if turns is not None:  # the estimator's members are episodes; turns map back to them after
+        r, g, of, discount = _episodes(r, sizes, turns, turn_discount)
     b = None
     if baselines is not None:
         if len(baselines) != len(sizes):
@@ -153,7 +227,10 @@ def compute_advantages(
         if torch.isinf(b).any():
             raise ValueError("baselines: infinite baseline reward")
         b = b[g]
-    adv = ESTIMATORS[kind](r, g, eps=eps, baseline=b).to(dtype)
+    adv = ESTIMATORS[kind](r, g, eps=eps, baseline=b)
+    if turns is not None:
+        adv = adv[of] * discount
+    adv = adv.to(dtype)
     if isinstance(rewards, Tensor):
         return adv.reshape(rewards.shape)
     return list(adv.split(sizes))

@@ -90,6 +90,7 @@ from asyncrl.learner.placement import (
 from asyncrl.learner.reshard import reshard
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe, RecipeError, check_placement
+from asyncrl.rollout.turns import turn_of
 
 Publisher = Callable[[int, "Trainer"], None]
 """Called on every rank after each optimizer step with the new version (weights, announcements)."""
@@ -841,7 +842,9 @@ class Trainer:
 
     def group_advantages(self, batch: Batch, seqs: list[Sequence]) -> dict[str, float]:
         """Each sequence's advantage from its group's rewards (``algorithm.advantage``);
-        ``seqs`` are :meth:`sequences` of ``batch``. Returns the batch's ReMax count."""
+        ``seqs`` are :meth:`sequences` of ``batch``. Per-turn samples (``rollout.turn_samples``)
+        are found by the place each carries (``turn_of``): the group's baseline is over episodes.
+        Returns the batch's ReMax count."""
         groups = [g for g in batch.groups if g.samples]
         if not groups:
             return {}
@@ -851,6 +854,8 @@ class Trainer:
             kind=self.alg.advantage,
             eps=self.alg.adv_eps,
             baselines=baselines,
+            turns=[[turn_of(s) for s in g.samples] for g in groups],
+            turn_discount=self.recipe.rollout.turn_discount,
         )
         for seq, a in zip(seqs, torch.cat(advs).tolist(), strict=True):
             seq.advantage = a

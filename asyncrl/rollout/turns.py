@@ -8,7 +8,16 @@ conversation before it (the tokens the engine saw for that call: the token-consi
 the model produced in that turn. The trajectory's reward R goes to its last turn, and each earlier
 turn gets it discounted by the turns after it: turn t of T gets γ^(T-1-t)·R
 (``rollout.turn_discount``; AReaL's ``apply_reward_discount`` with the reward on the last call).
-The learner then normalises the group's advantages over all its turns' samples.
+
+The turns stay one episode for the learner. Each carries its place, ``metadata["episode"]`` (the
+trajectory's sample id), ``["turn"]`` t and ``["turns_trained"]`` T (:func:`turn_of` reads them back;
+metadata crosses the wire as it is), and the group estimators take their baseline over episodes,
+each turn getting γ^(T-1-t) times its episode's advantage
+(:func:`asyncrl.learner.advantages.compute_advantages`): an episode's own turns are no part of its
+baseline, and a long episode weighs as much as a short one. Each turn also carries the trajectory's
+finish reason: its reward is the trajectory's, so a trajectory cut at ``max_new_tokens`` is cut for
+every turn, and the overlong filter masks them all (the buffer's ``overlong_samples`` then counts
+each turn, the samples it masked).
 
 A model turn is a maximal run of loss_mask-1 tokens: two calls with nothing between them (the
 agent asked the model to go on) are one turn.
@@ -17,10 +26,29 @@ agent asked the model to go on) are one turn.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
 from asyncrl import wire
+
+
+class TurnOf(NamedTuple):
+    """A per-turn sample's place: turn ``turn`` of the ``turns`` trained turns of ``episode``, the
+    trajectory's sample id (``<group>/<episode>``; its turns' ids are ``<episode>.<turn>``)."""
+
+    episode: str
+    turn: int
+    turns: int
+
+
+def turn_of(sample: wire.Sample) -> TurnOf | None:
+    """Where :func:`split_turns` put ``sample``; None for a whole episode (not split, or left whole
+    for want of a trained token)."""
+    m = sample.metadata
+    if not {"episode", "turn", "turns_trained"} <= m.keys():
+        return None
+    return TurnOf(str(m["episode"]), int(m["turn"]), int(m["turns_trained"]))
 
 
 def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
@@ -40,7 +68,6 @@ def split_turns(sample: wire.Sample, discount: float = 1.0) -> list[wire.Sample]
     out = []
     for t, (a, b) in enumerate(spans):
         prompt = np.concatenate([sample.prompt_ids, sample.completion_ids[:a]])
-        last = t == turns - 1
         out.append(
             dataclasses.replace(
                 sample,
@@ -51,9 +78,13 @@ def split_turns(sample: wire.Sample, discount: float = 1.0) -> list[wire.Sample]
                 versions=sample.versions[a:b],
                 loss_mask=sample.loss_mask[a:b],
                 reward=sample.reward * discount ** (turns - 1 - t),
-                # only the last turn ended the episode; an earlier one ended where the model stopped
-                finish_reason=sample.finish_reason if last else "stop",
-                metadata={**sample.metadata, "turn": t, "turns_trained": turns},
+                finish_reason=sample.finish_reason,  # the trajectory's, as its reward (docstring)
+                metadata={
+                    **sample.metadata,
+                    "episode": sample.id,
+                    "turn": t,
+                    "turns_trained": turns,
+                },
             )
         )
     return out

@@ -329,3 +329,94 @@ def test_remax_group_without_a_baseline_uses_its_mean():
     torch.testing.assert_close(
         compute_advantages([[1.0, 0.0]], kind="grpo", baselines=[5.0]), adv([[1.0, 0.0]], "grpo")
     )
+
+
+# ---- per-turn samples (rollout.turn_samples): the group baseline is over episodes ----------------
+
+
+def per_turn(groups, gamma):
+    """Each group's episodes (R, T) as rollout/turns.py sends them: T samples, turn t with reward
+    γ^(T-1-t)·R and its place (episode id, t, T)."""
+    rewards = [[gamma ** (T - 1 - t) * R for R, T in g for t in range(T)] for g in groups]
+    turns = [
+        [(f"{gi}/{e}", t, T) for e, (_, T) in enumerate(g) for t in range(T)]
+        for gi, g in enumerate(groups)
+    ]
+    return rewards, turns
+
+
+def test_turns_of_one_episode_are_one_member_of_the_group_baseline():
+    # Episode A: 3 turns, R = 1; episode B: 1 turn, R = 0. Over episodes RLOO is [1, −1] and GRPO
+    # (mean 1/2, std √(1/2)) ±1/√2: every turn of A gets A's value, B's turn B's. Normalised over
+    # the 4 samples instead, RLOO gave [1/3, 1/3, 1/3, −1] and GRPO weighed A three times.
+    rewards, turns = per_turn([[(1.0, 3), (0.0, 1)]], gamma=1.0)
+    rloo = compute_advantages(rewards, kind="rloo", turns=turns)
+    torch.testing.assert_close(rloo[0], torch.tensor([1.0, 1.0, 1.0, -1.0]))
+    grpo = compute_advantages(rewards, kind="grpo", eps=EPS, turns=turns)
+    s = 1 / math.sqrt(2)
+    torch.testing.assert_close(grpo[0], torch.tensor([s, s, s, -s]))
+    # γ = 1/2: turn t of T gets γ^(T-1-t) × its episode's advantage
+    rewards, turns = per_turn([[(1.0, 3), (0.0, 1)]], gamma=0.5)
+    rloo = compute_advantages(rewards, kind="rloo", turns=turns, turn_discount=0.5)
+    torch.testing.assert_close(rloo[0], torch.tensor([0.25, 0.5, 1.0, -1.0]))
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("kind", [*KINDS, "remax"])
+def test_group_estimators_over_turns_give_each_turn_its_discounted_episode_advantage(kind, gamma):
+    """Every group estimator over per-turn samples equals the estimator over the episodes (one
+    reward each, the undiscounted R), turn t of T scaled by γ^(T-1-t); ReMax's greedy baseline
+    is undiscounted like R, so it is discounted alike."""
+    episodes = [
+        [(1.0, 3), (0.0, 1), (0.5, 2)],
+        [(2.0, 1), (2.0, 4)],  # all equal: no signal, whatever the turns' discounted rewards
+        [(0.0, 2)],  # one episode: no baseline
+        [(1.0, 1), (0.0, 2), (0.0, 1), (1.0, 3)],
+    ]
+    baselines = [0.25, 1.0, None, 1.0]
+    by_episode = compute_advantages(
+        [[R for R, _ in g] for g in episodes], kind=kind, eps=EPS, baselines=baselines
+    )
+    rewards, turns = per_turn(episodes, gamma)
+    out = compute_advantages(
+        rewards, kind=kind, eps=EPS, baselines=baselines, turns=turns, turn_discount=gamma
+    )
+    for a, e, g in zip(out, by_episode, episodes, strict=True):
+        want = [
+            gamma ** (T - 1 - t) * x
+            for x, (_, T) in zip(e.tolist(), g, strict=True)
+            for t in range(T)
+        ]
+        torch.testing.assert_close(a, torch.tensor(want))
+    # whole-episode samples (no place: None) are each their own episode, as without ``turns``
+    flat = [[R for R, _ in g] for g in episodes]
+    same = compute_advantages(
+        flat, kind=kind, eps=EPS, baselines=baselines, turns=[[None] * len(g) for g in flat]
+    )
+    for a, e in zip(same, by_episode, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def test_remax_over_turns_discounts_the_greedy_baseline_alike():
+    """Every episode and the greedy one succeed: no turn has an advantage. (γ^(T-1-t)·R against
+    the undiscounted greedy R gave every earlier turn a negative one.)"""
+    rewards, turns = per_turn([[(1.0, 3), (1.0, 2)]], gamma=0.5)
+    out = compute_advantages(rewards, kind="remax", baselines=[1.0], turns=turns, turn_discount=0.5)
+    torch.testing.assert_close(out[0], torch.zeros(5))
+    # the greedy episode failed to score (0): each turn gets γ^(T-1-t)·(R − b)
+    out = compute_advantages(rewards, kind="remax", baselines=[0.0], turns=turns, turn_discount=0.5)
+    torch.testing.assert_close(out[0], torch.tensor([0.25, 0.5, 1.0, 0.5, 1.0]))
+
+
+def test_turns_that_do_not_make_whole_episodes_are_refused():
+    rewards = [[0.5, 1.0, 0.0]]
+    with pytest.raises(ValueError, match="turns: 1 entries for 2 groups"):
+        compute_advantages([[1.0], [0.0]], kind="rloo", turns=[[None]])
+    with pytest.raises(ValueError, match=r"turns\[0\]: 2 entries for 3 samples"):
+        compute_advantages(rewards, kind="rloo", turns=[[("a", 0, 2), ("a", 1, 2)]])
+    with pytest.raises(ValueError, match="episode 'a' has no last turn"):
+        compute_advantages(rewards, kind="rloo", turns=[[("a", 0, 3), ("a", 1, 3), None]])
+    with pytest.raises(ValueError, match="episode 'a': turn 2 of 2"):
+        compute_advantages(rewards, kind="rloo", turns=[[("a", 0, 2), ("a", 2, 2), None]])
+    with pytest.raises(ValueError, match="episode 'a': turn 1 of 3, an earlier turn said 2"):
+        compute_advantages(rewards, kind="rloo", turns=[[("a", 0, 2), ("a", 1, 3), None]])

@@ -321,3 +321,49 @@ def test_remax_advantages_are_each_reward_minus_its_groups_greedy_reward(tiny_qw
     np.testing.assert_allclose([s.advantage for s in seqs], want, rtol=1e-6, atol=1e-6)
     res = tr.step(batch)
     assert np.isfinite(res.loss) and res.metrics["learner/remax_mean_baselines"] == 1.0
+
+
+def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_all_filtered(
+    tiny_qwen3, tmp_path
+):
+    """``rollout.turn_samples``: the learner finds each turn's episode in its metadata as it came
+    over the wire (rollout/turns.py). RLOO then leaves out the other episodes, not the episode's
+    own turns: episode A (3 turns, R = 1) against B (1 turn, R = 0) is [1, −1] over episodes, and
+    with γ = 1/2 A's turns get [1/4, 1/2, 1] of A's 1. A was cut at max_new_tokens: the overlong
+    filter masks all three of its turns, each of which carries A's truncated reward."""
+    from asyncrl.rollout.turns import split_turns
+
+    gamma = 0.5
+    tr = make_trainer(
+        tiny_qwen3,
+        tmp_path,
+        algorithm={"advantage": "rloo"},
+        rollout={"turn_samples": True, "turn_discount": gamma},
+        learner=RL["learner"],
+        buffer={**RL["buffer"], "overlong_filter": True},
+    )
+    rng = np.random.default_rng(0)
+    vocab = tr.spec.model.vocab_size
+
+    def episode(i: int, mask: list[int], reward: float, finish: str) -> wire.Sample:
+        n = len(mask)
+        return wire.Sample(
+            id=f"g/{i}",
+            group_id="g",
+            prompt_ids=rng.integers(3, vocab, size=4).astype(np.int32),
+            completion_ids=rng.integers(3, vocab, size=n).astype(np.int32),
+            behavior_logprobs=np.full(n, np.log(1.0 / vocab), np.float32),
+            versions=np.zeros(n, np.int32),
+            loss_mask=np.array(mask, np.float32),
+            reward=reward,
+            finish_reason=finish,
+        )
+
+    a = split_turns(episode(0, [1, 1, 0, 1, 0, 0, 1, 1], 1.0, "length"), gamma)
+    b = split_turns(episode(1, [1, 1, 1], 0.0, "stop"), gamma)
+    group = wire.Group(id="g", samples=[*a, *b])
+    batch = Batch(groups=[wire.decode(wire.encode(group))], version=0, stats={})
+    seqs = tr.sequences(batch)
+    tr.group_advantages(batch, seqs)
+    assert [s.advantage for s in seqs] == pytest.approx([0.25, 0.5, 1.0, -1.0])
+    assert [bool(s.mask.any()) for s in seqs] == [False, False, False, True]

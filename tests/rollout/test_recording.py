@@ -14,6 +14,7 @@ from asyncrl.rollout.client import Completion, GeneratorPool
 from asyncrl.rollout.recording import AgentWorkflow, Trajectory, TrajectoryMismatch
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tools import ToolRegistry
+from asyncrl.rollout.turns import turn_of
 from asyncrl.rollout.workflows import EpisodeContext, play
 from tests.tool_caller import CHAT, TOOLS
 
@@ -302,7 +303,9 @@ def test_each_turn_its_own_sample_with_the_reward_discounted_per_turn(served):
         # the engine's logprobs (another run: batched differently, so equal to rounding)
         both = np.concatenate([a.behavior_logprobs, b.behavior_logprobs])
         assert both == pytest.approx(w.behavior_logprobs[trained], abs=1e-5)
-        assert a.finish_reason == "stop" and b.finish_reason == w.finish_reason
+        # the trajectory's finish reason on every turn (a cut trajectory is cut for all its turns)
+        assert a.finish_reason == b.finish_reason == w.finish_reason
+        assert turn_of(a) == (w.id, 0, 2) and turn_of(b) == (w.id, 1, 2)
 
 
 def test_text_between_turns_past_the_budget_is_cut():
