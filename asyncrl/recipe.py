@@ -174,7 +174,11 @@ class RolloutConfig:
         doc="with turn_samples: turn t of T gets the trajectory's reward R as γ^(T-1-t)·R, and "
         "γ^(T-1-t) times its episode's advantage (the group baseline is over episodes)",
     )
-    temperature: float = _f(1.0, lo=0)
+    temperature: float = _f(
+        1.0,
+        lo=0,
+        doc="> 0 for RL losses (0, greedy, is refused: the reported logprobs are not the sampler's)",
+    )
     top_p: float = _f(1.0, lo=0, hi=1, lo_open=True)
     top_k: int = _f(-1, lo=-1)
     min_p: float = _f(0.0, lo=0, hi=1)
@@ -222,7 +226,11 @@ class BufferConfig:
         "max_staleness + 1 (AReaL). A bound of eta, not a target: fewer batches ahead, fresher data",
     )
     lease_seconds: float = _f(120.0, lo=0, lo_open=True)
-    dynamic_sampling: bool = _f(False, doc="DAPO: drop groups whose rewards are all equal")
+    dynamic_sampling: bool = _f(
+        False,
+        doc="DAPO: drop groups whose rewards are all equal (group advantages only: refused with "
+        "gae and vtrace, whose A = R - V of such a group is not 0)",
+    )
     min_batch_fill: float = _f(
         1.0,
         lo=0,
@@ -743,6 +751,22 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             file=file,
             key="algorithm.kl_reward_coef",
         )
+    if r.buffer.dynamic_sampling and alg.uses_rollouts and alg.advantage in TOKEN_ADVANTAGES:
+        raise RecipeError(
+            f"drops groups whose rewards are all equal, which carry no signal only under a group "
+            f"baseline; under {alg.advantage} their A = R − V(x) ≠ 0 and they are states the critic "
+            "must fit (dropping them by outcome biases both): set it false",
+            file=file,
+            key="buffer.dynamic_sampling",
+        )
+    if alg.uses_rollouts and r.rollout.temperature == 0:
+        raise RecipeError(
+            "0 samples greedily, a policy whose probabilities are not the logprobs the generators "
+            "report (log_softmax of the logits), so the importance ratios would be wrong and a "
+            "group's samples alike: RL losses need > 0 (the held-out evaluation is greedy anyway)",
+            file=file,
+            key="rollout.temperature",
+        )
     check_placement(r.placement, file=file)
     if r.rollout.turn_discount != 1 and not r.rollout.turn_samples:
         raise RecipeError(
@@ -873,6 +897,13 @@ def warnings(recipe: Recipe) -> list[str]:
         out.append(
             "rollout.top_p/top_k/min_p: generators report μ before truncation (log_softmax of "
             "logits / temperature, as SGLang does), so importance ratios do not see the truncation"
+        )
+    if alg.loss == "decoupled_ppo" and recipe.learner.minibatches * recipe.learner.epochs == 1:
+        out.append(
+            "algorithm.loss: decoupled_ppo with one update per batch (learner.minibatches × "
+            "learner.epochs = 1) is tis: π_prox is the weights being updated, so its clip "
+            "(clip_low/clip_high/dual_clip) never acts; set learner.minibatches > 1 for its trust "
+            "region, or loss: tis"
         )
     return out
 

@@ -17,6 +17,40 @@ def sleeping_reward(prompt, completion, prompt_ids, completion_ids, **row):
     return 1.0
 
 
+_calls = {"n": 0}
+_calls_lock = threading.Lock()
+
+
+def reset_calls() -> None:
+    with _calls_lock:
+        _calls["n"] = 0
+
+
+def _third() -> int:
+    """0, 1, 2, 0, ...: the position of this call in its run of three (calls numbered from the
+    last :func:`reset_calls`; a group of 3 made alone takes one run)."""
+    with _calls_lock:
+        k = _calls["n"] % 3
+        _calls["n"] += 1
+    return k
+
+
+def first_of_three_raises(prompt, completion, prompt_ids, completion_ids, **row):
+    """Raises on the first call of every three; scores the other two 1.0 and 0.5."""
+    k = _third()
+    if k == 0:
+        raise ValueError("this reward is broken on purpose")
+    return 1.0 if k == 1 else 0.5
+
+
+def first_of_three_sleeps(prompt, completion, prompt_ids, completion_ids, **row):
+    """Sleeps past any timeout on the first call of every three; scores the others 1.0 and 0.5."""
+    k = _third()
+    if k == 0:
+        RELEASE.wait(30.0)
+    return 1.0 if k == 1 else 0.5
+
+
 def length_reward(prompt, completion, prompt_ids, completion_ids, **row):
     """A reward that uses every argument, so a test can check what it was given."""
     assert isinstance(completion, str) and len(prompt) == len(prompt_ids)  # char-level tokenizer

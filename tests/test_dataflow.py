@@ -192,7 +192,10 @@ def test_malformed_graphs_are_refused(calls, needle):
 
 
 def _recipe(*overrides: str) -> recipe.Recipe:
-    return recipe.load(RECIPES / "demo.yaml", overrides, check_files=False)
+    # demo.yaml's dynamic sampling is a group estimator's rule, refused with a critic
+    critic = {"algorithm.advantage=gae", "algorithm.advantage=vtrace"} & set(overrides)
+    extra = ("buffer.dynamic_sampling=false",) if critic else ()
+    return recipe.load(RECIPES / "demo.yaml", (*overrides, *extra), check_files=False)
 
 
 @pytest.mark.parametrize(

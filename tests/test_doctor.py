@@ -125,7 +125,12 @@ def _multinode(tmp_path: Path, *overrides: str) -> Doctor:
     return d
 
 
-PPO_8B = ["algorithm.loss=ppo", "algorithm.advantage=gae", "algorithm.kl_coef=0.05"]
+PPO_8B = [
+    "algorithm.loss=ppo",
+    "algorithm.advantage=gae",
+    "algorithm.kl_coef=0.05",
+    "buffer.dynamic_sampling=false",  # the recipe's, a group estimator's rule
+]
 
 
 def _gpu(free_gib: float, host_gib: float = 2048) -> Device:

@@ -176,6 +176,19 @@ def test_overrides_are_typed(tmp_path):
             "rollout.reward_model.normalize",
             "running",
         ),
+        (  # DAPO's rule is a group estimator's: with a critic an all-equal group has A = R - V
+            "algorithm: {advantage: gae}\nbuffer: {dynamic_sampling: true}\n",
+            [],
+            "buffer.dynamic_sampling",
+            "under gae their A = R − V(x) ≠ 0",
+        ),
+        (
+            "buffer: {dynamic_sampling: true}\n",
+            ["algorithm.advantage=vtrace"],
+            "buffer.dynamic_sampling",
+            "under vtrace",
+        ),
+        ("rollout: {temperature: 0}\n", [], "rollout.temperature", "RL losses need > 0"),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
@@ -187,6 +200,21 @@ def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
     assert "\n" not in msg
     assert e.value.key == key
     assert str(path) in msg or e.value.file == "override"
+
+
+def test_what_the_refusals_of_a_critic_with_dynamic_sampling_and_of_greedy_rl_leave_alone(
+    tmp_path,
+):
+    """Dynamic sampling stays a group estimator's setting, and temperature 0 stays possible where
+    nothing is trained on rollouts (sft, reward_model: the learner reads no behaviour logprob)."""
+    path = _write(tmp_path, GOOD + "rollout: {temperature: 0}\n")
+    for loss in ("sft", "reward_model"):
+        assert recipe.load(path, [f"algorithm.loss={loss}"]).rollout.temperature == 0
+    path = _write(tmp_path, GOOD + "buffer: {dynamic_sampling: true}\n")
+    for adv in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "remax"):
+        assert recipe.load(path, [f"algorithm.advantage={adv}"]).buffer.dynamic_sampling
+    gae = recipe.load(path, ["algorithm.advantage=gae", "buffer.dynamic_sampling=false"])
+    assert not gae.buffer.dynamic_sampling
 
 
 def test_tls_certificates_need_tls_addresses(tmp_path):
@@ -286,19 +314,32 @@ def test_sequence_corrections_default_off_and_load(tmp_path):
     assert (alg.seq_mask_low, alg.seq_mask_high, alg.is_level) == (0.5, 2.0, "sequence")
 
 
+def test_check_warns_that_decoupled_ppo_with_one_update_per_batch_is_tis(tmp_path):
+    """π_prox = π with one update per batch: decoupled_ppo's clip never acts (docs/off-policy.md)."""
+    path = _write(tmp_path, GOOD + "algorithm: {loss: decoupled_ppo}\n")
+    p = _check(str(path))
+    assert p.returncode == 0, p.stderr
+    warnings = [ln for ln in p.stderr.splitlines() if "warning" in ln]
+    assert len(warnings) == 1, p.stderr
+    assert "algorithm.loss: decoupled_ppo with one update per batch" in warnings[0]
+    assert "is tis" in warnings[0] and "learner.minibatches > 1" in warnings[0]
+    for fix in ("learner.minibatches=2", "learner.epochs=2", "algorithm.loss=tis"):
+        assert recipe.warnings(recipe.load(path, [fix])) == [], fix
+
+
 def test_critic_fields_defaults(tmp_path):
     r = recipe.load(_write(tmp_path, GOOD))
     alg = r.algorithm
     assert (alg.gamma, alg.lam, alg.vtrace_rho_bar, alg.vtrace_c_bar) == (1.0, 1.0, 1.0, 1.0)
     assert (alg.value_clip, alg.kl_reward_coef) == (0.2, 0.0)
     assert (r.critic.path, r.critic.lr) == ("", 1e-5)
+    updates = "learner.minibatches=2"  # decoupled_ppo (the default) with one update is warned of
     for adv in ("gae", "vtrace"):  # wired in the learner (learner/critic.py): nothing to warn of
-        assert (
-            recipe.warnings(recipe.load(_write(tmp_path, GOOD), [f"algorithm.advantage={adv}"]))
-            == []
-        )
+        r = recipe.load(_write(tmp_path, GOOD), [f"algorithm.advantage={adv}", updates])
+        assert recipe.warnings(r) == []
     # remax is wired: the worker plays the greedy episode, the learner subtracts its reward
-    assert recipe.warnings(recipe.load(_write(tmp_path, GOOD), ["algorithm.advantage=remax"])) == []
+    r = recipe.load(_write(tmp_path, GOOD), ["algorithm.advantage=remax", updates])
+    assert recipe.warnings(r) == []
     r = recipe.load(
         _write(tmp_path, GOOD), ["algorithm.advantage=gae", "algorithm.kl_reward_coef=0.05"]
     )

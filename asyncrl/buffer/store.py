@@ -109,7 +109,8 @@ def _bump(d: dict, key: Any, n: int = 1) -> None:
 
 def _no_signal(g: wire.Group) -> bool:
     """DAPO's dynamic sampling drops a group whose advantages would all be 0: its rewards are all
-    equal and, under ReMax, equal to its greedy baseline too (else they all differ from it)."""
+    equal and, under ReMax, equal to its greedy baseline too (else they all differ from it). A group
+    estimator's rule: with a critic such a group has A = R − V ≠ 0, and the recipe refuses it."""
     b = g.baseline_reward
     values = set(g.rewards) | ({b} if b is not None else set())
     return len(values) == 1 and len(g.samples) + (b is not None) > 1

@@ -8,7 +8,15 @@ and through the same workflow and reward: its reward is ``Group.baseline_reward`
 counted (they cost generation time) but are no sample. If that episode or its reward fails, the
 group goes without a baseline (``None``, the reason in its metadata, counted in
 ``remax_baseline_failures``) and the learner uses the group's mean reward: its sampled episodes are
-as good as any, and a failed reward's 0 would be a wrong baseline, not a missing one."""
+as good as any, and a failed reward's 0 would be a wrong baseline, not a missing one.
+
+A sampled episode whose reward failed (raised, timed out, not a finite number: a
+:class:`~asyncrl.rollout.rewards.RewardResult` with a ``failure``) has no reward, and a 0 in its place
+would enter the group's baseline and the critic's targets as if it were one. So it leaves the group
+(counted in ``reward_failures``, logged at most once a minute): the group is sent with the others,
+whose advantages are then computed over them alone. A group left with fewer than
+:func:`min_scored` episodes (2, or 1 with a greedy baseline) has nothing to compare them with and
+is dropped (:class:`RewardsFailed`; the worker counts and logs it, and counts its prompt as used)."""
 
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import numpy as np
 import trio
 
 from asyncrl import wire
+from asyncrl.progress import Throttle
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.model_reward import Reward
@@ -39,6 +48,17 @@ log = logging.getLogger("asyncrl.rollout.worker")  # one logger for the worker's
 
 class PromptsUnusable(RuntimeError):
     """Too many prompts in a row could not be rendered."""
+
+
+class RewardsFailed(RuntimeError):
+    """Too few of a group's rewards could be computed to train on it (module docstring)."""
+
+
+def min_scored(group_size: int, *, baseline: bool = False) -> int:
+    """Episodes with a reward a group needs: 2, one compared with the others (the group estimators
+    give a group of one a zero advantage); 1 when it has ReMax's greedy ``baseline`` to compare
+    with, or when groups are of one sample (whose advantage comes from a critic)."""
+    return 1 if baseline else min(2, group_size)
 
 
 @dataclass
@@ -90,6 +110,7 @@ class GroupMaker:
         self.greedy_params = dataclasses.replace(params, temperature=0.0)
         self.episodes_in_flight = 0
         self.with_tools = gives_tools(workflow, tools, tool_set)  # a tool-call rate is measured
+        self._quiet = Throttle(log)  # a reward that keeps failing: a line a minute, with a count
 
     async def _tool_schemas(self) -> list[dict]:
         """What the chat template shows the model: the workflow's own tools, else the recipe's
@@ -133,20 +154,28 @@ class GroupMaker:
         ``greedy_baseline``, the greedy episode's reward as its ``baseline_reward``)."""
         n = self.cfg.group_size
         samples: list[list[wire.Sample]] = [[] for _ in range(n)]  # an episode's (or its turns')
+        failures = [""] * n  # why an episode's reward failed
         greedy = _Greedy()
         batcher = Batcher()  # the n episodes' first requests go to the generator as one
         async with trio.open_nursery() as nursery:
             for i in range(n):
-                nursery.start_soon(self._episode, group_id, i, prompt, samples, batcher)
+                nursery.start_soon(self._episode, group_id, i, prompt, samples, failures, batcher)
             if self.cfg.greedy_baseline:
                 nursery.start_soon(self._greedy_episode, group_id, prompt, greedy, batcher)
+        failed = [f for f in failures if f]
+        if n - len(failed) < min_scored(n, baseline=greedy.reward is not None):
+            raise RewardsFailed(
+                f"{len(failed)} of {n} rewards failed, too few left to compare (first: {failed[0]})"
+            )
         meta: dict[str, Any] = {"worker_id": self.cfg.worker_id, "prompt": prompt.item.where}
         if greedy.failure:
             meta["remax_baseline_failure"] = greedy.failure
+        if failed:
+            meta["reward_failures"] = len(failed)  # samples left out of the group
         return wire.Group(
             id=group_id,
             lease_id=lease_id,
-            samples=[s for episode in samples for s in episode],
+            samples=[s for i, episode in enumerate(samples) if not failures[i] for s in episode],
             prompt_index=prompt.item.index,
             baseline_reward=greedy.reward,
             metadata=meta,
@@ -198,6 +227,7 @@ class GroupMaker:
         i: int,
         prompt: Prompt,
         out: list[list[wire.Sample]],
+        failures: list[str],
         batcher: Batcher,
     ) -> None:
         ctx = self._context(f"{group_id}/{i}", prompt, batcher, self.params)
@@ -219,12 +249,19 @@ class GroupMaker:
                 c["tool_errors"] += not call.get("ok", True)
                 c["tool_timeouts"] += bool(call.get("timed_out", False))
         r = await self.reward.score_episode(ctx, ep)
-        meta = dict(ep.metadata)
-        if r.failure:
-            c["reward_failures"] += 1
-            meta["reward_failure"] = r.failure
-        self.stats.rewards.append(r.value)
         self.stats.lengths.append(len(ep.completion_ids))
+        if r.failure:  # no reward: the sample leaves its group (module docstring)
+            c["reward_failures"] += 1
+            failures[i] = r.failure
+            self._quiet.warning(
+                "reward_failures",
+                "reward failed, sample %s left out of its group: %s",
+                f"{group_id}/{i}",
+                r.failure,
+            )
+            return
+        self.stats.rewards.append(r.value)
+        meta = dict(ep.metadata)
         prompt_ids = prompt.ids if ep.prompt_ids is None else ep.prompt_ids
         sample = wire.Sample(
             id=f"{group_id}/{i}",

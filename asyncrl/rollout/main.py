@@ -328,6 +328,8 @@ def worker_summary(worker: RolloutWorker, wall_seconds: float) -> dict[str, Any]
         "groups_rejected": c["groups_rejected"],
         "groups_cancelled": c["groups_cancelled_stale"] + c["groups_cancelled_lease"],
         "groups_failed": c["groups_failed"],
+        "groups_dropped_reward_failures": c["groups_dropped_reward_failures"],
+        "reward_failures": c["reward_failures"],
         "episodes": c["episodes"],
         "tokens_generated": c["tokens_generated"],
         "greedy_tokens_generated": c["greedy_tokens_generated"],

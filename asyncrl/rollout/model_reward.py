@@ -7,7 +7,8 @@ built-in engine on a sequence-classification folder), in batches, added to the r
 model with another tokenizer). A request is bounded by ``timeout_s``; one that a server cannot take
 (connection, HTTP error, an answer without a finite score) goes to the next server. A batch that no
 server scored within the bound fails each of its samples as any reward does
-(:mod:`asyncrl.rollout.rewards`): model reward 0 and a recorded ``failure``, never a drop.
+(:mod:`asyncrl.rollout.rewards`): a recorded ``failure``, and a rollout leaves the sample out of its
+group (:mod:`asyncrl.rollout.groups`).
 
 The sample's reward is ``reward_weight · rule + weight · normalised score``; ``rollout.reward: model``
 leaves the rule out. Normalisation: none, fixed ``(s - shift) / scale``, or running ``(s - mean) /
@@ -200,7 +201,7 @@ class ModelReward:
 
 class CombinedReward(ScoresEpisodes):
     """``rule_weight · rule + model_weight · model`` with :class:`RewardRunner`'s ``score``: a
-    failed part counts 0 and its failure is recorded (both parts' when both fail)."""
+    failed part fails the sum, its failure recorded (both parts' when both fail)."""
 
     def __init__(
         self,

@@ -6,9 +6,12 @@ taken from the recipe's ``data.answer_key`` and the sample's ``finish_reason``).
 (``bool`` counts as 0/1) and may be ``async``.
 
 Rewards run off the event loop (a thread, under a limiter) within ``timeout_s``. A reward that raises,
-times out, or returns something that is not a finite number gives the sample reward 0 and a recorded
-``failure`` (kept in ``sample.metadata["reward_failure"]``): never a crash. A timed-out thread cannot be
-killed; it is abandoned and counted (``stats["abandoned"]``) and holds its limiter slot until it ends.
+times out, or returns something that is not a finite number is a failure, never a crash: the result
+says why (``RewardResult.failure``, its ``value`` a placeholder 0 that is no reward), and a line is
+logged at most once a minute per reward. A rollout leaves that sample out of its group rather than
+train on the 0 (:mod:`asyncrl.rollout.groups`); the held-out evaluation counts it as failed. A
+timed-out thread cannot be killed; it is abandoned and counted (``stats["abandoned"]``) and holds its
+limiter slot until it ends.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from asyncrl import tasks
+from asyncrl.progress import Throttle
 from asyncrl.rollout.plugins import PluginError, load_object
 
 if TYPE_CHECKING:
@@ -108,7 +112,7 @@ def load_reward(spec: str) -> RewardFn:
 
 @dataclass(kw_only=True)
 class RewardResult:
-    value: float
+    value: float  # 0 when it failed: not a reward, never to be trained on
     failure: str = ""  # empty when the reward ran fine
     seconds: float = 0.0
 
@@ -145,7 +149,8 @@ class ScoresEpisodes:
 
 
 class RewardRunner(ScoresEpisodes):
-    """Runs one reward function with a timeout, off the event loop; failures become reward 0."""
+    """Runs one reward function with a timeout, off the event loop; a failure is a result with a
+    reason, not an exception."""
 
     def __init__(
         self,
@@ -162,6 +167,7 @@ class RewardRunner(ScoresEpisodes):
         self.limiter = trio.CapacityLimiter(max_threads)
         self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "abandoned": 0}
         self.name = getattr(fn, "__qualname__", repr(fn))
+        self._quiet = Throttle(log)  # a reward failing on every sample: a line a minute
 
     def _kwargs(self, row: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         kw = {k: v for k, v in row.items() if k not in _RESERVED}
@@ -181,7 +187,7 @@ class RewardRunner(ScoresEpisodes):
         extra: dict[str, Any] | None = None,
         decode: Callable[[list[int]], str] | None = None,
     ) -> RewardResult:
-        """Never raises (except cancellation): a failure is reward 0 with a reason.
+        """Never raises (except cancellation): a failure is a result with a reason (value 0).
 
         With ``completion=None``, ``decode(completion_ids)`` makes the text in the same thread as
         the reward (one thread hop per sample instead of two).
@@ -239,6 +245,6 @@ class RewardRunner(ScoresEpisodes):
         seconds = trio.current_time() - t0
         if failure:
             self.stats["failures"] += 1
-            log.warning("reward %s: %s", self.name, failure)
+            self._quiet.warning("failure", "reward %s: %s", self.name, failure)
             return RewardResult(value=0.0, failure=failure, seconds=seconds)
         return RewardResult(value=value, seconds=seconds)

@@ -13,6 +13,8 @@ Before anything else every generator is labelled with the version of the weights
   trained, so it waits for the broadcaster (e.g. a restarted worker's engines before they join).
 - ``group-*``: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
   one whole ``wire.Group`` (with ReMax, and one greedy episode whose reward is the group's baseline).
+  An episode whose reward failed is left out of it; a group left with too few is dropped, its prompt
+  counted as used (``groups_dropped_reward_failures``; :mod:`asyncrl.rollout.groups`).
 - ``sender``: puts finished groups to the buffer (``wire.Put``, several per message), resending the
   SAME group ids until each is acknowledged or rejected: with the buffer's dedup by id, exactly once.
 - ``metrics``: throughput, episodes in flight, generator idle fraction, reward, length, failures.
@@ -47,7 +49,7 @@ from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
-from asyncrl.rollout.groups import GroupMaker
+from asyncrl.rollout.groups import GroupMaker, RewardsFailed
 from asyncrl.rollout.leases import LeaseBook, Start
 from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sender import Sender
@@ -140,6 +142,7 @@ class WorkerStats:
                 "groups_cancelled_stale",
                 "groups_cancelled_lease",
                 "groups_failed",
+                "groups_dropped_reward_failures",  # too few rewards computed (groups.py)
                 "episodes",
                 "tokens_generated",
                 "greedy_tokens_generated",  # ReMax's baseline episodes (not trained on)
@@ -495,11 +498,14 @@ class RolloutWorker:
     async def _group_task(self, run: _GroupRun) -> None:
         group: wire.Group | None = None
         failed = ""
+        no_rewards = False  # played, but too few of its rewards computed: dropped, not retried
         with run.scope:
             try:
                 prompt = await self.groups.take_prompt()
                 run.prompt_index = prompt.item.index
                 group = await self.groups.make(run.gid, run.start.lease_id, prompt)
+            except RewardsFailed as e:
+                failed, no_rewards = str(e), True
             except Exception as e:  # one bad group must not stop the worker
                 failed = f"{type(e).__name__}: {e}"
         if run.scope.cancelled_caught and not run.cancelled:
@@ -511,16 +517,23 @@ class RolloutWorker:
             self.sender.submit(group)
             return
         self.leases.dropped(run.gid)
-        if run.prompt_index >= 0:
-            self.source.give_back(run.prompt_index)  # not trained on: its prompt is served again
         c = self.stats.counters
+        if no_rewards and not run.cancelled:
+            # A reward that fails on this row would fail again: its prompt counts as used.
+            self.source.done(run.prompt_index)
+        elif run.prompt_index >= 0:
+            self.source.give_back(run.prompt_index)  # not trained on: its prompt is served again
         if run.cancelled:
             c[f"groups_cancelled_{run.cancelled}"] += 1
             log.info("group %s cancelled (%s)", run.gid, run.cancelled)
         else:
-            c["groups_failed"] += 1
-            self._consecutive_failures += 1
-            log.warning("group %s failed: %s", run.gid, failed)
+            self._consecutive_failures += 1  # a reward that always fails stops the worker too
+            if no_rewards:
+                c["groups_dropped_reward_failures"] += 1
+                log.warning("group %s dropped: %s", run.gid, failed)
+            else:
+                c["groups_failed"] += 1
+                log.warning("group %s failed: %s", run.gid, failed)
             if self._consecutive_failures >= self.cfg.max_consecutive_failures:
                 raise WorkerError(
                     f"{self._consecutive_failures} groups failed in a row; last: {failed}"

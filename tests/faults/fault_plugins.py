@@ -8,12 +8,18 @@ from asyncrl.rollout.tools import ToolCall
 from asyncrl.rollout.workflows import MultiTurn
 
 _NEVER = threading.Event()
+HANG_S = 1.5
+"""How long a stuck reward takes: past the faults recipe's 1 s timeout, and bounded. A reward that
+never returned would hold its thread (and a slot of the runner's limiter of 8) for ever: after four
+groups of 2 every later reward would time out waiting for a slot, and the worker stop after
+``max_consecutive_failures`` dropped groups."""
 
 
 def hanging_reward(prompt, completion, prompt_ids, completion_ids, *, hang=False, **row):
-    """Never returns on rows marked ``hang`` (a stuck sandbox, a dead grader); 1.0 otherwise."""
+    """Stuck past any timeout on rows marked ``hang`` (a slow sandbox, a grader that hangs); 1.0
+    otherwise."""
     if hang:
-        _NEVER.wait()
+        _NEVER.wait(HANG_S)
     return 1.0
 
 

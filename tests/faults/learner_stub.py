@@ -83,12 +83,14 @@ def main(argv: list[str]) -> int:
             rec = {
                 "version": batch.version,
                 "groups": [
-                    {"id": g.id, "min_version": min(int(s.versions.min()) for s in g.samples)}
+                    {
+                        "id": g.id,
+                        "min_version": min(int(s.versions.min()) for s in g.samples),
+                        "prompt": g.metadata.get("prompt"),  # "file:line" of its data row
+                        "samples": len(g.samples),
+                    }
                     for g in batch.groups
                 ],
-                "reward_failures": sum(
-                    "reward_failure" in s.metadata for g in batch.groups for s in g.samples
-                ),
                 "tool_errors": sum(
                     not c.get("ok", True)
                     for g in batch.groups

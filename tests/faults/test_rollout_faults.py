@@ -177,9 +177,10 @@ def status(address: str) -> dict:
 def test_hanging_reward_raising_tool_and_malformed_rows_are_recorded_and_skipped(
     tmp_path, tiny_qwen3
 ):
-    """A reward that never returns on some rows, a tool that always raises, and malformed rows in the
-    data: each recorded where the user looks (sample metadata, metrics, the log), and the run goes
-    on to deliver every group it was asked for."""
+    """A reward stuck past its timeout on some rows, a tool that always raises, and malformed rows in
+    the data: each recorded where the user looks (metrics, the log, the tool errors in sample
+    metadata); a sample without a reward is never trained on (a group of 2 left with fewer is
+    dropped), and the run goes on to deliver every group it was asked for."""
     t_start = time.monotonic()
     bad_rows = ["{broken json", json.dumps({"no_prompt": 1}), json.dumps({"prompt": 17})]
     rows = [
@@ -222,14 +223,21 @@ def test_hanging_reward_raising_tool_and_malformed_rows_are_recorded_and_skipped
         log = worker.log.read_text()
         for line in (6, 7, 8):  # the malformed rows, reported by file:line
             assert f"{data}:{line}:" in log, log[-3000:]
+        assert "timed out after 1s" in log and " dropped: 2 of 2 rewards failed" in log
         metrics = read_jsonl(tmp_path / "runs" / "faults" / "metrics.jsonl")
         last = [
             m for m in metrics if m.get("process") == "worker0" and "rollout/groups_failed" in m
         ][-1]
         assert last["rollout/reward_failures"] > 0 and last["rollout/groups_failed"] == 0
+        assert last["rollout/groups_dropped_reward_failures"] > 0
         assert last["rollout/groups_delivered"] >= n_groups
         batches = trained(out)
-        assert sum(b["reward_failures"] for b in batches) > 0  # in the samples' metadata
+        # no trained sample is one whose reward hung: every group of a hanging row was dropped
+        lines = {i: i + 1 + (3 if i >= 5 else 0) for i in range(len(rows))}  # row -> file line
+        hanging = {f"{data}:{lines[i]}" for i in range(len(rows)) if i % 3 == 0}
+        groups = [g for b in batches for g in b["groups"]]
+        assert groups and not {g["prompt"] for g in groups} & hanging
+        assert all(g["samples"] == 2 for g in groups)
         assert sum(b["tool_errors"] for b in batches) > 0
         result = audit(out, tmp_path / "runs" / "faults", cfg["max_staleness"])
         elapsed = time.monotonic() - t_start
@@ -237,6 +245,7 @@ def test_hanging_reward_raising_tool_and_malformed_rows_are_recorded_and_skipped
             {
                 "scenario": "hanging reward, raising tool, malformed rows",
                 "reward_failures": last["rollout/reward_failures"],
+                "groups_dropped": last["rollout/groups_dropped_reward_failures"],
                 "tool_errors_trained": sum(b["tool_errors"] for b in batches),
                 "groups_delivered": last["rollout/groups_delivered"],
                 "malformed_rows_skipped": len(bad_rows),

@@ -214,8 +214,7 @@ def test_hanging_server_is_cut_at_the_timeout_and_recorded(tok):
         samples = [(tok("p=")["input_ids"], tok("ok")["input_ids"], {"answer": "ok"})] * 3
         results = _score_all(reward, samples, tok)
         assert time.monotonic() - t0 < 3.0
-        for res in results:  # the rule's part stays; the model's is 0 with the reason
-            assert res.value == 1.0
+        for res in results:  # the model's part failed, so the sum did: the reason is recorded
             assert "model:" in res.failure and "timed out after 0.5s" in res.failure
         assert reward.model.stats["timeouts"] == 1 and reward.model.stats["failures"] == 3
     finally:
@@ -241,13 +240,15 @@ def test_failing_server_is_a_recorded_failure_or_passes_to_the_next(tok, rm_serv
         httpd.shutdown()
 
 
-def test_worker_groups_carry_the_models_scores_and_its_failures(
+def test_worker_groups_carry_the_models_scores_and_leave_its_failures_out(
     rollout_engine, tok, rm_server, hf_scores
 ):
     """A rollout worker (real engine, real buffer): every sample's reward is the reward model's score
-    of its prompt + completion; with a server that hangs, each sample records the timeout."""
+    of its prompt + completion; with a server that hangs, no sample has a reward, so no group is sent
+    (each dropped, the timeouts counted) and the worker stops after max_consecutive_failures."""
+    from asyncrl.rollout.worker import WorkerError
     from tests.labels import set_label
-    from tests.rollout.test_worker import make_worker, serve_buffer, take_batch
+    from tests.rollout.test_worker import WAIT_S, make_worker, serve_buffer, take_batch
 
     async def run(svc, reward):
         async with make_worker(
@@ -256,24 +257,34 @@ def test_worker_groups_carry_the_models_scores_and_its_failures(
             await w.run()
         return await take_batch(svc)
 
+    async def run_hanging(svc, reward):
+        async with make_worker(
+            rollout_engine, tok, svc.address, reward_runner=reward, max_consecutive_failures=2
+        ) as w:
+            with trio.fail_after(WAIT_S), pytest.raises(ExceptionGroup) as e:
+                await w.run()
+        (error,) = e.value.exceptions
+        assert isinstance(error, WorkerError) and "timed out after 1s" in str(error), error
+        return w.stats.counters, svc.stats()
+
     httpd, hang_url = _server(_Hang)
     _Hang.release.clear()
     set_label(rollout_engine.url, "default")
     try:
-        for url in (rm_server.url, hang_url):
-            reward = build_reward(_recipe(urls=[url], timeout_s=1.0))
-            with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
-                groups = trio.run(run, svc, reward)
-            samples = [s for g in groups for s in g.samples]
-            assert len(samples) == 6
-            for s in samples:
-                if url == rm_server.url:
-                    ids = [*s.prompt_ids.tolist(), *s.completion_ids.tolist()]
-                    assert s.reward == pytest.approx(hf_scores(ids), abs=1e-5)
-                    assert "reward_failure" not in s.metadata
-                else:
-                    assert s.reward == 0.0
-                    assert "timed out after 1s" in s.metadata["reward_failure"]
+        reward = build_reward(_recipe(urls=[rm_server.url], timeout_s=1.0))
+        with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+            groups = trio.run(run, svc, reward)
+        samples = [s for g in groups for s in g.samples]
+        assert len(samples) == 6
+        for s in samples:
+            ids = [*s.prompt_ids.tolist(), *s.completion_ids.tolist()]
+            assert s.reward == pytest.approx(hf_scores(ids), abs=1e-5)
+            assert "reward_failure" not in s.metadata
+        reward = build_reward(_recipe(urls=[hang_url], timeout_s=1.0))
+        with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+            c, stats = trio.run(run_hanging, svc, reward)
+        assert stats["stored_total"] == 0
+        assert c["groups_dropped_reward_failures"] == 2 and c["reward_failures"] >= 6
     finally:
         _Hang.release.set()
         httpd.shutdown()

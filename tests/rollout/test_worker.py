@@ -225,38 +225,97 @@ def test_unacked_groups_are_resent_and_stored_once(engine, tokenizer):
     check_every_group_had_a_start(stats)
 
 
-def test_failing_rewards_are_recorded_and_the_worker_goes_on(engine, tokenizer):
-    async def run(svc, reward, timeout):
+@pytest.mark.parametrize(
+    ("reward", "timeout", "why"),
+    [
+        ("first_of_three_raises", 10.0, "ValueError: this reward is broken on purpose"),
+        ("first_of_three_sleeps", 2.0, "timed out after 2s"),
+    ],
+)
+def test_a_failed_reward_leaves_its_sample_out_and_the_group_goes_on(
+    engine, tokenizer, caplog, reward, timeout, why
+):
+    """A reward that raises, or runs past rollout.reward_timeout_s, on one sample of each group of
+    3 (made one at a time): that sample is not sent, with a 0 or any reward; the group is, with the
+    other two, so its advantages are computed over them alone; the failures are counted and
+    logged."""
+    from asyncrl.learner.advantages import compute_advantages
+
+    async def run(svc):
         async with make_worker(
             engine,
             tokenizer,
             svc.address,
-            reward=reward,
+            reward=f"tests.rollout_plugins:{reward}",
             reward_timeout_s=timeout,
+            max_concurrent_groups=1,
             max_groups=2,
         ) as w:
-            await w.run()
-        return await take_batch(svc), svc.stats()
+            stats = await w.run()
+        return await take_batch(svc), stats.counters
 
-    for reward, timeout, why in [
-        (
-            "tests.rollout_plugins:raising_reward",
-            10.0,
-            "ValueError: this reward is broken on purpose",
-        ),
-        ("tests.rollout_plugins:sleeping_reward", 0.3, "timed out after 0.3s"),
-    ]:
-        rollout_plugins.RELEASE.clear()
-        try:
-            with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
-                groups, stats = trio.run(run, svc, reward, timeout)
-        finally:
-            rollout_plugins.RELEASE.set()
-        assert stats["stored_total"] == 2 and len(groups) == 2
-        samples = [s for g in groups for s in g.samples]
-        assert len(samples) == 6  # every sample's failure is recorded on the sample itself
-        for s in samples:
-            assert s.reward == 0.0 and why in s.metadata["reward_failure"]
+    rollout_plugins.reset_calls()
+    rollout_plugins.RELEASE.clear()
+    try:
+        with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+            groups, c = trio.run(run, svc)
+    finally:
+        rollout_plugins.RELEASE.set()
+    assert len(groups) == 2
+    for g in groups:
+        assert sorted(s.reward for s in g.samples) == [0.5, 1.0]  # never the failed one's 0
+        check_group(g, 2)
+        assert all("reward_failure" not in s.metadata for s in g.samples)
+        assert g.metadata["reward_failures"] == 1
+        (adv,) = compute_advantages([[s.reward for s in g.samples]], kind="grpo")
+        assert sorted(adv.tolist()) == pytest.approx([-(0.5**0.5), 0.5**0.5], abs=1e-5)
+    assert c["reward_failures"] == 2 and c["groups_dropped_reward_failures"] == 0
+    logged = [r.getMessage() for r in caplog.records if "left out of its group" in r.getMessage()]
+    assert logged and why in logged[0]
+
+
+def test_a_group_needs_two_rewards_or_one_and_its_greedy_baseline():
+    from asyncrl.rollout.groups import min_scored
+
+    assert [min_scored(n) for n in (1, 2, 8)] == [1, 2, 2]  # a group of one: a critic's sample
+    assert min_scored(8, baseline=True) == 1  # ReMax: r - b needs no second sample
+
+
+def test_a_group_left_without_rewards_is_dropped_and_a_reward_that_always_fails_stops_it(
+    engine, tokenizer, caplog
+):
+    """A reward that always raises: each group keeps no sample to train on, so it is dropped by name
+    with its reason and its prompt counted as used (a reward failing on a row would fail again),
+    and after ``max_consecutive_failures`` such groups the worker stops, saying why, instead of
+    training on 0s or spinning."""
+    from asyncrl.rollout.worker import WorkerError
+
+    async def run(svc):
+        async with make_worker(
+            engine,
+            tokenizer,
+            svc.address,
+            reward="tests.rollout_plugins:raising_reward",
+            max_concurrent_groups=1,
+            max_consecutive_failures=3,
+        ) as w:
+            # the worker's nursery raises its one error (old code: trains on 0s, never stops)
+            with trio.fail_after(WAIT_S), pytest.raises(ExceptionGroup) as e:
+                await w.run()
+        (error,) = e.value.exceptions
+        assert isinstance(error, WorkerError), error
+        return str(error), w.stats.counters, w.source, svc.stats()
+
+    with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
+        error, c, source, stats = trio.run(run, svc)
+    assert "3 groups failed in a row" in error and "3 of 3 rewards failed" in error
+    assert "ValueError: this reward is broken on purpose" in error
+    assert c["groups_dropped_reward_failures"] == 3 and c["reward_failures"] == 9
+    assert c["groups_failed"] == 0 and c["groups_delivered"] == 0
+    assert stats["stored_total"] == 0
+    assert source.next_index == 3 and not source.outstanding and not source._retry
+    dropped = [r.getMessage() for r in caplog.records if " dropped: " in r.getMessage()]
+    assert len(dropped) == 3 and all("rewards failed" in m for m in dropped)
 
 
 def test_groups_that_became_stale_are_cancelled_and_released(engine, tokenizer):
