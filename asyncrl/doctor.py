@@ -3,7 +3,8 @@
 One line per check, ✓ or ✗ with the fix: the recipe and its files, the devices and their memory,
 the model and the attention it will train with, a memory plan per learner rank and per generator
 against the device memory (:mod:`asyncrl.memory`), the SGLang servers (reachable, version, TP size,
-radix cache against ``weights.pause_mode``, weight-version label), NCCL on both sides
+radix cache against ``weights.pause_mode``, weight-version label, and their logprobs against the
+learner's at the recipe's temperature: :meth:`Doctor.check_logprobs`), NCCL on both sides
 (:mod:`asyncrl.gpu`), the ports the learner will bind, and the TLS files. On a machine without a GPU
 the same checks run where they apply (host memory, gloo).
 
@@ -18,8 +19,10 @@ import dataclasses
 import errno
 import math
 import os
+import random
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +36,16 @@ from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
 
 MIN_SGLANG = (0, 5, 19)
 """The first SGLang with per-token ``weight_versions`` spans (README "SGLang servers")."""
+
+PROBE_PROMPT_TOKENS, PROBE_NEW_TOKENS = 16, 32
+"""The logprob check's prompt (a fixed draw of token ids) and how many tokens it samples."""
+
+LOGPROB_TOL = 0.1
+"""Mean |server − learner| logprob (nats) over the sampled tokens within which a server's logprobs
+are the learner's, kernels and dtypes apart: float32 on both sides differ by ~2e-7 and a bfloat16
+learner against a float32 engine by ~2e-3 (the tiny test model). It only separates "other weights"
+from the rest: whether a server tempers its logprobs is read from which of log softmax(z/T) and
+log softmax(z) it is closer to (:func:`judge_logprobs`), as far as the noise allows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +90,7 @@ class Doctor:
             ("model", self.check_model),
             ("attention", self.check_attention),
             ("generators", self.check_generators),
+            ("logprobs", self.check_logprobs),
             ("learner memory", self.check_learner_memory),
             ("placement", self.check_placement),
             ("generator memory", self.check_generator_memory),
@@ -176,23 +190,34 @@ class Doctor:
     # ---- generators --------------------------------------------------------------------------
 
     def check_generators(self) -> list[Check]:
+        from asyncrl.rollout.engine.sampling import ORIGINAL_LOGPROB_ENV, original_logprob
+
         g = self.recipe.generator
         if g.kind == "builtin":
             n = self.recipe.rollout.workers * g.engines_per_worker
-            return [
-                Check(
-                    name="generators",
-                    ok=True,
-                    detail=f"built-in engines: {n} started by the rollout workers "
-                    f"({self.recipe.rollout.workers} × {g.engines_per_worker}), nothing to reach",
-                )
-            ]
+            line = (
+                f"built-in engines: {n} started by the rollout workers "
+                f"({self.recipe.rollout.workers} × {g.engines_per_worker}), nothing to reach"
+            )
+            t = self.recipe.rollout.logprob_temperature
+            if self.recipe.algorithm.uses_rollouts and t != 1.0 and original_logprob(self.environ):
+                return [
+                    Check(
+                        name="generators",
+                        ok=False,
+                        detail=f"{ORIGINAL_LOGPROB_ENV}={self.environ[ORIGINAL_LOGPROB_ENV]} here: "
+                        "the built-in engines inherit it and, as SGLang does, report logprobs "
+                        f"before the temperature, so at rollout.temperature {t:g} every token "
+                        f"looks off-policy: unset {ORIGINAL_LOGPROB_ENV}",
+                    )
+                ]
+            return [Check(name="generators", ok=True, detail=line)]
         return [self._check_server(url) for url in g.urls]
 
     def _check_server(self, url: str) -> Check:
         from asyncrl.generator_http import GeneratorError, WeightsClient
         from asyncrl.rollout.sglang_protocol import parse_version_label
-        from asyncrl.weights.rendezvous import LayoutError, server_ranks
+        from asyncrl.weights.rendezvous import LayoutError, radix_cache_problem, server_ranks
         from asyncrl.wire import GeneratorInfo
 
         name = f"SGLang {url}"
@@ -222,11 +247,9 @@ class Doctor:
                 problems.append(str(e))
             radix_off = bool(server.get("disable_radix_cache", False))
             facts.append("radix cache off" if radix_off else "radix cache on")
-            if self.recipe.weights.pause_mode == "in_place" and not radix_off:
-                problems.append(
-                    "weights.pause_mode in_place needs the radix cache off: relaunch it with "
-                    "--disable-radix-cache, or set weights.pause_mode=retract"
-                )
+            radix = radix_cache_problem(server, self.recipe.weights.pause_mode)
+            if radix:  # the broadcaster refuses such a server with the same words
+                problems.append(radix)
         label = info.get("weight_version")
         facts.append(f"weight version {label!r}")
         if label not in (None, "default") and parse_version_label(label) is None:
@@ -236,6 +259,105 @@ class Doctor:
         if problems:
             return Check(name=name, ok=False, detail="; ".join(problems))
         return Check(name=name, ok=True, detail=", ".join(facts))
+
+    def check_logprobs(self) -> list[Check]:
+        """The sampler's logprob semantics, checked rather than assumed: each server reached above
+        samples :data:`PROBE_NEW_TOKENS` tokens at the recipe's sampling parameters, and the
+        learner's own code (a one-rank :class:`~asyncrl.learner.trainer.Trainer` on
+        ``model.path``, forward only) computes log softmax(z/T) and log softmax(z) of the same
+        tokens. A server run with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (slime's launch scripts set
+        it) reports the untempered ones, and at T != 1 every token would look off-policy; a server
+        with other weights matches neither. One check per server."""
+        from asyncrl.generator_http import GeneratorError, call, sync_client
+        from asyncrl.rollout.sglang_protocol import (
+            SamplingParams,
+            generate_payload,
+            output_token_logprobs,
+        )
+
+        r = self.recipe
+        if r.generator.kind != "sglang" or not r.algorithm.uses_rollouts:
+            return []
+        urls = [u for u in r.generator.urls if u in self.servers]  # the reachable ones
+        if not urls:
+            return []
+        if self.dims is None:
+            return [Check(name="logprobs", ok=False, detail="cannot tell without the model")]
+        need = self.dims.params * 4  # TorchTitan keeps float32 parameters whatever model.dtype
+        if self.device is not None and need > self.device.learner_memory:
+            where = "the smallest GPU" if self.device.cuda else "the host"
+            return [
+                Check(
+                    name="logprobs",
+                    ok=True,
+                    detail=f"not checked: the model's float32 parameters ({gib(need)} GiB) do not "
+                    f"fit {where} ({gib(self.device.learner_memory)} GiB free) in one process",
+                )
+            ]
+        prompt = probe_prompt(self.dims.vocab)
+        params = dataclasses.replace(
+            SamplingParams.from_recipe(r.rollout), stop=[], ignore_eos=True
+        )
+        out: dict[str, Check] = {}
+        sampled: dict[str, tuple[list[int], list[float]]] = {}
+        with sync_client(self.timeout_s) as http:
+            for url in urls:
+                rid = f"asyncrl-doctor-{os.getpid()}-{len(sampled)}"
+                body = generate_payload(prompt, params, max_new_tokens=PROBE_NEW_TOKENS, rid=rid)
+                try:
+                    sampled[url] = output_token_logprobs(call(http, url, "POST", "/generate", body))
+                except GeneratorError as e:
+                    out[url] = Check(
+                        name=f"logprobs {url}", ok=False, detail=f"could not sample: {e}"
+                    )
+        if sampled:
+            t = r.rollout.logprob_temperature
+            learner = self.learner_logprobs(prompt, [ids for ids, _ in sampled.values()])
+            for (url, (_, lps)), (tempered, plain) in zip(sampled.items(), learner, strict=True):
+                ok, detail = judge_logprobs(lps, tempered, plain, temperature=t)
+                out[url] = Check(name=f"logprobs {url}", ok=ok, detail=detail)
+        return [out[u] for u in urls]
+
+    def learner_logprobs(
+        self, prompt: list[int], completions: list[list[int]]
+    ) -> list[tuple[list[float], list[float]]]:
+        """(log softmax(z/T), log softmax(z)) of each completion's tokens after ``prompt``, from the
+        learner's model and logprob code on one rank, T the recipe's logprob temperature."""
+        import numpy as np
+
+        from asyncrl.learner.packing import make_sequence, pack
+        from asyncrl.learner.trainer import Trainer
+
+        r = self.recipe
+        t = r.rollout.logprob_temperature
+        seq_len = max(r.model.max_seq_len, PROBE_PROMPT_TOKENS + PROBE_NEW_TOKENS)
+        with tempfile.TemporaryDirectory(prefix="asyncrl-doctor-") as tmp:
+            one_rank = recipe_mod.from_dict(
+                {
+                    "model": {
+                        "path": str(r.resolve(r.model.path)),
+                        "dtype": r.model.dtype,
+                        "attention": r.model.attention,
+                        "max_seq_len": seq_len,
+                    },
+                    "rollout": {"temperature": t},
+                    "run": {"output_dir": tmp},
+                }
+            )
+            trainer = Trainer(one_rank, checkpointing=False, run_dir=tmp)
+            try:
+                out = []
+                for ids in completions:
+                    mb = pack([make_sequence(0, np.array(prompt), np.array(ids))])
+                    both = []
+                    for temperature in (t, 1.0):
+                        trainer.temperature = temperature
+                        (lp,) = trainer.logprobs([mb])
+                        both.append(lp.double().tolist())
+                    out.append((both[0], both[1]))
+                return out
+            finally:
+                trainer.close()
 
     # ---- memory ------------------------------------------------------------------------------
 
@@ -704,6 +826,57 @@ def _version_tuple(v: str) -> tuple[int, ...]:
         digits = "".join(ch for ch in part if ch.isdigit())
         out.append(int(digits) if digits else 0)
     return tuple(out)
+
+
+def probe_prompt(vocab: int) -> list[int]:
+    """Token ids no text would give, a fixed draw over the vocabulary: a model is unsure what
+    follows them, and on such high-entropy tokens log softmax(z/T) and log softmax(z) are far apart
+    (on a confident token both are near 0, and a wrong temperature would hardly show)."""
+    return random.Random(0).sample(range(vocab), min(PROBE_PROMPT_TOKENS, vocab))
+
+
+def judge_logprobs(
+    server: list[float], tempered: list[float], plain: list[float], *, temperature: float
+) -> tuple[bool, str]:
+    """(ok, the verdict) on a server's logprobs of its sampled tokens against the learner's
+    log softmax(z/T) (``tempered``) and log softmax(z) (``plain``) of the same tokens.
+
+    Within :data:`LOGPROB_TOL` of neither: the server holds other weights. Otherwise the distance to
+    the one it follows is the kernels' noise, and it reports untempered logprobs when it is at
+    least 4 times closer to log softmax(z) than to log softmax(z/T). At T = 1 the two are one; near
+    1 they may differ by less than the noise: not refused then (a wrong temperature costs no more
+    than the noise), and the verdict says so."""
+    n = len(server)
+
+    def mean_gap(a: list[float], b: list[float]) -> float:
+        return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(n, 1)
+
+    e_t, e_1, apart = mean_gap(server, tempered), mean_gap(server, plain), mean_gap(tempered, plain)
+    at = f"{n} tokens sampled at T = {temperature:g}"
+    if min(e_t, e_1) > LOGPROB_TOL:
+        return False, (
+            f"{at}: its logprobs match neither the learner's log softmax(z/T) (mean |Δ| {e_t:.3g}) "
+            f"nor log softmax(z) (mean |Δ| {e_1:.3g}), more than {LOGPROB_TOL:g} nat apart: the "
+            "server holds other weights or another model than model.path (one a run already "
+            "updated holds later ones): serve model.path, or point model.path at its weights"
+        )
+    if 4 * e_1 <= e_t:
+        return False, (
+            f"{at}: its logprobs equal the untempered log softmax(z) (mean |Δ| {e_1:.2g}), not the "
+            f"learner's log softmax(z/T) (mean |Δ| {e_t:.2g}): it runs with "
+            "SGLANG_RETURN_ORIGINAL_LOGPROB=1, and every token would look off-policy by about "
+            f"{e_t:.2g} nat: relaunch it without SGLANG_RETURN_ORIGINAL_LOGPROB"
+        )
+    if e_t <= e_1:
+        return True, (
+            f"{at}: its logprobs are the learner's log softmax(z/T) (mean |Δ| {e_t:.2g}; the "
+            f"untempered log softmax(z) is {apart:.2g} away)"
+        )
+    return True, (
+        f"{at}: its logprobs are within {e_t:.2g} of the learner's log softmax(z/T), and the "
+        f"untempered log softmax(z) only {apart:.2g} away from those: too close to tell which it "
+        "reports, and a wrong temperature costs no more"
+    )
 
 
 def host_memory() -> tuple[int, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import trustme
 
 from asyncrl import gpu
 from asyncrl import recipe as recipe_mod
-from asyncrl.doctor import Check, Device, Doctor
+from asyncrl.doctor import Check, Device, Doctor, judge_logprobs
 from asyncrl.memory import GiB
 from tests.labels import get_label
 from tests.test_memory_plan import QWEN3_8B
@@ -317,6 +318,104 @@ def test_server_layout_radix_cache_version_and_label(tiny_qwen3, fake_sglang):
     assert not c.ok and "use SGLang >= 0.5.19" in c.detail
     c, _ = _server_check(tiny_qwen3, url, {**info, "disable_radix_cache": True}, "latest")
     assert not c.ok and "relaunch it with --weight-version 0" in c.detail
+
+
+# ---- the servers' logprobs against the learner's ------------------------------------------------
+
+
+def _logprob_check(model: Path, url: str, temperature: float = 0.7) -> Check:
+    """The doctor's logprob check of the server at ``url`` for a recipe on ``model`` at
+    ``temperature`` (after the checks it follows: the model, the device, the server)."""
+    d = _demo(
+        model,
+        "generator.kind=sglang",
+        f"generator.urls=[{url}]",
+        f"rollout.temperature={temperature}",
+    )
+    d.check_model()
+    d.check_device()
+    (reached,) = d.check_generators()
+    assert reached.ok, reached.detail
+    (c,) = d.check_logprobs()
+    assert c.name == f"logprobs {url}"
+    return c
+
+
+def _mean_gaps(detail: str) -> list[float]:
+    return [float(x) for x in re.findall(r"mean \|Δ\| ([0-9.e+-]+)[);]", detail)]
+
+
+def test_a_server_with_the_learners_logprobs_at_the_temperature_passes(tiny_qwen3, rollout_engine):
+    """The built-in engine reports log softmax(z/T), as SGLang does by default: the learner's own
+    logprobs of the tokens it samples at T = 0.7 equal them to float32 rounding."""
+    c = _logprob_check(tiny_qwen3, rollout_engine.url)
+    assert c.ok, c.detail
+    assert (
+        "32 tokens sampled at T = 0.7: its logprobs are the learner's log softmax(z/T)" in c.detail
+    )
+    (gap,) = _mean_gaps(c.detail)
+    assert gap < 1e-5
+
+
+@pytest.fixture
+def original_logprob_engine(tiny_qwen3, monkeypatch):
+    """A built-in engine started with SGLANG_RETURN_ORIGINAL_LOGPROB=1: like SGLang so launched, it
+    reports log softmax(z) before the temperature."""
+    from asyncrl.rollout.engine.api import EngineConfig
+    from asyncrl.rollout.engine.sampling import ORIGINAL_LOGPROB_ENV
+    from asyncrl.rollout.engine.server import serve
+
+    monkeypatch.setenv(ORIGINAL_LOGPROB_ENV, "1")
+    srv = serve(EngineConfig(model=str(tiny_qwen3), max_batch_size=4))
+    monkeypatch.delenv(ORIGINAL_LOGPROB_ENV)
+    yield srv
+    srv.stop()
+
+
+def test_untempered_logprobs_are_named_with_the_env_var(tiny_qwen3, original_logprob_engine):
+    c = _logprob_check(tiny_qwen3, original_logprob_engine.url)
+    assert not c.ok
+    assert "its logprobs equal the untempered log softmax(z)" in c.detail
+    assert "it runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1" in c.detail
+    assert c.detail.endswith("relaunch it without SGLANG_RETURN_ORIGINAL_LOGPROB")
+    untempered, tempered = _mean_gaps(c.detail)  # the size of the mismatch, both ways
+    assert untempered < 1e-5 and tempered > 0.05
+    assert f"off-policy by about {tempered:.2g} nat" in c.detail
+
+
+def test_a_server_with_other_weights_matches_neither(tiny_qwen3, tiny_qwen3_untied):
+    """tiny_qwen3_untied: the same architecture and vocabulary, its own output projection."""
+    from asyncrl.rollout.engine.api import EngineConfig
+    from asyncrl.rollout.engine.server import serve
+
+    with serve(EngineConfig(model=str(tiny_qwen3_untied), max_batch_size=4)) as other:
+        c = _logprob_check(tiny_qwen3, other.url)
+    assert not c.ok
+    assert "match neither the learner's log softmax(z/T)" in c.detail
+    assert "the server holds other weights or another model than model.path" in c.detail
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in c.detail
+    assert min(_mean_gaps(c.detail)) > 0.1
+
+
+def test_the_env_var_here_is_named_for_built_in_engines(tiny_qwen3):
+    """The rollout workers' engines inherit the doctor's environment (it runs where they will)."""
+    d = _demo(tiny_qwen3, "rollout.temperature=0.7")
+    d.environ = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True"}  # SGLang's reading: "1" or "true"
+    (c,) = d.check_generators()
+    assert not c.ok and c.detail.startswith("SGLANG_RETURN_ORIGINAL_LOGPROB=True here")
+    assert c.detail.endswith("unset SGLANG_RETURN_ORIGINAL_LOGPROB")
+    d.environ = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
+    assert all(c.ok for c in d.check_generators())
+    d = _demo(tiny_qwen3, "rollout.temperature=1.0")  # untempered is tempered: nothing to refuse
+    d.environ = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    assert all(c.ok for c in d.check_generators())
+
+
+def test_a_temperature_too_near_1_to_tell_is_not_refused():
+    """Server logprobs nearer the untempered ones, but the two hypotheses closer than the noise."""
+    tempered, plain = [-1.0, -2.0], [-1.01, -2.01]
+    ok, detail = judge_logprobs([-1.006, -2.006], tempered, plain, temperature=0.99)
+    assert ok and "too close to tell which it reports" in detail
 
 
 # ---- NCCL -------------------------------------------------------------------------------------

@@ -217,21 +217,13 @@ def _raise_bad_triple(triples: list) -> None:
     raise GeneratorResponseError("meta_info.output_token_logprobs: malformed")  # pragma: no cover
 
 
-def parse_generate_response(body: Any) -> Segment:
-    """Parse one non-streaming ``/generate`` response.
-
-    Tokens and logprobs come from ``meta_info.output_token_logprobs`` (positional triples
-    ``[logprob, token_id, text]``), checked against ``output_ids``; versions from
-    ``meta_info.weight_versions`` (see :func:`spans_to_versions`).
-    """
-    if isinstance(body, list):
-        if len(body) != 1:
-            raise GeneratorResponseError(f"expected one response, got a list of {len(body)}")
-        body = body[0]
+def output_token_logprobs(body: Any) -> tuple[list[int], list[float]]:
+    """The token ids and behaviour logprobs of one ``/generate`` response, from
+    ``meta_info.output_token_logprobs`` (positional triples ``[logprob, token_id, text]``); a
+    logprob above 0 (rounding) is read as 0."""
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
         raise GeneratorResponseError("expected an object with meta_info")
-    meta = body["meta_info"]
-    triples = meta.get("output_token_logprobs")
+    triples = body["meta_info"].get("output_token_logprobs")
     if not isinstance(triples, list):
         raise GeneratorResponseError(
             "meta_info.output_token_logprobs: missing (was return_logprob sent?)"
@@ -244,7 +236,22 @@ def parse_generate_response(body: Any) -> Segment:
         ok = False
     if not ok:
         _raise_bad_triple(triples)
-    lps = [lp if lp <= 0.0 else 0.0 for lp in lps]
+    return ids, [lp if lp <= 0.0 else 0.0 for lp in lps]
+
+
+def parse_generate_response(body: Any) -> Segment:
+    """Parse one non-streaming ``/generate`` response.
+
+    Tokens and logprobs come from ``meta_info.output_token_logprobs``
+    (:func:`output_token_logprobs`), checked against ``output_ids``; versions from
+    ``meta_info.weight_versions`` (see :func:`spans_to_versions`).
+    """
+    if isinstance(body, list):
+        if len(body) != 1:
+            raise GeneratorResponseError(f"expected one response, got a list of {len(body)}")
+        body = body[0]
+    ids, lps = output_token_logprobs(body)
+    meta = body["meta_info"]
     out_ids = body.get("output_ids")
     if out_ids is not None and list(out_ids) != ids:
         raise GeneratorResponseError(

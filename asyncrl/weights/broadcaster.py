@@ -11,6 +11,11 @@ generator that fails or does not answer is dropped, the group is rebuilt without
 sent again to the others. A dropped generator that answers ``/health`` again first loads the latest
 exported HF checkpoint from disk, then rejoins the group at the next version.
 
+Refused: a server whose ``/server_info`` says it cannot take these updates (its radix cache on with
+``pause_mode: in_place``: new requests would reuse KV the old weights computed; a layout SGLang
+cannot join) is asked before it joins a group or loads an export, and is sent nothing: dropped, with
+one error line naming it and the fix, and asked again before each version until it is relaunched.
+
 Overlap: :meth:`WeightBroadcaster.publish` copies the snapshot on the caller's (training) thread and
 hands it to the sender task, a task of rank 0's control plane (asyncrl.control), which sends it while
 the learner computes the next version: a task per generator for the HTTP calls, the broadcast in a
@@ -190,6 +195,7 @@ class Member:
     reason: str = ""  # why it was dropped
     from_disk: bool = False  # a rejoining generator loads the latest export before joining
     ranks: int | None = None  # ranks it takes in the group (its tp_size), asked before a build
+    refused: str = ""  # why its settings cannot take the updates (:class:`Refused`): kept out
 
     @property
     def url(self) -> str:
@@ -230,12 +236,21 @@ HTTP_CALLS = 32
 """Blocking HTTP calls to generators in flight at once (worker threads)."""
 
 
+class Refused(GeneratorError):
+    """A generator whose settings cannot take this broadcaster's updates (``message``: why, and the
+    fix). Nothing is sent to it while they stay so."""
+
+
 class _Failed(Exception):
     """Some generators failed during an attempt: ``culprits`` are dropped, the rest retry."""
 
     def __init__(self, culprits: dict[str, str], message: str):
         self.culprits = culprits
         super().__init__(message)
+
+
+def _say_refused(url: str, problem: str) -> None:
+    log.error("weights: generator %s refused, no weights sent to it: %s", url, problem)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -666,7 +681,10 @@ class WeightBroadcaster:
                     await self._send(snap, members, paused, report)
                     break
                 except _Failed as e:
-                    log.warning("weights: version %d attempt %d: %s", snap.version, attempt, e)
+                    if not e.culprits or any(
+                        not why.startswith("refused: ") for why in e.culprits.values()
+                    ):  # a refusal has its own line (_say_refused)
+                        log.warning("weights: version %d attempt %d: %s", snap.version, attempt, e)
                     for url, why in e.culprits.items():
                         self._drop(url, why, report)
                     await self._abort_attempt(self._active())
@@ -750,7 +768,7 @@ class WeightBroadcaster:
                     self._drop(m.url, f"preflight: {bad[m.url]}", report)
             elif m.state == "dropped":
                 if ok[m.url] == "up":
-                    await self._rejoin(m, report.version)
+                    await self._rejoin(m, report)
             elif m.state == "member" and parse_version_label(ok[m.url]) != m.version:
                 log.warning(
                     "weights: %s reports version %r, expected %s: it restarted; rejoining",
@@ -758,15 +776,32 @@ class WeightBroadcaster:
                     ok[m.url],
                     m.version,
                 )
-                await self._rejoin(m, report.version)
+                await self._rejoin(m, report)
 
-    async def _rejoin(self, m: Member, version: int) -> None:
-        """A generator is back: load the newest exported checkpoint, then join at ``version``.
+    async def _rejoin(self, m: Member, report: SyncReport) -> None:
+        """A generator is back: ask its settings (it may have been relaunched with others: a
+        refused one stays out and gets nothing), load the newest exported checkpoint, then join at
+        this version.
 
-        Only exports older than ``version`` are complete (the learner exports a version after it
+        Only exports older than the version are complete (the learner exports a version after it
         hands it to :meth:`publish`) and the current run's (a learner resumed from a checkpoint
         leaves the lost run's newer exports on disk until it overwrites them): the label it gets
         is then the version it holds."""
+        version = report.version
+        try:
+            ranks = await self._http(self._server_ranks, m)
+        except Refused as e:
+            said = m.state == "dropped" and m.refused == e.message
+            m.refused = e.message
+            if m.state != "dropped":
+                self._drop(m.url, f"refused: {e.message}", report)
+            elif not said:
+                _say_refused(m.url, e.message)
+            return
+        except GeneratorError as e:
+            self._drop(m.url, f"server_info: {e}", report)
+            return
+        m.ranks, m.refused = ranks, ""
         exp = latest_export(self.export_dir, at_most=version - 1)
         if exp is not None:
             path, v = exp
@@ -791,7 +826,10 @@ class WeightBroadcaster:
             m.state, m.reason = "dropped", why
             self._dirty = True
         report.dropped.append(url)
-        log.warning("weights: dropped generator %s: %s", url, why)
+        if m.refused:
+            _say_refused(url, m.refused)
+        else:
+            log.warning("weights: dropped generator %s: %s", url, why)
         self._event("dropped", url=url, reason=why, version=report.version)
 
     # ---- the process group -----------------------------------------------------------------------
@@ -861,20 +899,38 @@ class WeightBroadcaster:
 
     async def _ask_ranks(self, members: list[Member]) -> None:
         """Each new member's rank count from its ``/server_info`` (a TP-4 SGLang server takes 4): a
-        worker cannot know it, and a wrong count hangs the group's rendezvous."""
-
-        def ask(m: Member) -> int:
-            info = m.client.server_info()  # None: no such endpoint (the built-in engine)
-            return m.info.world_size if info is None else rendezvous.server_ranks(info)
-
+        worker cannot know it, and a wrong count hangs the group's rendezvous. Those refused
+        (:meth:`_server_ranks`) are dropped before any group or weights."""
         new = [m for m in members if m.ranks is None]
-        ok, bad = await self._fan_out(new, ask, timeout=self.cfg.timeout_s + 1)
+        ok, bad = await self._fan_out(new, self._server_ranks, timeout=self.cfg.timeout_s + 1)
+        why: dict[str, str] = {}
         for m in new:
+            e = bad.get(m.url)
             if m.url in ok:
                 m.ranks = ok[m.url]
-        if bad:
-            why = {u: f"server_info: {e}" for u, e in bad.items()}
+            elif isinstance(e, Refused):
+                m.refused = e.message
+                why[m.url] = f"refused: {e.message}"
+            elif e is not None:
+                why[m.url] = f"server_info: {e}"
+        if why:
             raise _Failed(why, "; ".join(f"{u}: {w}" for u, w in why.items()))
+
+    def _server_ranks(self, m: Member) -> int:
+        """The ranks ``m`` takes in the group, from its ``/server_info`` (None: no such endpoint,
+        the built-in engine); :class:`Refused` if it cannot take these updates: a radix cache with
+        ``pause_mode: in_place`` (:func:`rendezvous.radix_cache_problem`, what ``asyncrl doctor``
+        checks), or a layout SGLang cannot join."""
+        info = m.client.server_info()
+        if info is None:
+            return m.info.world_size
+        problem = rendezvous.radix_cache_problem(info, self.cfg.pause_mode)
+        if problem is None:
+            try:
+                return rendezvous.server_ranks(info)
+            except rendezvous.LayoutError as e:
+                problem = str(e)
+        raise Refused(problem)
 
     async def _drop_group(self, members: list[Member], *, background: bool) -> None:
         """Leave the current group: servers destroy their side (best effort), rank 0 destroys its own."""

@@ -47,6 +47,21 @@ def server_ranks(info: dict) -> int:
     return size("tp_size")
 
 
+def radix_cache_problem(info: dict, pause_mode: str) -> str | None:
+    """Why a server cannot take in-place weight updates, from its ``/server_info``; None if it can.
+
+    ``weights.pause_mode: in_place`` keeps running requests' KV across an update, so nothing may be
+    flushed, and SGLang's radix cache would then give new requests prefix KV that the old weights
+    computed, under the new version's label. ``retract`` flushes it after the update instead.
+    SGLang's ``disable_radix_cache`` server argument says which (absent: the cache is on)."""
+    if pause_mode != "in_place" or bool(info.get("disable_radix_cache", False)):
+        return None
+    return (
+        "weights.pause_mode in_place needs the radix cache off: relaunch it with "
+        "--disable-radix-cache, or set weights.pause_mode=retract"
+    )
+
+
 def group_layout(ranks: list[int]) -> tuple[list[int], int]:
     """Each server's ``rank_offset`` and the group's world size: the learner is rank 0, servers follow
     in order, each taking its :func:`server_ranks` (slime's layout)."""

@@ -36,9 +36,14 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   ``/continue_generation``, ``/destroy_weights_update_group``: test_weights.py (a failure in any
   would show in ``SyncReport.error``), test_failure.py; ``/update_weights_from_disk`` (a rejoining
   generator loads the latest export): test_weights.py::test_update_from_disk.
-- ``/flush_cache`` is not called by asyncrl, only by the tests: after an in-place update SGLang's
-  radix cache still serves prefix KV computed by the old weights to new requests (measured: logprob
-  errors up to ~1 nat for a repeated prompt), and a retracted request re-prefills from it too.
+- ``/server_info`` (the broadcaster's and the doctor's: ``tp_size``, ``disable_radix_cache``): the
+  servers run with ``--disable-radix-cache``, as ``weights.pause_mode: in_place`` needs and the
+  broadcaster demands (with the cache on, new requests after an in-place update reused prefix KV the
+  old weights computed: logprob errors up to ~1 nat for a repeated prompt, measured when the tier's
+  servers kept it). test_doctor.py: the doctor's checks of a live server, its logprobs at T = 0.7
+  against the learner's, and a server started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``.
+- ``/flush_cache`` is not called by asyncrl (after a ``retract`` update its last
+  ``/update_weights_from_distributed`` asks for the flush), only by the tests.
 - ``/weights_checker`` (WeightsClient.checksum reads ``checksum``): SGLang 0.5.23 answers
   ``{success, message, ranks: [{checksums: {sglang_param: hex16}, per_gpu_checksum, ...}],
   per_engine_checksum}``, with no ``checksum`` key and per *fused* SGLang parameter
@@ -127,7 +132,10 @@ def _servers(sglang_python, tmp_path_factory):
             if tied:
                 weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
             log = tmp_path_factory.getbasetemp() / f"sglang_{name}.log"
-            server = SGLangServer(python=sglang_python, model=d, log=log)
+            # in_place pauses (the default) need it: the broadcaster refuses a radix cache
+            server = SGLangServer(
+                python=sglang_python, model=d, log=log, extra_args=["--disable-radix-cache"]
+            )
             server.start()
             handles[name] = Served(
                 name=name, server=server, model_dir=d, weights=weights, tied=tied

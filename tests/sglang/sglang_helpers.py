@@ -98,6 +98,24 @@ def reference_logprobs(
     return lp.gather(-1, torch.tensor(output).unsqueeze(-1)).squeeze(-1)
 
 
+def served_model_dir(served: Served, folder: Path) -> Path:
+    """``folder`` made a model folder holding exactly the weights ``served`` holds now (earlier
+    tests may have updated them): what the learner must load to compare logprobs with it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in served.model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, folder / f.name)
+    weights = {
+        k: v for k, v in served.weights.items() if not (served.tied and k == "lm_head.weight")
+    }
+    save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors")
+    return folder
+
+
 def perturbed(weights: dict[str, torch.Tensor], seed: int, tied: bool) -> dict[str, torch.Tensor]:
     """New weights for a test version: every tensor moved by seeded noise (tied copies kept tied)."""
     g = torch.Generator().manual_seed(seed)

@@ -4,13 +4,10 @@ importance ratio is off (~0.5 nat at T = 0.7 before the learner divided by T).""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
-from sglang_helpers import PROMPT, TOL, Served, generate
+from sglang_helpers import PROMPT, TOL, Served, generate, served_model_dir
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.learner.packing import make_sequence, pack
@@ -26,16 +23,7 @@ def test_learner_logprobs_equal_sglangs_at_the_temperature(served: Served, tmp_p
     params = SamplingParams(max_new_tokens=32, temperature=temperature, ignore_eos=True)
     c = generate(served.url, params)
     assert len(c.output_ids) == 32
-    # the learner loads exactly the weights the server holds now (earlier tests may have updated them)
-    model = tmp_path / "model"
-    model.mkdir()
-    for f in served.model_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy2(f, model / f.name)
-    weights = {
-        k: v for k, v in served.weights.items() if not (served.tied and k == "lm_head.weight")
-    }
-    save_file({k: v.contiguous() for k, v in weights.items()}, model / "model.safetensors")
+    model = served_model_dir(served, tmp_path / "model")
     recipe = recipe_mod.from_dict(
         {
             "model": {"path": str(model), "max_seq_len": 128},

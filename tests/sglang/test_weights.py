@@ -69,9 +69,9 @@ def check_served_weights(served: Served, report: SyncReport | None) -> None:
                 body = {"name": name, "truncate_size": t.shape[0]}
                 got = http.post("/get_weights_by_name", json=body).json()
                 assert torch.equal(torch.tensor(got, dtype=torch.float32), t), name
-    # the model computes with them: a new sample equals transformers with the new weights. The
-    # radix cache still holds PROMPT's KV from the old weights (the broadcaster sends
-    # flush_cache: false, as in-place pauses require), so flush it first, now that nothing runs.
+    # the model computes with them: a new sample equals transformers with the new weights (the
+    # servers run without the radix cache, so no prefix KV of the old weights is reused; the flush
+    # is what a server launched with one would need)
     assert httpx.post(url + "/flush_cache", timeout=60).status_code == 200
     c = generate(url, SamplingParams(max_new_tokens=16))
     assert c.versions == [served.version] * len(c.output_ids)

@@ -78,6 +78,7 @@ class SGLangServer:
     port: int = 0  # 0: pick a free one
     host: str = "127.0.0.1"
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to server_env()'s
     child: Child | None = None
     started_at: float = 0.0  # time.monotonic() at start()
 
@@ -116,7 +117,7 @@ class SGLangServer:
             self.port = free_port(self.host)
         self.child = Child(name=f"sglang:{self.port}", argv=self.argv(), log=self.log)
         self.started_at = time.monotonic()
-        self.child.start(server_env())
+        self.child.start({**server_env(), **self.env})
 
     def wait_healthy(self, timeout_s: float = 300.0) -> float:
         """Wait until ``/health`` answers 200; returns the seconds since :meth:`start`.

@@ -17,6 +17,7 @@ from asyncrl import malloc
 from asyncrl.rollout.engine.generate_api import GenerateAPI
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.replies import BadRequest
+from asyncrl.rollout.engine.sampling import original_logprob
 from asyncrl.rollout.engine.scheduler import Scheduler
 from asyncrl.rollout.engine.weight_api import WeightAPI
 from asyncrl.rollout.engine.weights import WeightStore
@@ -29,6 +30,8 @@ class EngineConfig:
     weight_version: str = "default"
     seed: int = 0
     served_model_name: str | None = None
+    # SGLANG_RETURN_ORIGINAL_LOGPROB, read from the environment as SGLang reads it (sampling.py)
+    original_logprob: bool = field(default_factory=original_logprob)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Engine:
             max_batch_size=config.max_batch_size,
             weight_version=config.weight_version,
             seed=config.seed,
+            original_logprob=config.original_logprob,
         )
         eng.scheduler.start()
         eng.generation = GenerateAPI(eng)

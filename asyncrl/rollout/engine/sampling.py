@@ -3,13 +3,30 @@
 The returned logprob of a token is ``log_softmax(logits / temperature)`` taken before top-k / top-p /
 min-p truncation; greedy requests (temperature 0) get the unscaled ``log_softmax(logits)``. That is
 SGLang's definition (``srt/layers/sampler.py``), so a learner can treat both engines alike.
+
+SGLang's sampler has a switch, the environment variable ``SGLANG_RETURN_ORIGINAL_LOGPROB``: set, it
+reports ``log_softmax(logits)`` before the temperature whatever the temperature (slime's launch
+scripts set it). The built-in engine reads the same variable the same way (:func:`original_logprob`),
+so that a run, and ``asyncrl doctor``, see what such a server would send: at T != 1 every token then
+looks off-policy to a learner that computes log softmax(logits / T).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 import torch
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def original_logprob(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is on, as SGLang reads it (``get_bool_env_var``:
+    "true" or "1", any case)."""
+    return environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("true", "1")
+
 
 TOP_K_OFF = 1 << 30  # SGLang's default top_k (1073741824): no truncation
 
@@ -223,11 +240,14 @@ def sample(
     *,
     banned: list[list[int] | None] | None = None,
     top_logprobs: list[int] | None = None,
+    original: bool = False,
 ) -> Sampled:
     """Sample one token per row of ``logits [n, vocab]``, vectorised over rows.
 
     ``generators[i]`` is the row's own generator (requests with ``sampling_seed``), else the engine's
     is used. ``banned[i]`` lists token ids masked out (stop tokens before ``min_new_tokens``).
+    ``original``: report the logprobs (and top logprobs) before the temperature
+    (``SGLANG_RETURN_ORIGINAL_LOGPROB``); the tokens are drawn at the temperature all the same.
     """
     n = logits.shape[0]
     logits = logits.float()
@@ -254,11 +274,12 @@ def sample(
                 tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
-    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    reported = torch.log_softmax(logits, dim=-1) if original and scaled is not logits else logp
+    chosen = reported.gather(1, tokens[:, None])[:, 0]
     top: list[list[tuple[float, int]] | None] = [None] * n
     if top_logprobs is not None and any(top_logprobs):
         k = max(top_logprobs)
-        vals, idx = logp.topk(min(k, logp.shape[1]), dim=-1)
+        vals, idx = reported.topk(min(k, reported.shape[1]), dim=-1)
         vals_l, idx_l = vals.tolist(), idx.tolist()
         for i, ki in enumerate(top_logprobs):
             if ki:

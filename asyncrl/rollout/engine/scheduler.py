@@ -128,8 +128,10 @@ class Scheduler:
         max_prefill_tokens: int = 8192,
         weight_version: str = "default",
         seed: int = 0,
+        original_logprob: bool = False,
     ):
         self.lm = lm
+        self.original_logprob = original_logprob  # SGLANG_RETURN_ORIGINAL_LOGPROB (sampling.py)
         self.eos_ids = set(eos_ids)
         self.decode_tail = decode_tail
         self.max_batch_size = max_batch_size
@@ -415,6 +417,7 @@ class Scheduler:
             self.generator,
             banned=banned,
             top_logprobs=tops,
+            original=self.original_logprob,
         )
         finished = []
         check = self._check_finished

@@ -7,6 +7,8 @@ model (a reward model) over SGLang's ``/classify`` (:mod:`asyncrl.rollout.engine
 Stdlib ``ThreadingHTTPServer``: HTTP threads parse JSON and wait on events; all torch work runs in
 the scheduler's one decode thread (and weight receives in the weight store's receiver thread).
 ``--port 0`` binds a free port; the bound port is printed and, with ``--port-file``, written there.
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` in its environment makes it report logprobs before the
+temperature, as it makes SGLang (:mod:`asyncrl.rollout.engine.sampling`).
 """
 
 from __future__ import annotations

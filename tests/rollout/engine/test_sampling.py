@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.rollout.engine.sampling import TOP_K_OFF, EngineSamplingParams, SamplingError, sample
+from asyncrl.rollout.engine.sampling import (
+    TOP_K_OFF,
+    EngineSamplingParams,
+    SamplingError,
+    original_logprob,
+    sample,
+)
 
 
 def _p(**kw) -> EngineSamplingParams:
@@ -39,6 +45,26 @@ def test_logprob_is_temperature_scaled_before_truncation_and_greedy_is_unscaled(
     out = sample(LOGITS, [_p(temperature=0.0)], [None], g)
     assert out.tokens == [0]
     assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS[0], -1)[0]), abs=1e-6)
+
+
+def test_original_logprobs_are_before_the_temperature_as_sglangs_env_var_says():
+    """SGLANG_RETURN_ORIGINAL_LOGPROB: the same draw at T = 0.5, its logprob (and the top ones)
+    from log_softmax(logits) instead of log_softmax(logits / T)."""
+    params = [_p(temperature=0.5)]
+    tempered = sample(LOGITS, params, [None], torch.Generator().manual_seed(0), top_logprobs=[2])
+    out = sample(
+        LOGITS, params, [None], torch.Generator().manual_seed(0), top_logprobs=[2], original=True
+    )
+    assert out.tokens == tempered.tokens
+    plain = torch.log_softmax(LOGITS[0], -1)
+    assert out.logprobs[0] == pytest.approx(float(plain[out.tokens[0]]), abs=1e-6)
+    assert out.logprobs[0] != pytest.approx(tempered.logprobs[0], abs=1e-2)
+    assert [i for _, i in out.top[0]] == [0, 1]
+    assert [v for v, _ in out.top[0]] == pytest.approx(plain[:2].tolist(), abs=1e-6)
+    assert original_logprob({"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})
+    assert original_logprob({"SGLANG_RETURN_ORIGINAL_LOGPROB": "TRUE"})
+    assert not original_logprob({"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"})
+    assert not original_logprob({})
 
 
 def test_rows_are_independent_and_seeds_reproduce():
