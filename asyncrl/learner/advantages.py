@@ -214,7 +214,8 @@ def compute_advantages(
     r = torch.cat(groups).to(torch.float64)
     if not torch.isfinite(r).all():
         raise ValueError(
-            "rewards: non-finite reward (NaN or inf); a failed reward must be a number"
+            "rewards: non-finite reward (NaN or inf); a rollout worker leaves a failed reward's "
+            "sample out of its group, so this one came from elsewhere"
         )
     g = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     if turns is not None:  # the estimator's members are episodes; turns map back to them after
