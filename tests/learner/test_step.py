@@ -100,7 +100,9 @@ def test_micro_batch_split_does_not_change_the_step(tiny_qwen3, tmp_path, loss, 
         results.append((res, *weights_and_grads(tr.model)))
     (one, w_one, g_one), (many, w_many, g_many) = results
     assert one.metrics["learner/micro_batches"] == 1 and many.metrics["learner/micro_batches"] > 3
-    assert_close_rel(one.loss, many.loss)
+    # GRPO advantages sum to 0 over each group: the loss sums terms of size ~1 to ~0.03, and rounds
+    # at their scale
+    assert_close_rel(one.loss, many.loss, scale=1.0)
     assert_close_rel(one.metrics["grad_norm"], many.metrics["grad_norm"])
     assert_grads_close(g_one, g_many)
     assert_adam_steps_agree(w_one, w_many, g_one, lr=one.metrics["lr"])
@@ -145,7 +147,7 @@ def test_decoupled_ppo_on_policy_equals_ppo(tiny_qwen3, tmp_path):
     # μ is the learner's own float32 logprob of the same forward: π_prox/μ = 1 up to rounding
     assert abs(dec.metrics["loss/is_weight_mean"] - 1.0) <= LOGPROB_ATOL
     assert dec.metrics["drift/mismatch_kl"] <= LOGPROB_ATOL**2  # k3 ≈ (Δ log π)²/2
-    assert_close_rel(ppo.loss, dec.loss)
+    assert_close_rel(ppo.loss, dec.loss, scale=1.0)  # GRPO advantages: terms of size ~1 cancel
     assert_grads_close(g_ppo, g_dec)
     assert_adam_steps_agree(w_ppo, w_dec, g_ppo, lr=ppo.metrics["lr"])
 

@@ -28,13 +28,6 @@ from tests.numerics import (
 
 pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
 
-PARAM_ATOL = 1e-5
-"""Weights after one step, TP=2 against TP=1, where the entry's gradient is clearly non-zero
-(|g| > 1e-4 · max |g| of its tensor): one AdamW step of lr 1e-3 from bitwise-equal weights, with
-gradients summed in another order (the row-parallel layers' partial sums are all-reduced).
-Measured: ≤ 1.7e-7. Entries whose gradient is rounding (~1e-9) move by up to 2·lr apart (Adam's
-g/(|g|+ε); measured ≤ 4.6e-5): those are held to :func:`assert_adam_steps_agree`'s bound."""
-
 
 def _batch() -> Batch:
     """Four samples of one group, uneven lengths, one with no trained token."""
@@ -127,10 +120,11 @@ def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, ranks,
     assert_grads_close(grads, load_file(str(tmp_path / "grads.safetensors")))
     weights = load_file(str(tmp_path / "weights.safetensors"))
     assert set(weights) == set(after)
-    for k, g in grads.items():
-        clear = g.abs() > 1e-4 * g.abs().max()
-        diff = float((weights[k] - after[k])[clear].abs().max()) if clear.any() else 0.0
-        assert diff <= PARAM_ATOL, f"{k}: weights after one step differ by {diff:.2e}"
+    # One AdamW step from bitwise-equal weights, the gradients summed in another order: each entry
+    # within the bound its own gradient implies (tests/numerics.py), never one absolute bound.
+    # Where |g| is a few Adam ε (4.9e-8 on tiny_llama, 1e-4 of its tensor's largest |g|), the
+    # update lr·g/(|g|+ε) moves by lr·ε/(|g|+ε)² ≈ 2.8e3 per unit of Δg: the Δg that
+    # assert_grads_close allows there (4.7e-9) moves the weight 1.4e-5.
     assert_adam_steps_agree(after, weights, grads, lr=one.metrics["lr"])
 
     # a broadcast's gather: rank 0 alone keeps every tensor, in the wire dtype
