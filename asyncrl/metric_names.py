@@ -20,6 +20,10 @@ EVAL_SUCCESS = "eval/success"
 LOSS = "loss"
 ENTROPY = "loss/entropy"
 GRAD_NORM = "grad_norm"
+# the trained batch's samples: every step has one (the worker's rollout/* are per 10 s interval, over
+# every scored episode, also those of groups the buffer then drops: stale, or with equal rewards)
+BATCH_REWARD_MEAN = "learner/reward_mean"
+BATCH_RESPONSE_LENGTH_MEAN = "learner/response_length_mean"  # completion tokens, as the worker's
 TRAINED_TOKENS = "learner/tokens"
 TRAINED_TOKENS_PER_S = "learner/trained_tokens_per_s"
 BATCH_WAIT_S = "buffer/wait_s"  # rank 0 waiting for the batch it trained on
@@ -50,6 +54,8 @@ READ_BY_ASYNCRL = (
     LOSS,
     ENTROPY,
     GRAD_NORM,
+    BATCH_REWARD_MEAN,
+    BATCH_RESPONSE_LENGTH_MEAN,
     TRAINED_TOKENS,
     TRAINED_TOKENS_PER_S,
     BATCH_WAIT_S,

@@ -3,13 +3,14 @@
     python tools/plots.py runs/demo/metrics.jsonl [--out runs/demo/plots]   (or: python -m asyncrl.plots)
 
 Writes (each only if its metrics are present; a missing key never fails the tool):
-- ``reward.png``: training reward mean per version and held-out success at each evaluation;
+- ``reward.png``: the trained batch's mean reward at every step (a line), the worker's sampled means
+  and held-out success at each evaluation (points); below, the mean response length;
 - ``staleness.png``: the staleness histogram over versions (heat map) with per-batch mean and max,
   the bound eta, and groups dropped as stale;
 - ``throughput.png``: generated and trained tokens/s, learner and generator idle fractions;
 - ``weight_sync.png``: weight-sync seconds and generator pause seconds per version;
 - ``drift.png``: KL(mu || pi_prox) per staleness bucket (engine mismatch vs staleness drift);
-- ``learning.png``: loss, entropy, grad norm, response length.
+- ``learning.png``: loss, entropy, grad norm.
 
 Each line of metrics.jsonl is one JSON object of flat ``section/name`` keys; the x axis is the
 record's ``version`` (or ``step``), else its position. The keys read are asyncrl's own, by name
@@ -118,19 +119,73 @@ def _line(ax, records, key, label=None, **kw) -> bool:
     return bool(xs)
 
 
-def plot_reward(records, out: Path) -> Path | None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = _line(ax, records, names.REWARD_MEAN, label="train reward (sampled)", alpha=0.6)
-    xs, ys = series(records, names.EVAL_SUCCESS)
+def per_version(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+    """One value per x, the last logged, in x order: a line through them never goes back or up and
+    down at one x (a resumed learner logs again the versions its crash lost)."""
+    last = dict(zip(xs, ys, strict=True))
+    order = sorted(last)
+    return order, [last[x] for x in order]
+
+
+def _per_step_and_sampled(ax, records, batch_key: str, worker_key: str, label: str) -> bool:
+    """The learner's ``batch_key``, one point per step joined as a line, and the worker's
+    ``worker_key``, a mean over each metrics interval (10 s) at the version it had reached, as dots
+    of their own: several can share a version and none stands for a version between them."""
+    xs, ys = per_version(*series(records, batch_key))
     if xs:
-        ax.plot(xs, ys, "o-", label="held-out success (greedy)", color="C3")
-    if not (drawn or xs):
+        ax.plot(xs, ys, "-", color="C0", label=f"{label}: trained batch, every step")
+    wx, wy = series(records, worker_key)
+    if wx:
+        ax.plot(
+            wx, wy, ".", ls="none", color="0.55", label=f"{label}: sampled (worker, 10 s means)"
+        )
+    return bool(xs or wx)
+
+
+def _evaluations(ax, records, label: str, color: str = "C3") -> bool:
+    """Held-out evaluations as markers alone: they are versions apart, and a line between two
+    would read as a curve that was never measured."""
+    xs, ys = per_version(*series(records, names.EVAL_SUCCESS))
+    if xs:
+        ax.plot(xs, ys, "o", ls="none", ms=7, color=color, label=label, zorder=3)
+    return bool(xs)
+
+
+def reward_figure(records):
+    """reward.png's figure (None without a reward): the trained batch's mean reward at every step,
+    the worker's sampled means and the held-out evaluations; below, the response length."""
+    plt = _plt()
+    lengths = (
+        series(records, names.BATCH_RESPONSE_LENGTH_MEAN)[0]
+        or series(records, names.RESPONSE_LENGTH_MEAN)[0]
+    )
+    fig, axes = plt.subplots(2 if lengths else 1, 1, figsize=(7, 6 if lengths else 4), sharex=True)
+    ax = axes[0] if lengths else axes
+    drawn = _per_step_and_sampled(
+        ax, records, names.BATCH_REWARD_MEAN, names.REWARD_MEAN, "train reward"
+    )
+    drawn |= _evaluations(ax, records, "held-out success (greedy)")
+    if not drawn:
         plt.close(fig)
         return None
-    ax.set(xlabel="policy version", ylabel="reward", title="Reward", ylim=(-0.02, 1.02))
-    ax.legend(loc="lower right")
-    return _save(fig, out / "reward.png")
+    ax.set(ylabel="reward", title="Reward")
+    if all(0 <= y <= 1 for line in ax.get_lines() for y in line.get_ydata()):
+        ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="lower right", fontsize="small")
+    if lengths:
+        ax = axes[1]
+        _per_step_and_sampled(
+            ax, records, names.BATCH_RESPONSE_LENGTH_MEAN, names.RESPONSE_LENGTH_MEAN, "length"
+        )
+        ax.set(ylabel="response tokens")
+        ax.legend(loc="best", fontsize="small")
+    ax.set_xlabel("policy version")
+    return fig
+
+
+def plot_reward(records, out: Path) -> Path | None:
+    fig = reward_figure(records)
+    return None if fig is None else _save(fig, out / "reward.png")
 
 
 def plot_reward_model(records, out: Path) -> Path | None:
@@ -139,26 +194,22 @@ def plot_reward_model(records, out: Path) -> Path | None:
     and held-out exact match against the ground truth (``rollout.eval_reward``; right axis). A score
     that rises while the true reward does not is the reward model being gamed. Drawn by `asyncrl
     run` for runs that score with a reward model (reward_model.png)."""
-    xs, ys = series(records, names.REWARD_MEAN)
-    ex, ey = series(records, names.EVAL_SUCCESS)
-    if not (xs or ex):
-        return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    if xs:
-        # the worker's mean over each metrics interval (10 s), at the version it had reached
-        ax.plot(
-            xs, ys, "s-", color="C0", alpha=0.7, label="reward model score (train samples, mean)"
-        )
+    right = ax.twinx()
+    drawn = _per_step_and_sampled(
+        ax, records, names.BATCH_REWARD_MEAN, names.REWARD_MEAN, "reward model score"
+    )
+    drawn |= _evaluations(right, records, "held-out exact match (ground truth, greedy)")
+    if not drawn:
+        plt.close(fig)
+        return None
     ax.set(
         xlabel="policy version", ylabel="reward model score", title="Reward model vs true reward"
     )
-    right = ax.twinx()
-    if ex:
-        right.plot(ex, ey, "o-", color="C3", label="held-out exact match (ground truth, greedy)")
     right.set(ylabel="held-out exact match", ylim=(-0.02, 1.02))
     lines = ax.get_lines() + right.get_lines()
-    ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right", fontsize="small")
     return _save(fig, out / "reward_model.png")
 
 
@@ -283,9 +334,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_learning(records, out: Path) -> Path | None:
-    """Loss, entropy, grad norm and response length, one small panel each."""
+    """Loss, entropy and grad norm, one small panel each (the response length is reward.png's)."""
     panels = [("loss", names.LOSS), ("entropy", names.ENTROPY), ("grad norm", names.GRAD_NORM)]
-    panels.append(("response length", names.RESPONSE_LENGTH_MEAN))
     present = [(t, key) for t, key in panels if series(records, key)[1]]
     return _panels(records, present, "Learning", out / "learning.png") if present else None
 

@@ -136,7 +136,7 @@ def summary_version(run_dir: Path) -> int:
 
 def log_eval(run_dir: Path, reports: dict[int, EvalReport | None]) -> None:
     """Held-out evaluations by version, as ``eval/*`` lines of process ``eval`` in metrics.jsonl
-    (the reward plot shows ``eval/success`` next to the sampled training reward)."""
+    (the reward plot shows ``eval/success`` as points beside the trained batches' mean reward)."""
     from asyncrl.metrics import MetricsSink
 
     values = {v: rep for v, rep in reports.items() if rep is not None}

@@ -34,6 +34,8 @@ def _full_records(n=12, eta=4):
                 f"{names.DRIFT_BY_STALENESS}1": 1e-3,
                 names.LOSS: 1.0 / (v + 1),
                 names.GRAD_NORM: 0.5,
+                names.BATCH_REWARD_MEAN: v / n,
+                names.BATCH_RESPONSE_LENGTH_MEAN: 6.0,
             }
         )
         recs.append(
@@ -127,3 +129,52 @@ def test_a_run_with_a_critic_gets_its_plot_and_one_without_does_not(tmp_path):
     written = plots.make_plots(_write(tmp_path / "b.jsonl", recs), tmp_path / "b")
     (critic,) = [p for p in written if p.name == "critic.png"]
     assert critic.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _points(line) -> list[tuple[float, float]]:
+    return list(zip(line.get_xdata(), line.get_ydata(), strict=True))
+
+
+def test_the_reward_curve_has_every_step_and_evaluations_are_points_never_joined(tmp_path):
+    """The learner's batch means at every step make the line; the worker's interval means and the
+    held-out evaluations are points (a line between two evaluations 3 versions apart, or through
+    two worker means at one version, would draw what was never measured); nothing is drawn where
+    nothing was logged."""
+
+    def step(v, reward, length):
+        return {
+            "step": v,
+            "process": "learner",
+            names.BATCH_REWARD_MEAN: reward,
+            names.BATCH_RESPONSE_LENGTH_MEAN: length,
+        }
+
+    learner = [step(v, v / 10, 5.0 + v) for v in range(1, 7)]
+    learner += [step(v, 0.9, 4.0) for v in (5, 6)]  # resumed at 4: 5 and 6 again, the last wins
+    worker = [
+        {"step": 0, "process": "worker0", names.GENERATED_TOKENS_PER_S: 1.0},  # nothing scored
+        {"step": 3, "process": "worker0", names.REWARD_MEAN: 0.2},
+        {"step": 3, "process": "worker0", names.REWARD_MEAN: 0.4},  # two intervals at version 3
+    ]
+    evals = [{"step": v, "process": "eval", names.EVAL_SUCCESS: s} for v, s in [(0, 0.1), (6, 0.7)]]
+    records = plots.read_metrics(_write(tmp_path / "metrics.jsonl", learner + worker + evals))
+
+    fig = plots.reward_figure(records)
+    reward_ax, length_ax = fig.axes
+    lines = {ln.get_label().split(":")[-1].strip(): ln for ln in reward_ax.get_lines()}
+    every_step = lines.pop("trained batch, every step")
+    assert _points(every_step) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.9), (6, 0.9)]
+    assert every_step.get_linestyle() == "-"
+    sampled, held_out = lines["sampled (worker, 10 s means)"], lines["held-out success (greedy)"]
+    assert _points(sampled) == [(3, 0.2), (3, 0.4)] and sampled.get_linestyle() == "None"
+    assert _points(held_out) == [(0, 0.1), (6, 0.7)] and held_out.get_linestyle() == "None"
+    assert held_out.get_marker() == "o" and len(lines) == 2
+    (length,) = length_ax.get_lines()
+    assert _points(length) == [(1, 6.0), (2, 7.0), (3, 8.0), (4, 9.0), (5, 4.0), (6, 4.0)]
+    plots._plt().close(fig)
+
+    written = plots.make_plots(tmp_path / "metrics.jsonl")
+    assert tmp_path / "plots/reward.png" in written
+    assert (tmp_path / "plots/reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rm = plots.plot_reward_model(records, tmp_path / "plots")
+    assert rm is not None and rm.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -686,6 +686,10 @@ class Trainer:
             k = np.concatenate(staleness)
             self._batch_info["learner/staleness_mean"] = float(k.mean())
             self._batch_info["learner/staleness_max"] = float(k.max())
+        if seqs and not is_sft:  # the reward curve, one point per step (an SFT row has no reward)
+            self._batch_info[names.BATCH_REWARD_MEAN] = float(np.mean(np.concatenate(rewards)))
+            lengths = [len(s.completion_ids) for g in groups for s in g.samples]
+            self._batch_info[names.BATCH_RESPONSE_LENGTH_MEAN] = float(np.mean(lengths))
         return seqs
 
     def micro_batches(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl import metric_names as names
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
 from asyncrl.learner.losses import LOSSES
@@ -71,12 +72,21 @@ def test_every_loss_takes_a_finite_step(tiny_qwen3, tmp_path):
     before = params(tr)
     for i, name in enumerate(LOSSES):
         tr.alg = dataclasses.replace(tr.alg, loss=name, entropy_coef=0.01 if i % 2 else 0.0)
-        res = tr.step(rl_batch(tr.spec.model.vocab_size, seed=i))
+        batch = rl_batch(tr.spec.model.vocab_size, seed=i)
+        res = tr.step(batch)
         assert res.version == i + 1 and tr.version == i + 1
         assert np.isfinite(res.loss) and res.loss != 0.0, name
         assert res.metrics["grad_norm"] > 0 and res.metrics["loss/tokens"] > 0
+        samples = [s for g in batch.groups for s in g.samples]
         if name != "sft":
             assert f"drift/tokens/{min(i, 1)}" in res.metrics and "drift/kl" in res.metrics
+            # the reward curve's point for this step: the trained batch's samples
+            reward = np.mean([s.reward for s in samples])
+            length = np.mean([len(s.completion_ids) for s in samples])
+            assert res.metrics[names.BATCH_REWARD_MEAN] == pytest.approx(reward)
+            assert res.metrics[names.BATCH_RESPONSE_LENGTH_MEAN] == pytest.approx(length)
+        else:  # an SFT row has no reward
+            assert names.BATCH_REWARD_MEAN not in res.metrics
     assert max_diff(params(tr), before) > 1e-4
 
 
