@@ -19,7 +19,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
 	$(MAKE) --no-print-directory test-kernels
 
 # The numerics tier once more under the kernels of other x86 CPUs (tests/numerics.py): a CI machine
