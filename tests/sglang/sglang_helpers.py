@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 import trio
 
 from asyncrl.rollout.client import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from tools.sglang_cpu.server import SGLangServer
+from tools.sglang_cpu.server import SGLangServer, SGLangSetupError
 
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47]  # token ids of the char tokenizer ("EFGHIJKL"-like)
 # |SGLang logprob - transformers logprob|: SGLang's own CPU kernels (attention, RMSNorm, a sampler
@@ -204,3 +205,18 @@ def generate(url: str, params: SamplingParams, prompt: list[int] = PROMPT) -> Co
             return await pool.generate(prompt, params)
 
     return trio.run(run)
+
+
+def healthy(server: SGLangServer, timeout_s: float) -> Iterator[SGLangServer]:
+    """A module fixture's body (``yield from healthy(...)``): ``server`` started and healthy, its
+    tests failed with SGLang's own words if it never gets there, stopped after them."""
+    server.start()
+    try:
+        server.wait_healthy(timeout_s)
+    except SGLangSetupError as e:
+        server.stop()
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()

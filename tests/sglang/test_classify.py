@@ -13,11 +13,12 @@ import httpx
 import pytest
 import torch
 import trio
+from sglang_helpers import healthy
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.rollout.model_reward import build_reward
 from tests.json_shape import json_shape
-from tools.sglang_cpu.server import SGLangServer, SGLangSetupError
+from tools.sglang_cpu.server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 
@@ -34,14 +35,7 @@ def sglang_rm(sglang_python, rm_dir, tmp_path_factory):
     server = SGLangServer(
         python=sglang_python, model=rm_dir, log=tmp_path_factory.getbasetemp() / "sglang_rm.log"
     )
-    server.start()
-    try:
-        server.wait_healthy(START_TIMEOUT_S)
-    except SGLangSetupError as e:
-        server.stop()
-        pytest.fail(str(e), pytrace=False)
-    yield server
-    server.stop()
+    yield from healthy(server, START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

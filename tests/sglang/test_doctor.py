@@ -9,15 +9,15 @@ import re
 from pathlib import Path
 
 import pytest
-from sglang_helpers import TOL, Served, served_model_dir
+from conftest import START_TIMEOUT_S
+from sglang_helpers import TOL, Served, healthy, served_model_dir
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.doctor import Check, Doctor
-from tools.sglang_cpu.server import SGLangServer, SGLangSetupError
+from tools.sglang_cpu.server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 
-START_TIMEOUT_S = 900.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,14 +62,7 @@ def original_logprob_server(sglang_python, tiny_qwen3, tmp_path_factory):
         extra_args=["--disable-radix-cache"],
         env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"},
     )
-    server.start()
-    try:
-        server.wait_healthy(START_TIMEOUT_S)
-    except SGLangSetupError as e:
-        server.stop()
-        pytest.fail(str(e), pytrace=False)
-    yield server
-    server.stop()
+    yield from healthy(server, START_TIMEOUT_S)
 
 
 def test_the_doctor_names_sglang_return_original_logprob(original_logprob_server, tiny_qwen3):
