@@ -118,13 +118,19 @@ def _checkpoints(run_dir: Path) -> list[int]:
     )
 
 
-def _wait_for(cond, timeout_s: float, what: str) -> None:
+def _wait_for(cond, timeout_s: float, what: str, logs: Path | None = None) -> None:
+    """Poll ``cond`` until true; on a timeout, the tails of the run's logs under ``logs`` (a run
+    folder) go into the error, so a standstill in CI can be read without rerunning it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    tails = "".join(
+        f"\n--- {p.name} (tail) ---\n{p.read_text(errors='replace')[-4000:]}"
+        for p in sorted((logs / "logs").glob("*.log") if logs is not None else [])
+    )
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{tails}")
 
 
 def _ctrl_c_then_resume(tmp_path: Path, recipe: Path, ov: list[str], name: str) -> None:
@@ -400,7 +406,7 @@ def test_killed_children_are_restarted_and_the_run_completes(tmp_path, demo_dir,
         return {g["id"].rsplit("-", 1)[0] for r in records for g in r.get("groups", [])}
 
     def kill(name: str, when, what: str) -> None:
-        _wait_for(lambda: p.poll() is not None or (name in pids() and when()), 600, what)
+        _wait_for(lambda: p.poll() is not None or (name in pids() and when()), 600, what, run_dir)
         assert p.poll() is None, p.communicate()[1][-3000:]
         os.kill(pids()[name], signal.SIGKILL)
 
@@ -410,12 +416,16 @@ def test_killed_children_are_restarted_and_the_run_completes(tmp_path, demo_dir,
         # the restarted worker's groups are trained, well within the dead one's lease_seconds
         # (120): whether those leases would have blocked it depends on timing here; the fresh
         # registration that takes them back is checked exactly in tests/buffer/test_service.py
-        _wait_for(lambda: p.poll() is not None or trained_processes() - first, 90, "new groups")
+        _wait_for(
+            lambda: p.poll() is not None or trained_processes() - first, 90, "new groups", run_dir
+        )
         worker_recover_s = time.monotonic() - t_kill
         at = trained()
         kill("learner", lambda: trained() > at and _checkpoints(run_dir), "a checkpoint")
         t_kill, killed_at = time.monotonic(), trained()
-        _wait_for(lambda: p.poll() is not None or trained() > killed_at, 120, "a step after it")
+        _wait_for(
+            lambda: p.poll() is not None or trained() > killed_at, 120, "a step after it", run_dir
+        )
         learner_recover_s = time.monotonic() - t_kill
         out, err = p.communicate(timeout=600)
     finally:

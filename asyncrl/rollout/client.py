@@ -97,6 +97,7 @@ class GeneratorState:
     in_flight: int = 0
     down_until: float = 0.0  # trio clock; 0 = up
     failures: int = 0  # consecutive transport failures
+    down_since: float = math.inf  # trio clock of the first of those failures
     last_error: str = ""
     requests: int = 0
     tokens: int = 0
@@ -194,6 +195,8 @@ class GeneratorPool:
         return ties[next(self._rr) % len(ties)]
 
     def _mark_down(self, g: GeneratorState, why: str) -> None:
+        if not g.failures:
+            g.down_since = trio.current_time()
         g.failures += 1
         g.last_error = why
         wait_s = backoff.delay_s(g.failures - 1, first=self.retry_s, cap=self.max_retry_s)
@@ -205,8 +208,18 @@ class GeneratorPool:
         if g.failures:
             log.info("generator %s is back up", g.url)
         g.failures = 0
+        g.down_since = math.inf
         g.down_until = 0.0
         g.last_error = ""
+
+    def down_s(self) -> float:
+        """How long every generator has failed (0 while one of them answers)."""
+        since = max(g.down_since for g in self.generators.values())
+        return max(trio.current_time() - since, 0.0)
+
+    def errors(self) -> str:
+        """Each generator's last transport error, for a message."""
+        return "; ".join(f"{g.url}: {g.last_error}" for g in self.generators.values())
 
     def stats(self) -> dict[str, float]:
         """Idle fraction (no request in flight) since the pool was made, load and health; the
@@ -341,7 +354,7 @@ class GeneratorPool:
                         continue
                     wake = min(wake, trio.current_time() + self.version_poll_s)
                 if wake >= deadline:
-                    errs = "; ".join(f"{x.url}: {x.last_error}" for x in gens)
+                    errs = self.errors()
                     raise GeneratorError(
                         f"no generator within the version bound before the timeout "
                         f"({self.behind()})"

@@ -46,6 +46,12 @@ BATCH = 16
 EXAMPLES = 5
 """(prompt, answer, completion) triples a report keeps, for the log."""
 
+DOWN_S = 10.0
+"""An evaluation stops once every one of its generators has failed for this long. The broadcaster
+sends no version while it runs: waiting (up to ``rollout.request_timeout_s``) for a generator that
+died would hold back the weights of the one that replaced it, and its worker, waiting for them,
+would hold back the learner's data."""
+
 
 @dataclass(kw_only=True)
 class EvalReport:
@@ -103,6 +109,14 @@ def eval_reward(r: Recipe) -> Reward:
     return RewardRunner(
         load_reward(ro.eval_reward), timeout_s=ro.reward_timeout_s, answer_key=r.data.answer_key
     )
+
+
+async def _stop_when_down(pool: GeneratorPool, scope: trio.CancelScope, why: list[str]) -> None:
+    """Cancel ``scope`` once every generator has failed for :data:`DOWN_S`, saying why."""
+    while pool.down_s() < DOWN_S:
+        await trio.sleep(min(1.0, DOWN_S / 4))
+    why.append(f"every generator down for {DOWN_S:g} s ({pool.errors()})")
+    scope.cancel()
 
 
 @dataclass(kw_only=True)
@@ -169,13 +183,19 @@ class Evaluation:
                 await pool.refresh_versions()
                 if not pool.any_eligible():  # not waited for: the caller holds the version
                     raise GeneratorError(f"no generator holds version {version}: {pool.behind()}")
-                async with trio.open_nursery() as nursery:
-                    for start in range(0, len(self.rows), BATCH):
-                        batcher = Batcher()
-                        for i in range(start, min(start + BATCH, len(self.rows))):
-                            nursery.start_soon(
-                                self._one, pool, batcher, i, rendered[i], scores, report
-                            )
+                down: list[str] = []
+                async with trio.open_nursery() as watched:
+                    watched.start_soon(_stop_when_down, pool, watched.cancel_scope, down)
+                    async with trio.open_nursery() as nursery:
+                        for start in range(0, len(self.rows), BATCH):
+                            batcher = Batcher()
+                            for i in range(start, min(start + BATCH, len(self.rows))):
+                                nursery.start_soon(
+                                    self._one, pool, batcher, i, rendered[i], scores, report
+                                )
+                    watched.cancel_scope.cancel()  # every prompt is done
+                if down:
+                    raise GeneratorError(down[0])
         report.score = sum(scores) / max(len(scores), 1)
         report.seconds = time.monotonic() - t0
         return report

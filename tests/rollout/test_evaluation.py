@@ -5,6 +5,9 @@ scored."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -12,8 +15,9 @@ import yaml
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.evaluate import evaluate_model, main
+from asyncrl.generator_http import GeneratorError
 from asyncrl.rollout.engine import start_engine_process
-from asyncrl.rollout.evaluation import Evaluation
+from asyncrl.rollout.evaluation import DOWN_S, Evaluation
 
 pytestmark = pytest.mark.slow
 
@@ -108,3 +112,55 @@ def test_the_command_prints_the_score_and_names_a_missing_model(tiny_qwen3, tmp_
     assert out["score"] == 1.0 and out["eval/prompts"] == 4
     assert main([str(recipe), "--model", str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+class _DiesOnGenerate(BaseHTTPRequestHandler):
+    """A generator that states version 3, then drops every /generate connection unanswered, as
+    one killed mid-evaluation does. A fake: a real engine killed at that exact point would make
+    the test a race."""
+
+    def do_GET(self):
+        body = json.dumps({"weight_version": "3"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.close_connection = True  # no reply at all: "Server disconnected"
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def dying_generator():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _DiesOnGenerate)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_an_evaluation_whose_generators_all_died_stops_soon(dying_generator, tiny_qwen3, tmp_path):
+    """The broadcaster sends no version while an evaluation runs: one waiting out
+    request_timeout_s for a dead generator held back its replacement's weights (a standstill in
+    the faults tier). It stops once every generator has failed for DOWN_S, naming the error."""
+    r, _ = make_recipe(tmp_path, tiny_qwen3, ["x"] * 6, "exact_match")
+    t0 = time.monotonic()
+    with pytest.raises(
+        GeneratorError, match=f"every generator down for {DOWN_S:g} s.*disconnected"
+    ):
+        Evaluation.from_recipe(r).run([dying_generator], version=3, timeout_s=600)
+    assert time.monotonic() - t0 < DOWN_S + 20
+
+
+def test_a_dead_generator_beside_a_live_one_costs_no_prompt(
+    dying_generator, engine_at_3, tiny_qwen3, tmp_path
+):
+    answers = hf_greedy_texts(tiny_qwen3, PROMPTS[:6])
+    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "tests.rollout_plugins:completion_is_answer")
+    urls = [dying_generator, engine_at_3.url]
+    report = Evaluation.from_recipe(r).run(urls, version=3, timeout_s=120)
+    assert (report.score, report.failed, report.other_version) == (1.0, 0, 0)
