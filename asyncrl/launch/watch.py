@@ -12,6 +12,9 @@ from asyncrl.launch.plan import LaunchError
 from asyncrl.recipe import Recipe
 
 POLL_EVERY_S = 1.0
+STATUS_TIMEOUT_S = 0.25
+"""A status poll's wait: the supervisor notices a child's exit only after it, and the buffer on
+this host answers in milliseconds (a learner that has just exited never answers)."""
 
 
 def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -51,7 +54,11 @@ class RunWatch:
         if now - self._last_poll < POLL_EVERY_S:
             return
         self._last_poll = now
-        st = buffer_status(self.buffer_address, r, timeout_s=1.0) if self.uses_buffer else None
+        st = (
+            buffer_status(self.buffer_address, r, timeout_s=STATUS_TIMEOUT_S)
+            if self.uses_buffer
+            else None
+        )
         if st is not None:
             self.status, self.healthy = st, True
         elif (

@@ -41,6 +41,8 @@ REFRESH_S = 1.0
 """The progress display's refresh interval."""
 END_LINGER_S = 3.0
 """The buffer service keeps answering this long after the end, so workers can give back starts."""
+LINGER_POLL_S = 0.05
+"""How often the lingering learner asks whether a lease is still live."""
 
 _ANY_HOST = {"0.0.0.0", "::", "*", ""}
 
@@ -220,11 +222,15 @@ class LearnerReport:
             self.info.write(self.trainer.run_dir)
 
     def linger(self) -> None:
-        """Keep the service answering until ``END_LINGER_S`` after the end (workers' releases)."""
-        if self.info is not None and self.info.ended_at is not None:
-            left = self.info.ended_at + END_LINGER_S - time.time()
-            if left > 0:
-                time.sleep(left)
+        """Keep the service answering until every lease is given back (the workers' releases
+        after the end), for at most ``END_LINGER_S`` after the end."""
+        if self.info is None or self.info.ended_at is None:
+            return
+        deadline = self.info.ended_at + END_LINGER_S
+        while time.time() < deadline:
+            if self.source is not None and not self.source.stats()["leases_live"]:
+                return
+            time.sleep(LINGER_POLL_S)
 
     def close(self) -> None:
         if self._plane is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,3 +102,32 @@ def test_the_progress_display_is_a_task_of_the_control_plane(learner):
         assert plane.alive and plane.failure is None
     finally:
         plane.close()
+
+
+def test_linger_ends_once_every_lease_is_given_back(learner):
+    """After the end the service answers the workers' releases; `asyncrl run` waited the whole
+    END_LINGER_S even when the worker had given everything back at once."""
+    import threading
+
+    import trio
+
+    from asyncrl.buffer.client import BufferClient
+
+    rep, svc = learner
+    rep.announce()
+
+    async def call(fn):
+        async with BufferClient(svc.address, worker_id="w") as c:
+            return await fn(c)
+
+    grant = trio.run(call, lambda c: c.acquire(2))
+    assert grant.starts == 2
+    rep.end()
+    lingering = threading.Thread(target=rep.linger)
+    lingering.start()
+    lingering.join(timeout=0.5)
+    assert lingering.is_alive()  # a live lease: the service keeps answering
+    trio.run(call, lambda c: c.release(grant.lease_id, grant.starts))
+    lingering.join(timeout=report.END_LINGER_S)
+    assert not lingering.is_alive()
+    assert time.time() < rep.info.ended_at + report.END_LINGER_S  # before the deadline
