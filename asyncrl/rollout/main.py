@@ -28,7 +28,6 @@ import socket
 import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -141,12 +140,13 @@ def learner_version(r: Recipe, timeout_s: float = 5.0) -> int | None:
     return int(status["version"]) if status else None
 
 
-def start_engines(
+def spawn_engines(
     r: Recipe, run_dir: Path, worker_id: str, weights: tuple[Path, int] | None = None
 ) -> list[Any]:
-    """Built-in engines for this worker, started in parallel (each loads the model), from
-    ``weights`` (a model folder and its version; default ``model.path``, version 0)."""
-    from asyncrl.rollout.engine import start_engine_process
+    """Launch this worker's built-in engines from ``weights`` (a model folder and its version;
+    default ``model.path``, version 0) and return at once: each loads the model while the worker
+    loads its tokenizer and metrics (:func:`wait_engines` then waits for them)."""
+    from asyncrl.rollout.engine import spawn_engine_process
 
     if r.generator.engines_per_worker < 1:
         raise UsageError("generator.engines_per_worker: a builtin worker needs at least 1")
@@ -155,34 +155,30 @@ def start_engines(
     model_dir, version = weights or (Path(r.resolve(r.model.path)), 0)
     if version:
         log.info("starting the engines from %s (version %d)", model_dir, version)
-
-    def one(i: int):
-        port = r.generator.base_port + i if r.generator.base_port else 0
-        return start_engine_process(
+    return [
+        spawn_engine_process(
             str(model_dir),
             host=r.generator.host,
-            port=port,
+            port=r.generator.base_port + i if r.generator.base_port else 0,
             max_batch_size=r.generator.max_batch_size,
             weight_version=str(version),
             seed=r.run.seed + i,
             log_path=logs / f"engine-{worker_id}-{i}.log",
-            timeout_s=r.generator.startup_timeout_s,
         )
+        for i in range(r.generator.engines_per_worker)
+    ]
 
-    n = r.generator.engines_per_worker
-    with ThreadPoolExecutor(n) as ex:
-        futures = [ex.submit(one, i) for i in range(n)]
-    engines, errors = [], []
-    for f in futures:
-        try:
-            engines.append(f.result())
-        except RuntimeError as e:
-            errors.append(str(e))
-    if errors:
+
+def wait_engines(engines: list[Any], timeout_s: float) -> None:
+    """Wait until every engine answers /health (``generator.startup_timeout_s``); if one does not,
+    stop them all and raise :class:`GeneratorError` with its log's tail."""
+    try:
+        for e in engines:
+            e.wait_healthy(max(timeout_s - (time.monotonic() - e.started_at), 0.0))
+    except RuntimeError as err:
         for e in engines:
             e.stop()
-        raise GeneratorError(f"built-in engine failed to start: {errors[0]}")
-    return engines
+        raise GeneratorError(f"built-in engine failed to start: {err}") from None
 
 
 def make_metrics(r: Recipe, worker_id: str) -> Any:
@@ -433,19 +429,20 @@ def main(argv: list[str]) -> int:
                 source.load_state_dict(json.loads(Path(a.data_state).read_text()))
             except (OSError, ValueError, KeyError) as e:
                 raise UsageError(f"--data-state {a.data_state}: {e}") from None
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(r.resolve(r.model.path))
         load_workflow(r.rollout.workflow)  # report plug-in mistakes before starting engines
         build_reward(r)
         ToolSet.from_specs(r.rollout.tools)
+        if r.generator.kind == "builtin":  # they load while the tokenizer and W&B start here
+            engines = spawn_engines(r, r.run_dir, worker_id, engine_weights(r, learner_version(r)))
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(r.resolve(r.model.path))
+        metrics = make_metrics(r, worker_id)
         if r.generator.kind == "builtin":
-            weights = engine_weights(r, learner_version(r))
-            engines = start_engines(r, r.run_dir, worker_id, weights)
+            wait_engines(engines, r.generator.startup_timeout_s)
             urls = [e.url for e in engines]
         else:
             urls = list(r.generator.urls)
-        metrics = make_metrics(r, worker_id)
         run = functools.partial(
             run_worker,
             r,

@@ -1,14 +1,26 @@
 """The built-in generator: SGLang's HTTP API on HuggingFace transformers models, for CPU machines.
 
-Start one as a child process (``start_engine_process``) or in this process (``serve``); both give a
-``.url`` that any SGLang client can talk to, and a ``.stop()``.
+Start one as a child process (``start_engine_process``; ``spawn_engine_process`` returns before it
+is healthy) or in this process (``serve``); both give a ``.url`` that any SGLang client can talk to,
+and a ``.stop()``.
 """
 
 from __future__ import annotations
 
-from asyncrl.rollout.engine.process import EngineProcess, start_engine_process
+from asyncrl.rollout.engine.process import (
+    EngineProcess,
+    spawn_engine_process,
+    start_engine_process,
+)
 
-__all__ = ["EngineProcess", "start_engine_process", "serve", "EngineConfig", "EngineServer"]
+__all__ = [
+    "EngineProcess",
+    "spawn_engine_process",
+    "start_engine_process",
+    "serve",
+    "EngineConfig",
+    "EngineServer",
+]
 
 
 def __getattr__(name: str):

@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from asyncrl.generator_http import healthy, sync_client
 
@@ -26,6 +27,7 @@ class EngineProcess:
     port: int
     log_path: Path
     _tmpdir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    started_at: float = field(default_factory=time.monotonic)  # when it was launched
 
     @property
     def url(self) -> str:
@@ -43,6 +45,33 @@ class EngineProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Return once /health answers 200; on an exit or a timeout, stop it and raise
+        ``RuntimeError`` with the log's tail."""
+        port_file = Path(self._tmpdir.name) / "port" if self._tmpdir is not None else None
+        deadline = time.monotonic() + timeout_s
+        http = sync_client(2.0)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"engine exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"engine not healthy within {timeout_s:.0f}s:\n{self.log_tail()}"
+                    )
+                if self.port == 0 and port_file is not None and port_file.exists():
+                    self.port = int(port_file.read_text())
+                if self.port and healthy(http, self.url):
+                    return
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            http.close()
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """Terminate the engine; returns its exit code."""
@@ -62,7 +91,7 @@ class EngineProcess:
         self.stop()
 
 
-def start_engine_process(
+def spawn_engine_process(
     model_dir: str | os.PathLike,
     *,
     host: str = "127.0.0.1",
@@ -72,13 +101,10 @@ def start_engine_process(
     seed: int = 0,
     log_path: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
-    timeout_s: float = 120.0,
 ) -> EngineProcess:
-    """Launch ``python -m asyncrl.rollout.engine.server`` and return once /health answers 200.
-
-    Raises ``RuntimeError`` (with the log's tail) if the child exits or is not healthy in time.
-    stdout and stderr go to ``log_path`` (a temporary file when None).
-    """
+    """Launch ``python -m asyncrl.rollout.engine.server`` and return at once: the caller does its
+    own start-up work while the engine loads, then calls :meth:`EngineProcess.wait_healthy`.
+    stdout and stderr go to ``log_path`` (a temporary file when None)."""
     tmp = tempfile.TemporaryDirectory(prefix="asyncrl-engine-")
     port_file = Path(tmp.name) / "port"
     log = Path(log_path) if log_path is not None else Path(tmp.name) / "engine.log"
@@ -111,22 +137,19 @@ def start_engine_process(
     }
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env)
-    ep = EngineProcess(proc=proc, host=host, port=port, log_path=log, _tmpdir=tmp)
-    deadline = time.monotonic() + timeout_s
-    http = sync_client(2.0)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited with code {proc.returncode}:\n{ep.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine not healthy within {timeout_s:.0f}s:\n{ep.log_tail()}")
-            if ep.port == 0 and port_file.exists():
-                ep.port = int(port_file.read_text())
-            if ep.port and healthy(http, ep.url):
-                return ep
-            time.sleep(0.1)
-    except BaseException:
-        ep.stop()
-        raise
-    finally:
-        http.close()
+    return EngineProcess(proc=proc, host=host, port=port, log_path=log, _tmpdir=tmp)
+
+
+def start_engine_process(
+    model_dir: str | os.PathLike,
+    *,
+    timeout_s: float = 120.0,
+    **kwargs: Any,
+) -> EngineProcess:
+    """:func:`spawn_engine_process`, then wait until /health answers 200 (its keyword arguments).
+
+    Raises ``RuntimeError`` (with the log's tail) if the child exits or is not healthy in time.
+    """
+    ep = spawn_engine_process(model_dir, **kwargs)
+    ep.wait_healthy(timeout_s)
+    return ep
