@@ -263,8 +263,12 @@ def plot(runs: list[dict], size: str, target: float, window: int) -> Path:
         ax.plot(r["t"], r["reward"], ".", ms=3, color=c, alpha=0.5)
         label = None if r["side"] in seen else f"{r['side']}: batch reward, {window}-step mean"
         seen.add(r["side"])
-        ax.plot(r["t"], running_mean(r["reward"], window), "-", color=c, label=label)
-    ax.axhline(target, ls="--", color="0.5", lw=1, label=f"target {target}")
+        mean = running_mean(r["reward"], window)
+        ax.plot(r["t"], mean, "-", color=c, label=label)
+        if mean:  # the process's exit: what saving and shutting down cost after the last step
+            ax.plot([r["t"][-1], r["wall"]], [mean[-1]] * 2, ":", color=c)
+            ax.plot([r["wall"]], [mean[-1]], "|", ms=12, mew=2, color=c)
+    ax.axhline(target, ls="--", color="0.5", lw=1, label=f"target {target}; |: process exit")
     ax.set(
         xlabel="seconds since the process was spawned",
         ylabel="batch mean reward",
