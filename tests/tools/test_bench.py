@@ -65,3 +65,39 @@ def test_wire_breakdown_bench_reports_every_phase() -> None:
 def test_bench_starts(name: str) -> None:
     r = _run(name, "--help")
     assert "usage:" in r.stdout
+
+
+def test_trl_side_scores_as_asyncrl_exact_match() -> None:
+    """vs_trl's TRL side rewards what asyncrl's exact_match does: the bench compares one task."""
+    import importlib.util
+
+    from asyncrl import tasks
+    from asyncrl.rollout.rewards import exact_match
+
+    spec = importlib.util.spec_from_file_location("trl_grpo", BENCH / "trl_grpo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    eos = 1
+    trl_reward = mod.exact_match_reward(tasks.score, eos)
+    # (completion text, its ids as TRL passes them: up to and including EOS if it stopped, answer)
+    cases = [
+        ("abcd", [5, 6, 7, 8, eos], "abcd"),  # right, stopped
+        (" abcd ", [4, 5, 6, 7, 8, 4, eos], "abcd"),  # right, whitespace around
+        ("abcd", [5, 6, 7, 8], "abcd"),  # right text, cut by the token limit
+        ("abdc", [5, 6, 8, 7, eos], "abcd"),  # wrong, stopped
+        ("", [eos], "abcd"),  # empty
+    ]
+    ours = [
+        exact_match(
+            "p", text, [], ids, answer=ans, finish_reason="stop" if ids[-1] == eos else "length"
+        )
+        for text, ids, ans in cases
+    ]
+    theirs = trl_reward(
+        prompts=["p"] * len(cases),
+        completions=[c[0] for c in cases],
+        completion_ids=[c[1] for c in cases],
+        answer=[c[2] for c in cases],
+        trainer_state=None,
+    )
+    assert theirs == ours == [1.0, 1.0, 0.0, 0.0, 0.0]
