@@ -142,7 +142,6 @@ def train(
         source_factory = buffer_source if is_rl else OFFLINE_SOURCES[recipe.algorithm.loss]
     try:
         if rank == 0:
-            sink = MetricsSink.from_recipe(recipe, process="learner")
             plane = ControlPlane("learner-control")
             trainer.source = source_factory(recipe, trainer, plane)
             report = LearnerReport(
@@ -153,6 +152,8 @@ def train(
             )
             report.announce()
             report.start(plane)
+            # after the announcement: W&B's start-up (~1 s) overlaps the workers' first groups
+            sink = MetricsSink.from_recipe(recipe, process="learner")
         if is_rl and rank == 0:  # held-out prompts, on the generators while they hold a version
             evaluator = _evaluator(recipe, report)
         if is_rl:  # weights to the generators after every step (every rank joins the gather)
