@@ -157,7 +157,9 @@ def step_env(work: Path, dry: bool) -> dict[str, Any]:
         figs["device_memory_gib"] = _gib(props.total_memory)
         figs["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     cap = tuple(figs["capability"]) if figs["capability"] else None
-    kind, why = choose_attention("auto", on_cpu=not cuda, capability=cap, importable=module_importable)
+    kind, why = choose_attention(
+        "auto", on_cpu=not cuda, capability=cap, importable=module_importable
+    )
     figs["attention"], figs["attention_why"] = kind, why
     figs["flash_impl"] = flash_impl(cap)
     figs["peak_bf16_tflops"] = (_peak_bf16(figs["device"]) or 0) / 1e12 or None
