@@ -111,3 +111,21 @@ def test_a_timed_out_step_is_a_failed_record(tmp_path):
     rec = check.record(tmp_path, "weights", 0, 1.0, log)
     assert not rec["ok"] and rec["figures"]["v2_checksum_ok"] is False
     assert [r["step"] for r in _records(tmp_path)] == ["nccl", "weights"]
+
+
+def test_the_torch_shim_adds_only_what_torch_lacks():
+    """tools/gpu/shim: on this torch (which has DataParallelMeshDims) nothing is patched; a name
+    the module lacks is added when the module is first imported, and TorchTitan imports after it."""
+    code = (
+        "import sitecustomize as s\n"
+        "s.MISSING['torch.distributed.fsdp']['_asyncrl_probe'] = s.DataParallelMeshDims\n"
+        "import torch.distributed.fsdp as f\n"
+        "import asyncrl.learner.trainer\n"
+        "assert f._asyncrl_probe(shard='fsdp').shard == 'fsdp'\n"
+        "assert f.DataParallelMeshDims is not s.DataParallelMeshDims\n"
+        "print(s.PATCHED)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tools/gpu/shim'}:{ROOT}")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "['torch.distributed.fsdp._asyncrl_probe']"

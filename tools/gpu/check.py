@@ -163,6 +163,8 @@ def step_env(work: Path, dry: bool) -> dict[str, Any]:
     figs["attention"], figs["attention_why"] = kind, why
     figs["flash_impl"] = flash_impl(cap)
     figs["peak_bf16_tflops"] = (_peak_bf16(figs["device"]) or 0) / 1e12 or None
+    shim = sys.modules.get("sitecustomize")  # tools/gpu/shim, on the GPU host only
+    figs["shim_patched"] = getattr(shim, "PATCHED", None)
     figs["ok"] = cuda or dry  # a GPU check that finds no GPU has failed
     for k, v in figs.items():
         print(f"{k:>20}: {v}")
@@ -618,6 +620,7 @@ def step_run(work: Path, dry: bool) -> dict[str, Any]:
     if summary.exists():
         s = json.loads(summary.read_text())
         figs.update({k: s.get(k) for k in ("outcome", "steps", "max_staleness_seen")})
+        figs["plots"] = len(s.get("plots", []))  # 0 without matplotlib: the summary still comes
     else:
         figs["outcome"] = None
         print(p.stdout[-2000:], p.stderr[-3000:], sep="\n")

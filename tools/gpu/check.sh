@@ -10,10 +10,10 @@
 # (default 480 s): a step gets its own limit or what is left of the budget, whichever is less, and
 # is skipped (recorded as such) under 20 s.
 #
-# Environment: with tools/gpu/wheels/ present (tools/gpu/bundle.sh) and asyncrl's dependencies
-# missing from the host's Python, the wheels are installed offline first into a venv that sees the
-# host's packages (its torch) and the torch-version shim (tools/gpu/shim/) goes on PYTHONPATH; that
-# is the "install" record. ASYNCRL_CHECK_PYTHON names the interpreter to use instead. Models and run
+# Environment: with tools/gpu/wheels/ present (tools/gpu/bundle.sh), the wheels the host lacks are
+# installed offline first into a folder on PYTHONPATH (install.sh; the host's torch stays), and the
+# torch-version shim (tools/gpu/shim/) goes before it; that is the "install" record.
+# ASYNCRL_CHECK_PYTHON names the interpreter (default python3). Models and run
 # folders go to ASYNCRL_CHECK_WORK (default: a temporary folder), never to RESULTS_DIR: what is
 # under RESULTS_DIR is what comes back.
 #
@@ -53,12 +53,11 @@ EOF
   echo "[$([ "$2" = 1 ] && echo "ok  " || echo FAIL)] $1: $4"
 }
 
-if [ -z "$dry" ] && [ -z "${ASYNCRL_CHECK_PYTHON:-}" ] && [ -d "$here/wheels" ]; then
+if [ -z "$dry" ] && [ -d "$here/wheels" ]; then
   t0=$(date +%s)
-  if out="$(bash "$here/install.sh" "$work/venv" 2>&1)"; then
-    py="$work/venv/bin/python"
-    export PYTHONPATH="$here/shim:$PYTHONPATH"
-    note install 1 $(($(date +%s) - t0)) "$(echo "$out" | tail -n 1)"
+  if out="$(PYTHON="$py" bash "$here/install.sh" "$work/site" 2>&1)"; then
+    export PYTHONPATH="$here/shim:$work/site:$PYTHONPATH"
+    note install 1 $(($(date +%s) - t0)) "$(echo "$out" | tail -n 2 | tr '\n' ' ')"
   else
     note install 0 $(($(date +%s) - t0)) "$(echo "$out" | tail -n 20)"
   fi
