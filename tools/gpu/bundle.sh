@@ -8,11 +8,12 @@
 #   tools/gpu/bundle.sh                      # prints the total size on the last line
 #   ASYNCRL_BUNDLE_BUDGET_MIB=48 ...         # the budget (MiB)
 #   ASYNCRL_BUNDLE_PYTHON_VERSION=3.12 ...   # the host's Python (cp312 wheels)
+#   ASYNCRL_BUNDLE_DIR=/elsewhere ...        # another folder (a proxy bundle for another Python)
 #
 # Reruns reuse what is already downloaded (pip skips a wheel that is there).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-out="$here/wheels"
+out="${ASYNCRL_BUNDLE_DIR:-$here/wheels}"
 budget="${ASYNCRL_BUNDLE_BUDGET_MIB:-48}"
 pyver="${ASYNCRL_BUNDLE_PYTHON_VERSION:-3.12}"
 abi="cp${pyver/./}"

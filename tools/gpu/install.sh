@@ -11,7 +11,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 target="${1:?usage: install.sh TARGET}"
 py="${PYTHON:-python3}"
 mkdir -p "$target"
-mapfile -t pick < <("$py" - "$here/wheels" <<'PY'
+mapfile -t pick < <("$py" - "${ASYNCRL_BUNDLE_DIR:-$here/wheels}" <<'PY'
 import importlib.metadata as md, pathlib, sys
 from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
 from pip._vendor.packaging.version import Version
