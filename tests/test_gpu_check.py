@@ -1,0 +1,131 @@
+"""tools/gpu/check.sh, the prepared GPU check: run here with --dry (CPU, tiny sizes, gloo), so that the
+one command a GPU session will run has run before, and its records say what each step measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools/gpu/check.sh"
+sys.path.insert(0, str(ROOT))
+
+from tools.gpu import check  # noqa: E402
+
+FIGURES = {
+    "env": {"torch", "device", "attention", "attention_why", "nccl", "transformers", "torchtitan"},
+    "models": {"model_s", "demo_s", "model_mib"},
+    "nccl": {"default_backend", "weight_group_backend", "bounded_wait_ok", "broadcast_intact"},
+    "logprobs": {
+        "vocab",
+        "chunk_tokens",
+        "full_s",
+        "chunked_s",
+        "full_peak_mib",
+        "chunked_peak_mib",
+        "logp_max_abs_diff",
+        "grad_hidden_rel_diff",
+        "grad_head_rel_diff",
+    },
+    "learner": {
+        f"mb{n}_{k}"
+        for n in (1, 2)
+        for k in ("tokens_per_s", "step_s", "mfu", "peak_allocated_gib", "plan_gib", "loss")
+    },
+    "weights": {"v1_sync_s", "v2_sync_s", "v2_checksum_ok", "checksum", "gb_per_s"},
+    "engine": {"engine_cpu_fp32_tok_s", "hf_cpu_fp32_tok_s", "engine_cpu_over_hf_cpu"},
+    "run": {"outcome", "steps", "run_s"},
+}
+"""What each step must report: the figures docs/gpu.md's results table is filled from."""
+
+
+def _check(results: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    e = dict(os.environ, ASYNCRL_CHECK_PYTHON=sys.executable, **env)
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(results), *args],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _records(results: Path) -> list[dict]:
+    return [json.loads(x) for x in (results / "check.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_dry_check_runs_every_step_and_records_its_figures(tmp_path):
+    p = _check(tmp_path / "results", "--dry", ASYNCRL_CHECK_WORK=str(tmp_path / "work"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = _records(tmp_path / "results")
+    assert [r["step"] for r in recs] == list(check.STEPS) == list(FIGURES)
+    for r in recs:
+        assert r["ok"], f"{r['step']}: {r['error'][-2000:]}"
+        missing = FIGURES[r["step"]] - set(r["figures"])
+        assert not missing, f"{r['step']} lacks {missing}"
+        assert (tmp_path / f"results/logs/{r['step']}.log").exists()
+    figs = {r["step"]: r["figures"] for r in recs}
+    assert figs["env"]["device"] == "cpu" and figs["env"]["attention"] == "sdpa"
+    # several chunks, and the chunked path computes what the whole logits do
+    lp = figs["logprobs"]
+    assert lp["tokens"] // lp["chunk_tokens"] >= 4
+    assert lp["logp_max_abs_diff"] < 1e-3 and lp["grad_hidden_rel_diff"] < 1e-2
+    # the same update as one micro-batch and as two
+    le = figs["learner"]
+    assert le["mb1_tokens_per_step"] == le["mb2_tokens_per_step"] > 0
+    assert le["mb2_plan_items_mib"]["activations"] < le["mb1_plan_items_mib"]["activations"]
+    assert figs["weights"]["v1_checksum_ok"] is True and figs["weights"]["v2_updated"] is True
+    assert figs["run"]["outcome"] == "completed" and figs["run"]["steps"] == 3
+    assert "8 of 8 records ok" in p.stdout
+
+
+def test_a_failed_step_is_recorded_with_its_output_and_the_next_one_runs(tmp_path):
+    """An unknown step fails (argparse refuses it) and its record carries the output's tail; a step
+    that no longer fits the budget is recorded as skipped, not silently dropped."""
+    p = _check(tmp_path, "--dry", "no_such_step", "env", ASYNCRL_CHECK_BUDGET_S="200")
+    assert p.returncode == 0, p.stderr
+    bad, env = _records(tmp_path)
+    assert bad["step"] == "no_such_step" and not bad["ok"] and bad["rc"] == 2
+    assert "invalid choice" in bad["error"]
+    assert env["ok"] and env["figures"]["torch"]
+
+    p = _check(tmp_path / "short", "--dry", "env", ASYNCRL_CHECK_BUDGET_S="5")
+    (skipped,) = _records(tmp_path / "short")
+    assert skipped["step"] == "env" and not skipped["ok"] and "skipped" in skipped["error"]
+
+
+def test_a_timed_out_step_is_a_failed_record(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text("loading\n" * 5 + "still waiting for the communicator\n")
+    rec = check.record(tmp_path, "nccl", 124, 60.0, log)
+    assert rec["timed_out"] and not rec["ok"] and rec["figures"] == {}
+    assert rec["error"].endswith("still waiting for the communicator\n")
+    # a step whose figures say it failed is a failed record even with exit status 0
+    log.write_text('{"step": "weights", "figures": {"ok": false, "v2_checksum_ok": false}}\n')
+    rec = check.record(tmp_path, "weights", 0, 1.0, log)
+    assert not rec["ok"] and rec["figures"]["v2_checksum_ok"] is False
+    assert [r["step"] for r in _records(tmp_path)] == ["nccl", "weights"]
+
+
+def test_the_torch_shim_adds_only_what_torch_lacks():
+    """tools/gpu/shim: on this torch (which has DataParallelMeshDims) nothing is patched; a name
+    the module lacks is added when the module is first imported, and TorchTitan imports after it."""
+    code = (
+        "import sitecustomize as s\n"
+        "s.MISSING['torch.distributed.fsdp']['_asyncrl_probe'] = s.DataParallelMeshDims\n"
+        "import torch.distributed.fsdp as f\n"
+        "import asyncrl.learner.trainer\n"
+        "assert f._asyncrl_probe(shard='fsdp').shard == 'fsdp'\n"
+        "assert f.DataParallelMeshDims is not s.DataParallelMeshDims\n"
+        "print(s.PATCHED)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tools/gpu/shim'}:{ROOT}")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "['torch.distributed.fsdp._asyncrl_probe']"

@@ -1,0 +1,705 @@
+"""The prepared GPU check: one step of ``tools/gpu/check.sh`` per subcommand, each printing its figures.
+
+The development machine has no GPU, and a GPU session gets one command of a few minutes. So each
+GPU-only path of docs/gpu.md that one H100 can exercise is a step here, run by check.sh in its own
+process under ``timeout`` (a hung NCCL call or a crash costs that step, not the others). A step prints
+what it measured; its last line is JSON (``{"step": ..., "figures": {...}}``), which check.sh turns
+into one record of ``RESULTS/check.jsonl`` (``record``). With ``--dry`` every step runs on CPU at tiny
+sizes (a small vocabulary, the tiny test model, gloo), so the script is exercised by the default test
+tier and does not rot before a GPU is lent.
+
+    python tools/gpu/check.py STEP WORK [--dry]     # STEP: one of STEPS
+    python tools/gpu/check.py record RESULTS STEP RC SECONDS LOG
+
+``WORK`` is a scratch folder for models and run folders (not the results: they come back over the
+wire, the models would not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "B200": 2250e12}
+"""Dense bf16 tensor-core peak (FLOP/s) by device-name fragment, the MFU denominator (vendor sheets,
+SXM parts). A device not listed gets no MFU."""
+
+STEPS = ("env", "models", "nccl", "logprobs", "learner", "weights", "engine", "run")
+"""check.sh's order: the cheap facts first, then the paths by how much a result is worth."""
+
+
+# ---- shared helpers ------------------------------------------------------------------------------
+
+
+def _cuda(dry: bool) -> bool:
+    import torch
+
+    return not dry and torch.cuda.is_available()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_bf16(name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _mib(n: float) -> float:
+    return round(n / 2**20, 1)
+
+
+def _gib(n: float) -> float:
+    return round(n / 2**30, 3)
+
+
+def tiny_model(work: Path, name: str = "tiny", **kw: Any) -> Path:
+    """The tiny test model (cached in ``work``): what --dry trains and serves."""
+    from tools.make_tiny_model import make_tiny_model
+
+    out = work / name
+    if not (out / "generation_config.json").exists():  # written last
+        make_tiny_model(out, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=256, **kw)
+    return out
+
+
+def qwen3_06b(work: Path) -> Path:
+    """Qwen3-0.6B's real configuration with random weights (no download): cached in ``work``."""
+    from tools.make_tiny_model import FLAVOURS, make_tiny_model
+
+    out = work / "qwen3-0.6b"
+    if not (out / "generation_config.json").exists():  # written last
+        make_tiny_model(out, **FLAVOURS["qwen3-0.6b"])
+    return out
+
+
+def model_for(work: Path, dry: bool) -> Path:
+    return tiny_model(work) if dry else qwen3_06b(work)
+
+
+@contextlib.contextmanager
+def _timed(figs: dict[str, Any], key: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    yield
+    figs[key] = round(time.perf_counter() - t0, 4)
+
+
+def step_models(work: Path, dry: bool) -> dict[str, Any]:
+    """The models the later steps share, made once (random weights, no download): Qwen3-0.6B's
+    configuration (the tiny one with --dry) and the demo's model and data."""
+    from tools.make_demo import make_demo
+
+    figs: dict[str, Any] = {}
+    with _timed(figs, "model_s"):
+        model = model_for(work, dry)
+    with _timed(figs, "demo_s"):
+        make_demo(work / "demo", train=2000, eval=64)
+    figs["model_mib"] = _mib(sum(f.stat().st_size for f in model.glob("*.safetensors")))
+    figs["ok"] = True
+    return figs
+
+
+def _sync(cuda: bool) -> None:
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+
+
+# ---- a. environment --------------------------------------------------------------------------------
+
+
+def step_env(work: Path, dry: bool) -> dict[str, Any]:
+    """torch, CUDA, NCCL, the device, and the attention asyncrl's learner picks and why."""
+    import importlib.metadata as md
+
+    import torch
+
+    from asyncrl.learner.attention import choose_attention, flash_impl, module_importable
+
+    cuda = _cuda(dry)
+    figs: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "device": "cpu",
+        "capability": None,
+        "nccl": None,
+    }
+    for pkg in ("transformers", "torchtitan", "triton", "spmd_types", "trio", "pynng", "datasets"):
+        try:
+            figs[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            figs[pkg] = None
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        figs["device"] = props.name
+        figs["capability"] = list(torch.cuda.get_device_capability(0))
+        figs["device_memory_gib"] = _gib(props.total_memory)
+        figs["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    cap = tuple(figs["capability"]) if figs["capability"] else None
+    kind, why = choose_attention(
+        "auto", on_cpu=not cuda, capability=cap, importable=module_importable
+    )
+    figs["attention"], figs["attention_why"] = kind, why
+    figs["flash_impl"] = flash_impl(cap)
+    figs["peak_bf16_tflops"] = (_peak_bf16(figs["device"]) or 0) / 1e12 or None
+    shim = sys.modules.get("sitecustomize")  # tools/gpu/shim, on the GPU host only
+    figs["shim_patched"] = getattr(shim, "PATCHED", None)
+    figs["ok"] = cuda or dry  # a GPU check that finds no GPU has failed
+    for k, v in figs.items():
+        print(f"{k:>20}: {v}")
+    return figs
+
+
+# ---- g. NCCL process groups ------------------------------------------------------------------------
+
+
+def step_nccl(work: Path, dry: bool) -> dict[str, Any]:
+    """The learner's one-rank default group (``cuda:nccl,cpu:gloo``, as ``ensure_distributed`` makes
+    it) and a weight group as the broadcaster builds it (``init_custom_process_group``: nonblocking
+    communicator init, no process-wide error handling), each used once; then a collective waited on
+    with a bound, and the weight group aborted the way a dead generator's is."""
+    import torch
+    import torch.distributed as dist
+
+    from asyncrl.learner.trainer import ensure_distributed
+    from asyncrl.weights import rendezvous
+
+    cuda = _cuda(dry)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    figs: dict[str, Any] = {}
+    with _timed(figs, "default_group_s"):
+        ensure_distributed(60.0)
+        x = torch.ones(4, device=dev)
+        dist.all_reduce(x)
+        c = torch.ones(4)
+        dist.all_reduce(c)  # CPU tensors go to the gloo side of the default group
+    figs["default_backend"] = str(dist.get_backend())
+    figs["default_allreduce_ok"] = bool(x.sum().item() == 4 and c.sum().item() == 4)
+    backend = "nccl" if cuda else "gloo"
+    figs["weight_group_backend"] = backend
+    with _timed(figs, "weight_group_build_s"):
+        pg = rendezvous.init_custom_process_group(
+            master_address="127.0.0.1",
+            master_port=_free_port(),
+            rank=0,
+            world_size=1,
+            group_name="check_weights",
+            backend=backend,
+            timeout_s=30.0,
+        )
+    if backend == "nccl":
+        opts, env = rendezvous._isolated_nccl(timedelta(seconds=30))
+        figs["nccl_blocking"] = int(opts.config.blocking)
+        figs["nccl_env_during_build"] = env
+        figs["async_error_handling_after"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    t = torch.arange(1024, dtype=torch.float32, device=dev)
+    with _timed(figs, "bounded_wait_s"):
+        work_ = dist.broadcast(t, src=0, group=pg, async_op=True)
+        figs["bounded_wait_ok"] = bool(work_.wait(timeout=timedelta(seconds=10)))
+    figs["broadcast_intact"] = bool(t[-1].item() == 1023)
+    with _timed(figs, "abandon_s"):
+        rendezvous.abandon_process_group(pg)
+    dist.destroy_process_group()
+    figs["ok"] = figs["default_allreduce_ok"] and figs["bounded_wait_ok"]
+    print(json.dumps(figs, indent=1))
+    return figs
+
+
+# ---- b. chunked against full log-probabilities -------------------------------------------------------
+
+
+def step_logprobs(work: Path, dry: bool) -> dict[str, Any]:
+    """log π and entropy of every token through the output projection, and their backward: the
+    whole micro-batch's logits at once against ``chunked_logprobs`` + ``chunked_backward`` (the
+    learner's path), at Qwen3's vocabulary in bf16. Peak memory, time, and how far values and
+    gradients differ (the same bf16 matmuls in another grouping: small, not zero)."""
+    import torch
+
+    from asyncrl.learner.logprobs import _token_logprobs, chunk_tokens, chunked_backward
+    from asyncrl.learner.logprobs import chunked_logprobs as chunked_fwd
+    from asyncrl.recipe import LearnerConfig
+
+    cuda = _cuda(dry)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    vocab, hidden, tokens = (2048, 64, 512) if dry else (151_936, 1024, 8192)
+    # the recipe default; --dry: a budget that still splits its 512 tokens into 4 chunks
+    budget = 4.0 if dry else LearnerConfig().logits_chunk_mb
+    chunk = chunk_tokens(vocab, budget)
+    temperature = 0.7
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h0 = torch.randn(tokens, hidden, generator=g).to(dev, torch.bfloat16)
+    y = torch.randint(0, vocab, (tokens,), generator=g).to(dev)
+    w0 = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(dev, torch.bfloat16)
+    g_lp = torch.randn(tokens, generator=g).to(dev)
+    g_ent = torch.randn(tokens, generator=g).to(dev) * 0.1
+
+    def head() -> torch.nn.Linear:
+        m = torch.nn.Linear(hidden, vocab, bias=False, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            m.weight.copy_(w0)
+        return m
+
+    def full() -> tuple[torch.Tensor, ...]:
+        lm = head()
+        h = h0.detach().requires_grad_(True)
+        lp, ent = _token_logprobs(lm(h), y, temperature)
+        torch.autograd.backward([lp, ent], [g_lp, g_ent])
+        return lp.detach(), ent.detach(), h.grad, lm.weight.grad
+
+    def chunked() -> tuple[torch.Tensor, ...]:
+        lm = head()
+        lp, ent = chunked_fwd(h0, y, lm, temperature=temperature, chunk=chunk)
+        gh = chunked_backward(
+            h0, y, lm, g_lp, g_ent, temperature=temperature, chunk=chunk, sync_gradients=True
+        )
+        return lp, ent, gh, lm.weight.grad
+
+    figs: dict[str, Any] = {
+        "vocab": vocab,
+        "hidden": hidden,
+        "tokens": tokens,
+        "chunk_tokens": chunk,
+        "chunk_budget_mib": budget,
+    }
+    out = {}
+    for name, fn in (("full", full), ("chunked", chunked)):
+        fn()  # warm-up: kernels, allocator
+        _sync(cuda)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        out[name] = fn()
+        _sync(cuda)
+        figs[f"{name}_s"] = round(time.perf_counter() - t0, 4)
+        figs[f"{name}_peak_mib"] = _mib(torch.cuda.max_memory_allocated() - base) if cuda else None
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.float(), b.float()
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    f, c = out["full"], out["chunked"]
+    figs["logp_max_abs_diff"] = float((f[0] - c[0]).abs().max())
+    figs["entropy_max_abs_diff"] = float((f[1] - c[1]).abs().max())
+    figs["grad_hidden_rel_diff"] = rel(c[2], f[2])
+    figs["grad_head_rel_diff"] = rel(c[3], f[3])
+    figs["logits_full_fp32_mib"] = _mib(tokens * vocab * 4)
+    if figs["full_peak_mib"] and figs["chunked_peak_mib"]:
+        figs["peak_ratio_full_over_chunked"] = round(
+            figs["full_peak_mib"] / figs["chunked_peak_mib"], 2
+        )
+    # bf16 matmuls, float32 softmax: a grouping change moves values by ~1e-2 at most
+    figs["ok"] = (
+        figs["logp_max_abs_diff"] < 0.1
+        and figs["grad_hidden_rel_diff"] < 0.05
+        and figs["grad_head_rel_diff"] < 0.05
+    )
+    print(json.dumps(figs, indent=1))
+    return figs
+
+
+# ---- c. learner steps ----------------------------------------------------------------------------------
+
+
+def _batch(vocab: int, n: int, per: int, seed: int):
+    import numpy as np
+
+    from asyncrl import wire
+    from asyncrl.learner.source import Batch
+
+    rng = np.random.default_rng(seed)
+    samples = [
+        wire.Sample(
+            id=f"{seed}-{i}",
+            group_id="g",
+            prompt_ids=rng.integers(3, vocab, 16).astype(np.int32),
+            completion_ids=rng.integers(3, vocab, per).astype(np.int32),
+            behavior_logprobs=np.full(per, -np.log(vocab), np.float32),
+            versions=np.zeros(per, np.int32),
+            loss_mask=np.ones(per, np.float32),
+            reward=float(i % 2),
+        )
+        for i in range(n)
+    ]
+    return Batch(groups=[wire.Group(id="g", samples=samples)], version=0, stats={})
+
+
+def learner_one(model: Path, work: Path, dry: bool, micro_batches: int) -> dict[str, Any]:
+    """In a child: steps of the real learner (Trainer: TorchTitan model, FSDP2 over a 1-rank group,
+    bf16 compute), one update of ``n × per`` tokens split into ``micro_batches``."""
+    import torch
+
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.doctor import Doctor
+    from asyncrl.learner.trainer import Trainer
+    from asyncrl.memory import ModelDims
+
+    cuda = _cuda(dry)
+    n, per, steps = (8, 48, 2) if dry else (16, 1008, 3)
+    seq = per + 16
+    recipe = recipe_mod.from_dict(
+        {
+            "model": {"path": str(model), "max_seq_len": seq, "dtype": "bfloat16"},
+            "algorithm": {"loss": "tis"},
+            "learner": {
+                "lr": 1e-5,
+                "micro_batch_tokens": -(-n // micro_batches) * seq,
+                "checkpoint_every": 0,
+            },
+            "buffer": {"max_staleness": 4, "groups_per_batch": 1},
+            "rollout": {"group_size": n},
+            "logging": {"wandb_mode": "disabled"},
+            "run": {"output_dir": tempfile.mkdtemp(dir=work)},
+        }
+    )
+    t0 = time.perf_counter()
+    trainer = Trainer(recipe, checkpointing=False)
+    figs: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2)}
+    vocab = trainer.spec.model.vocab_size
+    params = sum(p.numel() for p in trainer.model.parameters())
+    trainer.step(_batch(vocab, n, per, 0))  # optimizer state, kernels, allocator
+    _sync(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, result = [], None
+    for s in range(steps):
+        b = _batch(vocab, n, per, s + 1)
+        _sync(cuda)
+        t = time.perf_counter()
+        result = trainer.step(b)
+        _sync(cuda)
+        times.append(time.perf_counter() - t)
+    trained = n * per
+    step_s = min(times)
+    figs.update(
+        micro_batches=micro_batches,
+        params=params,
+        tokens_per_step=trained,
+        step_s=round(step_s, 4),
+        tokens_per_s=round(trained / step_s, 1),
+        loss=float(result.loss) if result else None,
+        attention=type(trainer.model.layers["0"].attention.inner_attention).__name__,
+    )
+    # 6·P per token, plus attention's 12·L·d·s per token (causal halves it: 6·L·d·s).
+    cfg = json.loads((model / "config.json").read_text())
+    dims = ModelDims.from_hf_config(cfg)
+    attn = 6 * cfg["num_hidden_layers"] * dims.q_dim * seq
+    flops_per_token = 6 * params + attn
+    if cuda:
+        name = torch.cuda.get_device_properties(0).name
+        peak = _peak_bf16(name)
+        figs["mfu"] = round(flops_per_token * trained / step_s / peak, 4) if peak else None
+        figs["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated())
+        figs["peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved())
+    else:
+        figs["mfu"] = None
+        figs["peak_allocated_gib"] = None
+    doctor = Doctor(recipe=recipe, dims=dims)
+    rank0, _ = doctor.learner_plans()
+    figs["plan_gib"] = _gib(rank0.total)
+    figs["plan_items_mib"] = {k: _mib(v) for k, v in rank0.items()}
+    if figs["peak_allocated_gib"]:
+        figs["peak_over_plan"] = round(figs["peak_allocated_gib"] / figs["plan_gib"], 3)
+    trainer.close()
+    return figs
+
+
+def step_learner(work: Path, dry: bool) -> dict[str, Any]:
+    """The same update as one micro-batch and as two (gradient accumulation), each in its own
+    process so each peak is its own."""
+    model = model_for(work, dry)
+    figs: dict[str, Any] = {"model": model.name}
+    for mb in (1, 2):
+        out = subprocess.run(
+            [sys.executable, __file__, "learner-one", str(work), str(model), str(mb)]
+            + ["--dry"] * dry,
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"{mb} micro-batch(es): rc {out.returncode}\n{out.stderr[-3000:]}")
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{mb} micro-batch(es): {json.dumps(row)}", flush=True)
+        for k, v in row.items():
+            figs[f"mb{mb}_{k}"] = v
+    figs["ok"] = True
+    return figs
+
+
+# ---- d. built-in engine against transformers' generate -------------------------------------------------
+
+
+def _engine_decode(hf, prompts: list[list[int]], new: int) -> float:
+    """Greedy decode of ``new`` tokens per prompt with the built-in engine's BatchedLM (prefill, then
+    one decode call per token for the whole batch); tokens per second."""
+    import torch
+
+    from asyncrl.rollout.engine.model import BatchedLM
+
+    lm = BatchedLM(hf)
+    with torch.no_grad():
+        cache = lm.new_cache(len(prompts))
+        t0 = time.perf_counter()
+        logits, _ = lm.prefill(cache, 0, prompts)
+        tokens = logits.argmax(-1).tolist()
+        lengths = [len(p) for p in prompts]
+        for _ in range(new - 1):
+            logits = lm.decode(cache, tokens, lengths)
+            tokens = logits.argmax(-1).tolist()
+            lengths = [n + 1 for n in lengths]
+        return len(prompts) * new / (time.perf_counter() - t0)
+
+
+def _hf_generate(hf, prompts: list[list[int]], new: int, dev) -> float:
+    import torch
+
+    ids = torch.tensor(prompts, device=dev)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        _sync(dev.type == "cuda")
+        t0 = time.perf_counter()
+        hf.generate(ids, **kw)
+        _sync(dev.type == "cuda")
+    return len(prompts) * new / (time.perf_counter() - t0)
+
+
+def step_engine(work: Path, dry: bool) -> dict[str, Any]:
+    """Decode tokens/s of the built-in engine's forward (BatchedLM) against transformers' generate,
+    same model, same greedy batch. The engine allocates its cache and masks on the CPU (issue item
+    4), so it is tried on the GPU and the error recorded, and measured where it runs (CPU float32),
+    next to generate on that CPU and on the GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cuda = _cuda(dry)
+    model = model_for(work, dry)
+    batch, prompt, new = (4, 16, 16) if dry else (8, 32, 32)
+    g = torch.Generator().manual_seed(0)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prompts = torch.randint(3, vocab, (batch, prompt), generator=g).tolist()
+    figs: dict[str, Any] = {"batch": batch, "prompt": prompt, "new_tokens": new}
+    if not dry:
+        torch.set_num_threads(os.cpu_count() or 1)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    figs["engine_cpu_fp32_tok_s"] = round(_engine_decode(hf, prompts, new), 1)
+    figs["hf_cpu_fp32_tok_s"] = round(_hf_generate(hf, prompts, new, torch.device("cpu")), 1)
+    figs["engine_cpu_over_hf_cpu"] = round(
+        figs["engine_cpu_fp32_tok_s"] / figs["hf_cpu_fp32_tok_s"], 3
+    )
+    if cuda:
+        dev = torch.device("cuda", 0)
+        hf_gpu = hf.to(dev, torch.bfloat16)
+        figs["hf_gpu_bf16_tok_s"] = round(_hf_generate(hf_gpu, prompts, new, dev), 1)
+        try:
+            figs["engine_gpu_bf16_tok_s"] = round(_engine_decode(hf_gpu, prompts, new), 1)
+            figs["engine_on_gpu"] = "runs"
+        except Exception as e:  # expected today: the engine's tensors are made on the CPU
+            figs["engine_gpu_bf16_tok_s"] = None
+            figs["engine_on_gpu"] = f"fails: {type(e).__name__}: {str(e)[:200]}"
+    figs["ok"] = True
+    print(json.dumps(figs, indent=1))
+    return figs
+
+
+# ---- e. weights from the learner to an engine -------------------------------------------------------
+
+
+def step_weights(work: Path, dry: bool) -> dict[str, Any]:
+    """What moves weights on one host: the broadcaster (rank 0 of a learner) sends the model's
+    tensors, held on the learner's device in bf16 as the learner's are, to a built-in engine
+    process (CPU, float32) over gloo; the engine checksums what it loaded (``verify: sampled``).
+    NCCL needs a generator on a GPU: SGLang, not installed on the GPU host."""
+    import torch
+    from safetensors.torch import load_file
+
+    from asyncrl import wire
+    from asyncrl.recipe import WeightsConfig
+    from asyncrl.rollout.engine import start_engine_process
+    from asyncrl.weights.broadcaster import WeightBroadcaster
+
+    cuda = _cuda(dry)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    model = model_for(work, dry)
+    named = {
+        k: v.to(dev, torch.bfloat16)
+        for f in sorted(model.glob("*.safetensors"))
+        for k, v in load_file(str(f)).items()
+    }
+    figs: dict[str, Any] = {
+        "tensors": len(named),
+        "mib_bf16": _mib(sum(t.numel() * 2 for t in named.values())),
+        "learner_device": str(dev),
+    }
+    t0 = time.perf_counter()
+    engine = start_engine_process(model, weight_version="0", timeout_s=300)
+    figs["engine_start_s"] = round(time.perf_counter() - t0, 2)
+    cfg = WeightsConfig(backend="gloo", dtype="bfloat16", timeout_s=120.0, overlap=False)
+    b = WeightBroadcaster(cfg, rank=0, verify=True)
+    try:
+        b.add_generator(wire.GeneratorInfo(url=engine.url, kind="builtin"))
+        for version in (1, 2):  # the first builds the group; the second is the steady state
+            t = time.perf_counter()
+            b.publish(version, named)
+            b.wait()
+            r = b.reports[-1]
+            figs[f"v{version}_wall_s"] = round(time.perf_counter() - t, 3)
+            figs[f"v{version}_sync_s"] = round(r.sync_s, 3)
+            figs[f"v{version}_checksum_ok"] = r.checksum_ok.get(engine.url)
+            figs[f"v{version}_updated"] = engine.url in r.updated
+            if r.error:
+                figs[f"v{version}_error"] = r.error[-300:]
+            named = {k: v.add_(1e-3) for k, v in named.items()}  # a changed model for v2
+        figs["checksum"] = r.checksum
+        figs["gb_per_s"] = round(figs["mib_bf16"] * 2**20 / max(figs["v2_sync_s"], 1e-9) / 1e9, 3)
+    finally:
+        b.close()
+        engine.stop()
+    figs["ok"] = bool(figs["v2_checksum_ok"] and figs["v2_updated"])
+    print(json.dumps(figs, indent=1))
+    return figs
+
+
+# ---- f. asyncrl run on the demo recipe ------------------------------------------------------------------
+
+
+def step_run(work: Path, dry: bool) -> dict[str, Any]:
+    """``asyncrl run recipes/demo.yaml`` for a few steps, on the tiny demo model made here (no SFT
+    stage: the random model), with W&B off: the launcher, buffer, a rollout worker with a built-in
+    engine and the learner (on the GPU when there is one) as separate processes."""
+    from tools.make_demo import make_demo
+
+    demo = work / "demo"
+    make_demo(demo, train=2000, eval=64)
+    out = work / "runs"
+    steps = 3
+    ov = [
+        f"model.path={demo / 'model'}",
+        f"data.path={demo / 'data/train.jsonl'}",
+        f"data.eval_path={demo / 'data/eval.jsonl'}",
+        f"run.output_dir={out}",
+        f"run.steps={steps}",
+        "run.eval_every=0",
+        "run.timeout_s=240",
+        "rollout.group_size=4",
+        "rollout.max_concurrent_groups=8",
+        "buffer.groups_per_batch=2",
+        "buffer.dynamic_sampling=false",
+        "learner.checkpoint_every=0",
+        "generator.max_batch_size=16",
+        "logging.wandb_mode=disabled",
+    ]
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "recipes/demo.yaml"), *ov]
+    t0 = time.perf_counter()
+    p = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=280)
+    figs: dict[str, Any] = {"rc": p.returncode, "run_s": round(time.perf_counter() - t0, 2)}
+    summary = out / "demo/summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        figs.update({k: s.get(k) for k in ("outcome", "steps", "max_staleness_seen")})
+        figs["plots"] = len(s.get("plots", []))  # 0 without matplotlib: the summary still comes
+    else:
+        figs["outcome"] = None
+        print(p.stdout[-2000:], p.stderr[-3000:], sep="\n")
+    log = out / "demo/logs/learner.log"
+    if figs["outcome"] != "completed" and log.exists():
+        print(log.read_text()[-3000:])
+    figs["ok"] = p.returncode == 0 and figs["outcome"] == "completed" and figs["steps"] == steps
+    return figs
+
+
+# ---- the records --------------------------------------------------------------------------------------
+
+
+def record(results: Path, step: str, rc: int, seconds: float, log: Path) -> dict[str, Any]:
+    """Append one record to ``results/check.jsonl`` from a step's exit status and output: its
+    figures (the output's last JSON line), and the tail of the output when it failed."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    figures: dict[str, Any] = {}
+    for line in reversed(text.splitlines()):
+        if line.startswith('{"step"'):
+            with contextlib.suppress(ValueError):
+                figures = json.loads(line).get("figures", {})
+            break
+    ok = rc == 0 and figures.get("ok", False) is True
+    rec = {
+        "step": step,
+        "ok": ok,
+        "rc": rc,
+        "timed_out": rc in (124, 137),
+        "seconds": round(seconds, 2),
+        "figures": figures,
+        "error": "" if ok else text[-2000:],
+    }
+    with open(results / "check.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+RUNNERS: dict[str, Callable[[Path, bool], dict[str, Any]]] = {
+    "models": step_models,
+    "env": step_env,
+    "nccl": step_nccl,
+    "logprobs": step_logprobs,
+    "learner": step_learner,
+    "weights": step_weights,
+    "engine": step_engine,
+    "run": step_run,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step", choices=[*RUNNERS, "learner-one", "record"])
+    p.add_argument("args", nargs="*")
+    p.add_argument("--dry", action="store_true", help="CPU, tiny sizes, gloo")
+    a = p.parse_args(argv)
+    if a.step == "record":
+        results, step, rc, seconds, log = a.args
+        rec = record(Path(results), step, int(rc), float(seconds), Path(log))
+        mark = "ok  " if rec["ok"] else "FAIL"
+        print(f"[{mark}] {step:<9} {rec['seconds']:7.1f} s  {json.dumps(rec['figures'])[:300]}")
+        return 0
+    if a.dry:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU host
+    if a.step == "learner-one":
+        work, model, mb = a.args
+        print(json.dumps(learner_one(Path(model), Path(work), a.dry, int(mb))))
+        return 0
+    (work,) = a.args
+    Path(work).mkdir(parents=True, exist_ok=True)
+    try:
+        figs = RUNNERS[a.step](Path(work), a.dry)
+    except Exception:
+        traceback.print_exc()
+        print(json.dumps({"step": a.step, "figures": {"ok": False}}))
+        return 1
+    print(json.dumps({"step": a.step, "figures": figs}, default=str))
+    return 0 if figs.get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
