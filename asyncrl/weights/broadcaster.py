@@ -295,7 +295,8 @@ class WeightBroadcaster:
         self.api_key = api_key
         self.after_sync = after_sync
         self.dtype = buckets.parse_dtype(cfg.dtype)
-        self.backend = rendezvous.default_backend() if cfg.backend == "auto" else cfg.backend
+        # The group's backend, chosen again at each build from its members (:meth:`_backend_for`).
+        self.backend = self._backend_for([])
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
         # A live generator in a failed collective (a broadcast, a group's rendezvous) answers only
         # once its own group timed out (timeout_s) and then as any call: it must not be taken for a
@@ -834,12 +835,23 @@ class WeightBroadcaster:
 
     # ---- the process group -----------------------------------------------------------------------
 
+    def _backend_for(self, members: list[Member], *, cuda: bool | None = None) -> str:
+        """The backend of a group over ``members``: ``weights.backend``, where ``auto`` is gloo as
+        soon as one member is a built-in engine (it receives into CPU tensors; NCCL would fail
+        every version), else NCCL on a CUDA machine (:func:`rendezvous.default_backend`).
+        ``cuda``: whether CUDA is available (None: ask torch)."""
+        if self.cfg.backend != "auto":
+            return self.cfg.backend
+        builtin = any(m.info.kind == "builtin" for m in members)
+        return rendezvous.default_backend(builtin=builtin, cuda=cuda)
+
     async def _build_group(self, members: list[Member]) -> None:
         """Destroy the old group and build one over ``members``: every server's init posted
         concurrently, then rank 0 joins (the server calls return only once everyone has joined)."""
         await self._drop_group(members, background=True)
         await self._ask_ranks(members)
         self._builds += 1
+        self.backend = self._backend_for(members)
         host = self.cfg.master_addr
         port = (
             self.cfg.master_port + (self._builds - 1) % 16
