@@ -21,7 +21,7 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.doctor import Check, Device, Doctor, judge_logprobs
 from asyncrl.memory import GiB
 from tests.labels import get_label
-from tests.test_memory_plan import QWEN3_8B
+from tests.test_memory_plan import QWEN3_0_6B, QWEN3_8B
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNCRL = [sys.executable, "-m", "asyncrl.cli"]
@@ -102,6 +102,19 @@ def test_a_plan_that_does_not_fit_exits_2_naming_it(tmp_path, demo_overrides):
     assert "✗ generator memory: each built-in engine: " in p.stdout
     assert p.stderr.strip().endswith("2 of 13 checks fail: learner memory, generator memory")
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [("qwen3_0.6b_gsm8k.yaml", QWEN3_0_6B), ("multinode.yaml", QWEN3_8B)],
+)
+def test_a_shipped_gpu_recipe_names_the_attention_the_learner_will_use(tmp_path, name, config):
+    """The GPU recipes leave the attention to auto, so on this CPU machine the doctor names the
+    CPU's choice (on a GPU: varlen when its kernels import, else flex) instead of refusing varlen.
+    The rest fails here (no data, no servers, no GPU): only the attention line is asked about."""
+    model = _config_only_model(tmp_path / "model", config)
+    p = _doctor(str(ROOT / "recipes" / name), f"model.path={model}", "--timeout", "1")
+    assert "\n✓ attention: sdpa: CPU: per-document SDPA" in p.stdout, p.stdout
 
 
 def test_an_invalid_recipe_is_one_line_and_exit_2(tmp_path):
