@@ -156,8 +156,8 @@ def make_snapshot(
 
 
 def _cuda_ready(tensors: Iterable[torch.Tensor]) -> Any:
-    """A CUDA event recorded on the producer's stream once it has made ``tensors`` (the training
-    thread's gather), or None for CPU tensors."""
+    """A CUDA event recorded on the producer's (current) stream after every kernel queued so far,
+    those that make ``tensors`` included: call it once they are queued. None for CPU tensors."""
     first = next(iter(tensors), None)
     if first is None or not first.is_cuda:
         return None
@@ -432,12 +432,17 @@ class WeightBroadcaster:
         if self._closed:
             raise RuntimeError("weight broadcaster is closed")
         assert self._plane is not None
-        ready = _cuda_ready(named_tensors.values())
+        # The sender's stream waits on ``ready`` (:meth:`_on_stream`), so it is recorded after the
+        # last kernel the sender reads from: the gather when owned (the sender copies the buckets
+        # itself), else the bucket copies queued just above on this (training) stream. Recorded
+        # before them, the broadcast could read a bucket whose copy had not run yet.
         if owned:
             named = dict(named_tensors)
+            ready = _cuda_ready(named.values())
             make = functools.partial(self._snapshot, version, named, copy=False)
         else:
             snap = self._snapshot(version, named_tensors)
+            ready = _cuda_ready(t for payload in snap.payloads for t in payload)
             make = lambda: snap  # noqa: E731
         self._plane.run(self._hand_over, version, functools.partial(self._version, ready, make))
         if not self.cfg.overlap:
