@@ -678,8 +678,12 @@ class Doctor:
         here = gpu.this_torch()
         mine = f"torch {here.torch}, NCCL {gpu.format_nccl(here.nccl)}"
         other = self._sglang_side()
-        if not gpu.uses_nccl(backend, cuda=cuda):
-            detail = f"not used: weights go over gloo (weights.backend {backend}); here {mine}"
+        builtin = self.recipe.generator.kind == "builtin"
+        if not gpu.uses_nccl(backend, cuda=cuda, builtin=builtin):
+            why = f"weights.backend {backend}" + (
+                ", built-in engines receive on CPU" if builtin and backend == "auto" else ""
+            )
+            detail = f"not used: weights go over gloo ({why}); here {mine}"
             return [Check(name="NCCL", ok=True, detail=detail + (f"; {other[1]}" if other else ""))]
         if not cuda:
             return [

@@ -42,9 +42,20 @@ def trainer_nccl_env(environ: Mapping[str, str], *, uses_nccl: bool) -> dict[str
     return {k: v for k, v in SGLANG_NCCL_ENV.items() if k not in environ}
 
 
-def uses_nccl(backend: str, *, cuda: bool) -> bool:
-    """Whether ``weights.backend`` builds an NCCL weight group on this machine."""
-    return backend == "nccl" or (backend == "auto" and cuda)
+def weight_backend(backend: str, *, cuda: bool, builtin: bool = False) -> str:
+    """The backend a weight-update group is built with, from ``weights.backend``: ``auto`` is NCCL
+    where CUDA is available, unless a generator is a built-in engine (``builtin``): that engine
+    loads its weights on CPU and receives each version into CPU tensors, which NCCL cannot fill,
+    so the group is gloo (which moves a learner's CUDA tensors through host memory)."""
+    if backend != "auto":
+        return backend
+    return "nccl" if cuda and not builtin else "gloo"
+
+
+def uses_nccl(backend: str, *, cuda: bool, builtin: bool = False) -> bool:
+    """Whether ``weights.backend`` builds an NCCL weight group on this machine (``builtin``: the
+    generators are built-in engines, :func:`weight_backend`)."""
+    return weight_backend(backend, cuda=cuda, builtin=builtin) == "nccl"
 
 
 def nccl_env_mismatch(environ: Mapping[str, str]) -> list[str]:

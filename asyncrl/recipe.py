@@ -780,6 +780,15 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
         raise RecipeError(
             "kind sglang needs at least one server URL", file=file, key="generator.urls"
         )
+    if r.weights.backend == "nccl" and r.generator.kind == "builtin":
+        # The built-in engine loads its weights on CPU and receives each version into CPU
+        # tensors, which an NCCL group cannot fill: every version would fail. auto picks gloo.
+        raise RecipeError(
+            "nccl cannot send to the built-in engine (it receives into CPU tensors): "
+            "set weights.backend=auto or gloo, or use generator.kind=sglang",
+            file=file,
+            key="weights.backend",
+        )
     if r.algorithm.ratio_mask_high and r.algorithm.ratio_mask_high <= r.algorithm.ratio_mask_low:
         raise RecipeError(
             "must be greater than algorithm.ratio_mask_low",

@@ -21,7 +21,7 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.doctor import Check, Device, Doctor, judge_logprobs
 from asyncrl.memory import GiB
 from tests.labels import get_label
-from tests.test_memory_plan import QWEN3_8B
+from tests.test_memory_plan import QWEN3_0_6B, QWEN3_8B
 
 ROOT = Path(__file__).resolve().parents[1]
 ASYNCRL = [sys.executable, "-m", "asyncrl.cli"]
@@ -102,6 +102,19 @@ def test_a_plan_that_does_not_fit_exits_2_naming_it(tmp_path, demo_overrides):
     assert "✗ generator memory: each built-in engine: " in p.stdout
     assert p.stderr.strip().endswith("2 of 13 checks fail: learner memory, generator memory")
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [("qwen3_0.6b_gsm8k.yaml", QWEN3_0_6B), ("multinode.yaml", QWEN3_8B)],
+)
+def test_a_shipped_gpu_recipe_names_the_attention_the_learner_will_use(tmp_path, name, config):
+    """The GPU recipes leave the attention to auto, so on this CPU machine the doctor names the
+    CPU's choice (on a GPU: varlen when its kernels import, else flex) instead of refusing varlen.
+    The rest fails here (no data, no servers, no GPU): only the attention line is asked about."""
+    model = _config_only_model(tmp_path / "model", config)
+    p = _doctor(str(ROOT / "recipes" / name), f"model.path={model}", "--timeout", "1")
+    assert "\n✓ attention: sdpa: CPU: per-document SDPA" in p.stdout, p.stdout
 
 
 def test_an_invalid_recipe_is_one_line_and_exit_2(tmp_path):
@@ -444,7 +457,8 @@ def test_the_learner_sets_them_only_for_an_nccl_weight_group(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     gloo = recipe_mod.from_dict({"weights": {"backend": "gloo"}})
     assert match_sglang_nccl(gloo) == {} and "NCCL_CUMEM_ENABLE" not in os.environ
-    nccl = recipe_mod.from_dict({"weights": {"backend": "nccl"}})
+    sglang = {"kind": "sglang", "urls": ["http://127.0.0.1:30000"]}
+    nccl = recipe_mod.from_dict({"generator": sglang, "weights": {"backend": "nccl"}})
     assert match_sglang_nccl(nccl) == gpu.SGLANG_NCCL_ENV
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
 
@@ -455,11 +469,25 @@ def test_sglang_versions_map_to_their_nccl():
     assert gpu.TORCH_NCCL["2.13.0"] != gpu.TORCH_NCCL["2.14.1"]  # why one environment
 
 
+SGLANG = ("generator.kind=sglang", "generator.urls=[http://127.0.0.1:30000]")
+"""Overrides for the demo recipe with an SGLang server (NCCL sends to SGLang, not the built-in engine)."""
+
+
 def test_nccl_backend_on_a_machine_without_gpu_is_named(tiny_qwen3):
-    d = _demo(tiny_qwen3, "weights.backend=nccl")
+    d = _demo(tiny_qwen3, "weights.backend=nccl", *SGLANG)
     d.device = Device(cuda=False, gpus=[], host_available=GiB, host_total=GiB)
     (c,) = d.check_nccl()
     assert not c.ok and "needs a GPU" in c.detail and "weights.backend=gloo" in c.detail
+
+
+def test_auto_sends_to_built_in_engines_over_gloo_on_a_gpu_host(tiny_qwen3):
+    """On a CUDA machine ``auto`` is NCCL for SGLang servers but gloo for the built-in engine,
+    which receives into CPU tensors (asyncrl.gpu.weight_backend)."""
+    d = _demo(tiny_qwen3, "weights.backend=auto", "generator.kind=builtin")
+    d.device = Device(cuda=True, gpus=[], host_available=GiB, host_total=GiB)
+    (c,) = d.check_nccl()
+    assert c.ok and "not used: weights go over gloo" in c.detail, c.detail
+    assert "built-in engines receive on CPU" in c.detail
 
 
 SGLANG_PY = Path.home() / ".cache/asyncrl/sglang-0.5.23-cpu/bin/python"

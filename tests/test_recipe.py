@@ -189,6 +189,12 @@ def test_overrides_are_typed(tmp_path):
             "under vtrace",
         ),
         ("rollout: {temperature: 0}\n", [], "rollout.temperature", "RL losses need > 0"),
+        (  # the built-in engine receives into CPU tensors: an NCCL group fails every version
+            "generator: {kind: builtin}\nweights: {backend: nccl}\n",
+            [],
+            "weights.backend",
+            "set weights.backend=auto or gloo",
+        ),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
@@ -215,6 +221,15 @@ def test_what_the_refusals_of_a_critic_with_dynamic_sampling_and_of_greedy_rl_le
         assert recipe.load(path, [f"algorithm.advantage={adv}"]).buffer.dynamic_sampling
     gae = recipe.load(path, ["algorithm.advantage=gae", "buffer.dynamic_sampling=false"])
     assert not gae.buffer.dynamic_sampling
+
+
+def test_nccl_is_refused_only_with_a_built_in_engine():
+    """The refusal leaves the set-ups that work alone: NCCL to SGLang servers, and auto or gloo with
+    the built-in engine (auto picks gloo for it: asyncrl.gpu.weight_backend)."""
+    sglang = {"kind": "sglang", "urls": ["http://127.0.0.1:30000"]}
+    recipe.from_dict({"generator": sglang, "weights": {"backend": "nccl"}})
+    for backend in ("auto", "gloo"):
+        recipe.from_dict({"generator": {"kind": "builtin"}, "weights": {"backend": backend}})
 
 
 def test_tls_certificates_need_tls_addresses(tmp_path):

@@ -100,9 +100,12 @@ def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
 
     from asyncrl.gpu import trainer_nccl_env, uses_nccl
 
-    env = trainer_nccl_env(
-        os.environ, uses_nccl=uses_nccl(recipe.weights.backend, cuda=torch.cuda.is_available())
+    nccl = uses_nccl(
+        recipe.weights.backend,
+        cuda=torch.cuda.is_available(),
+        builtin=recipe.generator.kind == "builtin",
     )
+    env = trainer_nccl_env(os.environ, uses_nccl=nccl)
     os.environ.update(env)
     return env
 

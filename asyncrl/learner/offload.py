@@ -61,6 +61,8 @@ def reshard(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+            # _fsdp_param_groups (a list) is torch >= 2.13's (older: one _fsdp_param_group), hence
+            # pyproject's torch>=2.13 pin.
             for group in m._get_fsdp_state()._fsdp_param_groups:
                 group._to_sharded()  # no-op when sharded
 

@@ -156,8 +156,8 @@ def make_snapshot(
 
 
 def _cuda_ready(tensors: Iterable[torch.Tensor]) -> Any:
-    """A CUDA event recorded on the producer's stream once it has made ``tensors`` (the training
-    thread's gather), or None for CPU tensors."""
+    """A CUDA event recorded on the producer's (current) stream after every kernel queued so far,
+    those that make ``tensors`` included: call it once they are queued. None for CPU tensors."""
     first = next(iter(tensors), None)
     if first is None or not first.is_cuda:
         return None
@@ -295,7 +295,8 @@ class WeightBroadcaster:
         self.api_key = api_key
         self.after_sync = after_sync
         self.dtype = buckets.parse_dtype(cfg.dtype)
-        self.backend = rendezvous.default_backend() if cfg.backend == "auto" else cfg.backend
+        # The group's backend, chosen again at each build from its members (:meth:`_backend_for`).
+        self.backend = self._backend_for([])
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
         # A live generator in a failed collective (a broadcast, a group's rendezvous) answers only
         # once its own group timed out (timeout_s) and then as any call: it must not be taken for a
@@ -431,12 +432,17 @@ class WeightBroadcaster:
         if self._closed:
             raise RuntimeError("weight broadcaster is closed")
         assert self._plane is not None
-        ready = _cuda_ready(named_tensors.values())
+        # The sender's stream waits on ``ready`` (:meth:`_on_stream`), so it is recorded after the
+        # last kernel the sender reads from: the gather when owned (the sender copies the buckets
+        # itself), else the bucket copies queued just above on this (training) stream. Recorded
+        # before them, the broadcast could read a bucket whose copy had not run yet.
         if owned:
             named = dict(named_tensors)
+            ready = _cuda_ready(named.values())
             make = functools.partial(self._snapshot, version, named, copy=False)
         else:
             snap = self._snapshot(version, named_tensors)
+            ready = _cuda_ready(t for payload in snap.payloads for t in payload)
             make = lambda: snap  # noqa: E731
         self._plane.run(self._hand_over, version, functools.partial(self._version, ready, make))
         if not self.cfg.overlap:
@@ -834,12 +840,23 @@ class WeightBroadcaster:
 
     # ---- the process group -----------------------------------------------------------------------
 
+    def _backend_for(self, members: list[Member], *, cuda: bool | None = None) -> str:
+        """The backend of a group over ``members``: ``weights.backend``, where ``auto`` is gloo as
+        soon as one member is a built-in engine (it receives into CPU tensors; NCCL would fail
+        every version), else NCCL on a CUDA machine (:func:`rendezvous.default_backend`).
+        ``cuda``: whether CUDA is available (None: ask torch)."""
+        if self.cfg.backend != "auto":
+            return self.cfg.backend
+        builtin = any(m.info.kind == "builtin" for m in members)
+        return rendezvous.default_backend(builtin=builtin, cuda=cuda)
+
     async def _build_group(self, members: list[Member]) -> None:
         """Destroy the old group and build one over ``members``: every server's init posted
         concurrently, then rank 0 joins (the server calls return only once everyone has joined)."""
         await self._drop_group(members, background=True)
         await self._ask_ranks(members)
         self._builds += 1
+        self.backend = self._backend_for(members)
         host = self.cfg.master_addr
         port = (
             self.cfg.master_port + (self._builds - 1) % 16

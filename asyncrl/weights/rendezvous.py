@@ -3,7 +3,7 @@
 SGLang's servers form a non-default group over a TCPStore hosted by rank 0, with every key under
 ``PrefixStore(group_name)``. A plain ``init_process_group`` would use other keys and never meet them,
 so the learner (rank 0) and the built-in engine (ranks from ``rank_offset``) both join through this
-one function. Gloo on CPU, NCCL on GPU.
+one function. Gloo on CPU or with a built-in engine, NCCL on GPU (:func:`default_backend`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from asyncrl.gpu import weight_backend
 
 
 class LayoutError(ValueError):
@@ -72,8 +74,14 @@ def group_layout(ranks: list[int]) -> tuple[list[int], int]:
     return offsets, nxt
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(*, builtin: bool = False, cuda: bool | None = None) -> str:
+    """What ``weights.backend: auto`` builds a group with: NCCL on a CUDA machine, gloo on CPU or
+    when a member is a built-in engine (``builtin``; it receives into CPU tensors, which NCCL
+    cannot fill: :func:`asyncrl.gpu.weight_backend`). ``cuda``: whether CUDA is available (None:
+    ask torch)."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    return weight_backend("auto", cuda=cuda, builtin=builtin)
 
 
 def init_custom_process_group(
