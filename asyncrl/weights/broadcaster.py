@@ -176,6 +176,22 @@ def _background_priority() -> None:
         pass
 
 
+def broadcast_bucket(
+    pg: dist.ProcessGroup, payload: list[torch.Tensor], timeout_s: float
+) -> str | None:
+    """Rank 0's broadcasts of one bucket over ``pg``, bounded by ``timeout_s``: an error message,
+    or None when all of them went out."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
+        for w in works:
+            left = max(0.001, deadline - time.monotonic())
+            w.wait(timeout=timedelta(seconds=left))
+    except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
+        return f"broadcast: {e}".splitlines()[0][:300]
+    return None
+
+
 # --------------------------------------------------------------------------------------------------
 # Membership and reports
 # --------------------------------------------------------------------------------------------------
@@ -1064,15 +1080,7 @@ class WeightBroadcaster:
 
     def _broadcast(self, pg: dist.ProcessGroup, payload: list[torch.Tensor]) -> str | None:
         """Rank 0's broadcasts of one bucket, bounded by ``timeout_s``; an error message or None."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        try:
-            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
-            for w in works:
-                left = max(0.001, deadline - time.monotonic())
-                w.wait(timeout=timedelta(seconds=left))
-        except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
-            return f"broadcast: {e}".splitlines()[0][:300]
-        return None
+        return broadcast_bucket(pg, payload, self.cfg.timeout_s)
 
     async def _resume(self, paused: dict[str, float], report: SyncReport) -> None:
         """Continue every generator this version paused, dropped ones too (a generator dropped for
