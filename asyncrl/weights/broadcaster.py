@@ -176,17 +176,32 @@ def _background_priority() -> None:
         pass
 
 
+_MIN_WAIT_S = 0.01
+"""The shortest bounded wait on a work once the bucket's deadline has passed (a last look)."""
+
+
 def broadcast_bucket(
     pg: dist.ProcessGroup, payload: list[torch.Tensor], timeout_s: float
 ) -> str | None:
     """Rank 0's broadcasts of one bucket over ``pg``, bounded by ``timeout_s``: an error message,
-    or None when all of them went out."""
+    or None when all of them completed.
+
+    A wait's end is not taken for the broadcast's: each work must report itself completed after its
+    bounded ``wait``. gloo's ``wait(timeout)`` raises when the bound passes. ProcessGroupNCCL's
+    ``WorkNCCL::wait`` leaves its loop with a log line when the bound passes and throws only if the
+    work then holds an exception (which its ``checkTimeout`` records); a wait that returns without
+    one would otherwise pass for a sent bucket while a peer never received it. Launching the broadcast on a nonblocking NCCL communicator (the first one
+    also waits for its init) is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` instead, which the
+    learner sets to ``weights.timeout_s`` (:func:`asyncrl.gpu.trainer_nccl_env`)."""
     deadline = time.monotonic() + timeout_s
     try:
         works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
         for w in works:
-            left = max(0.001, deadline - time.monotonic())
-            w.wait(timeout=timedelta(seconds=left))
+            # never 0: c10d reads a zero timeout as none at all (kNoTimeout)
+            left = max(_MIN_WAIT_S, deadline - time.monotonic())
+            done = w.wait(timeout=timedelta(seconds=left))
+            if done is False or not w.is_completed():
+                return f"broadcast: not complete within {timeout_s:g}s (a peer did not receive)"
     except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
         return f"broadcast: {e}".splitlines()[0][:300]
     return None
