@@ -640,7 +640,8 @@ class WeightBroadcaster:
             return self._niced(fn, *args)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """A snapshot, a rendezvous or a broadcast: one at a time, each bounded by its own timeout."""
+        """A snapshot, a rendezvous, a broadcast or the checksum of what was sent: one at a time,
+        each bounded by its own timeout (the checksum by its size)."""
         return await trio.to_thread.run_sync(
             functools.partial(self._on_stream, fn, *args), limiter=self._collective_limiter
         )
@@ -1114,9 +1115,15 @@ class WeightBroadcaster:
     # ---- verification and metrics ----------------------------------------------------------------
 
     async def _verify(self, snap: Snapshot, report: SyncReport) -> None:
-        """Ask every updated generator for its version and checksum; compare with what was sent."""
+        """Ask every updated generator for its version and checksum; compare with what was sent.
+
+        The checksum of what was sent runs in a worker thread, as the broadcast does (on the
+        sender's stream, niced): in the control plane's loop it would hold the buffer service's
+        requests for as long as it hashes (a full checksum reads every weight)."""
         sample = VERIFY_SAMPLE if self.cfg.verify == "sampled" else 0
-        report.checksum = buckets.checksum(snap.named(), sample=sample)
+        report.checksum = await self._in_thread(
+            functools.partial(buckets.checksum, snap.named(), sample=sample)
+        )
         members = [self._members[u] for u in report.updated]
 
         def check(m: Member) -> tuple[str | None, str | None]:
