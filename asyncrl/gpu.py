@@ -12,11 +12,19 @@ so the two sides must agree on what NCCL does:
   SGLang's own test of ``update_weights_from_distributed`` sets both on its trainer process ("very
   important to avoid unexpected behaviors of CUDA and NCCL"). The learner does the same:
   :func:`trainer_nccl_env`.
+
+The weight group's own communicator is nonblocking (asyncrl.weights.rendezvous), and torch bounds
+every call on such a communicator (its init, which the first broadcast waits for, each launch, an
+abort) by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``: 30 minutes unless set, read once per process. The
+learner sets it to ``weights.timeout_s`` (:func:`trainer_nccl_env`), so that a generator that joined
+and went silent costs a version at most that long, as over gloo.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,16 +38,65 @@ SGLANG_TORCH = {"0.5.23": "2.14.1"}
 TORCH_NCCL = {"2.14.1": (2, 30, 7), "2.13.0": (2, 29, 7)}
 """The NCCL in each torch release's CUDA wheel on PyPI (``Requires-Dist: nvidia-nccl-cu13==``)."""
 
+NONBLOCKING_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+"""What bounds each call on a nonblocking NCCL communicator, in whole seconds (torch's
+``nccl_nonblocking_timeout()``, NCCLUtils.cpp: parsed with ``stoi``, once per process)."""
+
+NONBLOCKING_TIMEOUT_DEFAULT_S = 30 * 60
+"""torch's value for :data:`NONBLOCKING_TIMEOUT` when it is unset or empty."""
+
 NcclVersion = tuple[int, int, int]
 
 
-def trainer_nccl_env(environ: Mapping[str, str], *, uses_nccl: bool) -> dict[str, str]:
-    """The variables the learner must set before its first NCCL communicator so that it matches
-    SGLang's servers: those of :data:`SGLANG_NCCL_ENV` the user has not set (a value set by hand
-    wins, as it does on SGLang's side; set it on both). Nothing when no NCCL group is built."""
+def trainer_nccl_env(
+    environ: Mapping[str, str], *, uses_nccl: bool, weights_timeout_s: float | None = None
+) -> dict[str, str]:
+    """The variables the learner must set before its first NCCL communicator: those of
+    :data:`SGLANG_NCCL_ENV` so that it matches SGLang's servers, and, given ``weights_timeout_s``,
+    :data:`NONBLOCKING_TIMEOUT` rounded up to whole seconds, so that the nonblocking weight group's
+    init and launches give up after ``weights.timeout_s`` rather than torch's 30 minutes. A value
+    the user has set wins (for SGLang's, as it does on SGLang's side: set it on both). Nothing
+    when no NCCL group is built.
+
+    Process-wide: :data:`NONBLOCKING_TIMEOUT` also bounds the learner's own communicators when
+    they are nonblocking (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``, or an eager init); TorchTitan's
+    default groups are blocking and do not read it."""
     if not uses_nccl:
         return {}
-    return {k: v for k, v in SGLANG_NCCL_ENV.items() if k not in environ}
+    env = {k: v for k, v in SGLANG_NCCL_ENV.items() if k not in environ}
+    if weights_timeout_s is not None and NONBLOCKING_TIMEOUT not in environ:
+        env[NONBLOCKING_TIMEOUT] = str(max(1, math.ceil(weights_timeout_s)))
+    return env
+
+
+def nonblocking_timeout_s(environ: Mapping[str, str]) -> int:
+    """The bound torch puts on a nonblocking NCCL call in a process with this environment: the
+    leading integer of :data:`NONBLOCKING_TIMEOUT` as ``stoi`` reads it, or torch's default."""
+    value = environ.get(NONBLOCKING_TIMEOUT, "")
+    if not value:
+        return NONBLOCKING_TIMEOUT_DEFAULT_S
+    m = re.match(r"\s*[+-]?\d+", value)
+    if m is None:  # torch's stoi would throw; the weight group's init then fails at once
+        return 0
+    return int(m.group())
+
+
+def nonblocking_bound_problem(environ: Mapping[str, str], timeout_s: float) -> str | None:
+    """Why the weight group's NCCL calls would outlast ``weights.timeout_s`` here (one line), or
+    None: :data:`NONBLOCKING_TIMEOUT` unset (30 minutes) or set higher by hand."""
+    bound = nonblocking_timeout_s(environ)
+    if bound <= math.ceil(timeout_s):
+        return None
+    how = (
+        "unset"
+        if not environ.get(NONBLOCKING_TIMEOUT)
+        else f"set to {environ[NONBLOCKING_TIMEOUT]}"
+    )
+    return (
+        f"{NONBLOCKING_TIMEOUT} is {how}: the weight group's NCCL init and launches may block "
+        f"{bound}s, not weights.timeout_s ({timeout_s:g}s); set it before the first NCCL "
+        "communicator (asyncrl learner does)"
+    )
 
 
 def weight_backend(backend: str, *, cuda: bool, builtin: bool = False) -> str:

@@ -450,17 +450,44 @@ def test_trainer_nccl_env_matches_sglang_unless_set_by_hand():
     ]
 
 
+def test_the_nonblocking_weight_group_is_bounded_by_the_recipes_timeout():
+    """torch bounds a nonblocking communicator's init and launches by
+    TORCH_NCCL_NONBLOCKING_TIMEOUT (whole seconds, 30 minutes unset), not by the group's timeout:
+    the learner sets it from weights.timeout_s, rounded up, unless set by hand."""
+    env = gpu.trainer_nccl_env({}, uses_nccl=True, weights_timeout_s=60.0)
+    assert env[gpu.NONBLOCKING_TIMEOUT] == "60"
+    assert gpu.nonblocking_timeout_s(env) == 60
+    assert gpu.nonblocking_bound_problem(env, 60.0) is None
+    env = gpu.trainer_nccl_env({}, uses_nccl=True, weights_timeout_s=2.5)
+    assert env[gpu.NONBLOCKING_TIMEOUT] == "3" and gpu.nonblocking_bound_problem(env, 2.5) is None
+    by_hand = {gpu.NONBLOCKING_TIMEOUT: "900"}
+    assert gpu.NONBLOCKING_TIMEOUT not in gpu.trainer_nccl_env(
+        by_hand, uses_nccl=True, weights_timeout_s=60.0
+    )
+    assert gpu.trainer_nccl_env({}, uses_nccl=False, weights_timeout_s=60.0) == {}
+    # where it is not set, torch waits 30 minutes: said, with the bound and the fix
+    assert gpu.nonblocking_timeout_s({}) == 1800
+    problem = gpu.nonblocking_bound_problem({}, 60.0)
+    assert problem is not None and "unset" in problem and "1800s" in problem
+    problem = gpu.nonblocking_bound_problem(by_hand, 60.0)
+    assert problem is not None and "set to 900" in problem
+
+
 def test_the_learner_sets_them_only_for_an_nccl_weight_group(monkeypatch):
     from asyncrl.learner.main import match_sglang_nccl
 
-    for k in gpu.SGLANG_NCCL_ENV:
-        monkeypatch.delenv(k, raising=False)
+    for k in [*gpu.SGLANG_NCCL_ENV, gpu.NONBLOCKING_TIMEOUT]:
+        monkeypatch.setenv(k, "x")  # so that the test's changes are undone
+        monkeypatch.delenv(k)
     gloo = recipe_mod.from_dict({"weights": {"backend": "gloo"}})
     assert match_sglang_nccl(gloo) == {} and "NCCL_CUMEM_ENABLE" not in os.environ
     sglang = {"kind": "sglang", "urls": ["http://127.0.0.1:30000"]}
-    nccl = recipe_mod.from_dict({"generator": sglang, "weights": {"backend": "nccl"}})
-    assert match_sglang_nccl(nccl) == gpu.SGLANG_NCCL_ENV
+    nccl = recipe_mod.from_dict(
+        {"generator": sglang, "weights": {"backend": "nccl", "timeout_s": 45}}
+    )
+    assert match_sglang_nccl(nccl) == gpu.SGLANG_NCCL_ENV | {gpu.NONBLOCKING_TIMEOUT: "45"}
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ[gpu.NONBLOCKING_TIMEOUT] == "45"
 
 
 def test_sglang_versions_map_to_their_nccl():

@@ -94,8 +94,9 @@ def _stop_on_signals() -> threading.Event:
 
 
 def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
-    """Before the first NCCL communicator: the NCCL settings SGLang's servers run with, unless set
-    by hand (asyncrl.gpu). Process-wide, as NCCL reads them once; returns what it set."""
+    """Before the first NCCL communicator: the NCCL settings SGLang's servers run with, and the
+    bound of the nonblocking weight group's calls (``weights.timeout_s``), unless set by hand
+    (asyncrl.gpu). Process-wide, as NCCL and torch read them once; returns what it set."""
     import torch
 
     from asyncrl.gpu import trainer_nccl_env, uses_nccl
@@ -105,7 +106,7 @@ def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
         cuda=torch.cuda.is_available(),
         builtin=recipe.generator.kind == "builtin",
     )
-    env = trainer_nccl_env(os.environ, uses_nccl=nccl)
+    env = trainer_nccl_env(os.environ, uses_nccl=nccl, weights_timeout_s=recipe.weights.timeout_s)
     os.environ.update(env)
     return env
 

@@ -176,6 +176,37 @@ def _background_priority() -> None:
         pass
 
 
+_MIN_WAIT_S = 0.01
+"""The shortest bounded wait on a work once the bucket's deadline has passed (a last look)."""
+
+
+def broadcast_bucket(
+    pg: dist.ProcessGroup, payload: list[torch.Tensor], timeout_s: float
+) -> str | None:
+    """Rank 0's broadcasts of one bucket over ``pg``, bounded by ``timeout_s``: an error message,
+    or None when all of them completed.
+
+    A wait's end is not taken for the broadcast's: each work must report itself completed after its
+    bounded ``wait``. gloo's ``wait(timeout)`` raises when the bound passes. ProcessGroupNCCL's
+    ``WorkNCCL::wait`` leaves its loop with a log line when the bound passes and throws only if the
+    work then holds an exception (which its ``checkTimeout`` records); a wait that returns without
+    one would otherwise pass for a sent bucket while a peer never received it. Launching the broadcast on a nonblocking NCCL communicator (the first one
+    also waits for its init) is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` instead, which the
+    learner sets to ``weights.timeout_s`` (:func:`asyncrl.gpu.trainer_nccl_env`)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
+        for w in works:
+            # never 0: c10d reads a zero timeout as none at all (kNoTimeout)
+            left = max(_MIN_WAIT_S, deadline - time.monotonic())
+            done = w.wait(timeout=timedelta(seconds=left))
+            if done is False or not w.is_completed():
+                return f"broadcast: not complete within {timeout_s:g}s (a peer did not receive)"
+    except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
+        return f"broadcast: {e}".splitlines()[0][:300]
+    return None
+
+
 # --------------------------------------------------------------------------------------------------
 # Membership and reports
 # --------------------------------------------------------------------------------------------------
@@ -615,7 +646,8 @@ class WeightBroadcaster:
             return self._niced(fn, *args)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """A snapshot, a rendezvous or a broadcast: one at a time, each bounded by its own timeout."""
+        """A snapshot, a rendezvous, a broadcast or the checksum of what was sent: one at a time,
+        each bounded by its own timeout (the checksum by its size)."""
         return await trio.to_thread.run_sync(
             functools.partial(self._on_stream, fn, *args), limiter=self._collective_limiter
         )
@@ -1081,15 +1113,7 @@ class WeightBroadcaster:
 
     def _broadcast(self, pg: dist.ProcessGroup, payload: list[torch.Tensor]) -> str | None:
         """Rank 0's broadcasts of one bucket, bounded by ``timeout_s``; an error message or None."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        try:
-            works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
-            for w in works:
-                left = max(0.001, deadline - time.monotonic())
-                w.wait(timeout=timedelta(seconds=left))
-        except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
-            return f"broadcast: {e}".splitlines()[0][:300]
-        return None
+        return broadcast_bucket(pg, payload, self.cfg.timeout_s)
 
     async def _resume(self, paused: dict[str, float], report: SyncReport) -> None:
         """Continue every generator this version paused, dropped ones too (a generator dropped for
@@ -1108,9 +1132,15 @@ class WeightBroadcaster:
     # ---- verification and metrics ----------------------------------------------------------------
 
     async def _verify(self, snap: Snapshot, report: SyncReport) -> None:
-        """Ask every updated generator for its version and checksum; compare with what was sent."""
+        """Ask every updated generator for its version and checksum; compare with what was sent.
+
+        The checksum of what was sent runs in a worker thread, as the broadcast does (on the
+        sender's stream, niced): in the control plane's loop it would hold the buffer service's
+        requests for as long as it hashes (a full checksum reads every weight)."""
         sample = VERIFY_SAMPLE if self.cfg.verify == "sampled" else 0
-        report.checksum = buckets.checksum(snap.named(), sample=sample)
+        report.checksum = await self._in_thread(
+            functools.partial(buckets.checksum, snap.named(), sample=sample)
+        )
         members = [self._members[u] for u in report.updated]
 
         def check(m: Member) -> tuple[str | None, str | None]:

@@ -106,20 +106,66 @@ def unflatten(
     return out
 
 
-def checksum(named: Iterable[tuple[str, torch.Tensor]], *, sample: int = 0) -> str:
+CHECKSUM_CHUNK_BYTES = 64 * 2**20
+"""Bytes of hashed values gathered on their device before one copy to the host (:func:`checksum`)."""
+
+
+def _hashed_values(t: torch.Tensor, sample: int) -> torch.Tensor:
+    """The bytes :func:`checksum` hashes for ``t``, as a flat uint8 tensor on ``t``'s device:
+    floating values as float32, ``sample`` > 0 keeping that many evenly spaced values at most."""
+    flat = t.detach().reshape(-1)
+    if sample and flat.numel() > sample:
+        flat = flat[:: -(-flat.numel() // sample)]  # ceil stride: at most `sample` values
+    flat = flat.float() if flat.is_floating_point() else flat
+    return flat.contiguous().view(torch.uint8)
+
+
+def checksum(
+    named: Iterable[tuple[str, torch.Tensor]],
+    *,
+    sample: int = 0,
+    chunk_bytes: int = CHECKSUM_CHUNK_BYTES,
+) -> str:
     """SHA-256 over names, shapes and values in sorted name order: equal on both sides iff the
     weights are equal. Floating values are hashed as float32, so bfloat16 sent into a float32 engine
     (which holds the same values) hashes alike. ``sample`` > 0 hashes only that many evenly spaced
     values of each tensor: still catches a wrong version or tensor, at a cost independent of size
-    (a full SHA-256 of an 8B model is ~16 GB read on the host per version)."""
+    (a full SHA-256 of an 8B model is ~16 GB read on the host per version).
+
+    Values go to the host a chunk at a time (``chunk_bytes`` of hashed values gathered on their
+    device, then one ``.cpu()``), not tensor by tensor: on a GPU each copy waits for the stream, and
+    a model has hundreds of tensors. On the host the gathering is one memcpy, and the same code
+    runs (it is what the CPU tests cover). The bytes hashed, and so the value, are those of hashing
+    each tensor alone."""
     h = hashlib.sha256()
-    for name, t in sorted(named, key=lambda x: x[0]):
-        t = t.detach()
+    pending: list[tuple[str, torch.Size, torch.Tensor]] = []  # values not yet on the host
+    size = 0
+
+    def update(name: str, shape: torch.Size, values: object) -> None:
         h.update(name.encode())
-        h.update(str(list(t.shape)).encode())
-        flat = t.reshape(-1)
-        if sample and flat.numel() > sample:
-            flat = flat[:: -(-flat.numel() // sample)]  # ceil stride: at most `sample` values
-        flat = flat.float() if flat.is_floating_point() else flat
-        h.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        h.update(str(list(shape)).encode())
+        h.update(values)  # type: ignore[arg-type]  # a uint8 numpy array or memoryview
+
+    def flush() -> None:
+        nonlocal size
+        if not pending:
+            return
+        values = [v for _, _, v in pending]
+        host = (torch.cat(values) if len(values) > 1 else values[0]).cpu()  # the one copy
+        view, pos = memoryview(host.numpy()), 0
+        for name, shape, v in pending:
+            update(name, shape, view[pos : pos + v.numel()])
+            pos += v.numel()
+        pending.clear()
+        size = 0
+
+    for name, t in sorted(named, key=lambda x: x[0]):
+        values = _hashed_values(t, sample)
+        if pending and (
+            pending[0][2].device != values.device or size + values.numel() > chunk_bytes
+        ):
+            flush()
+        pending.append((name, t.shape, values))
+        size += values.numel()
+    flush()
     return h.hexdigest()

@@ -9,6 +9,7 @@ one function. Gloo on CPU or with a built-in engine, NCCL on GPU (:func:`default
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from asyncrl.gpu import weight_backend
+from asyncrl.gpu import nonblocking_bound_problem, weight_backend
+
+log = logging.getLogger("asyncrl.weights")
 
 
 class LayoutError(ValueError):
@@ -142,7 +145,16 @@ def _isolated_nccl(timeout: timedelta) -> tuple[object, dict[str, str]]:
     """Options and environment for a weight group over NCCL: a nonblocking communicator init, so
     the first broadcast does not block in ``ncclCommInitRank`` beyond the group's timeout (NCCL's
     ``blocking = 0`` config), and no process-wide error handling (:data:`WEIGHT_GROUP_NCCL_ENV`).
-    Verified by reading torch's ProcessGroupNCCL (constructor and watchdog); no GPU here."""
+
+    A nonblocking communicator's init (which the first broadcast waits for), launches and abort
+    are bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, not by ``timeout``: torch reads it once per
+    process, so it cannot be set here for this group alone (the learner sets it at start,
+    :func:`asyncrl.gpu.trainer_nccl_env`); a process where it would outlast ``timeout`` says so.
+    Verified by reading torch's ProcessGroupNCCL (constructor and watchdog) and NCCLUtils
+    (``NCCLComm::getNcclComm``, ``waitReady``, ``nccl_nonblocking_timeout``); no GPU here."""
+    problem = nonblocking_bound_problem(os.environ, timeout.total_seconds())
+    if problem is not None:
+        log.warning("weights: %s", problem)
     opts = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]  # CUDA builds only
     opts.config.blocking = 0
     opts._timeout = timeout

@@ -143,3 +143,72 @@ def test_checksum_sees_values_not_the_wire_dtype():
     poked["a"].view(-1)[1] += 1.0  # index 1: not among the 16 sampled (stride 938)
     assert buckets.checksum(poked.items()) != buckets.checksum(held.items())
     assert buckets.checksum(poked.items(), sample=16) == buckets.checksum(held.items(), sample=16)
+
+
+def _checksum_tensor_by_tensor(named, *, sample: int = 0) -> str:
+    """The checksum as it was computed before it was batched: one host copy per tensor. Kept here
+    as the reference the batched one must equal (the other side's engines may run either)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda x: x[0]):
+        t = t.detach()
+        h.update(name.encode())
+        h.update(str(list(t.shape)).encode())
+        flat = t.reshape(-1)
+        if sample and flat.numel() > sample:
+            flat = flat[:: -(-flat.numel() // sample)]
+        flat = flat.float() if flat.is_floating_point() else flat
+        h.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("sample", [0, 7])
+@pytest.mark.parametrize("chunk_bytes", [1, 100, buckets.CHECKSUM_CHUNK_BYTES])
+def test_batched_checksum_equals_the_tensor_by_tensor_one(sample, chunk_bytes):
+    """Random tensors of several dtypes and shapes (scalar, empty, strided), in an order that is not
+    the sorted one: the batched checksum hashes the same bytes, whatever the chunking (a chunk per
+    tensor, several tensors a chunk, all in one)."""
+    g = torch.Generator().manual_seed(11)
+    named = {
+        "z.bf16": torch.randn(33, 5, generator=g).bfloat16(),
+        "a.f32": torch.randn(40, generator=g),
+        "m.f16": torch.randn(3, 7, generator=g).half(),
+        "b.f64": torch.randn(2, 3, 4, generator=g).double(),
+        "k.i64": torch.randint(-9, 9, (17,), generator=g),
+        "c.i32": torch.randint(-9, 9, (4, 4), generator=g).int(),
+        "q.u8": torch.randint(0, 255, (9,), generator=g).to(torch.uint8),
+        "d.bool": torch.rand(13, generator=g) > 0.5,
+        "s.scalar": torch.tensor(2.5),
+        "e.empty": torch.empty(0, 3),
+        "t.strided": torch.randn(8, 6, generator=g).t(),  # not contiguous
+    }
+    want = _checksum_tensor_by_tensor(named.items(), sample=sample)
+    assert buckets.checksum(named.items(), sample=sample, chunk_bytes=chunk_bytes) == want
+    poked = dict(named, **{"k.i64": named["k.i64"] + 1})
+    assert buckets.checksum(poked.items(), sample=sample, chunk_bytes=chunk_bytes) != want
+
+
+def test_checksum_copies_to_the_host_once_per_chunk_not_per_tensor():
+    """300 tensors (a model's count): one ``.cpu()`` for all of them at the default chunk size, where
+    on a GPU each is a copy that waits for the stream; a chunk too small for two tensors falls back
+    to one per tensor. Counted with a torch function mode: on CPU ``.cpu()`` copies nothing."""
+    from torch.overrides import TorchFunctionMode
+
+    class CountCopies(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copies = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.cpu:
+                self.copies += 1
+            return func(*args, **(kwargs or {}))
+
+    named = [(f"layer.{i:03d}", torch.full((64,), float(i))) for i in range(300)]
+    with CountCopies() as batched:
+        value = buckets.checksum(named, sample=16)
+    assert batched.copies == 1
+    with CountCopies() as one_by_one:
+        assert buckets.checksum(named, sample=16, chunk_bytes=1) == value
+    assert one_by_one.copies == 300
