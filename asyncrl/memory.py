@@ -105,8 +105,9 @@ class ModelDims:
         return 2 * self.layers * self.kv_dim * dtype_bytes
 
 
-def saved_per_layer(dims: ModelDims, checkpointing: Checkpointing) -> int:
-    """Elements one decoder block keeps for its backward, per token.
+def saved_per_layer(dims: ModelDims, checkpointing: Checkpointing, tp: int = 1) -> int:
+    """Elements one decoder block keeps for its backward, per token, on one of ``tp``
+    tensor-parallel ranks.
 
     - ``none``: the attention norm's input and output (2h), the fused q/k/v projection's output
       (q + 2kv), q and k after their norms and RoPE (q + kv), the attention output (q); the FFN
@@ -117,26 +118,35 @@ def saved_per_layer(dims: ModelDims, checkpointing: Checkpointing) -> int:
       attention (q): ``2h + 2q + 2kv + I``.
     - ``full``: the block's input only (h).
 
+    Tensor parallelism splits the heads' and the FFN's tensors (q, kv, I) over its ``tp`` ranks;
+    the hidden-sized ones (h) stay whole on each, as sequence parallelism, which would split them,
+    is off (``asyncrl.learner.placement.role_parallelism``).
+
     Attention is the fused kind (flash/varlen/flex on GPU, SDPA's fused CPU kernel): no L × L
     score matrix is kept; its float32 log-sum-exp (a few floats per token) is left out."""
     h, q, kv, i = dims.hidden, dims.q_dim, dims.kv_dim, dims.intermediate
     if checkpointing == "none":
-        return 4 * h + 3 * q + 3 * kv + 4 * i
-    if checkpointing == "selective":
-        return 2 * h + 2 * q + 2 * kv + i
-    if checkpointing == "full":
-        return h
-    raise ValueError(f"unknown activation checkpointing {checkpointing!r}")
+        whole, split = 4 * h, 3 * q + 3 * kv + 4 * i
+    elif checkpointing == "selective":
+        whole, split = 2 * h, 2 * q + 2 * kv + i
+    elif checkpointing == "full":
+        whole, split = h, 0
+    else:
+        raise ValueError(f"unknown activation checkpointing {checkpointing!r}")
+    return whole + math.ceil(split / tp)
 
 
 def activation_bytes_per_token(
-    dims: ModelDims, checkpointing: Checkpointing, compute_bytes: int
+    dims: ModelDims, checkpointing: Checkpointing, compute_bytes: int, tp: int = 1
 ) -> int:
-    """Activation bytes per micro-batch token at the backward's peak, in the compute dtype:
-    every layer's saved tensors, plus (with checkpointing) one block recomputed in full while its
-    backward runs, plus the final norm's input and output (the hidden states log π is taken from)."""
-    recomputed = 0 if checkpointing == "none" else saved_per_layer(dims, "none")
-    per_token = dims.layers * saved_per_layer(dims, checkpointing) + recomputed + 2 * dims.hidden
+    """Activation bytes per micro-batch token at the backward's peak on one of ``tp``
+    tensor-parallel ranks, in the compute dtype: every layer's saved tensors, plus (with
+    checkpointing) one block recomputed in full while its backward runs, plus the final norm's
+    input and output (the hidden states log π is taken from, whole on every rank)."""
+    recomputed = 0 if checkpointing == "none" else saved_per_layer(dims, "none", tp)
+    per_token = (
+        dims.layers * saved_per_layer(dims, checkpointing, tp) + recomputed + 2 * dims.hidden
+    )
     return per_token * compute_bytes
 
 
@@ -211,9 +221,10 @@ def learner_plan(
 
     With ``tensor_parallel`` t > 1 the ``ranks`` are t-way tensor parallel × ranks/t FSDP: the
     float32 states are still ``P/ranks`` a rank (TP splits each matrix, FSDP the rest; the norms
-    TP replicates are left out), and the FSDP gather and the activations are divided by t (each
-    rank gathers and computes its column or row of every matrix; sequence parallelism splits the
-    norms' activations): an estimate, not a measurement. The data is split over the ranks/t
+    TP replicates are left out), and the FSDP gather is divided by t (each rank gathers its column
+    or row of every matrix). Of the activations, TP splits the heads' and the FFN's, not the
+    hidden-sized ones, which every rank keeps whole with sequence parallelism off
+    (:func:`saved_per_layer`): an estimate, not a measurement. The data is split over the ranks/t
     data-parallel groups.
 
     - params, grads, AdamW (two moments): float32 shards, ``4·P/N`` each, ``8·P/N`` for AdamW
@@ -238,9 +249,7 @@ def learner_plan(
     tokens = max(micro_batch_tokens, max_seq_len)
     if samples_per_update:
         tokens = min(tokens, math.ceil(samples_per_update * tensor_parallel / ranks) * max_seq_len)
-    per_token = math.ceil(
-        activation_bytes_per_token(dims, checkpointing, compute) / tensor_parallel
-    )
+    per_token = activation_bytes_per_token(dims, checkpointing, compute, tensor_parallel)
     snapshots = (2 if weights_overlap else 1) if rank0 else 0
     return LearnerPlan(
         params=MASTER_BYTES * shard,

@@ -73,6 +73,10 @@ def test_saved_activations_per_layer_and_token():
     assert saved_per_layer(big, "none") == 4 * 4096 + 3 * 4096 + 3 * 1024 + 4 * 12288 == 80_896
     assert saved_per_layer(big, "selective") == 2 * 4096 + 2 * 4096 + 2 * 1024 + 12288 == 30_720
     assert saved_per_layer(big, "full") == 4096
+    # tensor parallel over 2: the heads' and the FFN's tensors split, the hidden-sized ones whole
+    assert saved_per_layer(big, "none", 2) == 4 * 4096 + (3 * 4096 + 3 * 1024 + 4 * 12288) // 2
+    assert saved_per_layer(big, "selective", 2) == 2 * 4096 + (2 * 4096 + 2 * 1024 + 12288) // 2
+    assert saved_per_layer(big, "full", 2) == 4096
     # bytes per token in bfloat16: 36 layers' saved tensors (+ one block recomputed in full with
     # checkpointing) + the final norm's input and output
     assert activation_bytes_per_token(big, "none", 2) == 2 * (36 * 80_896 + 2 * 4096) == 5_840_896
@@ -327,9 +331,11 @@ def test_disjoint_roles_each_rank_holds_its_own():
     assert plans[7].weight_snapshot == 0
 
 
-def test_tensor_parallel_divides_the_gather_and_activations_and_the_data_over_dp():
-    """The actor TP 2 × DP 4 on 8 ranks: states still 16·P/8 a rank; the gathered unit and the
-    activations halved; an update's 32 sequences split over 4 data-parallel groups, not 8."""
+def test_tensor_parallel_divides_the_gather_the_heads_and_ffn_activations_and_the_data_over_dp():
+    """The actor TP 2 × DP 4 on 8 ranks: states still 16·P/8 a rank; the gathered unit halved; of
+    the activations only the heads' and the FFN's halved (sequence parallelism is off: the
+    hidden-sized ones stay whole on each rank); an update's 32 sequences split over 4
+    data-parallel groups, not 8."""
     big = ModelDims.from_hf_config(QWEN3_8B)
     kw = dict(KW_8B, samples_per_update=32)
     eight = tuple(range(8))
@@ -342,9 +348,14 @@ def test_tensor_parallel_divides_the_gather_and_activations_and_the_data_over_dp
     lp2 = learner_plan(big, ranks=8, tensor_parallel=2, **kw)
     assert lp1.tokens == 4 * 8192 and lp2.tokens == 8 * 8192  # 32/8 vs 32/4 sequences a rank
     assert lp2.fsdp_gather * 2 == lp1.fsdp_gather
-    assert lp2.activation_bytes_per_token * 2 == lp1.activation_bytes_per_token
-    assert lp2.activations == lp1.activations  # twice the tokens, half the bytes per token
-    assert tp[3].peak == fsdp[3].peak - lp1.fsdp_gather // 2
+    # full checkpointing: each of 36 blocks keeps its input (h, whole); the block recomputed keeps
+    # 4h whole and 3q + 3kv + 4I over 2; the final norm's 2h whole; bfloat16
+    h, q, kv, i = 4096, 4096, 1024, 12288
+    assert lp1.activation_bytes_per_token == 2 * (36 * h + 4 * h + 3 * q + 3 * kv + 4 * i + 2 * h)
+    split = (3 * q + 3 * kv + 4 * i) // 2
+    assert lp2.activation_bytes_per_token == 2 * (36 * h + 4 * h + split + 2 * h) == 408_576
+    assert lp2.activations == 8 * 8192 * 408_576  # twice the tokens, 0.86x the bytes per token
+    assert tp[3].peak == fsdp[3].peak - lp1.fsdp_gather // 2 + lp2.activations - lp1.activations
 
 
 def test_reallocation_counts_an_offloaded_roles_states_only_while_it_runs():
