@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -35,14 +36,36 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def rl_batch(vocab: int, n: int, per: int, *, prompt_len: int, rng: Any, tag: str = "") -> Any:
+    """One group of ``n`` random samples (``prompt_len`` prompt and ``per`` completion tokens,
+    uniform behaviour logprobs, rewards 0 and 1 in turn): a learner step of a known size."""
+    import numpy as np
+
+    from asyncrl import wire
+    from asyncrl.learner.source import Batch
+
+    samples = [
+        wire.Sample(
+            id=f"{tag}{i}",
+            group_id="g",
+            prompt_ids=rng.integers(3, vocab, prompt_len).astype(np.int32),
+            completion_ids=rng.integers(3, vocab, per).astype(np.int32),
+            behavior_logprobs=np.full(per, -np.log(vocab), np.float32),
+            versions=np.zeros(per, np.int32),
+            loss_mask=np.ones(per, np.float32),
+            reward=float(i % 2),
+        )
+        for i in range(n)
+    ]
+    return Batch(groups=[wire.Group(id="g", samples=samples)], version=0, stats={})
+
+
 def one(model_dir: str, tokens: int, chunk_mb: float) -> dict:
     """Run in the child: two steps on ``tokens`` trained tokens; the second step's transient peak."""
     import numpy as np
     import torch
 
     from asyncrl import recipe as recipe_mod
-    from asyncrl import wire
-    from asyncrl.learner.source import Batch
     from asyncrl.learner.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -64,25 +87,9 @@ def one(model_dir: str, tokens: int, chunk_mb: float) -> dict:
     vocab = trainer.spec.model.vocab_size
     rng = np.random.default_rng(0)
 
-    def batch() -> Batch:
-        samples = [
-            wire.Sample(
-                id=str(i),
-                group_id="g",
-                prompt_ids=rng.integers(3, vocab, 4).astype(np.int32),
-                completion_ids=rng.integers(3, vocab, per).astype(np.int32),
-                behavior_logprobs=np.full(per, -np.log(vocab), np.float32),
-                versions=np.zeros(per, np.int32),
-                loss_mask=np.ones(per, np.float32),
-                reward=float(i % 2),
-            )
-            for i in range(n)
-        ]
-        return Batch(groups=[wire.Group(id="g", samples=samples)], version=0, stats={})
-
-    trainer.step(batch())  # optimizer state and first-touch allocations
+    trainer.step(rl_batch(vocab, n, per, prompt_len=4, rng=rng))  # optimizer state, first touch
     trainer.version = 0
-    b = batch()
+    b = rl_batch(vocab, n, per, prompt_len=4, rng=rng)
     Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to now
     before = _status_kib("VmRSS")
     trainer.step(b)

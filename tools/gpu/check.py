@@ -327,24 +327,10 @@ def step_logprobs(work: Path, dry: bool) -> dict[str, Any]:
 def _batch(vocab: int, n: int, per: int, seed: int):
     import numpy as np
 
-    from asyncrl import wire
-    from asyncrl.learner.source import Batch
+    from tools.bench.logprob_memory import rl_batch
 
     rng = np.random.default_rng(seed)
-    samples = [
-        wire.Sample(
-            id=f"{seed}-{i}",
-            group_id="g",
-            prompt_ids=rng.integers(3, vocab, 16).astype(np.int32),
-            completion_ids=rng.integers(3, vocab, per).astype(np.int32),
-            behavior_logprobs=np.full(per, -np.log(vocab), np.float32),
-            versions=np.zeros(per, np.int32),
-            loss_mask=np.ones(per, np.float32),
-            reward=float(i % 2),
-        )
-        for i in range(n)
-    ]
-    return Batch(groups=[wire.Group(id="g", samples=samples)], version=0, stats={})
+    return rl_batch(vocab, n, per, prompt_len=16, rng=rng, tag=f"{seed}-")
 
 
 def learner_one(model: Path, work: Path, dry: bool, micro_batches: int) -> dict[str, Any]:
