@@ -126,7 +126,7 @@ class LearnerReport:
             started_at=time.time(),
         )
         path = self.info.write(self.trainer.run_dir)
-        port = "" if w.master_port else " (a free port for each group it builds)"
+        port = "" if w.master_port else " (a free port for each build of weight groups)"
         lines = [
             "asyncrl learner: listening on",
             f"  buffer (Req/Rep)         {buffer}",

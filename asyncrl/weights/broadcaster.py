@@ -6,10 +6,16 @@ buckets (one ``/update_weights_from_distributed`` call per bucket, posted concur
 broadcast of that bucket), the session is closed and generation continues. Then each generator is
 asked which version it holds and for its checksum, compared with the checksum of what was sent.
 
+One weight group per generator (learner rank 0 and that generator's ranks), all of a bucket's
+broadcasts in flight at once: a peer that dies takes down its own group only. SGLang builds its
+side of a group with a 30-minute timeout and aborts the server when a collective in it fails
+(``InitWeightsUpdateGroupReqInput`` has no timeout), so in a shared group one death would take
+every server with it. The price: rank 0 sends the bytes once per generator (docs/gpu.md).
+
 Never hangs: every HTTP call and every broadcast has a bound (``WeightsConfig.timeout_s``). A
-generator that fails or does not answer is dropped, the group is rebuilt without it and the version is
-sent again to the others. A dropped generator that answers ``/health`` again first loads the latest
-exported HF checkpoint from disk, then rejoins the group at the next version.
+generator that fails or does not answer is dropped and its group abandoned; the others go on with
+the same version, in the same attempt. A dropped generator that answers ``/health`` again first
+loads the latest exported HF checkpoint from disk, then joins with a new group at the next version.
 
 Refused: a server whose ``/server_info`` says it cannot take these updates (its radix cache on with
 ``pause_mode: in_place``: new requests would reuse KV the old weights computed; a layout SGLang
@@ -34,6 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -180,11 +187,18 @@ _MIN_WAIT_S = 0.01
 """The shortest bounded wait on a work once the bucket's deadline has passed (a last look)."""
 
 
+K = TypeVar("K")
+
+
 def broadcast_bucket(
-    pg: dist.ProcessGroup, payload: list[torch.Tensor], timeout_s: float
-) -> str | None:
-    """Rank 0's broadcasts of one bucket over ``pg``, bounded by ``timeout_s``: an error message,
-    or None when all of them completed.
+    groups: Mapping[K, dist.ProcessGroup], payload: list[torch.Tensor], timeout_s: float
+) -> dict[K, str]:
+    """Rank 0's broadcasts of one bucket into every group of ``groups``, bounded by ``timeout_s``:
+    an error message per group that failed (none: every group received all of it).
+
+    All groups' works are launched before any is waited on, so they run at once (a gloo group has
+    its own threads, an NCCL group its own stream) and a silent peer's group costs the others
+    nothing: they are checked against the same deadline, completed by then.
 
     A wait's end is not taken for the broadcast's: each work must report itself completed after its
     bounded ``wait``. gloo's ``wait(timeout)`` raises when the bound passes. ProcessGroupNCCL's
@@ -194,17 +208,27 @@ def broadcast_bucket(
     also waits for its init) is bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` instead, which the
     learner sets to ``weights.timeout_s`` (:func:`asyncrl.gpu.trainer_nccl_env`)."""
     deadline = time.monotonic() + timeout_s
-    try:
-        works = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
-        for w in works:
-            # never 0: c10d reads a zero timeout as none at all (kNoTimeout)
-            left = max(_MIN_WAIT_S, deadline - time.monotonic())
-            done = w.wait(timeout=timedelta(seconds=left))
-            if done is False or not w.is_completed():
-                return f"broadcast: not complete within {timeout_s:g}s (a peer did not receive)"
-    except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
-        return f"broadcast: {e}".splitlines()[0][:300]
-    return None
+    errors: dict[K, str] = {}
+    works: dict[K, list[Any]] = {}
+    for key, pg in groups.items():
+        try:
+            works[key] = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in payload]
+        except Exception as e:
+            errors[key] = f"broadcast: {e}".splitlines()[0][:300]
+    for key, group_works in works.items():
+        try:
+            for w in group_works:
+                # never 0: c10d reads a zero timeout as none at all (kNoTimeout)
+                left = max(_MIN_WAIT_S, deadline - time.monotonic())
+                done = w.wait(timeout=timedelta(seconds=left))
+                if done is False or not w.is_completed():
+                    errors[key] = (
+                        f"broadcast: not complete within {timeout_s:g}s (a peer did not receive)"
+                    )
+                    break
+        except Exception as e:  # gloo: a dead peer resets the connection or the wait times out
+            errors[key] = f"broadcast: {e}".splitlines()[0][:300]
+    return errors
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,6 +291,14 @@ HTTP_CALLS = 32
 """Blocking HTTP calls to generators in flight at once (worker threads)."""
 
 
+@dataclass
+class _Group:
+    """One generator's weight group: learner rank 0 and that generator's ranks."""
+
+    pg: dist.ProcessGroup
+    spec: GroupSpec
+
+
 class Refused(GeneratorError):
     """A generator whose settings cannot take this broadcaster's updates (``message``: why, and the
     fix). Nothing is sent to it while they stay so."""
@@ -326,8 +358,6 @@ class WeightBroadcaster:
         self.api_key = api_key
         self.after_sync = after_sync
         self.dtype = buckets.parse_dtype(cfg.dtype)
-        # The group's backend, chosen again at each build from its members (:meth:`_backend_for`).
-        self.backend = self._backend_for([])
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
         # A live generator in a failed collective (a broadcast, a group's rendezvous) answers only
         # once its own group timed out (timeout_s) and then as any call: it must not be taken for a
@@ -339,10 +369,7 @@ class WeightBroadcaster:
         self._members: dict[str, Member] = {}
         self._by_worker: dict[str, set[str]] = {}
         self._lock = threading.Lock()  # membership (callers' threads vs the sender task)
-        self._dirty = True  # membership changed: rebuild the group at the next version
-        self._pg: dist.ProcessGroup | None = None
-        self._group: GroupSpec | None = None
-        self._group_urls: list[str] = []
+        self._groups: dict[str, _Group] = {}  # url -> its weight group (the sender task's)
         self._builds = 0
         # Group names unique to this broadcaster: a generator may still hold the group of a learner
         # that was killed (it cannot be told to destroy it), and an init under that name fails.
@@ -384,7 +411,6 @@ class WeightBroadcaster:
                 return
             client = WeightsClient(info, timeout_s=self.cfg.timeout_s, api_key=self.api_key)
             self._members[url] = Member(info=info, client=client, state="joining")
-            self._dirty = True
         log.info(
             "weights: generator %s registered (%s, %d rank(s))", url, info.kind, info.world_size
         )
@@ -397,7 +423,6 @@ class WeightBroadcaster:
             if m is None or m.state == "removed":
                 return
             m.state = "removed"
-            self._dirty = True
         log.info("weights: generator %s removed", url)
 
     def on_register(self, worker_id: str, generators: list[GeneratorInfo]) -> None:
@@ -616,9 +641,10 @@ class WeightBroadcaster:
     async def _close(self) -> None:
         with self._lock:
             members = list(self._members.values())
-        if self._pg is not None:
-            alive = [m for m in members if m.state == "member"]
-            await self._drop_group(alive, background=False)
+            live = {m.url for m in members if m.state == "member"}
+        # a dropped one's group (not left yet) is abandoned: its server may not answer
+        await self._drop_groups([u for u in self._groups if u not in live], tell=False)
+        await self._drop_groups(list(self._groups), background=False)
         if self._work is not None:
             self._work.close()  # ends serve()
         for m in members:
@@ -700,6 +726,7 @@ class WeightBroadcaster:
         report = SyncReport(version=snap.version, nbytes=snap.nbytes, snapshot_s=snap.snapshot_s)
         await self._preflight(report)
         paused: dict[str, float] = {}
+        received: list[Member] = []
         try:
             for attempt in range(1, 4):
                 report.attempts = attempt
@@ -708,15 +735,9 @@ class WeightBroadcaster:
                     report.error = "no generators"
                     break
                 try:
-                    if (
-                        self._dirty
-                        or self._pg is None
-                        or self._group_urls != [m.url for m in members]
-                    ):
-                        await self._build_group(members)
-                        report.group_builds += 1
+                    await self._build_groups(members, report)
                     await self._pause(members, paused)
-                    await self._send(snap, members, paused, report)
+                    received = await self._send(snap, members, paused, report)
                     break
                 except _Failed as e:
                     if not e.culprits or any(
@@ -731,7 +752,9 @@ class WeightBroadcaster:
         finally:
             await self._resume(paused, report)
         if not report.error:
-            for m in self._active():
+            for m in received:
+                if m.state not in ("joining", "member"):  # removed meanwhile
+                    continue
                 m.version = snap.version
                 m.state = "member"
                 report.updated.append(m.url)
@@ -851,9 +874,9 @@ class WeightBroadcaster:
             except GeneratorError as e:
                 log.warning("weights: %s could not load %s: %s; it stays dropped", m.url, path, e)
                 return
+        await self._drop_groups([m.url], background=True)  # it joins with a new one
         with self._lock:
             m.state, m.reason = "joining", ""
-            self._dirty = True
         self._event("rejoining", url=m.url, export=str(exp[0]) if exp else None)
 
     def _drop(self, url: str, why: str, report: SyncReport) -> None:
@@ -862,7 +885,6 @@ class WeightBroadcaster:
             if m is None or m.state in ("dropped", "removed"):
                 return
             m.state, m.reason = "dropped", why
-            self._dirty = True
         report.dropped.append(url)
         if m.refused:
             _say_refused(url, m.refused)
@@ -882,69 +904,93 @@ class WeightBroadcaster:
         builtin = any(m.info.kind == "builtin" for m in members)
         return rendezvous.default_backend(builtin=builtin, cuda=cuda)
 
-    async def _build_group(self, members: list[Member]) -> None:
-        """Destroy the old group and build one over ``members``: every server's init posted
-        concurrently, then rank 0 joins (the server calls return only once everyone has joined)."""
-        await self._drop_group(members, background=True)
-        await self._ask_ranks(members)
+    async def _build_groups(self, members: list[Member], report: SyncReport) -> None:
+        """Give every member without a weight group its own, and leave the groups of those no
+        longer here: every new server's init posted concurrently while rank 0 joins all of their
+        groups at once (the server calls return only once rank 0 has joined), so a server that
+        never comes fails its own group alone. One port for all the groups of a build: rank 0's
+        TCPStore is multi-tenant and each group's keys are under its own name."""
+        await self._drop_groups([u for u in self._groups if u not in {m.url for m in members}])
+        new = [m for m in members if m.url not in self._groups]
+        if not new:
+            return
+        await self._ask_ranks(new)
         self._builds += 1
-        self.backend = self._backend_for(members)
         host = self.cfg.master_addr
         port = (
             self.cfg.master_port + (self._builds - 1) % 16
             if self.cfg.master_port
             else free_port(host)
         )
-        starts, world = rendezvous.group_layout([m.ranks or 1 for m in members])
-        offsets = {m.url: start for m, start in zip(members, starts, strict=True)}
-        spec = GroupSpec(
-            master_address=host,
-            master_port=port,
-            world_size=world,
-            group_name=f"{self.cfg.group_name}-{self._nonce}-{self._builds}",
-            backend=self.backend,
-            timeout_s=self.cfg.timeout_s,
-        )
-        rendezvous_at_0 = functools.partial(
-            rendezvous.init_custom_process_group,
-            master_address=host,
-            master_port=port,
-            rank=0,
-            world_size=spec.world_size,
-            group_name=spec.group_name,
-            backend=self.backend,
-            timeout_s=self.cfg.timeout_s,
-        )
-        result, _, bad = await self._beside(
-            members,
-            lambda m: m.client.init_group(spec, rank_offset=offsets[m.url]),
-            rendezvous_at_0,
+        layouts = {m.url: rendezvous.group_layout([m.ranks or 1]) for m in new}
+        specs = {
+            m.url: GroupSpec(
+                master_address=host,
+                master_port=port,
+                world_size=layouts[m.url][1],
+                group_name=f"{self.cfg.group_name}-{self._nonce}-{self._builds}-{i}",
+                backend=self._backend_for([m]),
+                timeout_s=self.cfg.timeout_s,
+            )
+            for i, m in enumerate(new)
+        }
+        joined, _, bad = await self._beside(
+            new,
+            lambda m: m.client.init_group(specs[m.url], rank_offset=layouts[m.url][0][0]),
+            functools.partial(self._join_groups, specs),
             lambda _: self._survivor_s + 5,
         )
-        # a peer that never came fails rank 0's rendezvous: the members' answers say which
-        pg, err = (None, result) if isinstance(result, Exception) else (result, None)
-        dead, refused = {}, {}
-        for url, e in bad.items():
-            (dead if getattr(e, "dead", True) else refused)[url] = f"init: {e}"
-        if err is not None or dead or refused:
-            if pg is not None:
-                self._abandon(pg)
-            # a survivor of a failed rendezvous times out too (refused): blame the dead ones first
-            culprits = dead or refused or await self._unhealthy(members)
-            raise _Failed(
-                culprits, f"group build failed: {err or 'some generators failed to join'}"
+        if isinstance(joined, Exception):  # not a rendezvous' failure (each is caught): a bug
+            joined = {u: joined for u in specs}
+        culprits: dict[str, str] = {}
+        for url, spec in specs.items():
+            pg = joined.get(url)
+            if url in bad or not isinstance(pg, dist.ProcessGroup):
+                if isinstance(pg, dist.ProcessGroup):
+                    self._abandon(pg)
+                culprits[url] = f"init: {bad.get(url) or pg}".splitlines()[0][:300]
+                continue
+            self._groups[url] = _Group(pg=pg, spec=spec)
+            report.group_builds += 1
+            log.info(
+                "weights: group %s built for %s: world %d on %s:%d",
+                spec.group_name,
+                url,
+                spec.world_size,
+                host,
+                port,
             )
-        self._pg, self._group, self._group_urls = pg, spec, [m.url for m in members]
-        with self._lock:
-            self._dirty = False
-        log.info(
-            "weights: group %s built: world %d on %s:%d",
-            spec.group_name,
-            spec.world_size,
-            host,
-            port,
-        )
-        self._event("group_built", group=spec.group_name, world_size=spec.world_size, port=port)
+            self._event(
+                "group_built",
+                url=url,
+                group=spec.group_name,
+                world_size=spec.world_size,
+                port=port,
+            )
+        if culprits:
+            raise _Failed(culprits, f"{len(culprits)} of {len(specs)} group builds failed")
+
+    def _join_groups(self, specs: Mapping[str, GroupSpec]) -> dict[str, Any]:
+        """Rank 0's rendezvous in every group of ``specs`` at once, a thread each (each waits for
+        its server's ranks, up to ``timeout_s``): the new group, or the exception, by url."""
+
+        def join(spec: GroupSpec) -> Any:
+            try:
+                return rendezvous.init_custom_process_group(
+                    master_address=spec.master_address,
+                    master_port=spec.master_port,
+                    rank=0,
+                    world_size=spec.world_size,
+                    group_name=spec.group_name,
+                    backend=spec.backend,
+                    timeout_s=spec.timeout_s,
+                )
+            except Exception as e:
+                return e
+
+        with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+            futures = {url: pool.submit(join, spec) for url, spec in specs.items()}
+            return {url: f.result() for url, f in futures.items()}
 
     async def _ask_ranks(self, members: list[Member]) -> None:
         """Each new member's rank count from its ``/server_info`` (a TP-4 SGLang server takes 4): a
@@ -981,22 +1027,28 @@ class WeightBroadcaster:
                 problem = str(e)
         raise Refused(problem)
 
-    async def _drop_group(self, members: list[Member], *, background: bool) -> None:
-        """Leave the current group: servers destroy their side (best effort), rank 0 destroys its own."""
-        pg, spec = self._pg, self._group
-        self._pg, self._group, self._group_urls = None, None, []
-        if spec is not None and members:
-            quick = min(5.0, self.cfg.timeout_s)
-            await self._fan_out(
-                members,
-                lambda m: m.client.destroy_group(spec.group_name, timeout_s=quick),
-                quick + 1,
-            )
-        if pg is not None:
+    async def _drop_groups(
+        self, urls: list[str], *, background: bool = True, tell: bool = True
+    ) -> None:
+        """Leave the groups of ``urls``: their servers destroy their side (best effort; not
+        ``tell``: a server that just failed in its group, which would answer only once that group
+        timed out), rank 0 destroys its own."""
+        gone = {u: g for u in urls if (g := self._groups.pop(u, None)) is not None}
+        if not gone:
+            return
+        with self._lock:
+            members = [self._members[u] for u in gone if u in self._members] if tell else []
+        quick = min(5.0, self.cfg.timeout_s)
+        await self._fan_out(
+            members,
+            lambda m: m.client.destroy_group(gone[m.url].spec.group_name, timeout_s=quick),
+            quick + 1,
+        )
+        for g in gone.values():
             if background:
-                self._abandon(pg)
+                self._abandon(g.pg)
             else:
-                await self._in_thread(rendezvous.destroy_process_group, pg)
+                await self._in_thread(rendezvous.destroy_process_group, g.pg)
 
     def _abandon(self, pg: dist.ProcessGroup) -> None:
         """Destroy a group whose peers may be gone. Gloo's shutdown waits for a stuck collective to
@@ -1038,16 +1090,19 @@ class WeightBroadcaster:
 
     async def _send(
         self, snap: Snapshot, members: list[Member], paused: dict[str, float], report: SyncReport
-    ) -> None:
-        """Every bucket: HTTP update calls to all members concurrently with rank 0's broadcast."""
-        assert self._pg is not None and self._group is not None
-        pg, spec = self._pg, self._group
+    ) -> list[Member]:
+        """Every bucket: HTTP update calls to all members concurrently with rank 0's broadcasts
+        into their groups. A member whose broadcast or call fails is dropped there and its group
+        abandoned; the others take the next bucket. Returns those that received the version
+        (raises :class:`_Failed` when none is left)."""
+        live = list(members)
         n = len(snap.buckets)
         for i, (bucket, payload) in enumerate(zip(snap.buckets, snap.payloads, strict=True)):
             meta = bucket.meta()
             version = str(snap.version) if i == n - 1 else None
+            groups = {m.url: self._groups[m.url] for m in live}
 
-            def update(m: Member, meta=meta, version=version) -> None:
+            def update(m: Member, meta=meta, version=version, groups=groups) -> None:
                 # SGLang's radix cache still holds prefixes computed by the old weights, and new
                 # requests would reuse them under the new version's label. After a retract pause
                 # nothing is resident, so the last bucket flushes it (the built-in engine has none).
@@ -1058,34 +1113,33 @@ class WeightBroadcaster:
                 )
                 m.client.update_from_distributed(
                     meta,
-                    group_name=spec.group_name,
+                    group_name=groups[m.url].spec.group_name,
                     load_format=self.cfg.load_format,
                     weight_version=version,
                     flush_cache=flush,
                     timeout_s=self._survivor_s,
                 )
 
-            def broadcast(payload=payload) -> tuple[str | None, float]:
+            def broadcast(payload=payload, groups=groups) -> tuple[dict[str, str], float]:
                 t = time.monotonic()
-                return self._broadcast(pg, payload), time.monotonic() - t
+                pgs = {u: g.pg for u, g in groups.items()}
+                return self._broadcast(pgs, payload), time.monotonic() - t
 
             t0 = time.monotonic()
-            # after a failed broadcast the survivors answer only once their group timed out
-            (bcast_err, t_bcast), _, bad = await self._beside(
-                members,
-                update,
-                broadcast,
-                lambda r: self._survivor_s if r[0] else self.cfg.timeout_s,
+            # a member whose group failed answers only once that group timed out: it is dropped
+            # whatever it answers, and the others answered as soon as their broadcast was in
+            result, _, bad = await self._beside(
+                live, update, broadcast, lambda _: self.cfg.timeout_s
             )
-            culprits, refused = {}, {}
+            if isinstance(result, Exception):  # not a broadcast's failure (each is caught): a bug
+                result = ({u: f"broadcast: {result}" for u in groups}, 0.0)
+            errors, t_bcast = result
+            culprits = {u: f"bucket {i + 1}/{n}: {e}" for u, e in errors.items()}
             for url, e in bad.items():
-                (culprits if getattr(e, "dead", True) else refused)[url] = f"update: {e}"
-            if bcast_err or culprits or refused:
-                if not culprits and refused and not bcast_err:
-                    culprits = refused  # alive but refusing the update: drop it
-                if not culprits:
-                    culprits = await self._unhealthy(members)
-                raise _Failed(culprits, f"bucket {i + 1}/{n}: {bcast_err or 'update failed'}")
+                culprits.setdefault(url, f"bucket {i + 1}/{n}: update: {e}")
+            live = await self._drop_failed(live, culprits, report)
+            if not live:
+                raise _Failed({}, f"bucket {i + 1}/{n}: every generator failed")
             self._event(
                 "bucket_sent",
                 version=snap.version,
@@ -1096,24 +1150,44 @@ class WeightBroadcaster:
                 total_s=time.monotonic() - t0,
             )
         ended, bad = await self._fan_out(
-            [m for m in members if m.sessions], lambda m: m.client.end(), self.cfg.timeout_s + 5
+            [m for m in live if m.sessions], lambda m: m.client.end(), self.cfg.timeout_s + 5
         )
-        if bad:
-            raise _Failed({u: f"end: {e}" for u, e in bad.items()}, "end_weight_update failed")
+        live = await self._drop_failed(live, {u: f"end: {e}" for u, e in bad.items()}, report)
         for url, reply in ended.items():  # the built-in engine's swap: its whole pause
             if isinstance(reply.get("pause_s"), int | float) and url not in paused:
                 report.pause_s[url] = float(reply["pause_s"])
+        return live
+
+    async def _drop_failed(
+        self, live: list[Member], culprits: dict[str, str], report: SyncReport
+    ) -> list[Member]:
+        """Drop ``culprits`` in the middle of a version and abandon their groups; the rest of
+        ``live``, which go on with it."""
+        if not culprits:
+            return live
+        log.warning(
+            "weights: version %d: %s",
+            report.version,
+            "; ".join(f"{u}: {why}" for u, why in culprits.items()),
+        )
+        for url, why in culprits.items():
+            self._drop(url, why, report)
+        await self._drop_groups(list(culprits), tell=False)
+        return [m for m in live if m.url not in culprits]
 
     async def _abort_attempt(self, survivors: list[Member]) -> None:
-        """After a failed attempt: close the survivors' sessions and leave the group (best effort)."""
+        """After a failed attempt (a build, a pause: before any bucket went out): close the
+        survivors' sessions (best effort); their groups stay for the next attempt."""
         quick = min(5.0, self.cfg.timeout_s)
         with_session = [m for m in survivors if m.sessions]
         await self._fan_out(with_session, lambda m: m.client.end(), quick + 1)
-        await self._drop_group(survivors, background=True)
 
-    def _broadcast(self, pg: dist.ProcessGroup, payload: list[torch.Tensor]) -> str | None:
-        """Rank 0's broadcasts of one bucket, bounded by ``timeout_s``; an error message or None."""
-        return broadcast_bucket(pg, payload, self.cfg.timeout_s)
+    def _broadcast(
+        self, groups: Mapping[str, dist.ProcessGroup], payload: list[torch.Tensor]
+    ) -> dict[str, str]:
+        """Rank 0's broadcasts of one bucket into ``groups``, bounded by ``timeout_s``: an error
+        message by url for the groups that failed."""
+        return broadcast_bucket(groups, payload, self.cfg.timeout_s)
 
     async def _resume(self, paused: dict[str, float], report: SyncReport) -> None:
         """Continue every generator this version paused, dropped ones too (a generator dropped for

@@ -181,8 +181,8 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
             want = checksum(drop_tied(tr.hf_state_dict()).items())
             assert r.checksum == want
             assert engine_checksum(e1.url) == engine_checksum(e2.url) == want
-            if v == 1:  # the first update uses several buckets and builds the group once
-                assert r.group_builds == 1 and r.nbytes > cfg.bucket_mb * 2**20
+            if v == 1:  # the first update uses several buckets and builds a group per engine
+                assert r.group_builds == 2 and r.nbytes > cfg.bucket_mb * 2**20
             else:
                 assert r.group_builds == 0
         assert set(b.reports[-1].pause_s) == {e1.url, e2.url}
@@ -247,6 +247,9 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
         assert killed.is_set() and r.version == 2 and not r.error, r
         assert r.dropped == [victim.url] and r.updated == [other.url]
         assert r.reported == {other.url: "2"} and r.checksum_ok == {other.url: True}
+        # the other was never in the failed collective: same attempt, its group kept (in a shared
+        # group it timed out too, and SGLang aborts a server whose weight group fails)
+        assert r.attempts == 1 and r.group_builds == 0, r
         assert b.generators() == {victim.url: "dropped", other.url: "member"}
         # the victim comes back on the same port; the learner exports v2; at v3 it rejoins
         tr.export_hf(tr.run_dir / "hf" / "v2")
@@ -258,6 +261,7 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
         r = b.reports[-1]
         assert not r.error and sorted(r.updated) == sorted([victim.url, other.url]), r
         assert r.reported == {victim.url: "3", other.url: "3"}
+        assert r.group_builds == 1  # the victim's new group; the other's stays
         assert rejoined == [str(tr.run_dir / "hf" / "v2")]  # it loaded the export before joining
         assert r.checksum_ok == {victim.url: True, other.url: True}
         assert engine_checksum(back.url) == checksum(drop_tied(tr.hf_state_dict()).items())
@@ -277,6 +281,51 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
         assert r.reported == {back.url: "5", other.url: "5"}
         assert r.checksum_ok == {back.url: True, other.url: True}
     finally:
+        b.close()
+        tr.close()
+        for ep in eps:
+            ep.stop()
+
+
+@pytest.mark.faults
+def test_an_engine_silent_mid_broadcast_costs_the_other_nothing(tiny_qwen3, tmp_path):
+    """SIGSTOP one engine after the first of several buckets: the other still receives every
+    bucket of that version in the same attempt, over its own group (never rebuilt), and holds
+    exactly the learner's weights; the silent one is dropped after ``timeout_s``."""
+    tr = make_trainer(tiny_qwen3, tmp_path)
+    vocab = tr.spec.model.vocab_size
+    cfg = WeightsConfig(timeout_s=4.0, bucket_mb=0.1, overlap=True)
+    eps = start_engines(tiny_qwen3, 2)
+    victim, other = eps
+    stopped = threading.Event()
+    built: list[tuple[int, str]] = []  # (version being sent, url) of each group build
+
+    def on_event(name, f):
+        if name == "group_built":
+            built.append((tr.version, f["url"]))
+        if name == "bucket_sent" and f["version"] == 2 and f["index"] == 0 and not stopped.is_set():
+            os.kill(victim.pid, signal.SIGSTOP)
+            stopped.set()
+
+    b = WeightBroadcaster(cfg, on_event=on_event)
+    try:
+        for ep in eps:
+            b.add_generator(wire.GeneratorInfo(url=ep.url, kind="builtin"))
+        tr.add_publisher(b.on_step)
+        tr.step(sft_batch(0, vocab, seed=1))
+        assert b.wait(timeout=60)
+        assert sorted(b.reports[-1].updated) == sorted([victim.url, other.url]), b.reports[-1]
+        tr.step(sft_batch(1, vocab, seed=2))  # version 2: the victim stops after bucket 1
+        assert b.wait(timeout=8 * cfg.timeout_s + 30)
+        r = b.reports[-1]
+        assert stopped.is_set() and r.version == 2 and not r.error, r
+        assert r.dropped == [victim.url] and r.updated == [other.url], r
+        assert r.attempts == 1 and r.group_builds == 0, r
+        assert r.reported == {other.url: "2"} and r.checksum_ok == {other.url: True}
+        assert engine_checksum(other.url) == checksum(drop_tied(tr.hf_state_dict()).items())
+        assert sorted(built) == sorted([(1, victim.url), (1, other.url)])
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
         b.close()
         tr.close()
         for ep in eps:
