@@ -678,10 +678,11 @@ class Doctor:
         here = gpu.this_torch()
         mine = f"torch {here.torch}, NCCL {gpu.format_nccl(here.nccl)}"
         other = self._sglang_side()
-        builtin = self.recipe.generator.kind == "builtin"
-        if not gpu.uses_nccl(backend, cuda=cuda, builtin=builtin):
+        g = self.recipe.generator
+        gloo_member = gpu.recipe_needs_gloo(g.kind, g.device, cuda=cuda)
+        if not gpu.uses_nccl(backend, cuda=cuda, gloo_member=gloo_member):
             why = f"weights.backend {backend}" + (
-                ", built-in engines receive on CPU" if builtin and backend == "auto" else ""
+                ", built-in engines receive on CPU" if gloo_member and backend == "auto" else ""
             )
             detail = f"not used: weights go over gloo ({why}); here {mine}"
             return [Check(name="NCCL", ok=True, detail=detail + (f"; {other[1]}" if other else ""))]
@@ -705,6 +706,13 @@ class Doctor:
                     "for the servers too",
                 )
             ]
+        if other is None and g.kind == "builtin":
+            detail = (
+                f"learner {mine}; built-in engines on CUDA (generator.device {g.device}) join "
+                "NCCL from another GPU, and gloo from rank 0's own (NCCL refuses two ranks on one "
+                "GPU): the broadcaster chooses at each group build from what they report"
+            )
+            return [Check(name="NCCL", ok=True, detail=detail)]
         if other is None:
             return [Check(name="NCCL", ok=True, detail=f"learner {mine}; no SGLang servers")]
         theirs, text = other

@@ -39,6 +39,8 @@ def evaluate_model(
         weight_version="0",
         seed=r.run.seed,
         log_path=log_path,
+        device=r.generator.device,
+        dtype=r.model.dtype,
         timeout_s=r.generator.startup_timeout_s,
     ) as engine:
         return evaluation.run([engine.url], version=0, timeout_s=r.rollout.request_timeout_s)

@@ -1,4 +1,5 @@
-"""NCCL between the learner and SGLang: the environment both sides must share, and their versions.
+"""NCCL between the learner and its generators (SGLang, built-in engines on CUDA): the environment
+both sides must share, their versions, and when a weight group can be NCCL at all.
 
 The weight-update group joins the learner's rank 0 and every SGLang worker in one NCCL communicator,
 so the two sides must agree on what NCCL does:
@@ -99,20 +100,73 @@ def nonblocking_bound_problem(environ: Mapping[str, str], timeout_s: float) -> s
     )
 
 
-def weight_backend(backend: str, *, cuda: bool, builtin: bool = False) -> str:
+def engine_device(device: str, *, cuda: bool) -> str:
+    """Where a built-in engine runs, from ``generator.device`` (``--device``): ``auto`` is CUDA
+    when torch sees a GPU, else the CPU. ``cuda`` without a GPU raises ``ValueError`` (one line)."""
+    if device == "auto":
+        return "cuda" if cuda else "cpu"
+    if device == "cuda" and not cuda:
+        raise ValueError("device cuda: torch sees no CUDA device here; use cpu or auto")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: expected auto, cpu or cuda")
+    return device
+
+
+def receives_on_cpu(kind: str, device: str | None) -> bool:
+    """Whether a generator receives weights into CPU tensors, which an NCCL group cannot fill:
+    one whose ``/server_info`` reports ``device: cpu`` (a built-in engine on CPU, SGLang's CPU
+    build), or a built-in engine that reports no device (one from before it could run on CUDA).
+    SGLang's servers run on CUDA unless they say otherwise (its ``--device`` defaults to cuda)."""
+    if device is not None:
+        return not device.startswith("cuda")
+    return kind == "builtin"
+
+
+def needs_gloo(
+    kind: str, device: str | None, gpu_uuid: str | None, *, sender_gpu: str | None
+) -> bool:
+    """Whether a generator cannot be in an NCCL weight group with the learner's rank 0: it
+    receives on CPU (:func:`receives_on_cpu`), or it runs on rank 0's own GPU (its
+    ``/server_info`` ``gpu_uuid`` is ``sender_gpu``): NCCL refuses a communicator with two ranks
+    on one device ("Duplicate GPU detected"), which is where ``asyncrl run`` puts built-in engines
+    on a one-GPU host. Gloo reaches both (through host memory)."""
+    if receives_on_cpu(kind, device):
+        return True
+    return gpu_uuid is not None and gpu_uuid == sender_gpu
+
+
+def recipe_needs_gloo(kind: str, device: str, *, cuda: bool) -> bool:
+    """:func:`needs_gloo` as far as a recipe tells it on the learner's machine, before any
+    generator answers: built-in engines with ``generator.device`` cpu, or auto where this machine
+    has no GPU. The broadcaster decides each group from what its members report."""
+    return kind == "builtin" and (device == "cpu" or not cuda)
+
+
+def weight_backend(backend: str, *, cuda: bool, gloo_member: bool = False) -> str:
     """The backend a weight-update group is built with, from ``weights.backend``: ``auto`` is NCCL
-    where CUDA is available, unless a generator is a built-in engine (``builtin``): that engine
-    loads its weights on CPU and receives each version into CPU tensors, which NCCL cannot fill,
-    so the group is gloo (which moves a learner's CUDA tensors through host memory)."""
+    where CUDA is available and every generator can join NCCL (SGLang, built-in engines on
+    another GPU), gloo as soon as one cannot (``gloo_member``: :func:`needs_gloo`; gloo moves a
+    learner's CUDA tensors through host memory)."""
     if backend != "auto":
         return backend
-    return "nccl" if cuda and not builtin else "gloo"
+    return "nccl" if cuda and not gloo_member else "gloo"
 
 
-def uses_nccl(backend: str, *, cuda: bool, builtin: bool = False) -> bool:
-    """Whether ``weights.backend`` builds an NCCL weight group on this machine (``builtin``: the
-    generators are built-in engines, :func:`weight_backend`)."""
-    return weight_backend(backend, cuda=cuda, builtin=builtin) == "nccl"
+def uses_nccl(backend: str, *, cuda: bool, gloo_member: bool = False) -> bool:
+    """Whether ``weights.backend`` builds an NCCL weight group on this machine (``gloo_member``:
+    a generator cannot join NCCL, :func:`weight_backend`)."""
+    return weight_backend(backend, cuda=cuda, gloo_member=gloo_member) == "nccl"
+
+
+def cuda_uuid(device: int | None = None) -> str | None:
+    """The UUID of a CUDA device (default: the current one), which names the physical GPU across
+    processes whatever their ``CUDA_VISIBLE_DEVICES``; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if device is None else device
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def nccl_env_mismatch(environ: Mapping[str, str]) -> list[str]:

@@ -22,6 +22,7 @@ import yaml
 # ``typing.get_args`` (losses, advantages, the engine's pause modes, the memory plan).
 Dtype = Literal["float32", "bfloat16", "float16"]
 GeneratorKind = Literal["builtin", "sglang"]
+EngineDevice = Literal["auto", "cpu", "cuda"]
 Loss = Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft", "reward_model"]
 OFFLINE_LOSSES = ("sft", "reward_model")
 """Losses trained from a local data set: no rollouts, no buffer, no weight broadcast."""
@@ -201,6 +202,11 @@ class GeneratorConfig:
     host: str = _f("127.0.0.1")
     base_port: int = _f(0, lo=0, hi=65535, doc="0: pick free ports")
     max_batch_size: int = _f(64, lo=1, doc="built-in engine: running requests per decode step")
+    device: EngineDevice = _f(
+        "auto",
+        doc="built-in engine: auto = cuda when torch sees a GPU, else cpu. On cuda it runs in "
+        "model.dtype and receives weights over NCCL; on cpu in float32, over gloo (as always)",
+    )
     startup_timeout_s: float = _f(300.0, lo=0, lo_open=True)
 
 
@@ -780,12 +786,16 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
         raise RecipeError(
             "kind sglang needs at least one server URL", file=file, key="generator.urls"
         )
-    if r.weights.backend == "nccl" and r.generator.kind == "builtin":
-        # The built-in engine loads its weights on CPU and receives each version into CPU
-        # tensors, which an NCCL group cannot fill: every version would fail. auto picks gloo.
+    if (
+        r.weights.backend == "nccl"
+        and r.generator.kind == "builtin"
+        and r.generator.device == "cpu"
+    ):
+        # A built-in engine on CPU receives each version into CPU tensors, which an NCCL group
+        # cannot fill: every version would fail. auto picks gloo for it.
         raise RecipeError(
-            "nccl cannot send to the built-in engine (it receives into CPU tensors): "
-            "set weights.backend=auto or gloo, or use generator.kind=sglang",
+            "nccl cannot send to a built-in engine on CPU (generator.device cpu: it receives "
+            "into CPU tensors): set weights.backend=auto or gloo, or generator.device=cuda",
             file=file,
             key="weights.backend",
         )

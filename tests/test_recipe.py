@@ -189,12 +189,13 @@ def test_overrides_are_typed(tmp_path):
             "under vtrace",
         ),
         ("rollout: {temperature: 0}\n", [], "rollout.temperature", "RL losses need > 0"),
-        (  # the built-in engine receives into CPU tensors: an NCCL group fails every version
-            "generator: {kind: builtin}\nweights: {backend: nccl}\n",
+        (  # a built-in engine on CPU receives into CPU tensors: an NCCL group fails every version
+            "generator: {kind: builtin, device: cpu}\nweights: {backend: nccl}\n",
             [],
             "weights.backend",
-            "set weights.backend=auto or gloo",
+            "set weights.backend=auto or gloo, or generator.device=cuda",
         ),
+        ("generator: {device: gpu}\n", [], "generator.device", "expected one of"),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
@@ -223,13 +224,22 @@ def test_what_the_refusals_of_a_critic_with_dynamic_sampling_and_of_greedy_rl_le
     assert not gae.buffer.dynamic_sampling
 
 
-def test_nccl_is_refused_only_with_a_built_in_engine():
-    """The refusal leaves the set-ups that work alone: NCCL to SGLang servers, and auto or gloo with
-    the built-in engine (auto picks gloo for it: asyncrl.gpu.weight_backend)."""
+def test_nccl_is_refused_only_with_a_built_in_engine_on_cpu():
+    """The refusal leaves the set-ups that work alone: NCCL to SGLang servers and to built-in
+    engines on CUDA (generator.device cuda, or auto on a GPU host: they receive into CUDA
+    tensors), and auto or gloo with a built-in engine on CPU (auto picks gloo for it:
+    asyncrl.gpu.weight_backend)."""
     sglang = {"kind": "sglang", "urls": ["http://127.0.0.1:30000"]}
     recipe.from_dict({"generator": sglang, "weights": {"backend": "nccl"}})
+    for device in ("auto", "cuda"):
+        r = recipe.from_dict(
+            {"generator": {"kind": "builtin", "device": device}, "weights": {"backend": "nccl"}}
+        )
+        assert r.generator.device == device
     for backend in ("auto", "gloo"):
-        recipe.from_dict({"generator": {"kind": "builtin"}, "weights": {"backend": backend}})
+        g = {"kind": "builtin", "device": "cpu"}
+        recipe.from_dict({"generator": g, "weights": {"backend": backend}})
+    assert recipe.from_dict({}).generator.device == "auto"  # the GPU when there is one
 
 
 def test_tls_certificates_need_tls_addresses(tmp_path):

@@ -99,12 +99,14 @@ def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
     (asyncrl.gpu). Process-wide, as NCCL and torch read them once; returns what it set."""
     import torch
 
-    from asyncrl.gpu import trainer_nccl_env, uses_nccl
+    from asyncrl.gpu import recipe_needs_gloo, trainer_nccl_env, uses_nccl
 
+    cuda = torch.cuda.is_available()
+    g = recipe.generator
     nccl = uses_nccl(
         recipe.weights.backend,
-        cuda=torch.cuda.is_available(),
-        builtin=recipe.generator.kind == "builtin",
+        cuda=cuda,
+        gloo_member=recipe_needs_gloo(g.kind, g.device, cuda=cuda),
     )
     env = trainer_nccl_env(os.environ, uses_nccl=nccl, weights_timeout_s=recipe.weights.timeout_s)
     os.environ.update(env)

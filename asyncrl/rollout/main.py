@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import trio
 from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
 from asyncrl.generator_http import GeneratorError
+from asyncrl.gpu import trainer_nccl_env
 from asyncrl.recipe import Recipe, RecipeError
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptDataError, PromptSource
@@ -164,9 +166,23 @@ def spawn_engines(
             weight_version=str(version),
             seed=r.run.seed + i,
             log_path=logs / f"engine-{worker_id}-{i}.log",
+            device=r.generator.device,
+            dtype=r.model.dtype,
+            env=engine_env(r, os.environ),
         )
         for i in range(r.generator.engines_per_worker)
     ]
+
+
+def engine_env(r: Recipe, environ: Mapping[str, str]) -> dict[str, str]:
+    """What a built-in engine that may run on CUDA (``generator.device`` auto or cuda) is launched
+    with beyond this process's environment: the NCCL settings the learner sets for an NCCL weight
+    group, so that both ends of the communicator agree (as SGLang's servers set them for
+    themselves), and the bound of its nonblocking NCCL calls from ``weights.timeout_s`` (torch
+    reads it once per process, before the first communicator). A value set by hand is kept;
+    nothing for an engine on CPU (gloo only)."""
+    on_cuda = r.generator.device != "cpu"
+    return trainer_nccl_env(environ, uses_nccl=on_cuda, weights_timeout_s=r.weights.timeout_s)
 
 
 def wait_engines(engines: list[Any], timeout_s: float) -> None:

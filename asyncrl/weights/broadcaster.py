@@ -53,6 +53,7 @@ import trio
 from asyncrl import metric_names
 from asyncrl.control import ControlPlane
 from asyncrl.generator_http import GeneratorError, GroupSpec, WeightsClient
+from asyncrl.gpu import cuda_uuid, needs_gloo
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.sglang_protocol import parse_version_label
 from asyncrl.transport import free_port
@@ -251,10 +252,19 @@ class Member:
     from_disk: bool = False  # a rejoining generator loads the latest export before joining
     ranks: int | None = None  # ranks it takes in the group (its tp_size), asked before a build
     refused: str = ""  # why its settings cannot take the updates (:class:`Refused`): kept out
+    device: str | None = (
+        None  # its /server_info's ``device`` (None: not reported), asked with ranks
+    )
+    gpu_uuid: str | None = None  # its /server_info's ``gpu_uuid``: the GPU it runs on, if it says
 
     @property
     def url(self) -> str:
         return self.client.url
+
+    def needs_gloo(self, sender_gpu: str | None) -> bool:
+        """It cannot join an NCCL group with rank 0 on ``sender_gpu`` (:func:`asyncrl.gpu.needs_gloo`):
+        it receives on CPU, or runs on that very GPU."""
+        return needs_gloo(self.info.kind, self.device, self.gpu_uuid, sender_gpu=sender_gpu)
 
 
 @dataclass
@@ -358,6 +368,10 @@ class WeightBroadcaster:
         self.api_key = api_key
         self.after_sync = after_sync
         self.dtype = buckets.parse_dtype(cfg.dtype)
+        # Rank 0's GPU, read here in the training thread (where the learner set its device; the
+        # CUDA current device is per thread), for each group's backend, chosen from its member
+        # (:meth:`_backend_for`).
+        self.sender_gpu = cuda_uuid() if rank == 0 else None
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
         # A live generator in a failed collective (a broadcast, a group's rendezvous) answers only
         # once its own group timed out (timeout_s) and then as any call: it must not be taken for a
@@ -894,15 +908,19 @@ class WeightBroadcaster:
 
     # ---- the process group -----------------------------------------------------------------------
 
-    def _backend_for(self, members: list[Member], *, cuda: bool | None = None) -> str:
+    def _backend_for(
+        self, members: list[Member], *, cuda: bool | None = None, gpu: str | None = None
+    ) -> str:
         """The backend of a group over ``members``: ``weights.backend``, where ``auto`` is gloo as
-        soon as one member is a built-in engine (it receives into CPU tensors; NCCL would fail
-        every version), else NCCL on a CUDA machine (:func:`rendezvous.default_backend`).
-        ``cuda``: whether CUDA is available (None: ask torch)."""
+        soon as one member cannot join NCCL (a built-in engine on CPU, or on rank 0's own GPU, as
+        its ``/server_info`` reports: NCCL would fail every version), else NCCL on a CUDA machine
+        (:func:`rendezvous.default_backend`). ``cuda``: whether CUDA is available (None: ask
+        torch); ``gpu``: rank 0's GPU UUID (None: :attr:`sender_gpu`)."""
         if self.cfg.backend != "auto":
             return self.cfg.backend
-        builtin = any(m.info.kind == "builtin" for m in members)
-        return rendezvous.default_backend(builtin=builtin, cuda=cuda)
+        gpu = self.sender_gpu if gpu is None else gpu
+        gloo_member = any(m.needs_gloo(gpu) for m in members)
+        return rendezvous.default_backend(gloo_member=gloo_member, cuda=cuda)
 
     async def _build_groups(self, members: list[Member], report: SyncReport) -> None:
         """Give every member without a weight group its own, and leave the groups of those no
@@ -1012,13 +1030,16 @@ class WeightBroadcaster:
             raise _Failed(why, "; ".join(f"{u}: {w}" for u, w in why.items()))
 
     def _server_ranks(self, m: Member) -> int:
-        """The ranks ``m`` takes in the group, from its ``/server_info`` (None: no such endpoint,
-        the built-in engine); :class:`Refused` if it cannot take these updates: a radix cache with
+        """The ranks ``m`` takes in the group, from its ``/server_info`` (None: no such endpoint),
+        and where it receives (:attr:`Member.device`, :attr:`Member.gpu_uuid`); :class:`Refused` if it cannot take these updates: a radix cache with
         ``pause_mode: in_place`` (:func:`rendezvous.radix_cache_problem`, what ``asyncrl doctor``
         checks), or a layout SGLang cannot join."""
         info = m.client.server_info()
         if info is None:
             return m.info.world_size
+        device, gpu = info.get("device"), info.get("gpu_uuid")
+        m.device = device if isinstance(device, str) else None
+        m.gpu_uuid = gpu if isinstance(gpu, str) else None
         problem = rendezvous.radix_cache_problem(info, self.cfg.pause_mode)
         if problem is None:
             try:

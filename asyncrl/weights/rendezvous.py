@@ -3,7 +3,7 @@
 SGLang's servers form a non-default group over a TCPStore hosted by rank 0, with every key under
 ``PrefixStore(group_name)``. A plain ``init_process_group`` would use other keys and never meet them,
 so the learner (rank 0) and the built-in engine (ranks from ``rank_offset``) both join through this
-one function. Gloo on CPU or with a built-in engine, NCCL on GPU (:func:`default_backend`).
+one function. Gloo on CPU or with a built-in engine on CPU, NCCL on GPU (:func:`default_backend`).
 """
 
 from __future__ import annotations
@@ -77,14 +77,14 @@ def group_layout(ranks: list[int]) -> tuple[list[int], int]:
     return offsets, nxt
 
 
-def default_backend(*, builtin: bool = False, cuda: bool | None = None) -> str:
+def default_backend(*, gloo_member: bool = False, cuda: bool | None = None) -> str:
     """What ``weights.backend: auto`` builds a group with: NCCL on a CUDA machine, gloo on CPU or
-    when a member is a built-in engine (``builtin``; it receives into CPU tensors, which NCCL
-    cannot fill: :func:`asyncrl.gpu.weight_backend`). ``cuda``: whether CUDA is available (None:
+    when a member cannot join NCCL (``gloo_member``: a built-in engine on CPU, which receives into
+    CPU tensors, or one on the sender's own GPU: :func:`asyncrl.gpu.needs_gloo`). ``cuda``: whether CUDA is available (None:
     ask torch)."""
     if cuda is None:
         cuda = torch.cuda.is_available()
-    return weight_backend("auto", cuda=cuda, builtin=builtin)
+    return weight_backend("auto", cuda=cuda, gloo_member=gloo_member)
 
 
 def init_custom_process_group(

@@ -1,7 +1,7 @@
 """Which backend a weight-update group is built with (``weights.backend``), on a machine with CUDA
-as on one without: the choice takes whether CUDA is available as an argument, so a CPU machine
-decides as a GPU host would. The broadcaster and its members are the real ones (rank 1: no sender
-task, nothing sent)."""
+as on one without: the choice takes whether CUDA is available (and rank 0's GPU) as arguments, so
+a CPU machine decides as a GPU host would. The broadcaster and its members are the real ones (rank
+1: no sender task, nothing sent); what a member reports comes from a real engine's /server_info."""
 
 from __future__ import annotations
 
@@ -16,39 +16,100 @@ from asyncrl.wire import GeneratorInfo
 
 
 @pytest.mark.parametrize(
-    ("cuda", "builtin", "expected"),
+    ("cuda", "gloo_member", "expected"),
     [(True, False, "nccl"), (True, True, "gloo"), (False, False, "gloo"), (False, True, "gloo")],
 )
-def test_auto_is_nccl_only_on_cuda_without_a_built_in_engine(cuda, builtin, expected):
-    assert rendezvous.default_backend(cuda=cuda, builtin=builtin) == expected
-    assert gpu.weight_backend("auto", cuda=cuda, builtin=builtin) == expected
-    assert gpu.uses_nccl("auto", cuda=cuda, builtin=builtin) == (expected == "nccl")
+def test_auto_is_nccl_only_on_cuda_when_every_member_can_join_it(cuda, gloo_member, expected):
+    assert rendezvous.default_backend(cuda=cuda, gloo_member=gloo_member) == expected
+    assert gpu.weight_backend("auto", cuda=cuda, gloo_member=gloo_member) == expected
+    assert gpu.uses_nccl("auto", cuda=cuda, gloo_member=gloo_member) == (expected == "nccl")
 
 
 def test_an_explicit_backend_is_kept():
     for backend in ("gloo", "nccl"):
         for cuda in (True, False):
-            assert gpu.weight_backend(backend, cuda=cuda, builtin=False) == backend
+            assert gpu.weight_backend(backend, cuda=cuda, gloo_member=False) == backend
 
 
-def _member(kind: str, port: int) -> Member:
+def test_a_built_in_engine_runs_on_cuda_where_there_is_one():
+    """generator.device (the engine's --device): auto is CUDA on a GPU host, the CPU elsewhere;
+    cuda where torch sees no GPU is a one-line error, not a crash at the first tensor."""
+    assert gpu.engine_device("auto", cuda=True) == "cuda"
+    assert gpu.engine_device("auto", cuda=False) == "cpu"
+    assert gpu.engine_device("cpu", cuda=True) == "cpu"
+    assert gpu.engine_device("cuda", cuda=True) == "cuda"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        gpu.engine_device("cuda", cuda=False)
+
+
+def test_who_cannot_join_an_nccl_group():
+    """A generator that receives on CPU, or that shares rank 0's GPU (NCCL refuses two ranks on
+    one device), needs gloo; what it reports decides, and a built-in engine that reports nothing
+    is one from before it ran on CUDA."""
+    me = "GPU-0"
+    assert gpu.needs_gloo("builtin", None, None, sender_gpu=me)
+    assert gpu.needs_gloo("builtin", "cpu", None, sender_gpu=me)
+    assert not gpu.needs_gloo("builtin", "cuda", "GPU-1", sender_gpu=me)
+    assert gpu.needs_gloo("builtin", "cuda", me, sender_gpu=me)
+    assert not gpu.needs_gloo("sglang", None, None, sender_gpu=me)
+    assert gpu.needs_gloo("sglang", "cpu", None, sender_gpu=me)  # SGLang's CPU build
+    # the learner's guess from the recipe, before any generator answers
+    assert gpu.recipe_needs_gloo("builtin", "cpu", cuda=True)
+    assert gpu.recipe_needs_gloo("builtin", "auto", cuda=False)
+    assert not gpu.recipe_needs_gloo("builtin", "auto", cuda=True)
+    assert not gpu.recipe_needs_gloo("sglang", "cpu", cuda=True)
+
+
+def _member(kind: str, port: int, device: str | None = None, gpu_uuid: str | None = None) -> Member:
     info = GeneratorInfo(url=f"http://127.0.0.1:{port}", kind=kind)
-    return Member(info=info, client=WeightsClient(info, timeout_s=1.0))
+    m = Member(info=info, client=WeightsClient(info, timeout_s=1.0))
+    m.device, m.gpu_uuid = device, gpu_uuid
+    return m
 
 
-def test_the_broadcaster_picks_gloo_when_a_group_holds_a_built_in_engine():
-    """Decided per group build from the members' kinds (as workers register them): one built-in
-    engine among SGLang servers makes the group gloo on a CUDA host; without it, NCCL."""
+def test_the_broadcaster_picks_gloo_when_a_member_cannot_join_nccl():
+    """Decided per group build from what the members report: a built-in engine on CPU (or one
+    that reports no device) or on rank 0's own GPU makes the group gloo on a CUDA host; SGLang
+    and built-in engines on other GPUs get NCCL."""
     b = WeightBroadcaster(WeightsConfig(backend="auto"), rank=1)
-    sglang, builtin = _member("sglang", 1), _member("builtin", 2)
+    explicit = WeightBroadcaster(WeightsConfig(backend="nccl"), rank=1)
+    sglang, old = _member("sglang", 1), _member("builtin", 2)
+    on_cpu = _member("builtin", 3, "cpu")
+    elsewhere, beside = (
+        _member("builtin", 4, "cuda", "GPU-1"),
+        _member("builtin", 5, "cuda", "GPU-0"),
+    )
+    members = (sglang, old, on_cpu, elsewhere, beside)
     try:
-        assert b._backend_for([sglang], cuda=True) == "nccl"
-        assert b._backend_for([sglang, builtin], cuda=True) == "gloo"
-        assert b._backend_for([builtin], cuda=True) == "gloo"
-        assert b._backend_for([sglang, builtin], cuda=False) == "gloo"
-        explicit = WeightBroadcaster(WeightsConfig(backend="nccl"), rank=1)
+        assert b._backend_for([sglang], cuda=True, gpu="GPU-0") == "nccl"
+        assert b._backend_for([sglang, elsewhere], cuda=True, gpu="GPU-0") == "nccl"
+        assert b._backend_for([elsewhere], cuda=True, gpu="GPU-0") == "nccl"
+        assert b._backend_for([sglang, old], cuda=True, gpu="GPU-0") == "gloo"
+        assert b._backend_for([elsewhere, on_cpu], cuda=True, gpu="GPU-0") == "gloo"
+        assert b._backend_for([beside], cuda=True, gpu="GPU-0") == "gloo"
+        assert b._backend_for([sglang, elsewhere], cuda=False, gpu="GPU-0") == "gloo"
         assert explicit._backend_for([sglang], cuda=False) == "nccl"
     finally:
-        sglang.client.close()
-        builtin.client.close()
+        for m in members:
+            m.client.close()
+        b.close()
+        explicit.close()
+
+
+def test_a_built_in_engine_reports_where_it_runs(rollout_engine):
+    """The engine answers SGLang's /server_info with its device (and GPU), one rank and no radix
+    cache; the broadcaster reads it before a group build, so an engine on CPU gets gloo even on a
+    CUDA host."""
+    b = WeightBroadcaster(WeightsConfig(backend="auto", pause_mode="in_place"), rank=1)
+    info = GeneratorInfo(url=rollout_engine.url, kind="builtin")
+    m = Member(info=info, client=WeightsClient(info, timeout_s=10.0))
+    try:
+        server = m.client.server_info()
+        assert server is not None and server["device"] == "cpu" and server["gpu_uuid"] is None
+        assert server["dtype"] == "float32"  # on CPU as always, whatever model.dtype says
+        assert b._server_ranks(m) == 1  # one rank, and not refused for a radix cache
+        assert m.device == "cpu" and m.gpu_uuid is None and m.needs_gloo("GPU-0")
+        assert b._backend_for([m], cuda=True, gpu="GPU-0") == "gloo"
+    finally:
+        m.client.close()
         b.close()

@@ -1,4 +1,4 @@
-"""The built-in generator: SGLang's HTTP API on HuggingFace transformers models, for CPU machines.
+"""The built-in generator: SGLang's HTTP API on HuggingFace transformers models, on the CPU or a GPU.
 
 Start one as a child process (``start_engine_process``; ``spawn_engine_process`` returns before it
 is healthy) or in this process (``serve``); both give a ``.url`` that any SGLang client can talk to,

@@ -9,11 +9,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from asyncrl import malloc
+from asyncrl.gpu import cuda_uuid, engine_device
+from asyncrl.recipe import Dtype
 from asyncrl.rollout.engine.generate_api import GenerateAPI
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.replies import BadRequest
@@ -32,6 +34,19 @@ class EngineConfig:
     served_model_name: str | None = None
     # SGLANG_RETURN_ORIGINAL_LOGPROB, read from the environment as SGLang reads it (sampling.py)
     original_logprob: bool = field(default_factory=original_logprob)
+    device: str = "cpu"  # auto | cpu | cuda (asyncrl.gpu.engine_device)
+    dtype: str = "float32"  # the weights' and KV cache's dtype on CUDA (the recipe's model.dtype)
+
+
+def placement(device: str, dtype: str, *, cuda: bool) -> tuple[str, torch.dtype]:
+    """Where the engine runs (``"cpu"`` or ``"cuda"``) and in which dtype: on CUDA (``device``
+    cuda, or auto with a GPU) in ``dtype``; on CPU in float32 whatever ``dtype`` says, as the engine
+    always ran there (its CPU numerics, and the tests that pin them, are float32's). ``cuda``:
+    whether torch sees a GPU. ``ValueError`` (one line) for a device or dtype it cannot use."""
+    where = engine_device(device, cuda=cuda)
+    if dtype not in get_args(Dtype):
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(get_args(Dtype))}")
+    return where, torch.float32 if where == "cpu" else getattr(torch, dtype)
 
 
 @dataclass
@@ -56,8 +71,10 @@ class Engine:
             raise FileNotFoundError(
                 f"--model {config.model}: not a HuggingFace model folder (no config.json)"
             )
+        where, dtype = placement(config.device, config.dtype, cuda=torch.cuda.is_available())
+        device = torch.device("cuda", torch.cuda.current_device()) if where == "cuda" else "cpu"
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         model.requires_grad_(False)
         lm = BatchedLM(model)
         eos = _eos_ids(model, tok)
@@ -96,6 +113,15 @@ class Engine:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
             )
+
+    @property
+    def device(self) -> torch.device:
+        return self.scheduler.lm.device
+
+    @property
+    def gpu_uuid(self) -> str | None:
+        """The GPU it runs on (None on CPU): what tells a learner on the same GPU (asyncrl.gpu)."""
+        return cuda_uuid(self.device.index) if self.device.type == "cuda" else None
 
     @property
     def context_length(self) -> int:

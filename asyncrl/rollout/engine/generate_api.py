@@ -307,7 +307,29 @@ class GenerateAPI:
             "engine": "asyncrl",
             "context_length": self.engine.context_length,
             "max_batch_size": self.engine.config.max_batch_size,
+            "device": self.engine.device.type,
             **self.stats(),
+        }
+
+    def server_info(self) -> dict:
+        """SGLang's ``/server_info`` keys that describe this engine to a learner and to
+        ``asyncrl doctor``: one rank, no radix cache, and where it runs: ``device`` (as SGLang's
+        server arguments name it) and the GPU's UUID, which the broadcaster needs to choose the
+        weight group's backend (asyncrl.gpu.needs_gloo)."""
+        e = self.engine
+        return {
+            "engine": "asyncrl",
+            "model_path": e.config.model,
+            "served_model_name": e.served_name,
+            "device": e.device.type,
+            "gpu_uuid": e.gpu_uuid,
+            "dtype": str(e.scheduler.lm.dtype).removeprefix("torch."),
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "disable_radix_cache": True,
+            "max_running_requests": e.config.max_batch_size,
+            "context_length": e.context_length,
         }
 
     def stats(self, since: float | None = None) -> dict:

@@ -49,10 +49,17 @@ class SlotCache:
     """Per-layer K and V tensors ``[slots, kv_heads, capacity, head_dim]``; grows by doubling."""
 
     def __init__(
-        self, shape: ModelShape, dtype: torch.dtype, *, slots: int = 8, capacity: int = 128
+        self,
+        shape: ModelShape,
+        dtype: torch.dtype,
+        *,
+        slots: int = 8,
+        capacity: int = 128,
+        device: torch.device | str = "cpu",
     ):
         self.shape = shape
         self.dtype = dtype
+        self.device = torch.device(device)
         self.slots = 0
         self.capacity = 0
         self.k: list[torch.Tensor] = []
@@ -71,7 +78,11 @@ class SlotCache:
             new_c *= 2
         new_c = min(max(new_c, capacity), self.shape.context)
         sh = self.shape
-        k = [torch.zeros(new_s, sh.kv_heads, new_c, sh.head_dim, dtype=self.dtype)]
+        k = [
+            torch.zeros(
+                new_s, sh.kv_heads, new_c, sh.head_dim, dtype=self.dtype, device=self.device
+            )
+        ]
         k = [torch.zeros_like(k[0]) for _ in range(sh.layers)]
         v = [torch.zeros_like(k[0]) for _ in range(sh.layers)]
         for i in range(len(self.k)):
@@ -87,7 +98,9 @@ class SlotCache:
 
 
 class BatchedLM:
-    """Prefill and decode over compact cache rows of a Llama-family HF model (fp32, no grad)."""
+    """Prefill and decode over compact cache rows of a Llama-family HF model, no grad, on the
+    model's device and in its dtype (float32 on CPU, the recipe's ``model.dtype`` on CUDA): the KV
+    cache, the ids, masks and positions of every step live there too."""
 
     def __init__(self, hf_model: torch.nn.Module):
         arch = type(hf_model).__name__
@@ -114,7 +127,8 @@ class BatchedLM:
             vocab=cfg.vocab_size,
             context=context,
         )
-        self.dtype = next(hf_model.parameters()).dtype
+        first = next(hf_model.parameters())
+        self.dtype, self.device = first.dtype, first.device
         rope = self.inner.rotary_emb
         self._rope_table = getattr(rope, "rope_type", "default") in STATIC_ROPE
         self._cos = self._sin = torch.empty(0)
@@ -223,7 +237,7 @@ class BatchedLM:
         need = int(pos.max()) + 1
         if need > self._cos.shape[0] or self._cos.dtype != h.dtype:
             n = min(max(need, 2 * self._cos.shape[0], 256), max(need, self.shape.context))
-            cos, sin = self.inner.rotary_emb(h, torch.arange(n).unsqueeze(0))
+            cos, sin = self.inner.rotary_emb(h, torch.arange(n, device=h.device).unsqueeze(0))
             self._cos, self._sin = cos[0], _signed(sin[0])
         return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
 
@@ -231,7 +245,7 @@ class BatchedLM:
         return F.embedding(ids, self.inner.embed_tokens.weight)
 
     def new_cache(self, slots: int = 8) -> SlotCache:
-        return SlotCache(self.shape, self.dtype, slots=slots)
+        return SlotCache(self.shape, self.dtype, slots=slots, device=self.device)
 
     def _layers(
         self,
@@ -262,7 +276,7 @@ class BatchedLM:
             qk = out[..., : (heads + kv_heads) * d].view(b, q, heads + kv_heads, d)
             vs = out[..., (heads + kv_heads) * d :].view(b, q, kv_heads, d).transpose(1, 2)
             if li in self.qk_norm:
-                qk = F.rms_norm(qk, (d,), None, a.q_norm.variance_epsilon) * self.qk_norm[li]
+                qk = _rms_w(qk, self.qk_norm[li], a.q_norm.variance_epsilon)
             qk = qk.transpose(1, 2)
             qk = qk * cos + qk.roll(d // 2, -1) * sin
             qs, ks = qk[:, :heads], qk[:, heads:]
@@ -271,7 +285,10 @@ class BatchedLM:
             vals = cache.v[li][rows, :, :kv_len]
             if q == 1:
                 s = torch.matmul(qs.reshape(b, kv_heads, groups, d), keys.transpose(-1, -2))
-                p = torch.softmax(s * self.scaling + mask, dim=-1)
+                z = s * self.scaling + mask
+                # float32 on CPU; in half precision the softmax runs in float32, as HF's does
+                p = torch.softmax(z, -1) if z.dtype == torch.float32 else z.float().softmax(-1)
+                p = p.to(vals.dtype)
                 o = torch.matmul(p, vals).view(b, 1, -1)
             else:
                 o = F.scaled_dot_product_attention(
@@ -295,14 +312,13 @@ class BatchedLM:
         thread runs under ``torch.no_grad``: a decorator here costs a few % of a step).
         """
         m = len(seqs)
-        lens = torch.tensor([len(s) for s in seqs])
-        L = int(lens.max())
+        L = max(len(s) for s in seqs)
         cache.ensure(first_row + m, L + 1)
-        ids = torch.zeros(m, L, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        pos = torch.arange(L).unsqueeze(0).expand(m, L)
-        ar = torch.arange(L)
+        # built on the host and sent in one copy each: one small transfer, not one per sequence
+        ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], dtype=torch.long)
+        ids, lens = ids.to(self.device), torch.tensor([len(s) for s in seqs], device=self.device)
+        ar = torch.arange(L, device=self.device)
+        pos = ar.unsqueeze(0).expand(m, L)
         mask = (ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < lens[:, None, None])
         mask = mask.unsqueeze(1)  # [m,1,L,L]
         rows = slice(first_row, first_row + m)
@@ -312,7 +328,7 @@ class BatchedLM:
             cache.v[li][rows, :, :L] = v
 
         h = self._layers(self._embed(ids), pos, mask, cache, write, L, rows)
-        last = h[torch.arange(m), lens - 1]
+        last = h[torch.arange(m, device=self.device), lens - 1]
         logits = _lin(last, self.hf.lm_head)
         full = _lin(h, self.hf.lm_head) if all_logits else None
         return logits, full
@@ -320,17 +336,19 @@ class BatchedLM:
     def decode(self, cache: SlotCache, tokens: list[int], lengths: list[int]) -> torch.Tensor:
         """One step for rows ``0..n-1``: row i feeds ``tokens[i]`` at position ``lengths[i]``."""
         n = len(tokens)
-        lens = torch.tensor(lengths, dtype=torch.long)
-        kv_len = int(lens.max()) + 1
+        dev = self.device
+        kv_len = max(lengths) + 1
         cache.ensure(n, kv_len)
-        ids = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
+        lens = torch.tensor(lengths, dtype=torch.long, device=dev)
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev).unsqueeze(1)
         pos = lens.unsqueeze(1)
-        mask = torch.zeros(n, 1, 1, kv_len)
+        mask = torch.zeros(n, 1, 1, kv_len, dtype=self.dtype, device=dev)  # the scores' dtype
         mask.masked_fill_(
-            torch.arange(kv_len)[None, None, None, :] > lens.view(n, 1, 1, 1), float("-inf")
+            torch.arange(kv_len, device=dev)[None, None, None, :] > lens.view(n, 1, 1, 1),
+            float("-inf"),
         )
         rows = slice(0, n)
-        ridx = torch.arange(n)
+        ridx = torch.arange(n, device=dev)
 
         def write(li, k, v):
             cache.k[li][ridx, :, lens] = k[:, :, 0]
@@ -351,8 +369,16 @@ def _lin(x: torch.Tensor, mod: torch.nn.Linear) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
     """HF's Llama/Qwen3 RMSNorm, inlined: x * rsqrt(mean(x^2) + eps) * weight, in fp32."""
+    return _rms_w(x, mod.weight, mod.variance_epsilon)
+
+
+def _rms_w(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim as HF computes it: normalised in fp32, cast back to ``x``'s dtype,
+    then scaled by ``weight`` (broadcast over the leading dims)."""
     if x.dtype == torch.float32:  # one fused kernel instead of five (a tenth of a decode step)
-        return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+        if weight.shape == x.shape[-1:]:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon)
-    return mod.weight * xf.to(x.dtype)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)

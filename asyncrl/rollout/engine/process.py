@@ -101,10 +101,13 @@ def spawn_engine_process(
     seed: int = 0,
     log_path: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> EngineProcess:
     """Launch ``python -m asyncrl.rollout.engine.server`` and return at once: the caller does its
     own start-up work while the engine loads, then calls :meth:`EngineProcess.wait_healthy`.
-    stdout and stderr go to ``log_path`` (a temporary file when None)."""
+    stdout and stderr go to ``log_path`` (a temporary file when None). ``device``: auto, cpu or
+    cuda (the recipe's ``generator.device``); ``dtype``: its dtype on CUDA (``model.dtype``)."""
     tmp = tempfile.TemporaryDirectory(prefix="asyncrl-engine-")
     port_file = Path(tmp.name) / "port"
     log = Path(log_path) if log_path is not None else Path(tmp.name) / "engine.log"
@@ -126,6 +129,10 @@ def spawn_engine_process(
         weight_version,
         "--seed",
         str(seed),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
         "--parent-pid",
         str(os.getpid()),
     ]

@@ -250,6 +250,9 @@ def sample(
     (``SGLANG_RETURN_ORIGINAL_LOGPROB``); the tokens are drawn at the temperature all the same.
     """
     n = logits.shape[0]
+    dev = (
+        logits.device
+    )  # the engine's: the per-row tensors below are made there, and the generators
     logits = logits.float()
     if banned is not None or any(p.logit_bias for p in params):
         logits = logits.clone()
@@ -259,7 +262,11 @@ def sample(
             if banned is not None and banned[i]:
                 logits[i, banned[i]] = float("-inf")
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps)[:, None]
+    scaled = (
+        logits
+        if all(t == 1.0 for t in temps)
+        else logits / torch.tensor(temps, device=dev)[:, None]
+    )
     logp = torch.log_softmax(scaled, dim=-1)
     greedy = [p.greedy for p in params]
     if all(greedy):
@@ -273,7 +280,7 @@ def sample(
             if g is not None and not greedy[i]:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
+            tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), tokens)
     reported = torch.log_softmax(logits, dim=-1) if original and scaled is not logits else logp
     chosen = reported.gather(1, tokens[:, None])[:, 0]
     top: list[list[tuple[float, int]] | None] = [None] * n
@@ -290,11 +297,11 @@ def sample(
 def _truncate(probs: torch.Tensor, params: list[EngineSamplingParams]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k, top-p nucleus and min-p floor."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    vocab = probs.shape[1]
-    ks = torch.tensor([min(p.top_k, vocab) for p in params])
-    ps = torch.tensor([p.top_p for p in params])
-    mins = torch.tensor([p.min_p for p in params])
-    rank = torch.arange(vocab)[None, :]
+    vocab, dev = probs.shape[1], probs.device
+    ks = torch.tensor([min(p.top_k, vocab) for p in params], device=dev)
+    ps = torch.tensor([p.top_p for p in params], device=dev)
+    mins = torch.tensor([p.min_p for p in params], device=dev)
+    rank = torch.arange(vocab, device=dev)[None, :]
     keep = rank < ks[:, None]
     cum = sorted_p.cumsum(dim=-1)
     keep &= (cum - sorted_p) < ps[:, None]  # keep a token while the mass before it is < top_p

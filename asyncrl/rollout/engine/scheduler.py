@@ -137,7 +137,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.version = weight_version
-        self.generator = torch.Generator().manual_seed(seed)
+        # on the model's device: torch.multinomial draws with a generator of the tensor's device
+        self.generator = torch.Generator(lm.device).manual_seed(seed)
         self.cache = lm.new_cache(slots=min(8, max_batch_size))
         self.running: list[Request] = []  # row i of the cache belongs to running[i]
         self.waiting: collections.deque[Request] = collections.deque()
@@ -271,7 +272,9 @@ class Scheduler:
             while self._incoming:
                 r = self._incoming.popleft()
                 if r.params.sampling_seed is not None:
-                    r.generator = torch.Generator().manual_seed(r.params.sampling_seed)
+                    r.generator = torch.Generator(self.lm.device).manual_seed(
+                        r.params.sampling_seed
+                    )
                 if r.params.max_new_tokens == 0:
                     self._finish(r, {"type": "length", "length": 0})
                 else:
@@ -364,7 +367,7 @@ class Scheduler:
         """Logprob of each prompt token given its prefix, from ``logprob_start_len`` on."""
         t = r.params.temperature if r.params.temperature > 0 else 1.0
         logp = torch.log_softmax(logits.float() / t, dim=-1)
-        ids = torch.tensor(r.prompt_ids)
+        ids = torch.tensor(r.prompt_ids, device=logp.device)
         lps: list[float | None] = [None] + logp[:-1].gather(1, ids[1:, None])[:, 0].tolist()
         start = r.logprob_start_len
         r.input_logprobs = lps[start:]

@@ -2,7 +2,7 @@
 model (a reward model) over SGLang's ``/classify`` (:mod:`asyncrl.rollout.engine.classify`).
 
     asyncrl engine --model HF_DIR [--host 127.0.0.1] [--port P] [--port-file F] [--max-batch-size N]
-                   [--weight-version default] [--seed S]
+                   [--weight-version default] [--seed S] [--device auto|cpu|cuda] [--dtype D]
 
 Stdlib ``ThreadingHTTPServer``: HTTP threads parse JSON and wait on events; all torch work runs in
 the scheduler's one decode thread (and weight receives in the weight store's receiver thread).
@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 from urllib.parse import parse_qs, urlparse
 
+from asyncrl.recipe import Dtype, EngineDevice
 from asyncrl.rollout.engine import openai
 from asyncrl.rollout.engine.replies import BadRequest, Reply
 
@@ -44,6 +45,8 @@ def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
         "/generate": g.generate,
         "/model_info": lambda b: Reply(200, g.model_info()),
         "/get_model_info": lambda b: Reply(200, g.model_info()),
+        "/server_info": lambda b: Reply(200, g.server_info()),
+        "/get_server_info": lambda b: Reply(200, g.server_info()),
         "/engine_stats": lambda b: Reply(200, g.stats(_float(b.get("since")))),
         "/health": lambda b: g.health(),
         "/health_generate": lambda b: g.health_generate(),
@@ -246,6 +249,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
+        "--device",
+        choices=get_args(EngineDevice),
+        default="auto",
+        help="auto: cuda when torch sees a GPU, else cpu",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=get_args(Dtype),
+        default="float32",
+        help="the weights' and KV cache's dtype on CUDA (on CPU the engine runs float32)",
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         default=0,
@@ -275,6 +290,8 @@ def main(argv: list[str]) -> int:
         weight_version=a.weight_version,
         seed=a.seed,
         served_model_name=a.served_model_name,
+        device=a.device,
+        dtype=a.dtype,
     )
     try:
         srv = serve(cfg, host=a.host, port=a.port)
@@ -285,7 +302,9 @@ def main(argv: list[str]) -> int:
         tmp = Path(a.port_file + ".tmp")
         tmp.write_text(str(srv.port))
         os.replace(tmp, a.port_file)
-    print(f"asyncrl engine: serving {a.model} at {srv.url}", flush=True)
+    lm = getattr(getattr(srv.engine, "scheduler", None), "lm", None)  # None: a Classifier
+    where = f" on {lm.device} in {str(lm.dtype).removeprefix('torch.')}" if lm else ""
+    print(f"asyncrl engine: serving {a.model} at {srv.url}{where}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from asyncrl.rollout.engine.replies import BadRequest, Reply, fail, field, is_int, ok
 from asyncrl.rollout.engine.weights import WeightError
 from asyncrl.weights import buckets
@@ -52,10 +50,11 @@ class WeightAPI:
                 raise ValueError(f"timeout_s must be > 0, got {kw['timeout_s']}")
         except (BadRequest, ValueError) as e:
             return fail(f"Failed to initialize custom process group: {e}.")
-        if kw["backend"] == "nccl" and not torch.cuda.is_available():
-            # the CPU engine cannot join NCCL; gloo speaks the same rendezvous (the trainer must too)
+        if kw["backend"] == "nccl" and self.engine.store.device.type != "cuda":
+            # an engine on CPU cannot join NCCL; gloo speaks the same rendezvous (the trainer must too)
             print(
-                "asyncrl engine: 'nccl' requested without CUDA; joining with gloo", file=sys.stderr
+                "asyncrl engine: 'nccl' requested of an engine on CPU; joining with gloo",
+                file=sys.stderr,
             )
             kw["backend"] = "gloo"
         if not 0 < kw["rank_offset"] < kw["world_size"]:

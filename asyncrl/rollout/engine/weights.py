@@ -93,6 +93,7 @@ class WeightStore:
     def __init__(self, model: torch.nn.Module, loop: DecodeLoop):
         self.model = model
         self.loop = loop
+        self.device = next(model.parameters()).device
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.aliases: dict[str, str] = {}
         ptr = {p.data_ptr(): n for n, p in self.params.items()}
@@ -100,6 +101,7 @@ class WeightStore:
             if name not in self.params and t.data_ptr() in ptr:
                 self.aliases[name] = ptr[t.data_ptr()]
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.backends: dict[str, str] = {}  # group name -> its backend (what a receive lands in)
         self._session_open = False
         self._staged: dict[str, torch.Tensor] = {}
         self._pending_version: str | None = None  # the label of the staged weights, at their swap
@@ -126,8 +128,11 @@ class WeightStore:
         """Join as rank ``rank_offset`` (one worker per engine); blocks until the trainer joins."""
         if group_name in self.groups:
             raise WeightError(f"group {group_name!r} already exists; destroy it first")
-        self.groups[group_name] = self.receiver.run(
-            lambda: rendezvous.init_custom_process_group(
+
+        def join() -> dist.ProcessGroup:
+            if backend == "nccl":  # NCCL binds the communicator to this thread's current device
+                torch.cuda.set_device(self.device)
+            return rendezvous.init_custom_process_group(
                 master_address=master_address,
                 master_port=master_port,
                 rank=rank_offset,
@@ -136,7 +141,9 @@ class WeightStore:
                 backend=backend,
                 timeout_s=timeout_s,
             )
-        )
+
+        self.groups[group_name] = self.receiver.run(join)
+        self.backends[group_name] = backend
         with self._lock:
             if self._session_open:
                 # A new group is a new (or restarted) learner: a session the old one left open (it
@@ -148,6 +155,7 @@ class WeightStore:
 
     def destroy_group(self, group_name: str) -> None:
         pg = self.groups.pop(group_name, None)
+        self.backends.pop(group_name, None)
         if pg is None:
             raise WeightError(f"no weight-update group named {group_name!r}")
         rendezvous.destroy_process_group(pg)
@@ -259,18 +267,23 @@ class WeightStore:
     ) -> list[tuple[str, torch.Tensor]]:
         """Receive one update call's broadcasts from rank 0, in ``names`` order (receiver thread)."""
         pg = self.groups[group_name]
-        return self.receiver.run(lambda: self._receive(pg, names, dtypes, shapes, load_format))
+        # NCCL fills CUDA tensors (the engine's device); gloo host ones, moved over at staging
+        dev = self.device if self.backends.get(group_name) == "nccl" else torch.device("cpu")
+        return self.receiver.run(lambda: self._receive(pg, names, dtypes, shapes, load_format, dev))
 
-    def _receive(self, pg, names, dtypes, shapes, load_format) -> list[tuple[str, torch.Tensor]]:
+    def _receive(
+        self, pg, names, dtypes, shapes, load_format, device: torch.device
+    ) -> list[tuple[str, torch.Tensor]]:
         if load_format == "flattened_bucket":
             _, total = buckets.flat_layout(dtypes, shapes)
-            flat = torch.empty(total, dtype=torch.uint8)
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
             dist.broadcast(flat, src=0, group=pg)
             return list(zip(names, buckets.unflatten(flat, dtypes, shapes), strict=True))
         # Post every receive before waiting on any (as SGLang does): one round trip per call, not
         # one per tensor.
         out = [
-            (n, torch.empty(s, dtype=dt)) for n, dt, s in zip(names, dtypes, shapes, strict=True)
+            (n, torch.empty(s, dtype=dt, device=device))
+            for n, dt, s in zip(names, dtypes, shapes, strict=True)
         ]
         works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
         for w in works:
@@ -282,7 +295,8 @@ class WeightStore:
         self._staged.update(self._checked(named))
 
     def _checked(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Resolve names, check shapes, convert dtypes: parameter name -> tensor to install."""
+        """Resolve names, check shapes, convert dtypes and move to the model's device: parameter
+        name -> tensor to install."""
         bad = []
         ready = {}
         for name, t in named:
@@ -294,7 +308,7 @@ class WeightStore:
             if tuple(t.shape) != tuple(p.shape):
                 bad.append(f"{name}: shape {list(t.shape)} != {list(p.shape)}")
                 continue
-            ready[key] = t.to(p.dtype).contiguous()
+            ready[key] = t.to(p.device, p.dtype).contiguous()
         if bad:
             raise WeightError(
                 "; ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
