@@ -37,8 +37,24 @@ FIGURES = {
         for n in (1, 2)
         for k in ("tokens_per_s", "step_s", "mfu", "peak_allocated_gib", "plan_gib", "loss")
     },
-    "weights": {"v1_sync_s", "v2_sync_s", "v2_checksum_ok", "checksum", "gb_per_s"},
-    "engine": {"engine_cpu_fp32_tok_s", "hf_cpu_fp32_tok_s", "engine_cpu_over_hf_cpu"},
+    "weights": {
+        "v1_sync_s",
+        "v2_sync_s",
+        "v2_checksum_ok",
+        "checksum",
+        "gb_per_s",
+        "engine_device",
+        "engine_dtype",
+        "backend",
+        "generate_tokens",
+    },
+    "engine": {
+        "engine_cpu_fp32_tok_s",
+        "hf_cpu_fp32_tok_s",
+        "engine_cpu_over_hf_cpu",
+        "cpu_fp32_prefill_logits_rel_diff",
+        "cpu_fp32_rows_equal_to_generate",
+    },
     "run": {"outcome", "steps", "run_s"},
 }
 """What each step must report: the figures docs/gpu.md's results table is filled from."""
@@ -81,6 +97,10 @@ def test_dry_check_runs_every_step_and_records_its_figures(tmp_path):
     assert le["mb1_tokens_per_step"] == le["mb2_tokens_per_step"] > 0
     assert le["mb2_plan_items_mib"]["activations"] < le["mb1_plan_items_mib"]["activations"]
     assert figs["weights"]["v1_checksum_ok"] is True and figs["weights"]["v2_updated"] is True
+    # --dry hides the GPU: the engine a run starts (device auto) is on the CPU in float32, gloo
+    w = figs["weights"]
+    assert (w["engine_device"], w["engine_dtype"], w["backend"]) == ("cpu", "float32", "gloo")
+    assert figs["engine"]["cpu_fp32_rows_equal_to_generate"] == 1.0
     assert figs["run"]["outcome"] == "completed" and figs["run"]["steps"] == 3
     assert "8 of 8 records ok" in p.stdout
 
