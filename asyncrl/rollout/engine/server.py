@@ -218,6 +218,8 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0) -> En
 
     engine: Engine | Classifier
     if is_classifier(config.model):
+        if config.device == "cuda":  # auto: the CPU, where a classifier runs
+            raise ValueError("device cuda: a sequence-classification model is served on CPU only")
         engine = Classifier.load(
             config.model,
             served_model_name=config.served_model_name,
@@ -252,7 +254,7 @@ def main(argv: list[str]) -> int:
         "--device",
         choices=get_args(EngineDevice),
         default="auto",
-        help="auto: cuda when torch sees a GPU, else cpu",
+        help="auto: cuda when torch sees a GPU, else cpu (a sequence-classification model: cpu)",
     )
     p.add_argument(
         "--dtype",

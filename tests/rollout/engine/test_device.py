@@ -60,28 +60,27 @@ def test_the_forward_runs_in_half_precision(tiny_qwen3, dtype):
         torch.testing.assert_close(row.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_the_engine_refuses_cuda_without_a_gpu(tiny_qwen3):
-    """``--device cuda`` where torch sees no GPU: one line naming the device, exit status 2."""
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        ("tiny_qwen3", "device cuda: torch sees no CUDA device here; use cpu or auto"),
+        ("tiny_reward_model", "device cuda: a sequence-classification model is served on CPU only"),
+    ],
+)
+def test_the_engine_refuses_cuda_it_cannot_use(model, says, request):
+    """``--device cuda`` where torch sees no GPU, or for a reward model (its /classify server runs
+    on the CPU): one line naming the device, exit status 2, not a silent CPU engine."""
+    path = request.getfixturevalue(model)
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncrl.rollout.engine.server",
-            "--model",
-            str(tiny_qwen3),
-            "--port",
-            "0",
-            "--device",
-            "cuda",
-        ],
+        [sys.executable, "-m", "asyncrl.rollout.engine.server", "--model", str(path)]
+        + ["--port", "0", "--device", "cuda"],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
     assert p.returncode == 2, p.stderr[-2000:]
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("asyncrl engine: device cuda: torch sees no CUDA device"), p.stderr
+    assert p.stderr.strip().splitlines()[-1] == f"asyncrl engine: {says}", p.stderr
 
 
 def test_an_engine_that_may_run_on_cuda_gets_the_learners_nccl_settings():
