@@ -252,18 +252,16 @@ class Member:
     from_disk: bool = False  # a rejoining generator loads the latest export before joining
     ranks: int | None = None  # ranks it takes in the group (its tp_size), asked before a build
     refused: str = ""  # why its settings cannot take the updates (:class:`Refused`): kept out
-    device: str | None = (
-        None  # its /server_info's ``device`` (None: not reported), asked with ranks
-    )
-    gpu_uuid: str | None = None  # its /server_info's ``gpu_uuid``: the GPU it runs on, if it says
+    device: str | None = None  # its /server_info's ``device`` (None: not said), asked with ranks
+    gpu_uuid: str | None = None  # its /server_info's ``gpu_uuid``: the GPU it runs on, if said
 
     @property
     def url(self) -> str:
         return self.client.url
 
     def needs_gloo(self, sender_gpu: str | None) -> bool:
-        """It cannot join an NCCL group with rank 0 on ``sender_gpu`` (:func:`asyncrl.gpu.needs_gloo`):
-        it receives on CPU, or runs on that very GPU."""
+        """It cannot join an NCCL group with rank 0 on ``sender_gpu``: it receives on CPU, or
+        runs on that very GPU (:func:`asyncrl.gpu.needs_gloo`)."""
         return needs_gloo(self.info.kind, self.device, self.gpu_uuid, sender_gpu=sender_gpu)
 
 
@@ -1031,8 +1029,8 @@ class WeightBroadcaster:
 
     def _server_ranks(self, m: Member) -> int:
         """The ranks ``m`` takes in the group, from its ``/server_info`` (None: no such endpoint),
-        and where it receives (:attr:`Member.device`, :attr:`Member.gpu_uuid`); :class:`Refused` if it cannot take these updates: a radix cache with
-        ``pause_mode: in_place`` (:func:`rendezvous.radix_cache_problem`, what ``asyncrl doctor``
+        and where it receives (:attr:`Member.device`, :attr:`Member.gpu_uuid`); :class:`Refused`
+        if it cannot take these updates: a radix cache with ``pause_mode: in_place`` (:func:`rendezvous.radix_cache_problem`, what ``asyncrl doctor``
         checks), or a layout SGLang cannot join."""
         info = m.client.server_info()
         if info is None:

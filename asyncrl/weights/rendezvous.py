@@ -80,8 +80,8 @@ def group_layout(ranks: list[int]) -> tuple[list[int], int]:
 def default_backend(*, gloo_member: bool = False, cuda: bool | None = None) -> str:
     """What ``weights.backend: auto`` builds a group with: NCCL on a CUDA machine, gloo on CPU or
     when a member cannot join NCCL (``gloo_member``: a built-in engine on CPU, which receives into
-    CPU tensors, or one on the sender's own GPU: :func:`asyncrl.gpu.needs_gloo`). ``cuda``: whether CUDA is available (None:
-    ask torch)."""
+    CPU tensors, or one on the sender's own GPU: :func:`asyncrl.gpu.needs_gloo`). ``cuda``:
+    whether CUDA is available (None: ask torch)."""
     if cuda is None:
         cuda = torch.cuda.is_available()
     return weight_backend("auto", cuda=cuda, gloo_member=gloo_member)

@@ -315,7 +315,7 @@ class BatchedLM:
         L = max(len(s) for s in seqs)
         cache.ensure(first_row + m, L + 1)
         # built on the host and sent in one copy each: one small transfer, not one per sequence
-        ids = torch.tensor([s + [0] * (L - len(s)) for s in seqs], dtype=torch.long)
+        ids = torch.tensor([list(s) + [0] * (L - len(s)) for s in seqs], dtype=torch.long)
         ids, lens = ids.to(self.device), torch.tensor([len(s) for s in seqs], device=self.device)
         ar = torch.arange(L, device=self.device)
         pos = ar.unsqueeze(0).expand(m, L)
