@@ -193,8 +193,7 @@ class Critic:
         its loss normalised as the actor's (``norm``, token mean); adds to ``stats``; returns the
         gradient norm before clipping."""
         self.optimizers.zero_grad()
-        for i, mb in enumerate(mbs):
-            self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+        for mb in mbs:
             v = token_values(self.model, mb.tokens, mb.positions)
             if mb.sel.numel() == 0:  # FSDP's backward runs on every rank: a zero gradient
                 (v.sum() * 0.0).backward()

@@ -154,15 +154,14 @@ def chunked_backward(
     *,
     temperature: float,
     chunk: int,
-    sync_gradients: bool,
 ) -> Tensor:
     """Back-propagate d loss / d log π (and d loss / d entropy, when the loss has an entropy term)
     through the output projection, a chunk of rows at a time. Accumulates the projection's
     parameter gradients and returns d loss / d ``hidden`` (``[T, D]``).
 
     With FSDP the projection stays gathered across chunks, and its gradient is reduced once, at
-    the last chunk, if ``sync_gradients`` (the micro-batch's own setting: gradient accumulation
-    reduces only at a step's last micro-batch)."""
+    the last chunk, as every other unit's is at each micro-batch (:mod:`asyncrl.learner.trainer`:
+    gradients are reduce-scattered at every micro-batch and accumulate sharded)."""
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = isinstance(lm_head, FSDPModule)
@@ -178,7 +177,7 @@ def chunked_backward(
     try:
         for i, (h, y) in enumerate(chunks):
             if fsdp and i == len(chunks) - 1:
-                lm_head.set_requires_gradient_sync(sync_gradients, recurse=False)
+                lm_head.set_requires_gradient_sync(True, recurse=False)
             lp, ent = _token_logprobs(lm_head(h), y, temperature)
             if grads_ent is None:
                 lp.backward(grads_lp[i])
@@ -188,5 +187,5 @@ def chunked_backward(
         if fsdp:  # TorchTitan's settings for the group holding the projection (fsdp.py)
             lm_head.set_reshard_after_forward(False)
             lm_head.set_reshard_after_backward(True)
-            lm_head.set_requires_gradient_sync(sync_gradients, recurse=False)
+            lm_head.set_requires_gradient_sync(True, recurse=False)
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

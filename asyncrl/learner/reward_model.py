@@ -132,9 +132,7 @@ class RewardModelTrainer(Trainer):
         totals = torch.zeros(4, dtype=torch.float64)
         mbs = self._micro_batches(mine)
         self.optimizers.zero_grad()
-        for i, mb in enumerate(mbs):
-            last = i == len(mbs) - 1
-            self.model.set_requires_gradient_sync(last)
+        for mb in mbs:
             s = self.scores([x for pair in mb for x in pair])
             if not mb:
                 (s.sum() * 0.0).backward()

@@ -212,3 +212,19 @@ def test_the_step_runs_the_recipes_dataflow_in_dependency_order(tiny_qwen3, tmp_
     assert set(ran[:3]) == {"prox", "ref", "values"}
     assert ran[3:] == ["advantages", "train_actor", "train_critic"]
     assert res.metrics["loss/kl_ref"] != 0.0  # π_ref's logprobs reached the loss's KL statistic
+
+
+def test_micro_batches_leave_no_unsharded_gradient_to_the_next(tiny_qwen3, tmp_path):
+    """Gradient accumulation reduce-scatters at every micro-batch (asyncrl/learner/trainer.py):
+    when a training forward starts, neither the actor nor the critic holds an unsharded gradient
+    of the micro-batch before (with gradient sync off until the last one, each held its whole
+    float32 gradient, 4·P, where the memory plan counts 4·P/N)."""
+    from tools.bench.accumulation_memory import held_at_each_forward
+
+    learner = {**RL["learner"], "micro_batch_tokens": 24}
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm=GAE, learner=learner, buffer=RL["buffer"])
+    with held_at_each_forward([tr.model, tr.critic.model]) as held:
+        res = tr.step(rl_batch(tr.spec.model.vocab_size, groups=4))
+    micro_batches = res.metrics["learner/micro_batches"]
+    assert micro_batches > 3 and len(held) == 2 * micro_batches  # the actor's and the critic's
+    assert held == [0] * len(held)

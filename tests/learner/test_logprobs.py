@@ -49,7 +49,7 @@ def test_chunks_give_the_full_values_and_gradients(chunk, temperature):
     lp64, ent64 = (x.detach().clone().requires_grad_(True) for x in (logp_full, ent_full))
     g_lp, g_ent = torch.autograd.grad(_loss(lp64, ent64), [lp64, ent64])
     got_h = chunked_backward(
-        hidden, labels, head, g_lp, g_ent, temperature=temperature, chunk=chunk, sync_gradients=True
+        hidden, labels, head, g_lp, g_ent, temperature=temperature, chunk=chunk
     )
     # the projection's logits go through softmax in float32, as in the learner: compare relative to
     # each gradient's scale (tests/numerics.py)
@@ -70,7 +70,6 @@ def test_no_more_than_one_chunk_of_logits_at_a_time():
         None,
         temperature=1.0,
         chunk=chunk,
-        sync_gradients=True,
     )
     assert max(rows) == chunk and sum(rows) == 2 * 40  # each pass: every row once, 7 at a time
 

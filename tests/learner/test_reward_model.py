@@ -108,6 +108,24 @@ def test_bad_preference_row_names_file_and_row(tiny_qwen3, tmp_path, capsys):
     assert f"{bad}: row 2 has no 'rejected' field" in capsys.readouterr().err
 
 
+def test_micro_batches_leave_no_unsharded_gradient_to_the_next(tiny_qwen3, tmp_path):
+    """The reward model's gradient accumulation reduce-scatters at every micro-batch, as the
+    actor's (tests/learner/test_critic.py): no forward starts with an unsharded gradient held."""
+    from asyncrl.learner.data import PreferenceSource
+    from asyncrl.learner.reward_model import RewardModelTrainer
+    from tools.bench.accumulation_memory import held_at_each_forward
+
+    recipe = recipe_mod.from_dict(rm_recipe(tmp_path, tiny_qwen3, 1, micro_batch_tokens=100))
+    trainer = RewardModelTrainer(recipe, checkpointing=False)
+    try:
+        with held_at_each_forward([trainer.model]) as held:
+            res = trainer.step(PreferenceSource.from_recipe(recipe).next_batch())
+    finally:
+        trainer.close()
+    assert len(held) == res.metrics["learner/micro_batches"] > 1
+    assert held == [0] * len(held)
+
+
 def test_preferences_prefer_the_right_answer():
     rows = tasks.preferences("addition", split="eval", n=200, seed=0)
     assert all(r["chosen"] != r["rejected"] for r in rows)

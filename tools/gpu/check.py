@@ -270,9 +270,7 @@ def step_logprobs(work: Path, dry: bool) -> dict[str, Any]:
     def chunked() -> tuple[torch.Tensor, ...]:
         lm = head()
         lp, ent = chunked_fwd(h0, y, lm, temperature=temperature, chunk=chunk)
-        gh = chunked_backward(
-            h0, y, lm, g_lp, g_ent, temperature=temperature, chunk=chunk, sync_gradients=True
-        )
+        gh = chunked_backward(h0, y, lm, g_lp, g_ent, temperature=temperature, chunk=chunk)
         return lp, ent, gh, lm.weight.grad
 
     figs: dict[str, Any] = {
