@@ -228,9 +228,13 @@ def learner_plan(
     data-parallel groups.
 
     - params, grads, AdamW (two moments): float32 shards, ``4·P/N`` each, ``8·P/N`` for AdamW
-      (:data:`MASTER_BYTES`); a frozen reference model (``algorithm.kl_coef > 0``) another ``4·P/N``; a critic (``algorithm.advantage`` gae / vtrace)
-      its own params, grads and AdamW, ``16·P/N`` (priced at the actor's size: its one-output head
-      is smaller than the actor's vocabulary projection, so this is an upper bound).
+      (:data:`MASTER_BYTES`). The gradients are shards whatever the micro-batch count: the
+      learner reduce-scatters at every micro-batch (:mod:`asyncrl.learner.trainer`); with gradient
+      sync off between micro-batches FSDP2 would hold each parameter's whole gradient, ``4·P``.
+      A frozen reference model (``algorithm.kl_coef > 0``) another ``4·P/N``; a critic
+      (``algorithm.advantage`` gae / vtrace) its own params, grads and AdamW, ``16·P/N`` (priced
+      at the actor's size: its one-output head is smaller than the actor's vocabulary projection,
+      so this is an upper bound).
     - FSDP gather: the largest FSDP unit in the compute dtype, three times: the unit being computed,
       the next one prefetched, and the unsharded gradient before its reduce-scatter.
     - activations: :func:`activation_bytes_per_token` × the largest micro-batch, ``max(
