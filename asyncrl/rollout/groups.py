@@ -41,7 +41,8 @@ from asyncrl.rollout.turns import split_turns
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, gives_tools, play
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.worker import WorkerConfig, WorkerStats
+    from asyncrl.rollout.worker_config import WorkerConfig
+    from asyncrl.rollout.worker_stats import WorkerStats
 
 log = logging.getLogger("asyncrl.rollout.worker")  # one logger for the worker's parts
 

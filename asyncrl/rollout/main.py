@@ -45,7 +45,8 @@ from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, WorkerError
+from asyncrl.rollout.worker import RolloutWorker, WorkerError
+from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.workflows import load_workflow
 
 log = logging.getLogger("asyncrl.rollout")

@@ -18,7 +18,7 @@ from asyncrl.rollout.data import PromptSource
 from asyncrl.transport import TransportTimeout
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.worker import WorkerStats
+    from asyncrl.rollout.worker_stats import WorkerStats
 
 log = logging.getLogger("asyncrl.rollout.worker")  # one logger for the worker's parts
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import trio
@@ -56,11 +56,10 @@ from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import ToolRegistry
+from asyncrl.rollout.worker_config import WorkerConfig
+from asyncrl.rollout.worker_stats import WorkerStats
 from asyncrl.rollout.workflows import Workflow
 from asyncrl.transport import Subscriber, TransportTimeout
-
-if TYPE_CHECKING:
-    from asyncrl.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -74,51 +73,6 @@ class WorkerError(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(kw_only=True)
-class WorkerConfig:
-    worker_id: str
-    group_size: int = 8
-    max_concurrent_groups: int = 16
-    max_staleness: int = 1
-    prompt_key: str = "prompt"
-    chat_template: bool = False
-    max_prompt_tokens: int = 0  # 0: no limit; longer prompts are reported and skipped
-    put_batch: int = 8  # groups per Put message
-    shutdown_timeout_s: float = 10.0  # bound on giving starts back when stopping
-    retry_s: float = 0.2  # first back-off after a failed buffer call (doubles, up to 5 s)
-    acquire_idle_s: float = 1.0  # wait before asking again after a grant of 0
-    metrics_every_s: float = 10.0
-    max_consecutive_failures: int = 20  # groups failing in a row before the worker gives up
-    max_groups: int = 0  # stop after this many groups are delivered (0: run until cancelled)
-    greedy_baseline: bool = False  # ReMax: each group also plays one greedy episode (its baseline)
-    turn_samples: bool = False  # each model turn its own sample (rollout/turns.py)
-    turn_discount: float = 1.0  # turn t of T gets γ^(T-1-t)·R
-    acked_log: str = ""  # JSONL file for the ids of acknowledged groups (exactly-once audits)
-    learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
-    end_release_s: float = 3.0  # after the run's end: bound on giving starts back
-
-    @classmethod
-    def from_recipe(
-        cls, r: Recipe, worker_id: str, *, max_groups: int = 0, acked_log: str = ""
-    ) -> WorkerConfig:
-        """The worker's settings from its recipe (the rest keep their defaults)."""
-        ro = r.rollout
-        return cls(
-            worker_id=worker_id,
-            group_size=ro.group_size,
-            max_concurrent_groups=ro.max_concurrent_groups,
-            max_staleness=r.buffer.max_staleness,
-            prompt_key=r.data.prompt_key,
-            chat_template=r.data.chat_template,
-            max_prompt_tokens=max(r.model.max_seq_len - ro.max_new_tokens, 1),
-            max_groups=max_groups,
-            greedy_baseline=r.algorithm.advantage == "remax" and r.algorithm.uses_rollouts,
-            turn_samples=ro.turn_samples,
-            turn_discount=ro.turn_discount,
-            acked_log=acked_log,
-        )
-
-
 @dataclass(eq=False)
 class _GroupRun:
     gid: str
@@ -127,58 +81,6 @@ class _GroupRun:
     prompt_index: int = -1
     started_at: float = 0.0
     cancelled: str = ""  # why the worker cancelled it
-
-
-@dataclass
-class WorkerStats:
-    """Counters since the start (cumulative) and a window since the last metrics line."""
-
-    counters: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(
-            [
-                "groups_started",
-                "groups_delivered",
-                "groups_rejected",
-                "groups_cancelled_stale",
-                "groups_cancelled_lease",
-                "groups_failed",
-                "groups_dropped_reward_failures",  # too few rewards computed (groups.py)
-                "episodes",
-                "tokens_generated",
-                "greedy_tokens_generated",  # ReMax's baseline episodes (not trained on)
-                "reward_failures",
-                "remax_baseline_failures",  # groups sent without a greedy baseline
-                "prompts_skipped",
-                "put_resends",
-                "put_messages",
-                "acquires",
-                "grants_zero",
-                "releases",
-                "resumes",
-                "registrations",
-                "tool_calls",  # by multi-turn episodes (metadata["tool_calls"])
-                "tool_errors",  # error results the model saw, timeouts included
-                "tool_timeouts",
-                "tool_call_episodes",  # episodes with >= 1 valid tool call (Episode.made_tool_call)
-            ],
-            0,
-        )
-    )
-    rewards: list[float] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
-    greedy_rewards: list[float] = field(default_factory=list)  # ReMax's baselines
-    weights_wait_s: float = 0.0  # admission held: no generator within the version bound
-    peak_episodes_in_flight: int = 0
-    leases: LeaseBook = field(default_factory=LeaseBook)  # the worker's starts
-
-    @property
-    def max_in_flight_over_granted(self) -> int:
-        """Must stay <= 0: the admission invariant."""
-        return self.leases.max_over_granted
-
-    @property
-    def peak_groups_in_flight(self) -> int:
-        return self.leases.peak_in_flight
 
 
 class RolloutWorker:

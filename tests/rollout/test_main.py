@@ -236,7 +236,7 @@ def test_a_worker_joining_a_run_starts_its_engine_from_the_learners_newest_expor
 @pytest.mark.parametrize("advantage, greedy", [("grpo", False), ("remax", True)])
 def test_the_worker_takes_its_settings_from_the_recipe(advantage: str, greedy: bool) -> None:
     from asyncrl import recipe
-    from asyncrl.rollout.worker import WorkerConfig
+    from asyncrl.rollout.worker_config import WorkerConfig
 
     root = Path(__file__).resolve().parents[2]
     r = recipe.load(

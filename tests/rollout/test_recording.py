@@ -238,7 +238,8 @@ def make_group(srv, tok, **config):
     from asyncrl.rollout.data import PromptSource
     from asyncrl.rollout.groups import GroupMaker
     from asyncrl.rollout.rewards import RewardRunner, load_reward
-    from asyncrl.rollout.worker import WorkerConfig, WorkerStats
+    from asyncrl.rollout.worker_config import WorkerConfig
+    from asyncrl.rollout.worker_stats import WorkerStats
     from asyncrl.rollout.workflows import load_workflow
 
     rows = [{"prompt": "unused", "question": CHAT[0]["content"]}]

@@ -267,7 +267,8 @@ def test_a_worker_with_a_hanging_mcp_tool_keeps_delivering_groups(mcp_engine):
     from asyncrl.rollout.data import PromptSource
     from asyncrl.rollout.rewards import RewardRunner, load_reward
     from asyncrl.rollout.sglang_protocol import SamplingParams
-    from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
+    from asyncrl.rollout.worker import RolloutWorker
+    from asyncrl.rollout.worker_config import WorkerConfig
     from asyncrl.rollout.workflows import MultiTurn
     from asyncrl.wire import GeneratorInfo
     from tests.labels import set_label

@@ -16,7 +16,8 @@ from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
+from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.workflows import SingleTurn, load_workflow
 from asyncrl.transport import RepServer, ReqClient, Subscriber
 from tests import rollout_plugins

@@ -49,7 +49,8 @@ from asyncrl.rollout.data import PromptSource  # noqa: E402
 from asyncrl.rollout.engine import start_engine_process  # noqa: E402
 from asyncrl.rollout.rewards import RewardRunner, exact_match  # noqa: E402
 from asyncrl.rollout.sglang_protocol import SamplingParams  # noqa: E402
-from asyncrl.rollout.worker import RolloutWorker, WorkerConfig  # noqa: E402
+from asyncrl.rollout.worker import RolloutWorker  # noqa: E402
+from asyncrl.rollout.worker_config import WorkerConfig  # noqa: E402
 from asyncrl.rollout.workflows import SingleTurn  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
