@@ -655,6 +655,15 @@ def load(
     return from_dict(data or {}, file=file, overrides=overrides, check_files=check_files)
 
 
+def learner_roles(r: Recipe) -> tuple[str, ...]:
+    """The models the learner builds: the actor; a critic for a token-level advantage; π_ref for a
+    KL term (on the loss or on the rewards)."""
+    alg = r.algorithm
+    critic = alg.uses_rollouts and alg.advantage in TOKEN_ADVANTAGES
+    ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
+    return ("actor",) + ("critic",) * critic + ("ref",) * ref
+
+
 def check_placement(
     placement: PlacementConfig,
     world: int | None = None,
@@ -665,7 +674,7 @@ def check_placement(
     """Each role's ranks exist (when ``world`` is known), are distinct, split evenly into its
     tensor-parallel degree, and either equal another role's ranks or do not meet them; the actor's
     include rank 0, which runs the buffer client and the weight broadcaster. ``roles``: the ones
-    the run uses (the learner's; a role it does not build meets no other)."""
+    the run uses (the learner's, :func:`learner_roles`; a role it does not build meets no other)."""
     sets: dict[str, frozenset[int]] = {}
     for role in roles:
         rp: RolePlacement = getattr(placement, role)
@@ -707,6 +716,29 @@ def check_placement(
                     file=file,
                     key=f"placement.{b}.ranks",
                 )
+
+
+def check_critic_placement(
+    placement: PlacementConfig, world: int | None = None, *, file: str | None = None
+) -> None:
+    """A critic on the actor's ranks has the actor's tensor-parallel degree: it trains on the
+    actor's micro-batches, so each rank's data share must be the actor's. (Only where the run has
+    a critic: :func:`learner_roles`.)"""
+    actor, critic = placement.actor, placement.critic
+    if critic.tensor_parallel == actor.tensor_parallel:
+        return
+    if world is not None:
+        same = placement.ranks_of("critic", world) == placement.ranks_of("actor", world)
+    else:  # both unset: every rank; one set and not the other: known only with the world
+        same = list(critic.ranks) == list(actor.ranks)
+    if same:
+        raise RecipeError(
+            f"{critic.tensor_parallel} differs from placement.actor.tensor_parallel "
+            f"{actor.tensor_parallel} on the same ranks: the critic trains on the actor's "
+            "micro-batches, so each rank's data share must be the actor's",
+            file=file,
+            key="placement.critic.tensor_parallel",
+        )
 
 
 def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = True) -> None:
@@ -774,6 +806,8 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             key="rollout.temperature",
         )
     check_placement(r.placement, file=file)
+    if "critic" in learner_roles(r):
+        check_critic_placement(r.placement, file=file)
     if r.rollout.turn_discount != 1 and not r.rollout.turn_samples:
         raise RecipeError(
             "discounts the rewards of per-turn samples: set rollout.turn_samples: true",

@@ -45,8 +45,8 @@ from asyncrl.learner.scalar_model import init_head, scalar_spec, token_values
 from asyncrl.recipe import AlgorithmConfig
 
 if TYPE_CHECKING:
-    from asyncrl.learner.placement import RoleMesh
-    from asyncrl.learner.trainer import Trainer
+    from asyncrl.learner.build import Builder
+    from asyncrl.recipe import Recipe
 
 WHITEN_EPS = 1e-8
 """Added to the batch's advantage std before dividing (verl's and OpenRLHF's whitening)."""
@@ -155,23 +155,22 @@ def critic_zero_stats() -> dict[str, Tensor]:
 
 class Critic:
     """The value model on this rank: built, loaded and optimised as the actor is (collective over
-    the critic's ranks, ``mesh``)."""
+    the critic's ranks: ``build.meshes["critic"]``)."""
 
-    def __init__(self, trainer: Trainer, mesh: RoleMesh) -> None:
-        r = trainer.recipe
+    def __init__(self, r: Recipe, build: Builder) -> None:
         self.alg = r.algorithm
         self.grad_clip = r.learner.grad_clip
         self.folder = r.resolve(r.critic.path or r.model.path)
         self.spec = scalar_spec(
             self.folder, attention=r.model.attention, max_seq_len=r.model.max_seq_len
         )
-        self.model = trainer._build_model(self.spec, role="critic")
+        self.model = build.model(self.spec, "critic")
         self.model.train()
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.folder))
-        trainer._load_hf(self.model, self.adapter, self.folder, group=mesh.group)
+        build.load_hf(self.model, self.adapter, self.folder, group=build.meshes["critic"].group)
         if not self.adapter.include_head:  # a causal LM's backbone: a fresh head from the seed
             init_head(self.model, r.run.seed)
-        self.optimizers, self.lr_schedulers = trainer.optimizer(self.model, r.critic.lr)
+        self.optimizers, self.lr_schedulers = build.optimizer(self.model, r.critic.lr)
 
     def states(self) -> dict[str, Any]:
         """The critic's part of the learner's checkpoint (resumed from it, not from the folder)."""

@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -51,11 +50,8 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
     OptimizersContainer,
-    ParamGroupConfig,
 )
-from torchtitan.config.configs import CompileConfig, TrainingConfig
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import dataflow, malloc
@@ -63,6 +59,7 @@ from asyncrl import metric_names as names
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
+from asyncrl.learner.build import Builder
 from asyncrl.learner.critic import CRITIC_STATES, Critic, assign_targets, critic_zero_stats
 from asyncrl.learner.drift import drift_sums, finalize_drift
 from asyncrl.learner.logprobs import (
@@ -96,7 +93,13 @@ from asyncrl.learner.placement import (
 )
 from asyncrl.learner.reshard import reshard
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
-from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe, RecipeError, check_placement
+from asyncrl.recipe import (
+    Recipe,
+    RecipeError,
+    check_critic_placement,
+    check_placement,
+    learner_roles,
+)
 from asyncrl.rollout.turns import turn_of
 
 Publisher = Callable[[int, "Trainer"], None]
@@ -118,7 +121,6 @@ HF_FILES = (
 
 log = logging.getLogger("asyncrl.learner")
 
-AC_CONFIGS = {"none": lambda: None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 """``learner.activation_checkpointing`` → TorchTitan's policy config (applied per block)."""
 
 
@@ -243,24 +245,12 @@ class Trainer:
         # Each role's ranks and parallel dims (asyncrl/learner/placement.py), checked first.
         self.dataflow = dataflow.from_recipe(r)
         self.check_dataflow()
-        self.with_critic = self.alg.uses_rollouts and self.alg.advantage in TOKEN_ADVANTAGES
-        with_ref = self.alg.kl_coef > 0 or self.alg.kl_reward_coef > 0
-        roles = ("actor",) + ("critic",) * self.with_critic + ("ref",) * with_ref
-        pl = r.placement
-        same_ranks = pl.ranks_of("critic", self.world) == pl.ranks_of("actor", self.world)
-        if (
-            self.with_critic
-            and same_ranks
-            and pl.critic.tensor_parallel != pl.actor.tensor_parallel
-        ):
-            # it trains on the actor's micro-batches: each rank's share must be the actor's
-            raise LearnerError(
-                f"placement.critic.tensor_parallel {pl.critic.tensor_parallel} differs from the "
-                f"actor's {pl.actor.tensor_parallel} on the same ranks: the critic trains on the "
-                "actor's data shares"
-            )
+        roles = learner_roles(r)
+        self.with_critic = "critic" in roles
         try:
-            check_placement(pl, self.world, roles=roles)
+            check_placement(r.placement, self.world, roles=roles)
+            if self.with_critic:
+                check_critic_placement(r.placement, self.world)
         except RecipeError as e:  # one line, as the learner's other configuration errors
             raise LearnerError(str(e)) from None
         self.meshes = build_role_meshes(r.placement, self.world, self.rank, roles)
@@ -282,6 +272,7 @@ class Trainer:
             self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
             self.dp_group = dp_mesh.get_group()
 
+        self.build = Builder(r, self.meshes, self.device, self.run_dir)
         self.spec = self.model_spec()
         self.max_seq_len = self.spec.model.max_seq_len
         # a rank's logits span its vocabulary slice: 1/tp of it under tensor parallelism (the
@@ -300,16 +291,16 @@ class Trainer:
         self.optimizers: OptimizersContainer = None  # type: ignore[assignment]
         self.lr_schedulers: LRSchedulersContainer = None  # type: ignore[assignment]
         if actor.holds:
-            self.model = self._build_model()
+            self.model = self.build.model(self.spec, "actor")
             self.model.train()
-            self.optimizers, self.lr_schedulers = self.optimizer(self.model, r.learner.lr)
+            self.optimizers, self.lr_schedulers = self.build.optimizer(self.model, r.learner.lr)
         self.ref_model: torch.nn.Module | None = None
 
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.model_dir))
         self._state = _LearnerState()
         # PPO with a critic: the value model on its ranks, checkpointed with the actor (its keys)
         critic_mesh = self.meshes.get("critic")
-        self.critic = Critic(self, critic_mesh) if critic_mesh and critic_mesh.holds else None
+        self.critic = Critic(r, self.build) if critic_mesh and critic_mesh.holds else None
         self.checkpointing = checkpointing
         self._build_checkpointer(checkpointing)
         self._load()
@@ -317,7 +308,7 @@ class Trainer:
         self.ref_source = ""  # how π_ref was filled on this rank: "reshard" or "hf"
         if ref_mesh is not None and ref_mesh.holds:
             # π_ref: the initial HF weights, frozen, sharded by its own placement (forward only)
-            self.ref_model = self._build_model(role="ref")
+            self.ref_model = self.build.model(self.spec, "ref")
             self._fill_ref(ref_mesh)
             self.ref_model.eval().requires_grad_(False)
         self.realloc = self.reallocation()
@@ -339,7 +330,7 @@ class Trainer:
                 moved / 2**20,
             )
             return
-        self._load_hf(self.ref_model, group=ref_mesh.group)
+        self.build.load_hf(self.ref_model, self.adapter, self.model_dir, group=ref_mesh.group)
         self.ref_source = "hf"
         why = "the actor holds trained weights" if self.resumed else "not on the actor's ranks"
         log.info("π_ref: loaded from %s (%s)", self.model_dir, why)
@@ -420,92 +411,6 @@ class Trainer:
         if unknown:
             raise LearnerError(f"{self.dataflow.name}: no runner in the learner for {unknown}")
 
-    def optimizer(
-        self, model: torch.nn.Module, lr: float
-    ) -> tuple[OptimizersContainer, LRSchedulersContainer]:
-        """AdamW with the recipe's ``learner`` settings at ``lr``, and its LR schedule, which counts
-        optimizer updates: ``minibatches × epochs`` per version."""
-        lc = self.recipe.learner
-        optimizers = OptimizersContainer.Config(
-            param_groups=[
-                ParamGroupConfig(
-                    pattern=r".*",
-                    optimizer_name="AdamW",
-                    optimizer_kwargs={
-                        "lr": lr,
-                        "betas": tuple(lc.betas),
-                        "eps": lc.eps,
-                        "weight_decay": lc.weight_decay,
-                    },
-                )
-            ],
-            # One parameter at a time: foreach's temporaries span the whole model (2.3 GB more peak
-            # for Qwen3-0.6B, enough to get it OOM-killed beside its engine). "for-loop" gives
-            # foreach's numbers exactly; "fused" differs by rounding (4.6e-6 after 5 steps).
-            implementation="for-loop",
-        ).build(model_parts=[model])
-        per_version = lc.minibatches * lc.epochs
-        total = max(self.recipe.run.steps, 1) * per_version
-        sched = LRSchedulersContainer.Config(
-            warmup_steps=lc.warmup_steps * per_version,
-            total_steps=total if lc.lr_schedule != "constant" else 1 << 40,
-            decay_ratio=None if lc.lr_schedule != "constant" else 0.0,
-            decay_type="cosine" if lc.lr_schedule == "cosine" else "linear",
-        )
-        return optimizers, sched.build(optimizers=optimizers, training_steps=total)
-
-    def _build_model(self, spec: ModelSpec | None = None, role: str = "actor") -> torch.nn.Module:
-        """TorchTitan's build order: meta build → parallelize_fn (FSDP2, and tensor parallelism
-        when the role's placement asks for it) → to_empty → init_weights.
-        ``spec``: another model (the critic's); default the actor's. ``role``: whose placement: its
-        ranks and parallel dims (:mod:`asyncrl.learner.placement`). Collective over its ranks."""
-        spec = self.spec if spec is None else spec
-        mesh = self.meshes[role]
-        assert mesh.holds, (self.rank, mesh.ranks)
-
-        # update_from_config reads only .parallelism from a non-Trainer config
-        spec.model.update_from_config(config=SimpleNamespace(parallelism=mesh.parallelism))
-        with torch.device("meta"):
-            model = spec.model.build()
-        lc = self.recipe.learner
-        model = spec.parallelize_fn(
-            model,
-            parallel_dims=mesh.parallel_dims,
-            training=TrainingConfig(mixed_precision_param=self.recipe.model.dtype),
-            parallelism=mesh.parallelism,
-            compile_config=CompileConfig(enable=lc.compile, components=["model"]),
-            ac_config=AC_CONFIGS[lc.activation_checkpointing](),
-            dump_folder=str(self.run_dir),
-        )
-        cpu_shims.force_sum_reduction(model)
-        model._skip_lm_head = True  # the output projection runs in chunks: learner/logprobs.py
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        return model
-
-    def _load_hf(
-        self,
-        model: torch.nn.Module,
-        adapter: Any = None,
-        folder: Path | None = None,
-        *,
-        group: dist.ProcessGroup | None = None,
-    ) -> None:
-        """An HF folder's weights into a (sharded) model, as CheckpointManager's HF load does;
-        default the actor's adapter and ``model.path``. Collective over ``group``, the model's
-        role's ranks (default: every rank)."""
-        import torch.distributed.checkpoint as dcp
-        from torchtitan.components.checkpoint import ModelWrapper
-
-        adapter = self.adapter if adapter is None else adapter
-        folder = self.model_dir if folder is None else folder
-        wrapper = ModelWrapper([model])
-        hf_sd = adapter.to_hf(wrapper.state_dict())
-        reader = adapter.get_hf_storage_reader(str(folder))
-        dcp.load(hf_sd, storage_reader=reader, process_group=group)
-        wrapper.load_state_dict(adapter.from_hf(hf_sd))
-
     # ------------------------------------------------------------------------------------------
     # Checkpoints
     # ------------------------------------------------------------------------------------------
@@ -529,7 +434,7 @@ class Trainer:
         self.checkpointer.load()  # the latest step-N, else the HF weights of model.path
         actor = self.meshes["actor"]
         if step < 0 and not actor.whole_world and actor.holds:
-            self._load_hf(self.model, group=actor.group)
+            self.build.load_hf(self.model, self.adapter, self.model_dir, group=actor.group)
         if step >= 0:
             state = json.loads(self._state.text)
             self.version = int(state.get("version", step))

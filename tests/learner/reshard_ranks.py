@@ -42,8 +42,8 @@ def main(recipe_path: str, batch_path: str, out_dir: str) -> None:
     tr = Trainer(recipe_mod.load(recipe_path), run_dir=out / "run", checkpointing=False)
     try:
         ref_mesh = tr.meshes["ref"]
-        hf_ref = tr._build_model(role="ref")
-        tr._load_hf(hf_ref, group=ref_mesh.group)
+        hf_ref = tr.build.model(tr.spec, "ref")
+        tr.build.load_hf(hf_ref, tr.adapter, tr.model_dir, group=ref_mesh.group)
         hf_ref.eval().requires_grad_(False)
         assert tr.ref_model is not None
         resharded, loaded, actor = _full(tr.ref_model), _full(hf_ref), _full(tr.model)
