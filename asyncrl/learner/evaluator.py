@@ -11,9 +11,12 @@ on the same generators. Versions evaluated: the first one sent (the start), ever
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
+
+import trio
 
 from asyncrl.recipe import Recipe
 from asyncrl.rollout.evaluation import EvalReport, Evaluation
@@ -74,11 +77,18 @@ class Evaluator:
     def evaluate(self, v: int, urls: list[str]) -> None:
         """Evaluate version ``v`` on ``urls``, if due; the broadcaster's sender calls it
         (``after_sync``, ``between_versions``) so no other version reaches them meanwhile. Never
-        raises: a failed evaluation is a log line, not the learner's end."""
+        raises: a failed evaluation is a log line, not the learner's end.
+
+        The broadcaster calls it in one of the control plane's worker threads; the evaluation's
+        requests run back on that plane's trio loop (``trio.from_thread``), not in a loop of their
+        own, so the learner's process has one event loop and the evaluation's HTTP clients and MCP
+        sessions live where the rest of its I/O does."""
         if not urls or not self.due(v):
             return
         try:
-            result = self.evaluation.run(urls, version=v, timeout_s=self.timeout_s)
+            result = trio.from_thread.run(
+                functools.partial(self.evaluation.arun, urls, version=v, timeout_s=self.timeout_s)
+            )
         except Exception as e:
             log.warning("held-out evaluation of version %d failed: %s: %s", v, type(e).__name__, e)
             return

@@ -167,7 +167,9 @@ class Evaluation:
 
     def run(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
         """Evaluate ``version`` on the generators at ``urls`` that hold it (blocking: runs its own
-        trio loop; raises ``trio.TooSlowError`` after ``timeout_s``)."""
+        trio loop, for a process that has none, as ``python -m asyncrl.evaluate``; the learner
+        runs :meth:`arun` on its control plane's loop). Raises ``trio.TooSlowError`` after
+        ``timeout_s``."""
         return trio.run(functools.partial(self.arun, urls, version=version, timeout_s=timeout_s))
 
     async def arun(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
