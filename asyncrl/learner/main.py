@@ -125,7 +125,7 @@ def train(
     Rank 0 also tells its user where it listens and how it is doing (:class:`LearnerReport`), and
     at a clean end (the last version, or a stop on SIGTERM) writes the run's summary and plots
     (:func:`asyncrl.summary.finish_run`); at the last version it first announces the end."""
-    from asyncrl.learner.trainer import collective_timeout_s, ensure_distributed
+    from asyncrl.learner.distributed import collective_timeout_s, ensure_distributed
     from asyncrl.metrics import MetricsSink
 
     t0 = time.monotonic()

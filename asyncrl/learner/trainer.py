@@ -33,11 +33,9 @@ import logging
 import math
 import os
 import resource
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +43,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
@@ -56,11 +53,12 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import dataflow, malloc
 from asyncrl import metric_names as names
-from asyncrl.learner import cpu_shims
+from asyncrl.learner import cpu_shims, export
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
 from asyncrl.learner.build import Builder
 from asyncrl.learner.critic import CRITIC_STATES, Critic, assign_targets, critic_zero_stats
+from asyncrl.learner.distributed import collective_timeout_s, ensure_distributed
 from asyncrl.learner.drift import drift_sums, finalize_drift
 from asyncrl.learner.logprobs import (
     chunk_tokens,
@@ -105,23 +103,8 @@ from asyncrl.rollout.turns import turn_of
 Publisher = Callable[[int, "Trainer"], None]
 """Called on every rank after each optimizer step with the new version (weights, announcements)."""
 
-HF_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-"""Files copied from the source HF folder into every export, next to the weights."""
-
 
 log = logging.getLogger("asyncrl.learner")
-
-"""``learner.activation_checkpointing`` → TorchTitan's policy config (applied per block)."""
 
 
 class LearnerError(RuntimeError):
@@ -135,41 +118,6 @@ def peak_memory() -> dict[str, float]:
     if not cpu_shims.ON_CPU:
         out["learner/device_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
-
-
-def collective_timeout_s(recipe: Recipe) -> float:
-    """How long a rank may wait in a collective: the longest legitimate wait of ranks > 0 for rank 0.
-
-    Between two steps rank 0 waits for a batch (``buffer.batch_timeout_s``) and may first finish the
-    previous version's weight sync (preflight, up to three attempts of group build, pause, buckets,
-    resume and verify: bounded by ten ``weights.timeout_s``); checkpoint and export I/O get 600 s.
-    The process group's default (300 s) was shorter than the default batch wait alone (600 s)."""
-    return recipe.buffer.batch_timeout_s + 10 * recipe.weights.timeout_s + 600.0
-
-
-def ensure_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
-    """Join torchrun's process group, or make a one-process group when run alone (gloo on CPU;
-    NCCL for CUDA tensors and gloo for CPU ones on a GPU). Collectives time out after ``timeout_s``
-    (:func:`collective_timeout_s`)."""
-    if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            from torchtitan.config.configs import CommConfig
-
-            # On GPU, also a gloo backend for the CPU tensors (counts, stats, batch bytes).
-            dist_utils.init_distributed(
-                CommConfig(trace_buf_size=0, init_timeout_seconds=int(timeout_s)),
-                enable_cpu_backend=not cpu_shims.ON_CPU,
-            )
-        else:
-            torch.autograd.set_multithreading_enabled(False)
-            dist.init_process_group(
-                "gloo" if cpu_shims.ON_CPU else "cuda:nccl,cpu:gloo",
-                rank=0,
-                world_size=1,
-                store=dist.HashStore(),
-                timeout=timedelta(seconds=timeout_s),
-            )
-    return dist.get_rank(), dist.get_world_size()
 
 
 class _Absent(Stateful):
@@ -482,63 +430,23 @@ class Trainer:
     def hf_state_dict(
         self, dtype: torch.dtype | None = None, *, all_ranks: bool = True
     ) -> dict[str, torch.Tensor]:
-        """Fresh full tensors under HF names (collective: every rank must call it).
-
-        One tensor is gathered at a time, cast to ``dtype`` first (a bfloat16 broadcast gathers
-        bfloat16). With ``all_ranks=False`` only rank 0 keeps them and the others get ``{}``: no rank
-        but the sender holds a second copy of the model (8B in float32 would be 32 GB per rank).
-        Collective over the actor's ranks; a rank without the actor gets ``{}``."""
-        out: dict[str, torch.Tensor] = {}
-        if self.model is None:
-            return out
-        for k, p in self.adapter.to_hf(self.model.state_dict()).items():
-            v = p.detach()
-            if dtype is not None and v.is_floating_point() and v.dtype != dtype:
-                v = v.to(dtype)
-            t = v.full_tensor() if isinstance(v, DTensor) else v
-            if all_ranks or self.rank == 0:
-                live = p.to_local() if isinstance(p, DTensor) else p
-                aliased = t.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
-                out[k] = t.clone() if aliased else t
-        return out
+        """The actor's full tensors under HF names (:func:`export.hf_state_dict`; collective over the
+        actor's ranks). With ``all_ranks=False`` only rank 0 keeps them."""
+        return export.hf_state_dict(
+            self.model, self.adapter, dtype, keep=all_ranks or self.rank == 0
+        )
 
     def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
-        """Write an HF folder (safetensors, config.json, tokenizer files) loadable by transformers.
-
-        Collective. Weights go through DCP's HuggingFace writer and the state-dict adapter, so no rank
-        holds the whole model; rank 0 then adds config and tokenizer files from the source folder.
-        """
-        from torchtitan.components.checkpoint import AsyncMode, ModelWrapper
-        from torchtitan.config import TORCH_DTYPE_MAP
-
-        path = Path(path).resolve()
-        dtype = dtype or self.recipe.model.dtype
+        """The actor as an HF folder at ``path`` (:func:`export.export_hf`; collective)."""
         self.free_gradients()
-        tdtype = TORCH_DTYPE_MAP[dtype]
-        if self.rank == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        dist.barrier()
-        states = {
-            k: v.to(tdtype) if v.is_floating_point() and v.dtype != tdtype else v
-            for k, v in ModelWrapper([self.model] if self.model is not None else [])
-            .state_dict()
-            .items()
-        }
-        self.checkpointer.dcp_save(
-            states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED, to_hf=True
+        return export.export_hf(
+            self.model,
+            self.checkpointer,
+            path,
+            dtype=dtype or self.recipe.model.dtype,
+            source=self.model_dir,
+            rank=self.rank,
         )
-        if self.rank == 0:
-            for name in HF_FILES:
-                if (self.model_dir / name).is_file():
-                    shutil.copy2(self.model_dir / name, path / name)
-            cfg = json.loads((path / "config.json").read_text())
-            cfg["dtype"] = cfg["torch_dtype"] = dtype
-            (path / "config.json").write_text(json.dumps(cfg, indent=2))
-            shutil.rmtree(path / "sharded", ignore_errors=True)
-        dist.barrier()
-        return path
 
     def maybe_export(self) -> str:
         """HF export every ``learner.export_every`` versions into ``run_dir/hf/v{version}``."""

@@ -307,7 +307,7 @@ def test_collectives_wait_longer_than_rank_0_may_legitimately_wait():
     """Ranks > 0 sit in a collective while rank 0 waits for a batch (and may first finish a
     weight sync): their timeout covers both, whatever the recipe says (300 s did not)."""
     from asyncrl import recipe as recipe_mod
-    from asyncrl.learner.trainer import collective_timeout_s
+    from asyncrl.learner.distributed import collective_timeout_s
 
     r = recipe_mod.from_dict({"buffer": {"batch_timeout_s": 3000}, "weights": {"timeout_s": 90}})
     assert collective_timeout_s(r) >= 3000 + 3 * 90

@@ -182,7 +182,7 @@ def step_nccl(work: Path, dry: bool) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from asyncrl.learner.trainer import ensure_distributed
+    from asyncrl.learner.distributed import ensure_distributed
     from asyncrl.weights import rendezvous
 
     cuda = _cuda(dry)
