@@ -42,8 +42,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import (
     LRSchedulersContainer,
     OptimizersContainer,
@@ -57,6 +55,7 @@ from asyncrl.learner import cpu_shims, export
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.attention import attention_masks
 from asyncrl.learner.build import Builder
+from asyncrl.learner.checkpoint import Checkpoints
 from asyncrl.learner.critic import CRITIC_STATES, Critic, assign_targets, critic_zero_stats
 from asyncrl.learner.distributed import collective_timeout_s, ensure_distributed
 from asyncrl.learner.drift import drift_sums, finalize_drift
@@ -118,32 +117,6 @@ def peak_memory() -> dict[str, float]:
     if not cpu_shims.ON_CPU:
         out["learner/device_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
-
-
-class _Absent(Stateful):
-    """A state of a role this rank does not hold (placement): nothing to save, nothing to load."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
-
-
-class _LearnerState(Stateful):
-    """The learner's own part of a checkpoint: version and the batch source's state, as JSON text.
-
-    One string leaf (not nested dicts) so that DCP can load it into a placeholder of any shape.
-    """
-
-    def __init__(self) -> None:
-        self.text = "{}"
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"json": self.text}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.text = state_dict["json"]
 
 
 @dataclass(kw_only=True)
@@ -245,12 +218,26 @@ class Trainer:
         self.ref_model: torch.nn.Module | None = None
 
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.model_dir))
-        self._state = _LearnerState()
         # PPO with a critic: the value model on its ranks, checkpointed with the actor (its keys)
         critic_mesh = self.meshes.get("critic")
         self.critic = Critic(r, self.build) if critic_mesh and critic_mesh.holds else None
         self.checkpointing = checkpointing
-        self._build_checkpointer(checkpointing)
+        critic_states: dict[str, Any] | None = None
+        if self.critic is not None:
+            critic_states = self.critic.states()
+        elif self.with_critic:  # on other ranks
+            critic_states = dict.fromkeys(CRITIC_STATES)
+        self.checkpoints = Checkpoints(
+            self.recipe.learner,
+            model=self.model,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            extra_states=critic_states or {},
+            adapter=self.adapter,
+            run_dir=self.run_dir,
+            hf_folder=self.model_dir if self.meshes["actor"].whole_world else None,
+            enabled=checkpointing,
+        )
         self._load()
         ref_mesh = self.meshes.get("ref")
         self.ref_source = ""  # how π_ref was filled on this rank: "reshard" or "hf"
@@ -282,42 +269,6 @@ class Trainer:
         self.ref_source = "hf"
         why = "the actor holds trained weights" if self.resumed else "not on the actor's ranks"
         log.info("π_ref: loaded from %s (%s)", self.model_dir, why)
-
-    def _build_checkpointer(self, checkpointing: bool) -> None:
-        """TorchTitan's CheckpointManager over the actor (the critic's states as extra states); it
-        also loads the HF weights when no checkpoint exists (with ``checkpointing`` False, only
-        that). Collective over every rank: a rank saves and loads the states of the roles it holds
-        (DCP writes the union, each rank reads its own keys), a role elsewhere is :class:`_Absent`."""
-        lc = self.recipe.learner
-        keep = lc.keep_checkpoints
-        everywhere = self.meshes["actor"].whole_world
-        extra_states: dict[str, Any] = {}
-        if self.critic is not None:
-            extra_states = self.critic.states()
-        elif self.with_critic:
-            extra_states = {k: _Absent() for k in CRITIC_STATES}
-        self.checkpointer = CheckpointManager.Config(
-            enable=True,
-            folder="checkpoints",
-            interval=lc.checkpoint_every or (1 << 40),
-            keep_latest_k=0 if keep == 0 else max(keep, 2),
-            # the HF weights: through the manager when every rank holds the actor, else
-            # :meth:`_load` loads them on the actor's ranks (the adapter wants every key)
-            initial_load_path=str(self.model_dir.resolve()) if everywhere else None,
-            initial_load_in_hf=everywhere,
-            initial_load_model_only=True,
-            last_save_model_only=False,
-            async_mode="async" if lc.checkpoint_async else "disabled",
-            load_only=not checkpointing,
-        ).build(
-            dataloader=None,
-            model_parts=[self.model] if self.model is not None else [],
-            optimizers=self.optimizers if self.optimizers is not None else _Absent(),
-            lr_schedulers=self.lr_schedulers if self.lr_schedulers is not None else _Absent(),
-            states={"learner": self._state, **extra_states},
-            sd_adapter=self.adapter,
-            base_folder=str(self.run_dir) if checkpointing else str(self.run_dir / ".no-ckpt"),
-        )
 
     def reallocation(self) -> Reallocation:
         """The critic and the reference placed with ``offload: true`` give their device memory back
@@ -365,13 +316,14 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpointer.folder)
+        return self.checkpoints.folder
 
     def latest_checkpoint_step(self) -> int:
         """The highest complete ``step-N`` in the run's checkpoint folder, or -1."""
-        return self.checkpointer._find_load_step() if self.checkpointing else -1
+        return self.checkpoints.latest_step()
 
     def _load(self) -> None:
+        """The latest checkpoint (with ``run.resume``), else the HF weights of ``model.path``."""
         step = self.latest_checkpoint_step()
         if step >= 0 and not self.recipe.run.resume:
             raise LearnerError(
@@ -379,12 +331,11 @@ class Trainer:
                 "set run.resume=true to continue it or pick another run.name"
             )
         self.resumed = step >= 0  # the actor holds a checkpoint's weights, not model.path's
-        self.checkpointer.load()  # the latest step-N, else the HF weights of model.path
+        state = self.checkpoints.load()
         actor = self.meshes["actor"]
         if step < 0 and not actor.whole_world and actor.holds:
             self.build.load_hf(self.model, self.adapter, self.model_dir, group=actor.group)
-        if step >= 0:
-            state = json.loads(self._state.text)
+        if state is not None:
             self.version = int(state.get("version", step))
             self.source_state = state.get("source")
             if self.source is not None and self.source_state is not None and self.rank == 0:
@@ -395,16 +346,14 @@ class Trainer:
 
         Saves when the version is a multiple of ``learner.checkpoint_every`` or when ``force``.
         """
-        if not self.checkpointing:
-            return False
-        if not (force or self.checkpointer._should_save(self.version)):
+        if not self.checkpoints.due(self.version, force=force):
             return False
         self.free_gradients()
         self.realloc.reload_all()  # the critic's state, offloaded after its calls
         src = self.source.state_dict() if self.source is not None and self.rank == 0 else None
         text = json.dumps({"version": self.version, "source": src})
-        self._state.text = broadcast_bytes(text.encode() if self.rank == 0 else None).decode()
-        return self.checkpointer.save(curr_step=self.version, last_step=force)
+        text = broadcast_bytes(text.encode() if self.rank == 0 else None).decode()
+        return self.checkpoints.save(self.version, text, last=force)
 
     def free_gradients(self) -> None:
         """Drop the last step's gradients and give their memory back before a checkpoint or an
@@ -417,11 +366,10 @@ class Trainer:
         malloc.release_freed_memory()
 
     def wait_for_checkpoint(self) -> None:
-        self.checkpointer.maybe_wait_for_saving()
+        self.checkpoints.wait()
 
     def close(self) -> None:
-        self.checkpointer.maybe_wait_for_saving()
-        self.checkpointer.close()
+        self.checkpoints.close()
 
     # ------------------------------------------------------------------------------------------
     # Weights out
@@ -441,7 +389,7 @@ class Trainer:
         self.free_gradients()
         return export.export_hf(
             self.model,
-            self.checkpointer,
+            self.checkpoints.manager,
             path,
             dtype=dtype or self.recipe.model.dtype,
             source=self.model_dir,
