@@ -1,6 +1,7 @@
 """The built-in engine as one object: the model, its tokenizer, the scheduler that owns the decode
-thread, and the weight store; its endpoints come in two groups over these, the serving ones
-(``generate_api``) and the weight ones (``weight_api``). No HTTP here (``server``).
+thread, and the weight store. Its endpoints come in two groups over it, the serving ones
+(``generate_api``) and the weight ones (``weight_api``), which the server puts together (``server``);
+they know this object, not it them. No HTTP here.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import torch
 from asyncrl import malloc
 from asyncrl.gpu import cuda_uuid, engine_device
 from asyncrl.recipe import Dtype
-from asyncrl.rollout.engine.generate_api import GenerateAPI
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.replies import BadRequest
 from asyncrl.rollout.engine.sampling import original_logprob
 from asyncrl.rollout.engine.scheduler import Scheduler
-from asyncrl.rollout.engine.weight_api import WeightAPI
 from asyncrl.rollout.engine.weights import WeightStore
 
 
@@ -58,8 +57,6 @@ class Engine:
     hf_model: Any = None
     scheduler: Scheduler = None  # type: ignore[assignment]
     store: WeightStore = None  # type: ignore[assignment]
-    generation: GenerateAPI = None  # type: ignore[assignment]
-    weights: WeightAPI = None  # type: ignore[assignment]
     _tok_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -90,8 +87,6 @@ class Engine:
             original_logprob=config.original_logprob,
         )
         eng.scheduler.start()
-        eng.generation = GenerateAPI(eng)
-        eng.weights = WeightAPI(eng)
         return eng
 
     def close(self) -> None:

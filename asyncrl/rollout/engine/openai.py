@@ -26,6 +26,7 @@ from asyncrl.rollout.tools import QwenToolCallStream, parse_qwen_tool_calls
 
 if TYPE_CHECKING:
     from asyncrl.rollout.engine.api import Engine
+    from asyncrl.rollout.engine.generate_api import GenerateAPI
 
 
 def v1_models(engine: Engine) -> Reply:
@@ -42,8 +43,9 @@ def v1_models(engine: Engine) -> Reply:
     return Reply(200, {"object": "list", "data": [card]})
 
 
-def v1_completions(engine: Engine, body: dict) -> Reply:
+def v1_completions(api: GenerateAPI, body: dict) -> Reply:
     """``/v1/completions``, non-streaming: the fields RL clients use, mapped onto /generate."""
+    engine = api.engine
     _check_model(engine, body)
     if body.get("stream"):
         raise BadRequest("stream is not supported on /v1/completions by the built-in engine")
@@ -62,7 +64,7 @@ def v1_completions(engine: Engine, body: dict) -> Reply:
     if n_lp:
         gen["top_logprobs_num"] = n_lp
     gen["return_text_in_logprobs"] = True
-    reply = engine.generation.generate(gen)
+    reply = api.generate(gen)
     if reply.status != 200:
         return reply
     outs = reply.body if isinstance(reply.body, list) else [reply.body]
@@ -376,9 +378,10 @@ def _generate_body(engine: Engine, req: ChatRequest, prompt: list[int], *, strea
     }
 
 
-def v1_chat_completions(engine: Engine, body: dict) -> Reply:
+def v1_chat_completions(api: GenerateAPI, body: dict) -> Reply:
     """``/v1/chat/completions``: the chat rendered by the model's own template, tool calls in
     Qwen's ``<tool_call>`` format parsed into ``tool_calls``; streamed as SSE chunks if asked."""
+    engine = api.engine
     _check_model(engine, body)
     req = ChatRequest.parse(body, vocab_size=engine.vocab_size)
     prompt = _prompt_ids(engine, req)
@@ -386,12 +389,12 @@ def v1_chat_completions(engine: Engine, body: dict) -> Reply:
     model = body.get("model") or engine.served_name
     if req.stream:
         try:
-            reqs, _ = engine.generation.start(gen)
+            reqs, _ = api.start(gen)
         except BadRequest as e:
             raise _rewrap(e) from None
-        return Reply(stream=_chat_stream(engine, req, reqs, model))
+        return Reply(stream=_chat_stream(api, req, reqs, model))
     try:
-        reply = engine.generation.generate(gen)
+        reply = api.generate(gen)
     except BadRequest as e:
         raise _rewrap(e) from None
     if reply.status != 200:
@@ -474,7 +477,7 @@ def _held_stop(text: str, stops: list[str]) -> int:
     return held
 
 
-def _chat_stream(engine: Engine, req: ChatRequest, reqs: list, model: str) -> Iterator[bytes]:
+def _chat_stream(api: GenerateAPI, req: ChatRequest, reqs: list, model: str) -> Iterator[bytes]:
     """SSE chunks as SGLang sends them: per choice a first ``role`` delta, content and
     ``tool_calls`` deltas, a last chunk with ``finish_reason``; then usage if asked, and [DONE]."""
     stops = req.sampling.get("stop") or []
@@ -508,7 +511,7 @@ def _chat_stream(engine: Engine, req: ChatRequest, reqs: list, model: str) -> It
 
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    updates = engine.generation.updates(reqs)
+    updates = api.updates(reqs)
     try:
         for i, res, final in updates:
             meta = res["meta_info"]

@@ -28,7 +28,9 @@ from urllib.parse import parse_qs, urlparse
 
 from asyncrl.recipe import Dtype, EngineDevice
 from asyncrl.rollout.engine import openai
+from asyncrl.rollout.engine.generate_api import GenerateAPI
 from asyncrl.rollout.engine.replies import BadRequest, Reply
+from asyncrl.rollout.engine.weight_api import WeightAPI
 
 if TYPE_CHECKING:
     from asyncrl.rollout.engine.api import Engine, EngineConfig
@@ -38,9 +40,9 @@ MAX_BODY = 256 << 20
 
 
 def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
-    if not hasattr(engine, "generation"):  # a Classifier
+    if hasattr(engine, "routes"):  # a Classifier
         return engine.routes()
-    g, w = engine.generation, engine.weights
+    g, w = GenerateAPI(engine), WeightAPI(engine)
     return {
         "/generate": g.generate,
         "/model_info": lambda b: Reply(200, g.model_info()),
@@ -64,8 +66,8 @@ def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
         "/get_weights_by_name": w.get_weights_by_name,
         "/weights_checker": w.weights_checker,
         "/v1/models": lambda b: openai.v1_models(engine),
-        "/v1/completions": lambda b: openai.v1_completions(engine, b),
-        "/v1/chat/completions": lambda b: openai.v1_chat_completions(engine, b),
+        "/v1/completions": lambda b: openai.v1_completions(g, b),
+        "/v1/chat/completions": lambda b: openai.v1_chat_completions(g, b),
     }
 
 
