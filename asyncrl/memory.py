@@ -22,6 +22,9 @@ MASTER_BYTES = 4
 ``model.dtype``: the model is built in float32 and FSDP2's mixed precision casts only the gathered
 copies used for compute (TorchTitan's ``mixed_precision_param``), reducing in float32."""
 
+REDUCE_BYTES = 4
+"""FSDP2 reduce-scatters gradients in TorchTitan's ``mixed_precision_reduce``, float32."""
+
 GiB = 2**30
 
 
@@ -236,7 +239,10 @@ def learner_plan(
       at the actor's size: its one-output head is smaller than the actor's vocabulary projection,
       so this is an upper bound).
     - FSDP gather: the largest FSDP unit in the compute dtype, three times: the unit being computed,
-      the next one prefetched, and the unsharded gradient before its reduce-scatter.
+      the next one prefetched, and the unsharded gradient before its reduce-scatter; and once in
+      float32, the reduce-scatter's input, into which FSDP2 copies that gradient in its reduce dtype
+      (TorchTitan's ``mixed_precision_reduce``: float32) and which it keeps until the next unit's
+      reduce-scatter (torch's ``foreach_reduce``; one such buffer at a time by default).
     - activations: :func:`activation_bytes_per_token` × the largest micro-batch, ``max(
       micro_batch_tokens, max_seq_len)`` tokens (a longer sequence gets a micro-batch of its own),
       and no more than this rank's share of one update, ``ceil(samples_per_update / ranks)``
@@ -261,7 +267,9 @@ def learner_plan(
         optimizer=2 * MASTER_BYTES * shard,
         reference=MASTER_BYTES * shard if reference_model else 0,
         critic=4 * MASTER_BYTES * shard if critic_model else 0,
-        fsdp_gather=math.ceil(3 * dims.largest_fsdp_unit * compute / tensor_parallel),
+        fsdp_gather=math.ceil(
+            (3 * compute + REDUCE_BYTES) * dims.largest_fsdp_unit / tensor_parallel
+        ),
         activations=tokens * per_token,
         logits=logits_chunk_bytes(dims.vocab, min(chunk_tokens, tokens)),
         weight_snapshot=snapshots * p * DTYPE_BYTES[weights_dtype],

@@ -159,7 +159,7 @@ def test_8b_on_16_ranks_fits_an_80_gib_gpu_with_full_checkpointing(tmp_path):
     d.device = _gpu(80)
     (c,) = d.check_learner_memory()
     assert c.ok, c.detail
-    assert c.detail.startswith("rank 0 needs 70.7 GiB")  # 75,959,383,040 bytes (test_memory_plan)
+    assert c.detail.startswith("rank 0 needs 73.1 GiB")  # 78,448,718,848 bytes (test_memory_plan)
     assert "checkpointing full" in c.detail
 
 
@@ -180,16 +180,16 @@ def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
     d.device = _gpu(80)
     (c,) = d.check_learner_memory()
     assert not c.ok
-    # 398.4 GiB needed, activations 356.5 GiB of it; one 8,192-token sequence alone does not fit 80 GiB
+    # 400.7 GiB needed, activations 356.5 GiB of it; one 8,192-token sequence alone does not fit 80 GiB
     # next to the rest (room for 7,009 tokens), so only checkpointing is offered
-    assert c.detail.startswith("rank 0 needs 398.4 GiB")
+    assert c.detail.startswith("rank 0 needs 400.7 GiB")
     assert "does not fit by" in c.detail and "(largest: activations 356.5 GiB)" in c.detail
-    assert "set learner.activation_checkpointing=full (70.7 GiB)" in c.detail
+    assert "set learner.activation_checkpointing=full (73.1 GiB)" in c.detail
     assert "micro_batch_tokens" not in c.detail
     d.device = _gpu(120)
     (c,) = d.check_learner_memory()
-    # (120 GiB − 44,955,087,872 bytes) // 5,840,896 bytes per token = 14,363 tokens
-    assert "set learner.micro_batch_tokens=14363" in c.detail
+    # (120 GiB − 47,444,423,680 bytes) // 5,840,896 bytes per token = 13,937 tokens
+    assert "set learner.micro_batch_tokens=13937" in c.detail
 
 
 def _placed(tmp_path: Path, *placement: str) -> tuple[Doctor, dict[str, Check]]:
@@ -203,7 +203,7 @@ def _placed(tmp_path: Path, *placement: str) -> tuple[Doctor, dict[str, Check]]:
 def test_placement_per_rank_on_8_gpus(tmp_path):
     """PPO with a critic and a KL term, Qwen3-8B on 8 GPUs: the actor and its reference on ranks
     0-5, the critic on 6-7 (test_memory_plan has the numbers by hand). The critic's ranks are the
-    fullest (93.4 GiB): they do not fit an 80 GiB GPU, and the learner's verdict is theirs."""
+    fullest (95.7 GiB): they do not fit an 80 GiB GPU, and the learner's verdict is theirs."""
     placed = ["placement.actor.ranks=[0,1,2,3,4,5]", "placement.critic.ranks=[6,7]"]
     d, by_name = _placed(tmp_path, *placed)
     assert by_name["placement"].detail == (
@@ -212,16 +212,16 @@ def test_placement_per_rank_on_8_gpus(tmp_path):
     )
     assert list(by_name) == ["placement", "rank 0", "ranks 1-5", "ranks 6-7"]
     assert by_name["ranks 1-5"].ok and by_name["ranks 1-5"].detail.startswith(
-        "actor, ref: states actor 20.3 + ref 5.09 GiB; peak 58.0 GiB; by phase: values, ref 29.2; "
-        "train_actor, train_critic 58.0"
+        "actor, ref: states actor 20.3 + ref 5.09 GiB; peak 60.3 GiB; by phase: values, ref 31.5; "
+        "train_actor, train_critic 60.3"
     )
     assert "(with the weight snapshot 30.5)" in by_name["rank 0"].detail
     six = by_name["ranks 6-7"]
-    assert not six.ok and six.detail.startswith("critic: states critic 61.0 GiB; peak 93.4 GiB")
+    assert not six.ok and six.detail.startswith("critic: states critic 61.0 GiB; peak 95.7 GiB")
     assert six.detail.endswith("does not fit the smallest GPU's 80.0 GiB free")
     (c,) = d.check_learner_memory()
     assert not c.ok
-    assert c.detail.startswith("with placement the fullest rank, 6, needs 93.4 GiB at its peak")
+    assert c.detail.startswith("with placement the fullest rank, 6, needs 95.7 GiB at its peak")
     assert "(largest: critic states 61.0 GiB on rank 6)" in c.detail
     d.device = _gpu(96)
     assert all(c.ok for c in d.check_placement() + d.check_learner_memory())
@@ -237,7 +237,7 @@ def test_reallocation_lowers_the_peak_it_can(tmp_path):
         "critic on ranks 0-7 (TP 1 × DP 8, offloaded between calls); "
         "ref on ranks 0-7 (TP 1 × DP 8, offloaded between calls)"
     )
-    assert "peak 63.1 GiB with offload, 66.9 GiB without;" in by_name["ranks 1-7"].detail
+    assert "peak 65.4 GiB with offload, 69.2 GiB without;" in by_name["ranks 1-7"].detail
     d.device = Device(cuda=False, gpus=[], host_available=2048 * GiB, host_total=2048 * GiB)
     (said, *_) = d.check_placement()
     assert said.detail.endswith(

@@ -107,12 +107,13 @@ def test_qwen3_8b_on_16_ranks_rank_0():
     assert plan.params == plan.grads == 4 * shard == 2_047_683_840
     assert plan.optimizer == 8 * shard == 4_095_367_680
     assert plan.reference == 0
-    assert plan.fsdp_gather == 3 * 622_333_952 * 2 == 3_734_003_712
+    # three bfloat16 copies of the largest unit, and its float32 reduce-scatter input
+    assert plan.fsdp_gather == (3 * 2 + 4) * 622_333_952 == 6_223_339_520
     assert plan.tokens == 65_536
     assert plan.activations == 65_536 * 473_088 == 31_004_295_168
     assert plan.logits == 110 * 151_936 * 16 == 267_407_360
     assert plan.weight_snapshot == 2 * 8_190_735_360 * 2 == 32_762_941_440  # overlap: two copies
-    assert plan.total == 75_959_383_040  # 70.7 GiB: fits an 80 GB GPU
+    assert plan.total == 78_448_718_848  # 73.1 GiB: fits an 80 GB GPU
     other = _plan_8b("full", rank0=False)
     assert other.total == plan.total - plan.weight_snapshot
     assert plan.checkpoint_staging == 0  # a synchronous checkpoint stages nothing
@@ -121,7 +122,7 @@ def test_qwen3_8b_on_16_ranks_rank_0():
     assert none.activations == 382_788_960_256
     # everything but activations (what a smaller micro-batch cannot shrink):
     # 2·2,047,683,840 + 4,095,367,680 + 3,734,003,712 + 267,407,360 + 32,762,941,440 bytes
-    assert none.fixed == 44_955_087_872
+    assert none.fixed == 47_444_423_680
 
 
 def test_qwen3_0_6b_on_4_ranks_with_a_reference_model_and_no_overlap():
@@ -141,13 +142,13 @@ def test_qwen3_0_6b_on_4_ranks_with_a_reference_model_and_no_overlap():
     shard = 596_049_920 // 4  # 149,012,480
     assert plan.params == plan.grads == plan.reference == 4 * shard == 596_049_920
     assert plan.optimizer == 1_192_099_840
-    assert plan.fsdp_gather == 3 * 155_583_488 * 2 == 933_500_928
+    assert plan.fsdp_gather == (3 * 2 + 4) * 155_583_488 == 1_555_834_880
     # none: 4·1024 + 3·2048 + 3·1024 + 4·3072 = 25,600 per layer; (28·25,600 + 2·1024)·2 bytes
     assert plan.activation_bytes_per_token == 1_437_696
     assert plan.activations == 32_768 * 1_437_696 == 47_110_422_528
     assert plan.weight_snapshot == 596_049_920 * 2 == 1_192_099_840
     # params, grads, reference + AdamW, snapshot + gather + activations + logits chunk
-    assert plan.total == 52_483_680_256  # 48.9 GiB
+    assert plan.total == 53_106_014_208  # 49.5 GiB
 
 
 def test_a_critic_adds_its_params_grads_and_adamw_and_its_checkpoint_staging():
@@ -185,7 +186,7 @@ def test_float32_learner_and_a_sequence_longer_than_the_micro_batch():
     )
     assert plan.tokens == 4096
     assert plan.params == 4 * 596_049_920
-    assert plan.fsdp_gather == 3 * 155_583_488 * 4
+    assert plan.fsdp_gather == (3 * 4 + 4) * 155_583_488
     assert plan.activations == 4096 * 4 * (28 * 1024 + 25_600 + 2048)
     assert plan.weight_snapshot == 2 * 596_049_920 * 2  # the wire dtype: bfloat16
 
@@ -313,7 +314,8 @@ def test_disjoint_roles_each_rank_holds_its_own():
     six, two = math.ceil(P8B / 6), P8B // 2  # 1,365,122,560 and 4,095,367,680 parameters
     assert plans[1].states == {"actor": 16 * six, "ref": 4 * six}
     assert plans[6].states == {"critic": 16 * two}  # 65.5 GB: a quarter of the ranks, 3× a shard
-    gather = 3 * 622_333_952 * 2  # the largest unit (norm + output projection), bfloat16
+    # the largest unit (norm + output projection): three bfloat16 copies, a float32 reduce input
+    gather = (3 * 2 + 4) * 622_333_952
     activations = 65_536 * 473_088  # full checkpointing, 65,536 tokens
     logits = 110 * 151_936 * 16
     # rank 1: the ref's forward (gather + logits) and the actor's update (+ activations)
@@ -326,7 +328,7 @@ def test_disjoint_roles_each_rank_holds_its_own():
         "values, ref": 16 * two + gather,
         "train_actor, train_critic": 16 * two + gather + activations,
     }
-    assert plans[6].peak == 100_264_181_760  # 93.4 GiB: the critic's two ranks are the fullest
+    assert plans[6].peak == 102_753_517_568  # 95.7 GiB: the critic's two ranks are the fullest
     assert plans[0].weight_snapshot == 2 * P8B * 2 and plans[0].peak == plans[1].peak + 2 * P8B * 2
     assert plans[7].weight_snapshot == 0
 
