@@ -8,7 +8,7 @@ broadcast per tensor. Pure logic: no process groups or HTTP here.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,16 +46,23 @@ class Bucket:
         }
 
 
-def make_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    b = Bucket()
+def make_buckets(
+    named: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    nbytes: Callable[[torch.Tensor], int] | None = None,
+) -> Iterator[Bucket]:
+    """Group tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor goes alone).
+    ``nbytes``: a tensor's size as it will be sent (after a cast to the wire dtype); its own size
+    if None."""
+    b, size = Bucket(), 0
     for name, t in named:
-        size = t.numel() * t.element_size()
-        if b.names and b.nbytes + size > bucket_bytes:
+        s = t.numel() * t.element_size() if nbytes is None else nbytes(t)
+        if b.names and size + s > bucket_bytes:
             yield b
-            b = Bucket()
+            b, size = Bucket(), 0
         b.names.append(name)
         b.tensors.append(t)
+        size += s
     if b.names:
         yield b
 

@@ -30,7 +30,8 @@ from asyncrl.generator_http import WeightsClient
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.client import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.weights.broadcaster import SyncReport, WeightBroadcaster
+from asyncrl.weights.broadcaster import WeightBroadcaster
+from asyncrl.weights.sync import SyncReport
 from asyncrl.wire import GeneratorInfo
 
 pytestmark = pytest.mark.sglang

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncrl import wire  # noqa: E402
 from asyncrl.recipe import WeightsConfig  # noqa: E402
-from asyncrl.weights.broadcaster import WeightBroadcaster, drop_tied  # noqa: E402
+from asyncrl.weights.broadcaster import WeightBroadcaster  # noqa: E402
 from asyncrl.weights.buckets import checksum  # noqa: E402
+from asyncrl.weights.snapshot import drop_tied  # noqa: E402
 from tests.weights.test_broadcast import make_trainer, sft_batch  # noqa: E402
 
 

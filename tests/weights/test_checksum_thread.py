@@ -21,7 +21,9 @@ from asyncrl.buffer.service import BufferService
 from asyncrl.control import ControlPlane
 from asyncrl.recipe import BufferConfig, WeightsConfig
 from asyncrl.weights import buckets
-from asyncrl.weights.broadcaster import Snapshot, SyncReport, WeightBroadcaster
+from asyncrl.weights.broadcaster import WeightBroadcaster
+from asyncrl.weights.snapshot import Snapshot
+from asyncrl.weights.sync import SyncReport
 
 pytestmark = pytest.mark.slow  # a second of hashing, real sockets
 
@@ -46,7 +48,7 @@ def test_the_buffer_answers_while_the_checksum_of_a_large_state_runs():
     def verify() -> None:  # as the sender does after a version, with no generator to ask
         t0 = time.monotonic()
         try:
-            plane.run(b._verify, snap, report)
+            plane.run(b.sync.verify, snap, report)
         finally:
             took.append(time.monotonic() - t0)
             done.set()

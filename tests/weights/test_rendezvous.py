@@ -1,17 +1,19 @@
 """Which backend a weight-update group is built with (``weights.backend``), on a machine with CUDA
 as on one without: the choice takes whether CUDA is available (and rank 0's GPU) as arguments, so
-a CPU machine decides as a GPU host would. The broadcaster and its members are the real ones (rank
-1: no sender task, nothing sent); what a member reports comes from a real engine's /server_info."""
+a CPU machine decides as a GPU host would. The members are the real ones (nothing sent); what a
+member reports comes from a real engine's /server_info."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 
 from asyncrl import gpu
 from asyncrl.generator_http import WeightsClient
-from asyncrl.recipe import WeightsConfig
 from asyncrl.weights import rendezvous
-from asyncrl.weights.broadcaster import Member, WeightBroadcaster
+from asyncrl.weights.groups import ask_server, backend_for
+from asyncrl.weights.members import Member
 from asyncrl.wire import GeneratorInfo
 
 
@@ -71,8 +73,6 @@ def test_the_broadcaster_picks_gloo_when_a_member_cannot_join_nccl():
     """Decided per group build from what the members report: a built-in engine on CPU (or one
     that reports no device) or on rank 0's own GPU makes the group gloo on a CUDA host; SGLang
     and built-in engines on other GPUs get NCCL."""
-    b = WeightBroadcaster(WeightsConfig(backend="auto"), rank=1)
-    explicit = WeightBroadcaster(WeightsConfig(backend="nccl"), rank=1)
     sglang, old = _member("sglang", 1), _member("builtin", 2)
     on_cpu = _member("builtin", 3, "cpu")
     elsewhere, beside = (
@@ -80,36 +80,33 @@ def test_the_broadcaster_picks_gloo_when_a_member_cannot_join_nccl():
         _member("builtin", 5, "cuda", "GPU-0"),
     )
     members = (sglang, old, on_cpu, elsewhere, beside)
+    auto = functools.partial(backend_for, "auto", cuda=True, sender_gpu="GPU-0")
     try:
-        assert b._backend_for([sglang], cuda=True, gpu="GPU-0") == "nccl"
-        assert b._backend_for([sglang, elsewhere], cuda=True, gpu="GPU-0") == "nccl"
-        assert b._backend_for([elsewhere], cuda=True, gpu="GPU-0") == "nccl"
-        assert b._backend_for([sglang, old], cuda=True, gpu="GPU-0") == "gloo"
-        assert b._backend_for([elsewhere, on_cpu], cuda=True, gpu="GPU-0") == "gloo"
-        assert b._backend_for([beside], cuda=True, gpu="GPU-0") == "gloo"
-        assert b._backend_for([sglang, elsewhere], cuda=False, gpu="GPU-0") == "gloo"
-        assert explicit._backend_for([sglang], cuda=False) == "nccl"
+        assert auto([sglang]) == "nccl"
+        assert auto([sglang, elsewhere]) == "nccl"
+        assert auto([elsewhere]) == "nccl"
+        assert auto([sglang, old]) == "gloo"
+        assert auto([elsewhere, on_cpu]) == "gloo"
+        assert auto([beside]) == "gloo"
+        assert backend_for("auto", [sglang, elsewhere], cuda=False, sender_gpu="GPU-0") == "gloo"
+        assert backend_for("nccl", [sglang], cuda=False, sender_gpu=None) == "nccl"
     finally:
         for m in members:
             m.client.close()
-        b.close()
-        explicit.close()
 
 
 def test_a_built_in_engine_reports_where_it_runs(rollout_engine):
     """The engine answers SGLang's /server_info with its device (and GPU), one rank and no radix
     cache; the broadcaster reads it before a group build, so an engine on CPU gets gloo even on a
     CUDA host."""
-    b = WeightBroadcaster(WeightsConfig(backend="auto", pause_mode="in_place"), rank=1)
     info = GeneratorInfo(url=rollout_engine.url, kind="builtin")
     m = Member(info=info, client=WeightsClient(info, timeout_s=10.0))
     try:
         server = m.client.server_info()
         assert server is not None and server["device"] == "cpu" and server["gpu_uuid"] is None
         assert server["dtype"] == "float32"  # on CPU as always, whatever model.dtype says
-        assert b._server_ranks(m) == 1  # one rank, and not refused for a radix cache
+        assert ask_server(m, "in_place") == 1  # one rank, and not refused for a radix cache
         assert m.device == "cpu" and m.gpu_uuid is None and m.needs_gloo("GPU-0")
-        assert b._backend_for([m], cuda=True, gpu="GPU-0") == "gloo"
+        assert backend_for("auto", [m], cuda=True, sender_gpu="GPU-0") == "gloo"
     finally:
         m.client.close()
-        b.close()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from asyncrl.weights import buckets
-from asyncrl.weights.broadcaster import drop_tied, make_snapshot
 from asyncrl.weights.exports import VERSION_FILE, latest_export
+from asyncrl.weights.snapshot import drop_tied, make_snapshot
 
 
 def _named(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -197,14 +197,14 @@ def main() -> None:
                 ratios[f].append(raw_r / wall)  # paired: measured back to back
         cfg.load_format = default = WeightsConfig().load_format
         raw.close()
-        b.verify = True  # verification cost: checksums on both sides, after the update
+        b.sync.verifies = True  # verification cost: checksums on both sides, after the update
         version += 1
         t0 = time.perf_counter()
         b.publish(version, named, owned=True)
         vr = b.reports[-1]
         verify_s = time.perf_counter() - t0 - vr.sync_s - vr.snapshot_s
         assert vr.checksum_ok == {engine.url: True}, vr
-        b.verify = False
+        b.sync.verifies = False
         ratio = {f: statistics.median(v) for f, v in ratios.items()}
         bw_ratio = ratio[default]
         gbps = {k: nbytes / v / 1e9 for k, v in best.items()}

@@ -9,7 +9,6 @@ the swap costs microseconds whatever the model size.
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.weights import buckets, rendezvous
+from asyncrl.weights.threads import BACKGROUND_NICE, lower_priority
 
 NO_SESSION = (
     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
@@ -50,17 +50,14 @@ class Receiver:
     receives broadcasts. On a loaded machine the receive then takes the decode loop's leftovers
     instead of competing with it; gloo's own I/O threads, created here, inherit the priority."""
 
-    def __init__(self, nice: int = 10):
+    def __init__(self, nice: int = BACKGROUND_NICE):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._nice = nice
         self._thread = threading.Thread(target=self._loop, name="engine-weights", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        try:  # Linux: a thread id here sets this thread's niceness only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-        except (OSError, AttributeError):
-            pass
+        lower_priority(self._nice)
         while True:
             fn, box, done = self._jobs.get()
             try:
