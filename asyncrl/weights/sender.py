@@ -85,8 +85,8 @@ class Sender:
     async def hold(self, fn: Hold) -> None:
         """Once nothing is in flight, hold the generators while ``fn`` runs."""
         await self._idle.wait()
-        self._holding = True
         self._start(None, fn)
+        self._holding = True  # after the start: a stopped sender holds nothing
 
     async def wait_idle(self, timeout: float) -> bool:
         """Nothing in flight (False: still something after ``timeout`` seconds)."""
@@ -97,11 +97,12 @@ class Sender:
 
     def _start(self, job: Job | None, hold: Hold | None) -> None:
         assert self._work is not None and self._idle.is_set()
+        # sent first: to a stopped sender it raises, and nothing may then wait for this run's end
+        self._work.send_nowait((job, hold))
         self._running = True
         self._idle = trio.Event()
         if job is not None:
             self._sent = trio.Event()
-        self._work.send_nowait((job, hold))
 
     def _niced(self, fn: Hold) -> None:
         if self.nice:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable
 
+import pytest
 import trio
 import trio.testing
 
@@ -132,3 +133,35 @@ def test_a_hold_keeps_the_next_version_back_until_it_returns():
     sender = Sender()
     run(test, sender)
     assert hold.calls == [None] and sender.skipped == 0
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_hand_over_never_waits_on_a_stopped_sender():
+    """A job that raises stops the sender; the next hand-over fails at once instead of waiting
+    for a version that will never be out (the training thread would hang in publish)."""
+    sender = Sender()
+
+    async def failing() -> int:
+        raise Boom
+
+    async def serve(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with pytest.raises(Boom):
+            await sender.serve(task_status=task_status)
+
+    async def main() -> None:
+        with trio.fail_after(BOUND_S):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve)
+                await sender.hand_over(1, failing)
+            assert not sender.running and await sender.wait_idle(BOUND_S)
+            with pytest.raises(trio.BrokenResourceError):
+                await sender.hand_over(2, Versions().job(2))
+            with pytest.raises(trio.BrokenResourceError):
+                await sender.hold(Hold())
+            with pytest.raises(trio.BrokenResourceError):  # not kept as pending behind that hold
+                await sender.hand_over(3, Versions().job(3))
+
+    trio.run(main)
