@@ -602,7 +602,7 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
             if r.error:
                 figs[f"v{version}_error"] = r.error[-300:]
             named = {k: v.add_(1e-3) for k, v in named.items()}  # a changed model for v2
-        figs["backend"] = b.backend
+        figs["backend"] = b.groups[engine.url].spec.backend  # the engine's own group's
         figs["checksum"] = r.checksum
         figs["gb_per_s"] = round(figs["mib_bf16"] * 2**20 / max(figs["v2_sync_s"], 1e-9) / 1e9, 3)
         # sampling on the engine's device (its generator, top-p), with the weights just received
