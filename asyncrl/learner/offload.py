@@ -3,8 +3,8 @@ before the next (``placement.<role>.offload``; docs/placement.md).
 
 Roles that share ranks run one after another (π_ref's forward, then the critic's values, then the
 actor's updates...), yet each keeps its float32 parameters, gradients and AdamW moments on the
-device all the time. :class:`Offloader` copies a role's tensors to host memory (pinned on CUDA) and
-frees their device storage (``untyped_storage().resize_(0)``, as FSDP2 frees its all-gather
+device all the time. :class:`Offloader` copies a role's tensors to host memory (page-locked on
+CUDA: :func:`host_buffer`) and frees their device storage (``untyped_storage().resize_(0)``, as FSDP2 frees its all-gather
 buffers), then reallocates the SAME storages and copies the bytes back. Every tensor keeps its
 storage object, so FSDP2 (its ``FSDPParam`` keeps the padded shard ``_sharded_param_data``, of
 which the parameter's local tensor is a view), the optimizer (its state is keyed by the parameter
@@ -20,6 +20,7 @@ Pure mechanism: which roles offload, and when, is the trainer's (it reads the re
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,70 @@ def role_tensors(
                     yield _local(v)
 
 
+HOST_ALIGN = 512
+"""Each storage's bytes start at a multiple of this in its role's host buffer: the alignment of the
+device storages themselves (CUDA's caching allocator), at most 511 bytes lost per storage."""
+
+
+def host_layout(sizes: Sequence[int], align: int = HOST_ALIGN) -> tuple[list[int], int]:
+    """(offset of each storage in one host buffer, the buffer's bytes): the storages one after
+    another, each at the next multiple of ``align``."""
+    offsets, end = [], 0
+    for n in sizes:
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+def pow2_ceil(n: int) -> int:
+    """The size torch's caching host allocator reserves for a pinned request of ``n`` bytes
+    (``CachingHostAllocatorImpl::allocate``: ``c10::llvm::PowerOf2Ceil`` under the default
+    ``pinned_max_round_threshold``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def host_bytes(sizes: Sequence[int]) -> dict[str, int]:
+    """Host bytes a role's storages of ``sizes`` bytes take when offloaded, by layout:
+    ``per_storage_pinned``: one ``torch.empty(n, pin_memory=True)`` per storage, each rounded up to
+    a power of two by the caching host allocator (and kept, as the offloader keeps its buffers);
+    ``one_pinned``: one such buffer for all of them (one rounding); ``one_registered``: one plain
+    buffer page-locked with ``cudaHostRegister`` (:func:`host_buffer`, this module's layout): the
+    aligned sum, no rounding."""
+    _, total = host_layout(sizes)
+    return {
+        "storage_bytes": sum(sizes),
+        "per_storage_pinned": sum(pow2_ceil(n) for n in sizes),
+        "one_pinned": pow2_ceil(total),
+        "one_registered": total,
+    }
+
+
+def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory (uint8), page-locked if ``pin`` (CUDA) so that the copies to and
+    from the device are direct DMA.
+
+    Not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds each request
+    up to a power of two and keeps the block, up to twice a role's states in host memory for
+    good. A plain allocation of the exact size registered with ``cudaHostRegister`` instead, as
+    torch's own DCP stager pins its host copies (``torch.distributed.checkpoint``'s
+    ``_state_dict_stager``, through ``torch.cuda._pin_memory_utils``), and unregistered when the
+    buffer is collected."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        from torch.cuda import _pin_memory_utils
+
+        _pin_memory_utils.pin_memory(buf.data_ptr(), nbytes)
+        f = weakref.finalize(buf, _pin_memory_utils.unpin_memory, buf.data_ptr())
+        f.atexit = False  # not after the CUDA context is gone (as the DCP stager)
+    return buf
+
+
+def _bytes(s: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of storage ``s`` (to copy it into a slice of a host buffer)."""
+    return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (s.nbytes(),), (1,))
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Free FSDP2's unsharded (all-gathered) parameters and put the sharded ones back on the
     modules, so that the offload frees the shards and no gathered copy survives it.
@@ -72,18 +137,27 @@ class Offloader:
     """One role's model and optimizers, on the device or on the host.
 
     ``offload()`` frees the role's device storages and returns the bytes freed; ``reload()``
-    reallocates them and copies the bytes back (bitwise), returning the bytes reloaded. Host
-    buffers are kept and reused while the storages keep their sizes (pinned allocation is slow)."""
+    reallocates them and copies the bytes back (bitwise), returning the bytes reloaded. The host
+    side is ONE buffer of the storages' summed sizes, each storage at an aligned offset in it
+    (:func:`host_layout`, :func:`host_buffer`), kept and reused while the storages keep their
+    sizes (pinning is slow)."""
 
     model: torch.nn.Module
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _storages: list[torch.UntypedStorage] = field(default_factory=list, init=False)
-    _host: list[torch.UntypedStorage] = field(default_factory=list, init=False)
+    _host: torch.Tensor | None = field(default=None, init=False)
+    _sizes: list[int] = field(default_factory=list, init=False)
+    _offsets: list[int] = field(default_factory=list, init=False)
 
     @property
     def offloaded(self) -> bool:
         return bool(self._storages)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the role's host buffer (kept between offloads once made)."""
+        return 0 if self._host is None else self._host.numel()
 
     def storages(self) -> list[torch.UntypedStorage]:
         """The role's distinct, non-empty storages on ``device`` (a storage shared by several
@@ -103,13 +177,13 @@ class Offloader:
         reshard(self.model)
         storages = self.storages()
         sizes = [s.nbytes() for s in storages]
-        if [h.nbytes() for h in self._host] != sizes:
-            pin = self.device.type == "cuda"
-            self._host = [
-                torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage() for n in sizes
-            ]
-        for s, h in zip(storages, self._host, strict=True):
-            h.copy_(s, non_blocking=True)
+        if self._host is None or sizes != self._sizes:
+            self._host = None  # the old buffer goes (and is unregistered) before the new one
+            self._offsets, total = host_layout(sizes)
+            self._host = host_buffer(total, pin=self.device.type == "cuda")
+            self._sizes = sizes
+        for s, view in zip(storages, self._host_views(), strict=True):
+            view.copy_(_bytes(s), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copies, before the frees
         for s in storages:
@@ -121,12 +195,16 @@ class Offloader:
         """Reallocate the role's storages on the device and copy their bytes back."""
         if not self.offloaded:
             return 0
-        for s, h in zip(self._storages, self._host, strict=True):
-            s.resize_(h.nbytes())
-            s.copy_(h, non_blocking=True)
-        n = sum(h.nbytes() for h in self._host)
+        for s, view in zip(self._storages, self._host_views(), strict=True):
+            s.resize_(view.numel())
+            _bytes(s).copy_(view, non_blocking=True)
         self._storages = []
-        return n
+        return sum(self._sizes)
+
+    def _host_views(self) -> list[torch.Tensor]:
+        """Each storage's slice of the host buffer."""
+        assert self._host is not None
+        return [self._host[o : o + n] for o, n in zip(self._offsets, self._sizes, strict=True)]
 
 
 @dataclass(kw_only=True)

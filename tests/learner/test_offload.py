@@ -19,7 +19,15 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from asyncrl.learner.offload import Offloader, Reallocation, role_tensors
+from asyncrl.learner.offload import (
+    HOST_ALIGN,
+    Offloader,
+    Reallocation,
+    host_bytes,
+    host_layout,
+    pow2_ceil,
+    role_tensors,
+)
 from asyncrl.memory import ModelDims
 from tests.learner.test_model import make_trainer
 from tests.learner.test_step import rl_batch
@@ -73,6 +81,46 @@ def test_offload_frees_the_roles_bytes_and_reload_is_bitwise(tiny_qwen3, tmp_pat
     assert len(after) == len(before) == 5 * len(params)  # param, grad, exp_avg, exp_avg_sq, step
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     assert off.reload() == 0
+
+
+def test_the_role_offloads_into_one_host_buffer_of_its_summed_sizes(tiny_qwen3, tmp_path):
+    """One host buffer a role, each storage's bytes at its aligned offset in it, no power-of-two
+    rounding per storage (torch's caching host allocator's, for a pinned tensor each); reused by
+    the next offload; the round trip bitwise."""
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm=PPO, **RL)
+    tr.step(rl_batch(tr.spec.model.vocab_size))
+    off = Offloader(model=tr.model, optimizers=list(tr.optimizers))
+    storages = off.storages()
+    sizes = [s.nbytes() for s in storages]
+    before = [bytes(s.cpu()) for s in storages]
+    offsets, total = host_layout(sizes)
+    assert all(o % HOST_ALIGN == 0 for o in offsets)
+    assert sum(sizes) <= total < sum(sizes) + HOST_ALIGN * len(sizes)
+
+    assert off.offload() == sum(sizes)
+    assert off.host_nbytes == total < host_bytes(sizes)["per_storage_pinned"]
+    host = off._host
+    for o, n, want in zip(offsets, sizes, before, strict=True):
+        assert bytes(host[o : o + n].numpy()) == want
+    off.reload()
+    assert [bytes(s.cpu()) for s in storages] == before
+    off.offload()
+    assert off._host is host  # kept while the sizes are the same
+    off.reload()
+    assert [bytes(s.cpu()) for s in storages] == before
+
+
+def test_host_bytes_by_layout():
+    """A storage of 5,000 bytes and one of 3: the caching host allocator's pinned blocks are 8,192
+    and 4 bytes; one buffer of both, the second at offset 5,120, is 5,123 (rounded once: 8,192)."""
+    assert [pow2_ceil(n) for n in (0, 1, 3, 4, 5000, 2**30 + 1)] == [0, 1, 4, 4, 8192, 2**31]
+    assert host_layout([5000, 3]) == ([0, 5120], 5123)
+    assert host_bytes([5000, 3]) == {
+        "storage_bytes": 5003,
+        "per_storage_pinned": 8196,
+        "one_pinned": 8192,
+        "one_registered": 5123,
+    }
 
 
 def test_a_forward_only_role_also_frees_fsdps_gathered_parameters(tiny_qwen3, tmp_path):
