@@ -159,7 +159,8 @@ def test_8b_on_16_ranks_fits_an_80_gib_gpu_with_full_checkpointing(tmp_path):
     d.device = _gpu(80)
     (c,) = d.check_learner_memory()
     assert c.ok, c.detail
-    assert c.detail.startswith("rank 0 needs 73.1 GiB")  # 78,448,718,848 bytes (test_memory_plan)
+    assert c.detail.startswith("rank 0 needs 73.8 GiB")  # 78,448,718,848 bytes (test_memory_plan)
+    # at its 256 MiB logits chunk, + (441 − 110) × 151,936 × 16 at the default 1024 MiB
     assert "checkpointing full" in c.detail
 
 
@@ -180,16 +181,16 @@ def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
     d.device = _gpu(80)
     (c,) = d.check_learner_memory()
     assert not c.ok
-    # 400.7 GiB needed, activations 356.5 GiB of it; one 8,192-token sequence alone does not fit 80 GiB
-    # next to the rest (room for 7,009 tokens), so only checkpointing is offered
-    assert c.detail.startswith("rank 0 needs 400.7 GiB")
+    # 401.4 GiB needed, activations 356.5 GiB of it; one 8,192-token sequence alone does not fit 80 GiB
+    # next to the rest (room for 6,445 tokens), so only checkpointing is offered
+    assert c.detail.startswith("rank 0 needs 401.4 GiB")
     assert "does not fit by" in c.detail and "(largest: activations 356.5 GiB)" in c.detail
-    assert "set learner.activation_checkpointing=full (73.1 GiB)" in c.detail
+    assert "set learner.activation_checkpointing=full (73.8 GiB)" in c.detail
     assert "micro_batch_tokens" not in c.detail
     d.device = _gpu(120)
     (c,) = d.check_learner_memory()
-    # (120 GiB − 47,444,423,680 bytes) // 5,840,896 bytes per token = 13,937 tokens
-    assert "set learner.micro_batch_tokens=13937" in c.detail
+    # (120 GiB − 48,249,076,736 bytes) // 5,840,896 bytes per token = 13,799 tokens
+    assert "set learner.micro_batch_tokens=13799" in c.detail
 
 
 def _placed(tmp_path: Path, *placement: str) -> tuple[Doctor, dict[str, Check]]:
@@ -212,8 +213,8 @@ def test_placement_per_rank_on_8_gpus(tmp_path):
     )
     assert list(by_name) == ["placement", "rank 0", "ranks 1-5", "ranks 6-7"]
     assert by_name["ranks 1-5"].ok and by_name["ranks 1-5"].detail.startswith(
-        "actor, ref: states actor 20.3 + ref 5.09 GiB; peak 60.3 GiB; by phase: values, ref 31.5; "
-        "train_actor, train_critic 60.3"
+        "actor, ref: states actor 20.3 + ref 5.09 GiB; peak 61.1 GiB; by phase: values, ref 32.2; "
+        "train_actor, train_critic 61.1"
     )
     assert "(with the weight snapshot 30.5)" in by_name["rank 0"].detail
     six = by_name["ranks 6-7"]
@@ -237,7 +238,7 @@ def test_reallocation_lowers_the_peak_it_can(tmp_path):
         "critic on ranks 0-7 (TP 1 × DP 8, offloaded between calls); "
         "ref on ranks 0-7 (TP 1 × DP 8, offloaded between calls)"
     )
-    assert "peak 65.4 GiB with offload, 69.2 GiB without;" in by_name["ranks 1-7"].detail
+    assert "peak 66.2 GiB with offload, 70.0 GiB without;" in by_name["ranks 1-7"].detail
     d.device = Device(cuda=False, gpus=[], host_available=2048 * GiB, host_total=2048 * GiB)
     (said, *_) = d.check_placement()
     assert said.detail.endswith(

@@ -31,6 +31,7 @@ FIGURES = {
         "logp_max_abs_diff",
         "grad_hidden_rel_diff",
         "grad_head_rel_diff",
+        "chunked_by_budget",
     },
     "learner": {
         f"mb{n}_{k}"

@@ -16,6 +16,19 @@ The caller then back-propagates the hidden states' gradient through the decoder.
 structure of TorchTitan's ``ChunkedLossWrapper`` (components/loss.py), including how it keeps the
 FSDP-sharded output projection gathered across chunks and reduces its gradient once.
 
+What a chunk costs beyond its tokens' share (read in torch 2.13's FSDP2, ``_fsdp_param_group.py``
+``post_backward`` and ``_fsdp_param.py``): no collective (the projection's group stays unsharded,
+``unshard`` returns at once; with gradient sync off ``post_backward`` returns before the
+reduce-scatter; the root's final callback runs per chunk but reduces nothing), but the whole
+vocabulary × hidden matrix is touched on every chunk, whatever its size: read by the two
+forwards and the backward's ``grad @ W``, and its gradient written by ``grad_logits.T @ h`` and
+added into the accumulated one (autograd's ``grad += new``; under mixed precision FSDP's float32
+``unsharded_accumulated_grad += grad``): ~18 bytes per element with FSDP's bf16/float32 mixed
+precision, 2.8 GB at Qwen3-0.6B's 1024 × 151,936, about 0.8 ms at 3.35 TB/s. That is inherent to
+chunking the tokens (each chunk's gradient spans all of the matrix), so the chunks are made large
+enough for it to be small per token: ``learner.logits_chunk_mb``'s default, 1024 MiB, is 441 tokens
+at Qwen3's vocabulary (BENCHMARKS.md, session 14).
+
 All log-probabilities are of the tempered distribution softmax(logits / T): generators report their
 behaviour logprobs that way (docs/off-policy.md).
 """

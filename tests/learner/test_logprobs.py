@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncrl.learner.logprobs import chunk_tokens, chunked_backward, chunked_logprobs
+from asyncrl.recipe import LearnerConfig
 from tests.numerics import assert_grads_close
 
 pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
@@ -78,3 +79,9 @@ def test_chunk_size_follows_the_budget_not_the_batch():
     assert chunk_tokens(151_936, 256) == 110  # Qwen3's vocabulary: 256 MiB / (16 B × V)
     assert chunk_tokens(100, 256) == 167_772
     assert chunk_tokens(10**9, 1) == 1
+
+
+def test_the_default_chunk_is_hundreds_of_tokens_at_a_real_vocabulary():
+    """Each chunk reads the whole output projection and adds into its whole gradient (the module's
+    docstring): at Qwen3's vocabulary the default budget makes that a few hundred tokens' cost."""
+    assert chunk_tokens(151_936, LearnerConfig().logits_chunk_mb) == 441

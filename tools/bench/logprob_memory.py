@@ -142,9 +142,9 @@ def sweep_one(vocab: int, hidden: int, tokens: int, dtype: str, chunk_mb: float)
     run(chunk)
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_kib("VmRSS")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run(tokens)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     chunks = -(-tokens // chunk)
     return {
         "vocab": vocab,
@@ -155,6 +155,9 @@ def sweep_one(vocab: int, hidden: int, tokens: int, dtype: str, chunk_mb: float)
         "chunk_tokens": chunk,
         "chunks": chunks,
         "s_per_token": wall / tokens,
+        # this process's CPU time (user + system: page faults included), less moved by other
+        # jobs on the machine than the wall
+        "cpu_s_per_token": cpu / tokens,
         "peak_mib": (_status_kib("VmHWM") - before) / 1024,
         # the projection's gradient is added into once per chunk after the first: hidden × vocab
         # elements of the parameter's dtype read twice and written once each time
@@ -175,7 +178,8 @@ def sweep(a: argparse.Namespace) -> None:
             name = "whole" if mb == FULL_MB else f"{mb:g} MiB"
             print(
                 f"{dtype:>8}  {name:>9}: {row['chunk_tokens']:>5} tokens x {row['chunks']:>3} "
-                f"chunks  {row['s_per_token'] * 1e3:7.2f} ms/token  peak {row['peak_mib']:8.1f} MiB"
+                f"chunks  {row['s_per_token'] * 1e3:7.2f} ms/token (CPU time "
+                f"{row['cpu_s_per_token'] * 1e3:6.2f})  peak {row['peak_mib']:8.1f} MiB"
                 f"  grad adds {row['grad_head_add_mib']:8.0f} MiB",
                 flush=True,
             )

@@ -233,7 +233,10 @@ def step_logprobs(work: Path, dry: bool) -> dict[str, Any]:
     """log π and entropy of every token through the output projection, and their backward: the
     whole micro-batch's logits at once against ``chunked_logprobs`` + ``chunked_backward`` (the
     learner's path), at Qwen3's vocabulary in bf16. Peak memory, time, and how far values and
-    gradients differ (the same bf16 matmuls in another grouping: small, not zero)."""
+    gradients differ (the same bf16 matmuls in another grouping: small, not zero). Then the
+    chunked path's time per token and peak at other budgets (``chunked_by_budget``): each chunk
+    reads the projection and adds into its whole gradient, the cost ``logits_chunk_mb``'s default
+    was chosen against by arithmetic (asyncrl/learner/logprobs.py); this measures it."""
     import torch
 
     from asyncrl.learner.logprobs import _token_logprobs, chunk_tokens, chunked_backward
@@ -267,10 +270,10 @@ def step_logprobs(work: Path, dry: bool) -> dict[str, Any]:
         torch.autograd.backward([lp, ent], [g_lp, g_ent])
         return lp.detach(), ent.detach(), h.grad, lm.weight.grad
 
-    def chunked() -> tuple[torch.Tensor, ...]:
+    def chunked(n: int = chunk) -> tuple[torch.Tensor, ...]:
         lm = head()
-        lp, ent = chunked_fwd(h0, y, lm, temperature=temperature, chunk=chunk)
-        gh = chunked_backward(h0, y, lm, g_lp, g_ent, temperature=temperature, chunk=chunk)
+        lp, ent = chunked_fwd(h0, y, lm, temperature=temperature, chunk=n)
+        gh = chunked_backward(h0, y, lm, g_lp, g_ent, temperature=temperature, chunk=n)
         return lp, ent, gh, lm.weight.grad
 
     figs: dict[str, Any] = {
@@ -280,8 +283,9 @@ def step_logprobs(work: Path, dry: bool) -> dict[str, Any]:
         "chunk_tokens": chunk,
         "chunk_budget_mib": budget,
     }
-    out = {}
-    for name, fn in (("full", full), ("chunked", chunked)):
+
+    def measured(fn: Any) -> tuple[Any, float, float | None]:
+        """(result, seconds, peak MiB over the start) of ``fn`` after a warm-up run."""
         fn()  # warm-up: kernels, allocator
         _sync(cuda)
         gc.collect()
@@ -290,10 +294,23 @@ def step_logprobs(work: Path, dry: bool) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        out[name] = fn()
+        res = fn()
         _sync(cuda)
-        figs[f"{name}_s"] = round(time.perf_counter() - t0, 4)
-        figs[f"{name}_peak_mib"] = _mib(torch.cuda.max_memory_allocated() - base) if cuda else None
+        s = round(time.perf_counter() - t0, 4)
+        return res, s, _mib(torch.cuda.max_memory_allocated() - base) if cuda else None
+
+    out = {}
+    for name, fn in (("full", full), ("chunked", chunked)):
+        out[name], figs[f"{name}_s"], figs[f"{name}_peak_mib"] = measured(fn)
+    figs["chunked_by_budget"] = {}
+    for mb in (1.0, 16.0) if dry else (256.0, 1024.0, 4096.0):
+        n = chunk_tokens(vocab, mb)
+        _, sec, peak = measured(lambda n=n: chunked(n))
+        figs["chunked_by_budget"][f"{mb:g}"] = {
+            "chunk_tokens": n,
+            "us_per_token": round(sec / tokens * 1e6, 2),
+            "peak_mib": peak,
+        }
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         a, b = a.float(), b.float()
