@@ -3,12 +3,13 @@ before the next (``placement.<role>.offload``; docs/placement.md).
 
 Roles that share ranks run one after another (π_ref's forward, then the critic's values, then the
 actor's updates...), yet each keeps its float32 parameters, gradients and AdamW moments on the
-device all the time. :class:`Offloader` copies a role's tensors to host memory (page-locked on
-CUDA: :func:`host_buffer`) and frees their device storage (``untyped_storage().resize_(0)``, as FSDP2 frees its all-gather
-buffers), then reallocates the SAME storages and copies the bytes back. Every tensor keeps its
-storage object, so FSDP2 (its ``FSDPParam`` keeps the padded shard ``_sharded_param_data``, of
-which the parameter's local tensor is a view), the optimizer (its state is keyed by the parameter
-objects) and any view see the reloaded bytes without being told.
+device all the time. :class:`Offloader` copies a role's tensors to host memory (one buffer a role,
+page-locked on CUDA: :func:`host_buffer`) and frees their device storage
+(``untyped_storage().resize_(0)``, as FSDP2 frees its all-gather buffers), then reallocates the
+SAME storages and copies the bytes back. Every tensor keeps its storage object, so FSDP2 (its
+``FSDPParam`` keeps the padded shard ``_sharded_param_data``, of which the parameter's local
+tensor is a view), the optimizer (its state is keyed by the parameter objects) and any view see
+the reloaded bytes without being told.
 
 This is not FSDP2's ``CPUOffloadPolicy`` (TorchTitan's ``training.enable_cpu_offload``): there the
 sharded parameters live on the host for good and every all-gather copies them up, every
@@ -177,14 +178,17 @@ class Offloader:
         reshard(self.model)
         storages = self.storages()
         sizes = [s.nbytes() for s in storages]
+        cuda = self.device.type == "cuda"
         if self._host is None or sizes != self._sizes:
+            if self._host is not None and cuda:  # the last reload's copies read the old buffer
+                torch.cuda.current_stream(self.device).synchronize()
             self._host = None  # the old buffer goes (and is unregistered) before the new one
             self._offsets, total = host_layout(sizes)
-            self._host = host_buffer(total, pin=self.device.type == "cuda")
+            self._host = host_buffer(total, pin=cuda)
             self._sizes = sizes
         for s, view in zip(storages, self._host_views(), strict=True):
             view.copy_(_bytes(s), non_blocking=True)
-        if self.device.type == "cuda":
+        if cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the copies, before the frees
         for s in storages:
             s.resize_(0)
