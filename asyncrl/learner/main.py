@@ -171,12 +171,9 @@ def train(
                 after_sync=evaluator.after_sync if evaluator is not None else None,
                 plane=plane,
             )
-            trainer.add_publisher(broadcaster.on_step)
             on_register = getattr(trainer.source, "on_register", None)
             if rank == 0 and on_register is not None:
                 on_register(broadcaster.on_register)
-        for fn in publishers:
-            trainer.add_publisher(fn)
         saved_at = -1
         first_batch = True
         stop = _stop_on_signals()
@@ -205,6 +202,11 @@ def train(
                 )
             first_batch = False
             result = trainer.step(batch)
+            # the new version out (every rank joins the gather), then the caller's publishers
+            if broadcaster is not None:
+                broadcaster.on_step(trainer.version, trainer)
+            for fn in publishers:
+                fn(trainer.version, trainer)
             exported = trainer.maybe_export()
             if rank == 0:
                 trainer.source.set_version(trainer.version, exported)

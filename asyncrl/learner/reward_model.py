@@ -25,7 +25,9 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import metric_names as names
+from asyncrl.dataflow import Dataflow
 from asyncrl.learner.losses import bradley_terry
+from asyncrl.learner.models import LearnerError
 from asyncrl.learner.scalar_model import (
     init_head,
     scalar_spec,
@@ -33,7 +35,8 @@ from asyncrl.learner.scalar_model import (
     write_seq_cls_config,
 )
 from asyncrl.learner.source import Batch
-from asyncrl.learner.trainer import LearnerError, StepResult, Trainer, peak_memory
+from asyncrl.learner.step import StepResult, peak_memory
+from asyncrl.learner.trainer import Trainer
 
 Pair = tuple[np.ndarray, np.ndarray]
 """(chosen, rejected): each the whole sequence's token ids, prompt then completion."""
@@ -83,9 +86,9 @@ class RewardModelTrainer(Trainer):
         self.adapter.include_bias = True
         self._eval_pairs: list[Pair] | None = None
 
-    def check_dataflow(self) -> None:
+    def check_dataflow(self, flow: Dataflow) -> None:
         """The reward-modelling graph is one call, ``train_reward``: this class's :meth:`step`."""
-        assert [c.name for c in self.dataflow.calls] == ["train_reward"], self.dataflow.describe()
+        assert [c.name for c in flow.calls] == ["train_reward"], flow.describe()
 
     def model_spec(self) -> ModelSpec:
         r = self.recipe
@@ -181,8 +184,6 @@ class RewardModelTrainer(Trainer):
             acc = self.held_out_accuracy()
             if acc is not None:
                 metrics[names.RM_EVAL_ACCURACY] = acc
-        for fn in self.publishers:
-            fn(self.version, self)
         return StepResult(version=self.version, loss=loss / n_pairs, metrics=metrics)
 
     # -- held-out pairs --------------------------------------------------------------------------

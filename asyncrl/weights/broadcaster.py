@@ -61,8 +61,8 @@ log = logging.getLogger("asyncrl.weights")
 class WeightBroadcaster:
     """Learner-side weight broadcaster. Construct it on every learner rank; only rank 0 sends.
 
-    Use ``trainer.publishers.append(b.on_step)`` (all ranks: it takes the ``hf_state_dict()``
-    collective every ``cfg.every`` versions), or call :meth:`publish` on rank 0 with HF-named tensors.
+    Call :meth:`on_step` after each learner step (all ranks: it takes the ``hf_state_dict()``
+    collective every ``cfg.every`` versions; asyncrl/learner/main.py's loop does), or call :meth:`publish` on rank 0 with HF-named tensors.
     """
 
     def __init__(

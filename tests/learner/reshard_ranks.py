@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from asyncrl import recipe as recipe_mod
+from asyncrl.learner.passes import token_logprobs
 from asyncrl.learner.reshard import reshard
 from asyncrl.learner.source import decode_batch
 from asyncrl.learner.trainer import Trainer
@@ -52,8 +53,8 @@ def main(recipe_path: str, batch_path: str, out_dir: str) -> None:
 
         seqs = ref_mesh.share(tr.sequences(decode_batch(Path(batch_path).read_bytes())))
         mbs = tr.micro_batches(seqs, ref_mesh.group)
-        lp_re = torch.cat([tr._token_logprobs(mb, tr.ref_model)[0] for mb in mbs])
-        lp_hf = torch.cat([tr._token_logprobs(mb, hf_ref)[0] for mb in mbs])
+        lp_re = torch.cat([token_logprobs(tr.models, mb, tr.ref_model)[0] for mb in mbs])
+        lp_hf = torch.cat([token_logprobs(tr.models, mb, hf_ref)[0] for mb in mbs])
         same = torch.tensor([float(torch.equal(lp_re, lp_hf)), float(lp_re.numel())])
         dist.all_reduce(same)  # every rank's share: equal everywhere, tokens counted per rank
 

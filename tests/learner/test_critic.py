@@ -190,24 +190,24 @@ def test_a_critic_from_a_reward_models_folder_keeps_its_head(
     assert w.shape == head.shape and 0 < float(w.abs().max()) < 0.01
 
 
-def test_the_step_runs_the_recipes_dataflow_in_dependency_order(tiny_qwen3, tmp_path):
+def test_the_step_runs_the_recipes_dataflow_in_dependency_order(tiny_qwen3, tmp_path, monkeypatch):
     """V-trace with a KL reward and two updates: the learner runs its calls of the graph
     (asyncrl/dataflow.py) level by level — π_prox, π_ref and the values before the advantages,
     the advantages before the train steps. The runners are wrapped to record, not replaced."""
-    from asyncrl.learner.trainer import CALL_RUNNERS
+    from asyncrl.learner import calls
 
     alg = {"advantage": "vtrace", "loss": "decoupled_ppo", "kl_reward_coef": 0.05}
     learner = {**RL["learner"], "minibatches": 2}
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=alg, learner=learner, buffer=RL["buffer"])
     ran: list[str] = []
-    for call, method in CALL_RUNNERS.items():
-        if method is not None:
-            real = getattr(tr, method)
-            setattr(tr, method, lambda run, real=real, call=call: (ran.append(call), real(run)))
+    for call, real in calls.CALL_RUNNERS.items():
+        if real is not None:
+            wrapped = lambda m, run, real=real, call=call: (ran.append(call), real(m, run))  # noqa: E731
+            monkeypatch.setitem(calls.CALL_RUNNERS, call, wrapped)
     res = tr.step(rl_batch(tr.spec.model.vocab_size))
     assert np.isfinite(res.loss) and res.metrics["learner/updates"] == 2
     levels = tr.dataflow.order()
-    expect = [c.name for level in levels for c in level if CALL_RUNNERS[c.name] is not None]
+    expect = [c.name for level in levels for c in level if calls.CALL_RUNNERS[c.name] is not None]
     assert ran == expect
     assert set(ran[:3]) == {"prox", "ref", "values"}
     assert ran[3:] == ["advantages", "train_actor", "train_critic"]

@@ -712,7 +712,7 @@ def _vtrace_through_the_learner(loss, samples, *, whiten):
     """The learner's path from the critic's values to the loss's gradient: one-token samples
     (π/μ, reward, V) → ``token_targets`` (or ``assign_targets``, which the trainer calls: it
     whitens over the batch) → ``pack`` → ``policy_loss`` with the micro-batch's tensors as
-    ``Trainer._micro_batch`` passes them, π = π_prox (the batch's one update), the recipe's config
+    ``passes.actor_micro_batch`` passes them, π = π_prox (the batch's one update), the recipe's config
     (validated: the recipe accepts the loss with ``advantage: vtrace``). Returns ∂L/∂log π and c_t."""
     r = recipe.from_dict({"algorithm": {"loss": loss, "advantage": "vtrace", "clip_low": 0.6}})
     alg = r.algorithm

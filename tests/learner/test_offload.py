@@ -28,6 +28,7 @@ from asyncrl.learner.offload import (
     pow2_ceil,
     role_tensors,
 )
+from asyncrl.learner.passes import token_logprobs
 from asyncrl.memory import ModelDims
 from tests.learner.test_model import make_trainer
 from tests.learner.test_step import rl_batch
@@ -132,7 +133,7 @@ def test_a_forward_only_role_also_frees_fsdps_gathered_parameters(tiny_qwen3, tm
     ref_before = tr.logprobs(mbs)
     p = 4 * sum(x.numel() for x in tr.ref_model.parameters())
     assert fsdp_bytes(tr.ref_model) == (p, 0)  # the actor's forward did not touch the ref
-    tr._token_logprobs(mbs[0], tr.ref_model)
+    token_logprobs(tr.models, mbs[0], tr.ref_model)
     assert fsdp_bytes(tr.ref_model)[1] > 0
     off = Offloader(model=tr.ref_model)
     assert off.offload() == p  # frozen: its parameters only

@@ -12,6 +12,7 @@ import torch
 from asyncrl import metric_names as names
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
+from asyncrl.learner.calls import group_advantages
 from asyncrl.learner.losses import LOSSES
 from tests.learner.test_model import make_trainer
 from tests.numerics import (
@@ -71,7 +72,8 @@ def test_every_loss_takes_a_finite_step(tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path, **RL)
     before = params(tr)
     for i, name in enumerate(LOSSES):
-        tr.alg = dataclasses.replace(tr.alg, loss=name, entropy_coef=0.01 if i % 2 else 0.0)
+        alg = dataclasses.replace(tr.recipe.algorithm, loss=name, entropy_coef=0.01 * (i % 2))
+        tr.models.recipe = dataclasses.replace(tr.recipe, algorithm=alg)  # what the step reads
         batch = rl_batch(tr.spec.model.vocab_size, seed=i)
         res = tr.step(batch)
         assert res.version == i + 1 and tr.version == i + 1
@@ -325,7 +327,7 @@ def test_remax_advantages_are_each_reward_minus_its_groups_greedy_reward(tiny_qw
         g.baseline_reward = b
     batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
     seqs = tr.sequences(batch)
-    assert tr.group_advantages(batch, seqs) == {"learner/remax_mean_baselines": 1.0}
+    assert group_advantages(tr.recipe, batch, seqs) == {"learner/remax_mean_baselines": 1.0}
     want = []
     for g in batch.groups:
         r = np.array([s.reward for s in g.samples])
@@ -376,6 +378,6 @@ def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_
     group = wire.Group(id="g", samples=[*a, *b])
     batch = Batch(groups=[wire.decode(wire.encode(group))], version=0, stats={})
     seqs = tr.sequences(batch)
-    tr.group_advantages(batch, seqs)
+    group_advantages(tr.recipe, batch, seqs)
     assert [s.advantage for s in seqs] == pytest.approx([0.25, 0.5, 1.0, -1.0])
     assert [bool(s.mask.any()) for s in seqs] == [False, False, False, True]

@@ -23,7 +23,7 @@ from asyncrl.recipe import WeightsConfig  # noqa: E402
 from asyncrl.weights.broadcaster import WeightBroadcaster  # noqa: E402
 from asyncrl.weights.buckets import checksum  # noqa: E402
 from asyncrl.weights.snapshot import drop_tied  # noqa: E402
-from tests.weights.test_broadcast import make_trainer, sft_batch  # noqa: E402
+from tests.weights.test_broadcast import make_trainer, sft_batch, step_and_publish  # noqa: E402
 
 
 def main() -> None:
@@ -37,10 +37,9 @@ def main() -> None:
     if tr.rank == 0:
         for u in urls:
             b.add_generator(wire.GeneratorInfo(url=u, kind="builtin"))
-    tr.add_publisher(b.on_step)
     vocab = tr.spec.model.vocab_size
     for v in (1, 2):
-        tr.step(sft_batch(v - 1, vocab, seed=v))
+        step_and_publish(tr, b, sft_batch(v - 1, vocab, seed=v))
     assert b.wait(timeout=120), "the broadcaster did not finish its versions in 120 s"
     tr.export_hf(out / "export")
     want = checksum(drop_tied(tr.hf_state_dict()).items())

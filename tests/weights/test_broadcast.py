@@ -64,6 +64,13 @@ def sft_batch(version: int, vocab: int, seed: int) -> Batch:
     return Batch(groups=[wire.Group(id=f"g{seed}", samples=samples)], version=version, stats={})
 
 
+def step_and_publish(tr, b, batch: Batch) -> None:
+    """A step, then its version to the broadcaster, as the learner's loop does
+    (asyncrl/learner/main.py)."""
+    tr.step(batch)
+    b.on_step(tr.version, tr)
+
+
 def greedy(url: str, prompt: list[int], n: int = 12) -> list[int]:
     body = {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": n}}
     r = httpx.post(url + "/generate", json=body, timeout=60)
@@ -164,13 +171,12 @@ def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
     # e1 as the built-in engine (staged swap, no pause); e2 driven with SGLang's pause protocol
     b.add_generator(wire.GeneratorInfo(url=e1.url, kind="builtin"))
     b.add_generator(wire.GeneratorInfo(url=e2.url, kind="sglang"))
-    tr.add_publisher(b.on_step)
     before = greedy(e1.url, PROMPTS[1])
     # a request in flight on each engine, held in place so it is certainly live during the update
     streams = [Stream.frozen(e.url) for e in engines]
     try:
         for v in (1, 2):
-            tr.step(sft_batch(v - 1, vocab, seed=v))
+            step_and_publish(tr, b, sft_batch(v - 1, vocab, seed=v))
             assert tr.version == v
             assert b.wait(timeout=120)
             sink.log(b.take_metrics(), step=v)
@@ -238,11 +244,12 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
     try:
         for ep in eps:
             b.add_generator(wire.GeneratorInfo(url=ep.url, kind="builtin"))
-        tr.add_publisher(b.on_step)
-        tr.step(sft_batch(0, vocab, seed=1))
+        step_and_publish(tr, b, sft_batch(0, vocab, seed=1))
         assert b.wait(timeout=60)
         assert b.reports[-1].updated == [victim.url, other.url], b.reports[-1]
-        tr.step(sft_batch(1, vocab, seed=2))  # version 2: the victim dies after bucket 1
+        step_and_publish(
+            tr, b, sft_batch(1, vocab, seed=2)
+        )  # version 2: the victim dies after bucket 1
         assert b.wait(timeout=8 * cfg.timeout_s + 30)  # bounded by the timeouts, never a hang
         r = b.reports[-1]
         assert killed.is_set() and r.version == 2 and not r.error, r
@@ -257,7 +264,7 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
         victim.proc.wait(10)
         back = start_engine_process(tiny_qwen3, port=victim.port, weight_version="0", timeout_s=120)
         eps.append(back)
-        tr.step(sft_batch(2, vocab, seed=3))
+        step_and_publish(tr, b, sft_batch(2, vocab, seed=3))
         assert b.wait(timeout=60)
         r = b.reports[-1]
         assert not r.error and sorted(r.updated) == sorted([victim.url, other.url]), r
@@ -269,13 +276,15 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
         # a hung (not dead) engine: SIGSTOP. Its calls time out, it is dropped, the other goes on
         os.kill(other.pid, signal.SIGSTOP)
         try:
-            tr.step(sft_batch(3, vocab, seed=4))
+            step_and_publish(tr, b, sft_batch(3, vocab, seed=4))
             assert b.wait(timeout=8 * cfg.timeout_s + 30)
             r = b.reports[-1]
             assert not r.error and r.dropped == [other.url] and r.updated == [back.url], r
         finally:
             os.kill(other.pid, signal.SIGCONT)
-        tr.step(sft_batch(4, vocab, seed=5))  # it answers again: it rejoins at version 5
+        step_and_publish(
+            tr, b, sft_batch(4, vocab, seed=5)
+        )  # it answers again: it rejoins at version 5
         assert b.wait(timeout=60)
         r = b.reports[-1]
         assert sorted(r.updated) == sorted([back.url, other.url]), r
@@ -312,11 +321,12 @@ def test_an_engine_silent_mid_broadcast_costs_the_other_nothing(tiny_qwen3, tmp_
     try:
         for ep in eps:
             b.add_generator(wire.GeneratorInfo(url=ep.url, kind="builtin"))
-        tr.add_publisher(b.on_step)
-        tr.step(sft_batch(0, vocab, seed=1))
+        step_and_publish(tr, b, sft_batch(0, vocab, seed=1))
         assert b.wait(timeout=60)
         assert sorted(b.reports[-1].updated) == sorted([victim.url, other.url]), b.reports[-1]
-        tr.step(sft_batch(1, vocab, seed=2))  # version 2: the victim stops after bucket 1
+        step_and_publish(
+            tr, b, sft_batch(1, vocab, seed=2)
+        )  # version 2: the victim stops after bucket 1
         assert b.wait(timeout=8 * cfg.timeout_s + 30)
         r = b.reports[-1]
         assert stopped.is_set() and r.version == 2 and not r.error, r
@@ -397,11 +407,12 @@ def test_generators_hold_a_version_while_after_sync_runs(tiny_qwen3, tmp_path):
     with start_engine_process(tiny_qwen3, weight_version="0", timeout_s=120) as ep:
         b = WeightBroadcaster(WeightsConfig(timeout_s=30.0), after_sync=hold)
         b.add_generator(wire.GeneratorInfo(url=ep.url, kind="builtin"))
-        tr.add_publisher(b.on_step)
-        tr.step(sft_batch(0, vocab, seed=1))
+        step_and_publish(tr, b, sft_batch(0, vocab, seed=1))
         assert in_hook.wait(120)
-        tr.step(sft_batch(1, vocab, seed=2))  # returns: publish does not wait for the hook
-        tr.step(sft_batch(2, vocab, seed=3))
+        step_and_publish(
+            tr, b, sft_batch(1, vocab, seed=2)
+        )  # returns: publish does not wait for the hook
+        step_and_publish(tr, b, sft_batch(2, vocab, seed=3))
         assert tr.version == 3 and not b.wait(timeout=0)
         assert engine_version(ep.url) == "1"
         release.set()

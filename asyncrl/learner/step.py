@@ -1,0 +1,229 @@
+"""One off-policy RL step (docs/off-policy.md) over the learner's models, on every rank with the
+same batch: sequences → this rank's share → the learner's calls of the recipe's dataflow
+(:mod:`.calls`), level by level: π_prox and π_ref (forward-only passes), the critic's values, the
+advantages, then the train steps: for each epoch, for each mini-batch: micro-batches → logprobs at
+the sampling temperature → loss normalised by the mini-batch's GLOBAL counts → backward →
+``clip_grad_norm_`` → optimizer and scheduler step (then the critic's update on the same
+micro-batches). The graph's generate and reward calls ran in the rollout workers: their outputs
+are the batch. One version per batch, whatever the updates.
+
+The statistics reduced at the end always have the same names and shapes on every rank, whatever
+its share held, so the one collective that sums them pairs up.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from asyncrl import metric_names as names
+from asyncrl.learner import cpu_shims
+from asyncrl.learner.calls import CALL_RUNNERS, Step, exchange
+from asyncrl.learner.critic import critic_zero_stats
+from asyncrl.learner.drift import finalize_drift
+from asyncrl.learner.losses import finalize_stats
+from asyncrl.learner.models import LearnerError, Models
+from asyncrl.learner.offload import Reallocation
+from asyncrl.learner.packing import Sequence, make_sequence
+from asyncrl.learner.passes import StepTotals
+from asyncrl.learner.source import Batch
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's high-water marks so far: resident memory (Linux reports KiB), and on a GPU
+    the most the caching allocator ever handed out."""
+    out = {"learner/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if not cpu_shims.ON_CPU:
+        out["learner/device_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """What one optimizer step reports (identical on every rank)."""
+
+    version: int
+    loss: float
+    metrics: dict[str, float]
+
+
+def sequences(
+    models: Models, batch: Batch, version: int
+) -> tuple[list[Sequence], dict[str, float]]:
+    """Every sample of the batch laid out for packing, in group order, with its reward (the
+    ``advantages`` call sets the advantages), and the batch's numbers (staleness, truncation,
+    reward and length means); refuses a token outside the staleness bound at ``version``."""
+    r = models.recipe
+    is_sft = r.algorithm.loss == "sft"
+    groups = [g for g in batch.groups if g.samples]
+    rewards = [g.rewards for g in groups]
+    seqs, i = [], 0
+    eta = r.buffer.max_staleness
+    info = {"learner/truncated_samples": 0.0}
+    staleness: list[np.ndarray] = []
+    for gi, g in enumerate(groups):
+        for si, s in enumerate(g.samples):
+            mask = s.loss_mask
+            if r.buffer.overlong_filter and s.finish_reason == "length":
+                mask = np.zeros_like(mask)
+            if not is_sft and (mask > 0).any():
+                k = version - np.asarray(s.versions)[mask > 0]
+                if k.max() > eta or k.min() < 0:
+                    # Every rank sees the whole batch, so every rank refuses it alike.
+                    raise LearnerError(
+                        f"sample {s.id!r} has tokens of staleness {int(k.min())}..{int(k.max())}"
+                        f" at version {version}, outside [0, buffer.max_staleness={eta}]"
+                    )
+                staleness.append(k)
+            if len(s.prompt_ids) + len(s.completion_ids) - 1 > models.max_seq_len:
+                info["learner/truncated_samples"] += 1
+            seqs.append(
+                make_sequence(
+                    i,
+                    s.prompt_ids,
+                    s.completion_ids,
+                    loss_mask=mask,
+                    behavior_logprobs=s.behavior_logprobs,
+                    versions=s.versions,
+                    reward=float(rewards[gi][si]),
+                    max_len=models.max_seq_len,
+                )
+            )
+            i += 1
+    if staleness:
+        k = np.concatenate(staleness)
+        info["learner/staleness_mean"] = float(k.mean())
+        info["learner/staleness_max"] = float(k.max())
+    if seqs and not is_sft:  # the reward curve, one point per step (an SFT row has no reward)
+        info[names.BATCH_REWARD_MEAN] = float(np.mean(np.concatenate(rewards)))
+        lengths = [len(s.completion_ids) for g in groups for s in g.samples]
+        info[names.BATCH_RESPONSE_LENGTH_MEAN] = float(np.mean(lengths))
+    return seqs, info
+
+
+def run_calls(models: Models, realloc: Reallocation, run: Step) -> None:
+    """The dataflow's calls in dependency order; one level's calls are independent, and offloaded
+    roles are reloaded around theirs."""
+    for level in realloc.levels(models.flow.order()):
+        for call in level:
+            if call.name in models.exchanges:  # another role's outputs: every rank takes part
+                exchange(models, run, models.exchanges[call.name])
+            runner = CALL_RUNNERS[call.name]
+            # None: ran in the rollout workers, its outputs are the batch. A model role's call
+            # runs on its ranks only; roles on disjoint ranks thus run one level's calls at once.
+            mesh = models.meshes.get(call.role)
+            if runner is not None and (mesh is None or mesh.holds):
+                runner(models, run)
+            run.done.add(call.name)
+
+
+def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each named tensor summed over every rank, in one float64 collective (every rank passes the
+    same names and shapes)."""
+    keys = sorted(values)
+    flat = torch.cat([values[k].to(torch.float64).reshape(-1) for k in keys])
+    dist.all_reduce(flat)
+    out, at = {}, 0
+    for k in keys:
+        n = values[k].numel()
+        out[k] = flat[at : at + n].reshape(values[k].shape)
+        at += n
+    return out
+
+
+def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]:
+    """This step's totals summed over ranks, by name: ``counted/…`` the token sums (loss, tokens,
+    the loss statistics ``counted/stat/…``, the drift), which a tensor-parallel group counts on its
+    first rank alone (its ranks hold the same tokens); ``role/…`` a role's per-update numbers, the
+    same on its ranks, from its first rank alone."""
+    f64 = torch.float64
+    counted = {
+        "loss": totals.loss.reshape(1),
+        "tokens": torch.tensor([float(totals.tokens)], dtype=f64),
+        "drift": totals.drift,
+    } | {f"stat/{k}": v.reshape(1) for k, v in totals.stats.items()}
+    trained = [m for role, m in models.meshes.items() if role != "ref" and m.holds]
+    if any(m.tp_rank != 0 for m in trained):
+        counted = {k: torch.zeros_like(v, dtype=f64) for k, v in counted.items()}
+    role = dict.fromkeys(["grad_norm", "grad_norm_max", "lr", "micro_batches", "critic_grad_norm"])
+    role = {k: torch.zeros(1, dtype=f64) for k in role}
+    if models.meshes["actor"].leader:
+        role["grad_norm"][0] = float(np.mean(totals.grad_norms))
+        role["grad_norm_max"][0] = float(max(totals.grad_norms))
+        role["lr"][0] = float(totals.lrs[0])
+        role["micro_batches"][0] = float(totals.micro_batches)
+    critic = models.meshes.get("critic")
+    if critic is not None and critic.leader:
+        role["critic_grad_norm"][0] = float(np.mean(totals.critic_grad_norms))
+    named = {f"counted/{k}": v for k, v in counted.items()} | {
+        f"role/{k}": v for k, v in role.items()
+    }
+    return sum_over_ranks(named)
+
+
+def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int) -> StepResult:
+    """One batch from ``version``, one new version (collective; every rank passes the same batch).
+
+    ``learner.epochs`` passes, each of ``learner.minibatches`` optimizer updates on a random
+    part of the batch. With more than one update, π_prox (and the drift) come from a forward-only
+    pass before the first; with one, from that update's own forward, which is the same thing.
+    """
+    t0 = time.perf_counter()
+    lc, eta = models.recipe.learner, models.recipe.buffer.max_staleness
+    seqs, info = sequences(models, batch, version)
+    totals = StepTotals(drift=torch.zeros(eta + 2, 3, dtype=torch.float64))
+    if models.with_critic:
+        totals.stats |= critic_zero_stats()
+    run = Step(
+        batch=batch,
+        seqs=seqs,
+        mine=models.meshes["actor"].share(seqs),
+        shares={role: m.share(seqs) for role, m in models.meshes.items()},
+        version=version,
+        totals=totals,
+        several=lc.minibatches * lc.epochs > 1,
+    )
+    run_calls(models, realloc, run)
+    summed = reduce_totals(models, totals)
+    metrics = step_metrics(models, summed, time.perf_counter() - t0, len(seqs), info | run.info)
+    for k, v in batch.stats.items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            metrics.setdefault(k if "/" in k else f"buffer/{k}", float(v))
+    return StepResult(version=version + 1, loss=metrics[names.LOSS], metrics=metrics)
+
+
+def step_metrics(
+    models: Models, summed: dict[str, torch.Tensor], dt: float, seqs: int, info: dict[str, float]
+) -> dict[str, float]:
+    """The step's metrics from its reduced totals (``dt``: its seconds; ``info``: what the batch
+    and the calls reported)."""
+    lc = models.recipe.learner
+    updates = lc.minibatches * lc.epochs
+    tokens = float(summed["counted/tokens"])
+    stats = {k.removeprefix("counted/stat/"): float(v) for k, v in summed.items() if "/stat/" in k}
+    out = {
+        names.LOSS: float(summed["counted/loss"]) / updates,
+        names.GRAD_NORM: float(summed["role/grad_norm"]),
+        "lr": float(summed["role/lr"]),
+        "learner/step_s": dt,
+        names.TRAINED_TOKENS: tokens,
+        names.TRAINED_TOKENS_PER_S: tokens / dt if dt > 0 else 0.0,
+        "learner/micro_batches": float(summed["role/micro_batches"]),
+        "learner/updates": float(updates),
+        "learner/sequences": float(seqs),
+    }
+    if updates > 1:
+        out["grad_norm/max"] = float(summed["role/grad_norm_max"])
+    if models.with_critic:
+        out[names.VALUE_LOSS] = stats.pop("value_loss") / updates
+        out["critic/grad_norm"] = float(summed["role/critic_grad_norm"])
+    out |= peak_memory() | info | finalize_stats(stats)
+    if models.recipe.algorithm.loss != "sft":
+        eta = models.recipe.buffer.max_staleness
+        out |= finalize_drift(summed["counted/drift"].reshape(eta + 2, 3))
+    return out
