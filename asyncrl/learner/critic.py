@@ -7,7 +7,8 @@ The critic is the scalar-head model of :mod:`asyncrl.learner.scalar_model`, buil
 as the reward model: backbone and head). Its model, optimizer and LR schedule are part of the
 learner's DCP checkpoint, so a resumed run continues it exactly.
 
-Per batch (:class:`~asyncrl.learner.trainer.Trainer` calls, on the critic's ranks):
+Per batch (the learner's ``values`` and ``train_critic`` calls, :mod:`asyncrl.learner.calls`, on the
+critic's ranks):
 1. before the updates, V at every trained token of this rank's sequences (forward only), then
    :func:`token_targets` gives each token's advantage A_t and value target R_t from the sample's
    reward at its last trained token (GAE, or V-trace with π/μ), and the advantages are whitened

@@ -33,7 +33,7 @@ class Sequence:
     advantage: float = 0.0
     reward: float = 0.0  # the sample's reward (token-level advantages start from it)
     mixed_versions: bool = False  # its trained tokens come from more than one version
-    prox_logp: np.ndarray | None = None  # float32 [n], log π_prox when recomputed (Trainer)
+    prox_logp: np.ndarray | None = None  # float32 [n], log π_prox when recomputed (``prox``)
     # With a critic (learner/critic.py), float32 [n] each, set before the updates:
     values: np.ndarray | None = None  # V(x_t) of the critic the returns were computed with
     token_advantages: np.ndarray | None = None  # A_t, replaces ``advantage``
