@@ -251,7 +251,7 @@ def test_describe_names_every_call_by_level():
 @pytest.mark.parametrize("name", list(BUILT))
 def test_the_learner_has_a_runner_for_every_call_or_the_rollout_side_runs_it(name):
     """The learner's step executes a graph level by level through CALL_RUNNERS (the reward model's
-    training is RewardModelTrainer.step, a graph of that one call)."""
+    training is RewardModelSteps.step, a graph of that one call)."""
     from asyncrl.learner.calls import CALL_RUNNERS
 
     calls = {c.name for c in BUILT[name].calls}

@@ -56,17 +56,6 @@ OFFLINE_SOURCES: dict[str, SourceFactory] = {
 """Rank 0's batch source of each loss trained from a local data set (no rollouts)."""
 
 
-def trainer_class(recipe: Recipe) -> type:
-    """The learner of ``algorithm.loss``: the policy Trainer, or the scalar-head reward model's."""
-    if recipe.algorithm.loss == "reward_model":
-        from asyncrl.learner.reward_model import RewardModelTrainer
-
-        return RewardModelTrainer
-    from asyncrl.learner.trainer import Trainer
-
-    return Trainer
-
-
 def buffer_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource:
     """The replay buffer's nng service (rank 0), resumed from the checkpoint's buffer state."""
     from asyncrl.buffer.service import BufferService
@@ -126,12 +115,13 @@ def train(
     at a clean end (the last version, or a stop on SIGTERM) writes the run's summary and plots
     (:func:`asyncrl.summary.finish_run`); at the last version it first announces the end."""
     from asyncrl.learner.distributed import collective_timeout_s, ensure_distributed
+    from asyncrl.learner.trainer import Trainer
     from asyncrl.metrics import MetricsSink
 
     t0 = time.monotonic()
     match_sglang_nccl(recipe)
     rank, _ = ensure_distributed(collective_timeout_s(recipe))
-    trainer = trainer_class(recipe)(recipe)
+    trainer = Trainer(recipe)
     if rank == 0:
         for warning in recipe_mod.warnings(recipe):  # the same lines `asyncrl check` prints
             print(f"asyncrl learner: warning: {warning}", file=sys.stderr, flush=True)

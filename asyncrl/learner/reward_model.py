@@ -2,10 +2,10 @@
 
 The same kind of run as sft (a local data set, no rollouts): the batch source is
 :class:`~asyncrl.learner.data.PreferenceSource` (a group of two samples per pair, chosen first), and
-the learner is :class:`RewardModelTrainer`, the policy :class:`~asyncrl.learner.trainer.Trainer`
-with the scalar head of :mod:`asyncrl.learner.scalar_model` and its own step: every sequence's score
-is the head's value at its last token, and the loss is ``-log σ(r_chosen - r_rejected)`` averaged
-over the batch's pairs. Checkpoints and resume are the Trainer's; exports are HF
+the learner is the policy's :class:`~asyncrl.learner.trainer.Trainer` with the scalar head of
+:mod:`asyncrl.learner.scalar_model` and :class:`RewardModelSteps` for its step: every sequence's
+score is the head's value at its last token, and the loss is ``-log σ(r_chosen - r_rejected)``
+averaged over the batch's pairs. Checkpoints and resume are the Trainer's; exports are HF
 sequence-classification folders that transformers, SGLang's ``/classify`` and the built-in engine
 serve. Held-out pairs (``data.eval_path``) give the pairwise accuracy at ``run.eval_every`` and at
 the last version (``rm/eval_accuracy``, also in summary.json).
@@ -15,28 +15,22 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import metric_names as names
-from asyncrl.dataflow import Dataflow
 from asyncrl.learner.losses import bradley_terry
-from asyncrl.learner.models import LearnerError
+from asyncrl.learner.models import LearnerError, Models
 from asyncrl.learner.scalar_model import (
     init_head,
-    scalar_spec,
     token_values,
-    write_seq_cls_config,
 )
 from asyncrl.learner.source import Batch
 from asyncrl.learner.step import StepResult, peak_memory
-from asyncrl.learner.trainer import Trainer
 
 Pair = tuple[np.ndarray, np.ndarray]
 """(chosen, rejected): each the whole sequence's token ids, prompt then completion."""
@@ -70,31 +64,30 @@ def batch_pairs(batch: Batch, max_len: int) -> list[Pair]:
     return out
 
 
-class RewardModelTrainer(Trainer):
-    """The learner of a reward model: Trainer's build, checkpoints and exports, scalar head, BT step."""
+class RewardModelSteps:
+    """The reward model's training, a second executor over the learner's :class:`Models` beside
+    the policy's :func:`asyncrl.learner.step.train_step`: the actor is the scalar-head model, and a
+    step is one Bradley–Terry update on the batch's pairs. The Trainer builds, checkpoints and
+    exports the model as for the policy (the scalar spec, a sequence-classification export)."""
 
-    def __init__(self, recipe: Any, **kw: Any) -> None:
-        super().__init__(recipe, **kw)
-        if not self.meshes["actor"].whole_world:  # its step is written for every rank
+    def __init__(self, models: Models, *, dp_rank: int, dp_size: int, dp_group: Any) -> None:
+        if not models.meshes["actor"].whole_world:  # its step is written for every rank
             raise LearnerError(
                 "placement.actor.ranks: the reward model trains on every learner rank, got "
-                f"{recipe.placement.actor.ranks}"
+                f"{models.recipe.placement.actor.ranks}"
             )
-        if self.version == 0 and not self.adapter.include_head:  # a causal LM's backbone: new head
-            init_head(self.model, recipe.run.seed)
-        self.adapter.include_head = True  # loaded: exports carry the head from now on
-        self.adapter.include_bias = True
+        self.models, self.recipe, self.device = models, models.recipe, models.device
+        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.model: torch.nn.Module = models.actor  # type: ignore[assignment]
         self._eval_pairs: list[Pair] | None = None
 
-    def check_dataflow(self, flow: Dataflow) -> None:
-        """The reward-modelling graph is one call, ``train_reward``: this class's :meth:`step`."""
-        assert [c.name for c in flow.calls] == ["train_reward"], flow.describe()
-
-    def model_spec(self) -> ModelSpec:
-        r = self.recipe
-        return scalar_spec(
-            self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
-        )
+    def start(self, adapter: Any, *, fresh: bool) -> None:
+        """A causal LM's backbone gets a new head at a fresh start; from then on the weights carry
+        the head (exports and checkpoints)."""
+        if fresh and not adapter.include_head:
+            init_head(self.model, self.recipe.run.seed)
+        adapter.include_head = True  # loaded: exports carry the head from now on
+        adapter.include_bias = True
 
     # -- scores ----------------------------------------------------------------------------------
 
@@ -124,17 +117,20 @@ class RewardModelTrainer(Trainer):
 
     # -- the step --------------------------------------------------------------------------------
 
-    def step(self, batch: Batch) -> StepResult:
-        """One optimizer update on the batch's pairs (collective; every rank passes the same batch):
-        the loss of each pair over the GLOBAL number of pairs, summed over micro-batches."""
+    def step(self, batch: Batch, version: int) -> StepResult:
+        """One optimizer update on the batch's pairs from ``version`` (collective; every rank passes
+        the same batch): the loss of each pair over the GLOBAL number of pairs, summed over
+        micro-batches."""
         t0 = time.perf_counter()
-        pairs = batch_pairs(batch, self.max_seq_len)
+        pairs = batch_pairs(batch, self.models.max_seq_len)
         mine = pairs[self.dp_rank :: self.dp_size]
         n_pairs = max(len(pairs), 1)
         # loss sum, correct pairs, margin sum, tokens
         totals = torch.zeros(4, dtype=torch.float64)
         mbs = self._micro_batches(mine)
-        self.optimizers.zero_grad()
+        optimizers, lr_schedulers = self.models.optimizers, self.models.lr_schedulers
+        assert optimizers is not None and lr_schedulers is not None
+        optimizers.zero_grad()
         for mb in mbs:
             s = self.scores([x for pair in mb for x in pair])
             if not mb:
@@ -155,10 +151,10 @@ class RewardModelTrainer(Trainer):
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True
         )
-        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
-        self.optimizers.step()
-        self.lr_schedulers.step()
-        self.version += 1
+        lr = lr_schedulers.schedulers[0].get_last_lr()[0]
+        optimizers.step()
+        lr_schedulers.step()
+        version += 1
         dist.all_reduce(totals, group=self.dp_group)
         loss, correct, margin, tokens = totals.tolist()
         dt = time.perf_counter() - t0
@@ -180,11 +176,11 @@ class RewardModelTrainer(Trainer):
             if isinstance(v, int | float) and not isinstance(v, bool):
                 metrics.setdefault(k, float(v))
         every = self.recipe.run.eval_every
-        if self.version >= self.recipe.run.steps or (every and self.version % every == 0):
+        if version >= self.recipe.run.steps or (every and version % every == 0):
             acc = self.held_out_accuracy()
             if acc is not None:
                 metrics[names.RM_EVAL_ACCURACY] = acc
-        return StepResult(version=self.version, loss=loss / n_pairs, metrics=metrics)
+        return StepResult(version=version, loss=loss / n_pairs, metrics=metrics)
 
     # -- held-out pairs --------------------------------------------------------------------------
 
@@ -196,15 +192,15 @@ class RewardModelTrainer(Trainer):
         rows = rows[: r.run.eval_prompts] if r.run.eval_prompts else rows
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(self.model_dir))
+        tok = AutoTokenizer.from_pretrained(str(r.resolve(r.model.path)))
         src = PreferenceSource(rows, tok, batch_size=1, chat_template=r.data.chat_template)
         out = []
         for row in rows:
             p, c, rej = src.pair(row)
             out.append(
                 (
-                    np.concatenate([p, c])[: self.max_seq_len],
-                    np.concatenate([p, rej])[: self.max_seq_len],
+                    np.concatenate([p, c])[: self.models.max_seq_len],
+                    np.concatenate([p, rej])[: self.models.max_seq_len],
                 )
             )
         return out
@@ -229,13 +225,3 @@ class RewardModelTrainer(Trainer):
             self.model.train()
         dist.all_reduce(counts, group=self.dp_group)
         return float(counts[0] / counts[1]) if counts[1] > 0 else None
-
-    # -- export ----------------------------------------------------------------------------------
-
-    def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
-        """The HF export as a sequence-classification folder (``score.weight``, one label)."""
-        out = super().export_hf(path, dtype=dtype)
-        if self.rank == 0:
-            write_seq_cls_config(out)
-        dist.barrier()
-        return out

@@ -41,6 +41,8 @@ from asyncrl.learner.models import LearnerError, Models, reallocation
 from asyncrl.learner.packing import MicroBatch, Sequence
 from asyncrl.learner.placement import RoleMesh, build_role_meshes, exchanges
 from asyncrl.learner.reshard import reshard
+from asyncrl.learner.reward_model import RewardModelSteps
+from asyncrl.learner.scalar_model import scalar_spec, write_seq_cls_config
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.learner.step import StepResult, sequences, train_step
 from asyncrl.recipe import (
@@ -161,6 +163,13 @@ class Trainer:
             enabled=checkpointing,
         )
         self._load()
+        # a reward model: the scalar-head model trained on preference pairs by its own executor
+        self.reward_model: RewardModelSteps | None = None
+        if r.algorithm.loss == "reward_model":
+            self.reward_model = RewardModelSteps(
+                m, dp_rank=self.dp_rank, dp_size=self.dp_size, dp_group=self.dp_group
+            )
+            self.reward_model.start(self.adapter, fresh=self.version == 0)
         ref_mesh = meshes.get("ref")
         self.ref_source = ""  # how π_ref was filled on this rank: "reshard" or "hf"
         if ref_mesh is not None and ref_mesh.holds:
@@ -240,15 +249,17 @@ class Trainer:
         log.info("π_ref: loaded from %s (%s)", self.model_dir, why)
 
     def model_spec(self) -> ModelSpec:
-        """The TorchTitan spec of ``model.path`` (a subclass trains another head on it)."""
+        """The TorchTitan spec of ``model.path``: a causal LM, or a reward model's backbone with its
+        scalar head."""
         r = self.recipe
-        return build_spec(
-            self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len
-        )
+        spec = scalar_spec if r.algorithm.loss == "reward_model" else build_spec
+        return spec(self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len)
 
     def check_dataflow(self, flow: Dataflow) -> None:
-        """Refuse, before any model loads, a graph with a call :meth:`step` cannot run."""
-        unknown = [c.label for c in flow.calls if c.name not in CALL_RUNNERS]
+        """Refuse, before any model loads, a graph with a call :meth:`step` cannot run (the
+        reward-modelling graph is one call, ``train_reward``: :class:`RewardModelSteps`)."""
+        known = {"train_reward"} if self.recipe.algorithm.loss == "reward_model" else CALL_RUNNERS
+        unknown = [c.label for c in flow.calls if c.name not in known]
         if unknown:
             raise LearnerError(f"{flow.name}: no runner in the learner for {unknown}")
 
@@ -327,9 +338,10 @@ class Trainer:
         )
 
     def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
-        """The actor as an HF folder at ``path`` (:func:`export.export_hf`; collective)."""
+        """The actor as an HF folder at ``path`` (:func:`export.export_hf`; collective); a reward
+        model as a sequence-classification folder (``score.weight``, one label)."""
         self.free_gradients()
-        return export.export_hf(
+        out = export.export_hf(
             self.model,
             self.checkpoints.manager,
             path,
@@ -337,6 +349,11 @@ class Trainer:
             source=self.model_dir,
             rank=self.rank,
         )
+        if self.reward_model is not None:
+            if self.rank == 0:
+                write_seq_cls_config(out)
+            dist.barrier()
+        return out
 
     def maybe_export(self) -> str:
         """HF export every ``learner.export_every`` versions into ``run_dir/hf/v{version}``."""
@@ -363,7 +380,11 @@ class Trainer:
         return passes.logprobs(self.models, mbs)
 
     def step(self, batch: Batch) -> StepResult:
-        """One batch, one new version (:func:`train_step`; collective, every rank the same batch)."""
-        result = train_step(self.models, self.realloc, batch, self.version)
+        """One batch, one new version (:func:`train_step`, or a reward model's step; collective,
+        every rank the same batch)."""
+        if self.reward_model is not None:
+            result = self.reward_model.step(batch, self.version)
+        else:
+            result = train_step(self.models, self.realloc, batch, self.version)
         self.version = result.version
         return result

@@ -50,14 +50,14 @@ def test_scalar_model_export_scores_like_transformers(fixture, arch, request, tm
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from asyncrl.learner.reward_model import RewardModelTrainer
+    from asyncrl.learner.trainer import Trainer
 
     r = recipe_mod.from_dict(rm_recipe(tmp_path, tiny_qwen3, 1))
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)
     seqs = [np.asarray(tok(t)["input_ids"]) for t in ("dcab=abcd<eos>", "x", "hello, world")]
-    trainer = RewardModelTrainer(r, checkpointing=False)
+    trainer = Trainer(r, checkpointing=False)
     with torch.no_grad():
-        ours = trainer.scores(seqs)
+        ours = trainer.reward_model.scores(seqs)
     out = trainer.export_hf(tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [arch] and cfg["num_labels"] == 1
@@ -67,11 +67,9 @@ def test_scalar_model_export_scores_like_transformers(fixture, arch, request, tm
     with torch.no_grad():
         theirs = torch.stack([hf(torch.as_tensor(s)[None]).logits[0, 0] for s in seqs])
     assert torch.allclose(ours, theirs, atol=1e-5), (ours, theirs)
-    again = RewardModelTrainer(
-        recipe_mod.from_dict(rm_recipe(tmp_path, out, 1)), checkpointing=False
-    )
+    again = Trainer(recipe_mod.from_dict(rm_recipe(tmp_path, out, 1)), checkpointing=False)
     with torch.no_grad():
-        assert torch.allclose(again.scores(seqs), ours, atol=1e-6)
+        assert torch.allclose(again.reward_model.scores(seqs), ours, atol=1e-6)
 
 
 def test_reward_model_run_learns_held_out_pairs_and_resumes(tiny_qwen3, tmp_path):
@@ -112,11 +110,11 @@ def test_micro_batches_leave_no_unsharded_gradient_to_the_next(tiny_qwen3, tmp_p
     """The reward model's gradient accumulation reduce-scatters at every micro-batch, as the
     actor's (tests/learner/test_critic.py): no forward starts with an unsharded gradient held."""
     from asyncrl.learner.data import PreferenceSource
-    from asyncrl.learner.reward_model import RewardModelTrainer
+    from asyncrl.learner.trainer import Trainer
     from tools.bench.accumulation_memory import held_at_each_forward
 
     recipe = recipe_mod.from_dict(rm_recipe(tmp_path, tiny_qwen3, 1, micro_batch_tokens=100))
-    trainer = RewardModelTrainer(recipe, checkpointing=False)
+    trainer = Trainer(recipe, checkpointing=False)
     try:
         with held_at_each_forward([trainer.model]) as held:
             res = trainer.step(PreferenceSource.from_recipe(recipe).next_batch())
@@ -153,7 +151,7 @@ def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
     from safetensors.torch import load_file
 
     from asyncrl.learner.data import PreferenceSource
-    from asyncrl.learner.reward_model import RewardModelTrainer
+    from asyncrl.learner.trainer import Trainer
     from tests.learner.test_distributed import finish, torchrun
     from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads
 
@@ -165,11 +163,9 @@ def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
     run = tmp_path / "runs" / "rm"
     two = {m["step"]: m for m in read_metrics(run) if "rm/loss" in m}
 
-    def one_rank(model, name: str) -> RewardModelTrainer:
+    def one_rank(model, name: str) -> Trainer:
         over = ["learner.micro_batch_tokens=100000", f"model.path={model}"]
-        return RewardModelTrainer(
-            recipe_mod.load(recipe, over), run_dir=tmp_path / name, checkpointing=False
-        )
+        return Trainer(recipe_mod.load(recipe, over), run_dir=tmp_path / name, checkpointing=False)
 
     src = PreferenceSource.from_recipe(recipe_mod.load(recipe))
     for step, start in ((1, tiny_qwen3), (2, run / "hf" / "v1")):
@@ -192,6 +188,6 @@ def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
             trainer.close()
     final = one_rank(run / "hf" / "v2", "one-final")
     try:
-        assert final.held_out_accuracy() == two[2]["rm/eval_accuracy"]
+        assert final.reward_model.held_out_accuracy() == two[2]["rm/eval_accuracy"]
     finally:
         final.close()

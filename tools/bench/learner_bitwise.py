@@ -5,7 +5,7 @@ the same. Run it with the reference checkout first and with the changed one seco
     PYTHONPATH=NEW python tools/bench/learner_bitwise.py WORK_DIR > new.txt
     diff ref.txt new.txt
 
-Three runs on a tiny random Qwen3 (made in ``WORK_DIR/model`` with a fixed seed), three steps each
+Four runs on a tiny random Qwen3 (made in ``WORK_DIR/model`` with a fixed seed), three steps each
 on random batches, float32 on CPU:
 
 - ``grpo-minibatches``: GRPO advantages, ``decoupled_ppo`` with ``learner.minibatches 2`` (π_prox
@@ -13,7 +13,9 @@ on random batches, float32 on CPU:
 - ``ppo-critic-kl``: PPO with a critic (``advantage gae``) and a KL reference (``kl_coef > 0``), one
   rank;
 - ``grpo-2ranks``: the first on 2 gloo ranks under torchrun, with several micro-batches a rank
-  (a small ``learner.micro_batch_tokens``).
+  (a small ``learner.micro_batch_tokens``);
+- ``reward-model-2ranks``: ``algorithm.loss reward_model`` (a new scalar head on the same model,
+  Bradley–Terry on random pairs) on 2 gloo ranks, several micro-batches a rank.
 
 Prints, per run, a sha256 of every parameter of the actor (HF names) and of the critic, and one of
 each step's loss and metrics (the timing and memory ones left out).
@@ -50,13 +52,18 @@ RUNS: dict[str, dict] = {
         "algorithm": {"advantage": "grpo", "loss": "decoupled_ppo"},
         "learner": {"minibatches": 2, "micro_batch_tokens": 48},
     },
+    "reward-model-2ranks": {  # groups of two: (chosen, rejected) pairs
+        "algorithm": {"loss": "reward_model"},
+        "learner": {"micro_batch_tokens": 48},
+    },
 }
-RANKS = {"grpo-2ranks": 2}
+RANKS = {"grpo-2ranks": 2, "reward-model-2ranks": 2}
+GROUP_SIZE = {"reward-model-2ranks": 2}
 UNSTABLE = ("step_s", "per_s", "max_rss", "max_allocated")  # time and memory: not results
 
 
-def batch(vocab: int, seed: int):
-    """Random groups of 4 samples at version 0 (noisy behaviour logprobs, rewards 0/1 + 0.1·i)."""
+def batch(vocab: int, seed: int, n: int = 4):
+    """Random groups of ``n`` samples at version 0 (noisy behaviour logprobs, rewards 0/1 + 0.1·i)."""
     from asyncrl import wire
     from asyncrl.learner.source import Batch
 
@@ -65,7 +72,7 @@ def batch(vocab: int, seed: int):
     for g in range(3):
         prompt = rng.integers(3, vocab, size=int(rng.integers(3, 9))).astype(np.int32)
         samples = []
-        for i in range(4):
+        for i in range(n):
             c = rng.integers(3, vocab, size=int(rng.integers(2, 12))).astype(np.int32)
             blp = (np.log(1.0 / vocab) + rng.normal(0, 0.1, len(c))).astype(np.float32)
             samples.append(
@@ -99,6 +106,11 @@ def run(name: str, work: Path) -> None:
     from asyncrl import recipe as recipe_mod
     from asyncrl.learner.trainer import Trainer
 
+    try:  # before the learner's split (f9c98c7) the reward model's learner was a subclass
+        from asyncrl.learner.reward_model import RewardModelTrainer
+    except ImportError:
+        RewardModelTrainer = Trainer  # noqa: N806
+
     data = {
         "model": {"path": str(work / "model"), "max_seq_len": 256},
         "run": {"output_dir": str(work / "runs"), "name": name, "seed": 0},
@@ -107,11 +119,12 @@ def run(name: str, work: Path) -> None:
         for k, v in spec.items():
             data.setdefault(k, {}).update(v)
     torch.manual_seed(0)
-    tr = Trainer(recipe_mod.from_dict(data), checkpointing=False)
+    learner = RewardModelTrainer if name.startswith("reward-model") else Trainer
+    tr = learner(recipe_mod.from_dict(data), checkpointing=False)
     lines = []
     vocab = tr.spec.model.vocab_size
     for step in range(STEPS):
-        res = tr.step(batch(vocab, seed=step))
+        res = tr.step(batch(vocab, seed=step, n=GROUP_SIZE.get(name, 4)))
         metrics = {k: v for k, v in res.metrics.items() if not any(u in k for u in UNSTABLE)}
         text = json.dumps({"loss": res.loss, **metrics}, sort_keys=True)
         lines.append(f"{name} step {step} metrics {hashlib.sha256(text.encode()).hexdigest()[:16]}")
