@@ -351,7 +351,7 @@ class Doctor:
                     mb = pack([make_sequence(0, np.array(prompt), np.array(ids))])
                     both = []
                     for temperature in (t, 1.0):
-                        trainer.temperature = temperature
+                        trainer.models.temperature = temperature
                         (lp,) = trainer.logprobs([mb])
                         both.append(lp.double().tolist())
                     out.append((both[0], both[1]))

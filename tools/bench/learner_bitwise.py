@@ -23,6 +23,7 @@ each step's loss and metrics (the timing and memory ones left out).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -161,8 +162,10 @@ def main(work: Path) -> None:
 
 if __name__ == "__main__":
     sys.path.append(str(ROOT))  # tools/, after PYTHONPATH: its asyncrl is the one measured
-    if sys.argv[1] == "one":
+    if len(sys.argv) == 4 and sys.argv[1] == "one":  # one run, on each torchrun rank
         torch.set_num_threads(1)
         run(sys.argv[2], Path(sys.argv[3]))
     else:
-        main(Path(sys.argv[1]))
+        p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        p.add_argument("work_dir", type=Path, help="where the tiny model and the runs' files go")
+        main(p.parse_args().work_dir)
