@@ -63,16 +63,21 @@ def make_batch(batch: int, lo: int, hi: int, vocab: int, seed: int):
 
 
 def timed(trainer, name: str, into: list[tuple[float, float]]) -> None:
-    """Time ``trainer``'s runner ``name`` where it runs (this instance only): its start and end on
-    the machine's monotonic clock, which the two ranks (processes of one host) share."""
-    run = getattr(trainer, name)
+    """Time the dataflow call ``name`` where it runs, for ``trainer`` only (its models; the runner
+    table is shared by every trainer of the process): its start and end on the machine's monotonic
+    clock, which the two ranks (processes of one host) share."""
+    from asyncrl.learner import calls
 
-    def wrapper(step_run) -> None:
+    run = calls.CALL_RUNNERS[name]
+    assert run is not None, name
+
+    def wrapper(models, step_run) -> None:
         t0 = time.perf_counter()
-        run(step_run)
-        into.append((t0, time.perf_counter()))
+        run(models, step_run)
+        if models is trainer.models:
+            into.append((t0, time.perf_counter()))
 
-    setattr(trainer, name, wrapper)
+    calls.CALL_RUNNERS[name] = wrapper
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -95,8 +100,8 @@ def worker(a: argparse.Namespace) -> None:
     disjoint = Trainer(recipe_mod.from_dict(spec), checkpointing=False, run_dir=tmp / "disjoint")
     actor_s: list[tuple[float, float]] = []
     critic_s: list[tuple[float, float]] = []
-    timed(disjoint, "_call_train_actor", actor_s)
-    timed(disjoint, "_call_train_critic", critic_s)
+    timed(disjoint, "train_actor", actor_s)
+    timed(disjoint, "train_critic", critic_s)
     vocab = shared.spec.model.vocab_size
     steps: dict[str, list[float]] = {"shared": [], "disjoint": []}
     for i in range(a.steps + 2):
