@@ -290,6 +290,13 @@ def _finish(recipe: Recipe, trainer: Any, *, outcome: str, wall_seconds: float) 
     print(summary.summary_line(s), flush=True)
 
 
+def _say_error(e: BaseException) -> None:
+    """One line on stderr in one write: under torchrun every rank says it, and two ranks' lines
+    must not interleave (``print`` writes the text and its newline apart on an unbuffered stream)."""
+    sys.stderr.write(f"asyncrl learner: {e}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = recipe_mod.load(a.recipe, a.overrides)
     except recipe_mod.RecipeError as e:
-        print(f"asyncrl learner: {e}", file=sys.stderr)
+        _say_error(e)
         return 2
     from asyncrl.learner.data import DataError
     from asyncrl.learner.model import ModelConfigError
@@ -311,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(recipe, invocation=Invocation(recipe_path=a.recipe, overrides=a.overrides))
     except (DataError, ModelConfigError, LearnerError, SourceError, recipe_mod.RecipeError) as e:
-        print(f"asyncrl learner: {e}", file=sys.stderr)
+        _say_error(e)
         return 2
     finally:
         if dist.is_initialized():
