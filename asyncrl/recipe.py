@@ -730,9 +730,9 @@ def check_critic_placement(
     if critic.tensor_parallel == actor.tensor_parallel:
         return
     if world is not None:
-        same = placement.ranks_of("critic", world) == placement.ranks_of("actor", world)
+        same = set(placement.ranks_of("critic", world)) == set(placement.ranks_of("actor", world))
     else:  # both unset: every rank; one set and not the other: known only with the world
-        same = list(critic.ranks) == list(actor.ranks)
+        same = set(critic.ranks) == set(actor.ranks)
     if same:
         raise RecipeError(
             f"{critic.tensor_parallel} differs from placement.actor.tensor_parallel "
