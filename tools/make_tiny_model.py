@@ -103,6 +103,21 @@ FLAVOURS = {
         rope_theta=1_000_000.0,
         tie_embeddings=True,
     ),
+    # Qwen3-8B's (hidden 4096, 36 layers, untied): for sizes only (tools/bench/offload_host.py);
+    # its random weights would take 33 GB
+    "qwen3-8b": dict(
+        arch="qwen3",
+        hidden=4096,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=12288,
+        vocab_size=151_936,
+        max_positions=40_960,
+        rope_theta=1_000_000.0,
+        tie_embeddings=False,
+    ),
 }
 """Named real configurations: ``make_tiny_model(out, **FLAVOURS[name])``."""
 

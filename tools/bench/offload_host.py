@@ -32,29 +32,23 @@ sys.path.insert(0, str(ROOT))
 from asyncrl.learner.offload import host_bytes  # noqa: E402
 from tools.make_tiny_model import FLAVOURS  # noqa: E402
 
-MODELS = {
-    "qwen3-0.6b": {
-        "hidden_size": FLAVOURS["qwen3-0.6b"]["hidden"],
-        "num_hidden_layers": FLAVOURS["qwen3-0.6b"]["layers"],
-        "num_attention_heads": FLAVOURS["qwen3-0.6b"]["heads"],
-        "num_key_value_heads": FLAVOURS["qwen3-0.6b"]["kv_heads"],
-        "head_dim": FLAVOURS["qwen3-0.6b"]["head_dim"],
-        "intermediate_size": FLAVOURS["qwen3-0.6b"]["intermediate"],
-        "vocab_size": FLAVOURS["qwen3-0.6b"]["vocab_size"],
-        "tie_word_embeddings": True,
-    },
-    # Qwen3-8B's config.json
-    "qwen3-8b": {
-        "hidden_size": 4096,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 12288,
-        "vocab_size": 151_936,
-        "tie_word_embeddings": False,
-    },
-}
+
+def hf_config(flavour: dict) -> dict:
+    """A :data:`FLAVOURS` entry as the config.json keys ``transformers.Qwen3Config`` takes."""
+    keys = {
+        "hidden": "hidden_size",
+        "layers": "num_hidden_layers",
+        "heads": "num_attention_heads",
+        "kv_heads": "num_key_value_heads",
+        "head_dim": "head_dim",
+        "intermediate": "intermediate_size",
+        "vocab_size": "vocab_size",
+        "tie_embeddings": "tie_word_embeddings",
+    }
+    return {hf: flavour[ours] for ours, hf in keys.items()}
+
+
+MODELS = {name: hf_config(FLAVOURS[name]) for name in ("qwen3-0.6b", "qwen3-8b")}
 
 
 def unit_of(name: str) -> str:
