@@ -9,6 +9,9 @@ talks to the tasks through :meth:`ControlPlane.run` (``trio.from_thread`` with t
 
 A task that raises ends the plane (structured concurrency: its siblings are cancelled) and the
 error is kept in :attr:`ControlPlane.failure` for the training thread to report.
+
+It is also how any other blocking code runs async code (``Evaluation.run`` for a process with no
+loop): one way into trio from a thread, beside the rollout worker's own ``trio.run``.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from asyncrl import metric_names as names
+from asyncrl.control import ControlPlane
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe
 from asyncrl.rollout.client import Batcher, GeneratorPool
@@ -166,11 +167,17 @@ class Evaluation:
         return gives_tools(self.workflow, self.tools, self.tool_set)
 
     def run(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
-        """Evaluate ``version`` on the generators at ``urls`` that hold it (blocking: runs its own
-        trio loop, for a process that has none, as ``python -m asyncrl.evaluate``; the learner
-        runs :meth:`arun` on its control plane's loop). Raises ``trio.TooSlowError`` after
-        ``timeout_s``."""
-        return trio.run(functools.partial(self.arun, urls, version=version, timeout_s=timeout_s))
+        """Evaluate ``version`` on the generators at ``urls`` that hold it, from blocking code (``python
+        -m asyncrl.evaluate``, an SFT run's ends): on a :class:`ControlPlane` of its own, the one way
+        blocking code enters trio here; the learner runs :meth:`arun` on its own plane's loop.
+        Raises ``trio.TooSlowError`` after ``timeout_s``."""
+        plane = ControlPlane("evaluation")
+        try:
+            return plane.run(
+                functools.partial(self.arun, urls, version=version, timeout_s=timeout_s)
+            )
+        finally:
+            plane.close()
 
     async def arun(self, urls: list[str], *, version: int, timeout_s: float) -> EvalReport:
         t0 = time.monotonic()
