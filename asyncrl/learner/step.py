@@ -26,7 +26,7 @@ from asyncrl.learner import cpu_shims
 from asyncrl.learner.calls import CALL_RUNNERS, Step, exchange
 from asyncrl.learner.critic import critic_zero_stats
 from asyncrl.learner.drift import finalize_drift
-from asyncrl.learner.losses import finalize_stats
+from asyncrl.learner.loss_stats import finalize_stats
 from asyncrl.learner.models import LearnerError, Models
 from asyncrl.learner.offload import Reallocation
 from asyncrl.learner.packing import Sequence, make_sequence

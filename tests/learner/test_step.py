@@ -13,7 +13,7 @@ from asyncrl import metric_names as names
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
 from asyncrl.learner.calls import group_advantages
-from asyncrl.learner.losses import LOSSES
+from asyncrl.learner.policy_losses import LOSSES
 from tests.learner.test_model import make_trainer
 from tests.numerics import (
     F32_EPS,

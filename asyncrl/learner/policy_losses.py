@@ -1,4 +1,5 @@
-"""Policy losses (docs/off-policy.md) on packed, flat token tensors.
+"""Policy losses (docs/off-policy.md) on packed, flat token tensors, and :func:`policy_loss`, the
+step's policy term: the recipe's loss with its masks and regularisers.
 
 Every tensor is 1-D over the completion tokens of one micro-batch (packed, no padding); ``seq_ids``
 says which sequence each token belongs to and ``mask`` which tokens are trained on (the sample's
@@ -7,34 +8,27 @@ gradient). Notation per token t: π = exp(logp), the current policy (carries the
 μ = exp(behavior_logp), the generator's; π_prox = exp(prox_logp), the learner's weights at the
 start of the step; A = advantage; sg[·] = stop-gradient.
 
-Each loss is one function returning the per-token loss ℓ_t and where its clipping was active. The
-step's loss is a weighted sum ``L = Σ_t c_t · ℓ_t`` whose weights c_t (:func:`token_weights`) use
-GLOBAL denominators (:class:`Normaliser`, counted over every rank and micro-batch of the step). So a
-micro-batch's loss is its own contribution, and summing the micro-batch losses of all ranks gives
-the full-batch loss exactly: the result does not depend on how the batch is split. Sequence-level
-parts (``gspo``, ``seq_mean_token_mean``) need each sequence whole inside one micro-batch.
-
-Statistics come back as additive sums (:func:`policy_loss`); sum them over micro-batches and ranks,
-then :func:`finalize_stats` turns them into the logged means.
-
-A critic's :func:`value_loss` and a reward model's :func:`bradley_terry` follow the same rules
-(global denominators, additive stats); :func:`explained_variance` judges a critic's values.
+Each loss is one function returning the per-token loss ℓ_t and where its clipping was active.
+:func:`policy_loss` weights them with the step's global denominators
+(:mod:`asyncrl.learner.aggregation`: micro-batch losses add up to the batch's) and returns its
+statistics as additive sums (:mod:`asyncrl.learner.loss_stats`). Sequence-level parts (``gspo``,
+the sequence mask, sequence-level IS weights) need each sequence whole inside one micro-batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import get_args
 
 import torch
 from torch import Tensor
 
-from asyncrl.recipe import Aggregation, AlgorithmConfig, Loss
+from asyncrl.learner.aggregation import Normaliser, count_tokens_and_seqs, seq_sum, token_weights
+from asyncrl.learner.kl_penalty import kl_penalty
+from asyncrl.recipe import AlgorithmConfig, Loss
 
 LOSSES: tuple[str, ...] = tuple(x for x in get_args(Loss) if x != "reward_model")
 """The token losses :func:`policy_loss` computes (reward_model's pairwise loss is
-:func:`bradley_terry`, on scores, not tokens)."""
-AGGREGATIONS: tuple[str, ...] = tuple(a for a in get_args(Aggregation) if a != "auto")
+:func:`~asyncrl.learner.scalar_losses.bradley_terry`, on scores, not tokens)."""
 
 
 def needs_prox(name: str) -> bool:
@@ -183,202 +177,8 @@ def sft(logp: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Regularisers
+# The step's policy loss
 # --------------------------------------------------------------------------------------------------
-
-
-KL_CLAMP = 10.0
-"""k3 is clamped to [−KL_CLAMP, KL_CLAMP] (its log-ratio to ±20 before the exp), as verl does, so one
-token far from π_ref cannot dominate the value. The clamp never touches the gradient."""
-
-
-def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str) -> Tensor:
-    """Per-token KL(π ‖ π_ref) on tokens sampled from π: the value of Schulman's ``estimator``, with
-    the gradient of KL(π ‖ π_ref) (a straight-through carrier, verl's "k1+" / "k3+").
-
-    Values, with δ = log π − log π_ref: k1 = δ; k2 = δ²/2; k3 = e^(−δ) − 1 + δ (unbiased, ≥ 0).
-    Gradients through log π (the sampled token is fixed): E_π[∇k1] = E_π[∇log π] = 0, no penalty at
-    all; E_π[∇k3] = E_π[(1 − π_ref/π)∇log π] = ∇KL(π_ref ‖ π), the *forward* KL; E_π[∇k2] =
-    E_π[δ·∇log π] = ∇KL(π ‖ π_ref). So each estimator goes in as k2 + sg[k − k2]: its value, k2's
-    gradient."""
-    delta = logp - ref_logp
-    k2 = 0.5 * delta * delta
-    if estimator == "k1":
-        value = delta
-    elif estimator == "k2":
-        value = k2
-    elif estimator == "k3":
-        d = delta.clamp(-20.0, 20.0)
-        value = (torch.exp(-d) - 1 + d).clamp(-KL_CLAMP, KL_CLAMP)
-    else:
-        raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r}; k1, k2 or k3")
-    return k2 + (value - k2).detach()
-
-
-# --------------------------------------------------------------------------------------------------
-# Aggregation
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Normaliser:
-    """Global denominators of one optimizer step, the same on every rank and micro-batch.
-
-    ``tokens``: tokens with mask 1 in the whole step; ``seqs``: sequences with at least one such
-    token; ``seq_len``: Dr. GRPO's constant L (use ``rollout.max_new_tokens``). Build it from
-    :func:`count_tokens_and_seqs` summed over micro-batches and all-reduced over ranks.
-    """
-
-    tokens: float
-    seqs: float
-    seq_len: float = 1.0
-
-
-def count_tokens_and_seqs(mask: Tensor, seq_ids: Tensor) -> Tensor:
-    """This micro-batch's share of the :class:`Normaliser`: float64 ``[tokens, seqs]``, to be summed."""
-    m = mask.bool()
-    return torch.tensor(
-        [float(m.sum()), float(torch.unique(seq_ids[m]).numel())], dtype=torch.float64
-    )
-
-
-def seq_sum(x: Tensor, seq_ids: Tensor) -> Tensor:
-    """Σ of ``x`` over each token's sequence, on every token of it (``x`` 0 where it must not
-    count). Differentiable in ``x``."""
-    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq_ids, x)[seq_ids]
-
-
-def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Normaliser) -> Tensor:
-    """The c_t of L = Σ_t c_t ℓ_t (0 where mask is 0), with N_tok, N_seq, L from ``norm``:
-    - ``token_mean``:              c_t = 1 / N_tok
-    - ``seq_mean_token_mean``:     c_t = 1 / (|y_i| · N_seq), |y_i| = mask-1 tokens of t's sequence
-    - ``seq_mean_token_sum_norm``: c_t = 1 / (L · N_seq)   (Dr. GRPO: no length normalisation)
-    """
-    m = mask.to(torch.float64)
-    if aggregation == "token_mean":
-        c = m / max(norm.tokens, 1)
-    elif aggregation == "seq_mean_token_mean":
-        c = m / (seq_sum(m, seq_ids).clamp(min=1) * max(norm.seqs, 1))
-    elif aggregation == "seq_mean_token_sum_norm":
-        if norm.seq_len <= 0:
-            raise ValueError(
-                f"seq_mean_token_sum_norm needs a positive seq_len, got {norm.seq_len}"
-            )
-        c = m / (norm.seq_len * max(norm.seqs, 1))
-    else:
-        raise ValueError(f"algorithm.aggregation: unknown {aggregation!r}; one of {AGGREGATIONS}")
-    return c
-
-
-# --------------------------------------------------------------------------------------------------
-# The step's loss
-# --------------------------------------------------------------------------------------------------
-
-
-def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    *,
-    mask: Tensor,
-    seq_ids: Tensor,
-    clip: float,
-    aggregation: str,
-    norm: Normaliser,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """A critic's clipped value loss (PPO), this micro-batch's contribution:
-
-        L_V = Σ_t c_t · ½·max((V_t − R_t)², (V_clip,t − R_t)²),  V_clip = V_old + clip(V − V_old, −ε_v, ε_v)
-
-    with V the critic's values (carrying the gradient), V_old the values the returns R were computed
-    with (:func:`asyncrl.learner.advantages.gae` or ``vtrace``), ε_v = ``clip`` (``algorithm.
-    value_clip``; 0 is off: plain ½(V − R)²), c_t from ``aggregation`` and ``norm`` as the policy
-    loss's. The clip keeps one step's value change near V_old, as the ratio clip does for π; taking
-    the max makes it pessimistic. Stats are float64 sums: ``value_tokens`` and ``value_clipped``
-    (tokens where the clipped term was larger, so the gradient is gone);
-    :func:`finalize_stats` turns them into ``loss/value_clip_frac``."""
-    valid = mask.bool()
-    for name, x in (("old_values", old_values), ("returns", returns)):
-        if x.shape != values.shape:
-            raise ValueError(
-                f"{name}: shape {tuple(x.shape)} != values shape {tuple(values.shape)}"
-            )
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    v = torch.where(valid, values, zero)
-    v_old = torch.where(valid, old_values.detach(), zero)
-    ret = torch.where(valid, returns.detach(), zero)
-    unclipped = (v - ret) ** 2
-    if clip > 0:
-        clipped = (v_old + torch.clamp(v - v_old, -clip, clip) - ret) ** 2
-        per_token = 0.5 * torch.maximum(unclipped, clipped)
-        active = valid & (clipped > unclipped)
-    else:
-        per_token, active = 0.5 * unclipped, torch.zeros_like(valid)
-    c = token_weights(valid, seq_ids, aggregation=aggregation, norm=norm).to(per_token.dtype)
-    loss = torch.where(valid, per_token * c, zero).sum()
-    stats = {"value_tokens": valid.sum(), "value_clipped": active.sum()}
-    return loss, {k: v.to(torch.float64).detach() for k, v in stats.items()}
-
-
-def bradley_terry(
-    chosen: Tensor, rejected: Tensor, *, pairs: float | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """A reward model's pairwise loss (Bradley–Terry; InstructGPT's RM), from the scalar scores
-    s_c, s_r of each pair's chosen and rejected completions:
-
-        L = 1/N · Σ_pairs −log σ(s_c − s_r)    (computed as softplus(s_r − s_c): no overflow)
-
-    P(chosen ≻ rejected) = σ(s_c − s_r), so this is the pairs' negative log-likelihood; only score
-    differences are learnt. N = ``pairs``, the step's global count (as :class:`Normaliser`'s, so
-    micro-batch losses add up to the batch's); default: this micro-batch's pairs. Stats are float64
-    sums: ``rm_pairs``, ``rm_correct`` (s_c > s_r strictly: a tie is not a correct ranking) and
-    ``rm_margin`` (Σ s_c − s_r); :func:`finalize_stats` gives ``loss/rm_accuracy`` and
-    ``loss/rm_margin``."""
-    if chosen.shape != rejected.shape or chosen.dim() != 1:
-        raise ValueError(
-            f"chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)}: expected [pairs]"
-        )
-    d = chosen - rejected
-    n = chosen.shape[0] if pairs is None else pairs
-    loss = torch.nn.functional.softplus(-d).sum() / max(n, 1)
-    stats = {
-        "rm_pairs": torch.tensor(d.shape[0], device=d.device),
-        "rm_correct": (d > 0).sum(),
-        "rm_margin": d.sum(),
-    }
-    return loss, {k: v.to(torch.float64).detach() for k, v in stats.items()}
-
-
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 − Var[R − V] / Var[R] over the mask-1 tokens: how much of the returns' spread the critic
-    predicts. 1 is perfect, 0 no better than the mean, < 0 worse than the mean. Returns without
-    variance (or no tokens) give 0: there is nothing to explain. The ratio is the same with or
-    without Bessel's correction."""
-    return explained_variance_from_sums(variance_sums(values, returns, mask))
-
-
-def variance_sums(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    """``[n, Σ R, Σ R², Σ (R − V), Σ (R − V)²]`` over the mask-1 tokens, float64: sums that add up
-    over micro-batches and ranks (all-reduce) before :func:`explained_variance_from_sums`."""
-    m = mask.bool()
-    r = returns.detach().to(torch.float64)[m]
-    d = r - values.detach().to(torch.float64)[m]
-    return torch.stack(
-        [torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), r.square().sum()]
-        + [d.sum(), d.square().sum()]
-    )
-
-
-def explained_variance_from_sums(sums: Tensor) -> float:
-    """:func:`explained_variance` from :func:`variance_sums` (summed over ranks)."""
-    n, r, r2, d, d2 = (float(x) for x in sums)
-    if n == 0:
-        return 0.0
-    var_r = r2 / n - (r / n) ** 2
-    if var_r <= 1e-12 * max(1.0, r2 / n):  # constant returns (up to the sums' rounding)
-        return 0.0
-    return 1.0 - (d2 / n - (d / n) ** 2) / var_r
 
 
 def policy_loss(
@@ -399,8 +199,9 @@ def policy_loss(
         L = Σ_t c_t · m_t · (ℓ_t + β·KL_t − α·H_t)
 
     with c_t from ``cfg.aggregation_used`` and ``norm``, ℓ_t the per-token loss, β = ``kl_coef``
-    (KL_t from :func:`kl_penalty`: the estimator's value, KL(π ‖ π_ref)'s gradient),
-    α = ``entropy_coef``, H_t the caller's per-token entropy (with gradient). m_t drops tokens whose
+    (KL_t from :func:`~asyncrl.learner.kl_penalty.kl_penalty`: the estimator's value,
+    KL(π ‖ π_ref)'s gradient), α = ``entropy_coef``, H_t the caller's per-token entropy (with
+    gradient). m_t drops tokens whose
     IS ratio ρ_t = π_prox/μ (π/μ without π_prox) lies outside [ratio_mask_low, ratio_mask_high]
     (IcePop / masked IS), and every token of a sequence whose geometric-mean ratio
     exp(mean_t log ρ_t) lies outside [seq_mask_low, seq_mask_high] (:func:`seq_in_bounds`); a
@@ -408,8 +209,9 @@ def policy_loss(
     tis and decoupled_ppo the sequence's truncated weight (:func:`is_weight`).
 
     Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch, always
-    keyed by :data:`STAT_KEYS`: add them up over micro-batches and ranks (start from
-    :func:`zero_stats`), then call :func:`finalize_stats`.
+    keyed by :data:`~asyncrl.learner.loss_stats.STAT_KEYS`: add them up over micro-batches and
+    ranks (start from :func:`~asyncrl.learner.loss_stats.zero_stats`), then call
+    :func:`~asyncrl.learner.loss_stats.finalize_stats`.
     """
     name = cfg.loss
     if name not in LOSSES:
@@ -521,77 +323,3 @@ def seq_in_bounds(log_rho: Tensor, seq_ids: Tensor, mask: Tensor, lo: float, hi:
     x = torch.where(m, log_rho.detach(), 0)
     mean = seq_sum(x, seq_ids) / seq_sum(m.to(x.dtype), seq_ids).clamp(min=1)
     return ratio_in_bounds(torch.exp(mean), lo, hi)
-
-
-def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
-    """Summed stats → logged metrics (means over trained tokens, ``loss/seq_masked_frac`` over
-    trained sequences; ESS = (Σw)² / (N·Σw²)).
-
-    Over no tokens every fraction is 0 and ESS is 1 (nothing to weight). The stats of
-    :func:`value_loss` and :func:`bradley_terry` may be summed in too (or alone)."""
-    s = {k: float(v) for k, v in stats.items()}
-    out = _critic_metrics(s)
-    if "tokens" not in s:  # a critic's or a reward model's step: no policy stats
-        return out
-    n = s["tokens"]
-    out["loss/tokens"] = n
-    if n <= 0:
-        return out | {
-            "loss/is_weight_mean": 1.0,
-            "loss/ess": 1.0,
-            "loss/clip_frac": 0.0,
-            "loss/ratio_masked_frac": 0.0,
-            "loss/seq_masked_frac": 0.0,
-            "loss/is_capped_frac": 0.0,
-        }
-    out["loss/is_weight_mean"] = s["is_weight"] / n
-    out["loss/ess"] = (
-        s["is_weight"] ** 2 / (n * s["is_weight_sq"]) if s["is_weight_sq"] > 0 else 0.0
-    )
-    out["loss/clip_frac"] = s["clipped"] / n
-    out["loss/ratio_masked_frac"] = s["ratio_masked"] / n
-    out["loss/seq_masked_frac"] = s["seq_masked"] / s["seqs"] if s["seqs"] > 0 else 0.0
-    out["loss/is_capped_frac"] = s["is_capped"] / n
-    out["loss/kl_mu_k1"] = s["kl_mu_k1"] / n
-    out["loss/kl_mu_k3"] = s["kl_mu_k3"] / n
-    for k in ("kl_ref", "entropy"):  # only when computed (the caller passed ref_logp / entropy)
-        if s[f"{k}_tokens"] > 0:
-            out[f"loss/{k}"] = s[k] / s[f"{k}_tokens"]
-    return out
-
-
-def _critic_metrics(s: dict[str, float]) -> dict[str, float]:
-    """The value loss's clip fraction and the reward model's pairwise accuracy and mean margin."""
-    out = {}
-    if "value_tokens" in s:
-        n = s["value_tokens"]
-        out["loss/value_clip_frac"] = s["value_clipped"] / n if n > 0 else 0.0
-    if "rm_pairs" in s:
-        n = s["rm_pairs"]
-        out["loss/rm_accuracy"] = s["rm_correct"] / n if n > 0 else 0.0
-        out["loss/rm_margin"] = s["rm_margin"] / n if n > 0 else 0.0
-    return out
-
-
-STAT_KEYS = (
-    "tokens",
-    "ratio_masked",
-    "seqs",
-    "seq_masked",
-    "clipped",
-    "is_capped",
-    "is_weight",
-    "is_weight_sq",
-    "kl_mu_k1",
-    "kl_mu_k3",
-    "kl_ref",
-    "kl_ref_tokens",
-    "entropy",
-    "entropy_tokens",
-)
-
-
-def zero_stats() -> dict[str, Tensor]:
-    """The stats of a micro-batch with no tokens: the starting point of a sum, so that every rank
-    all-reduces the same keys (:data:`STAT_KEYS`, which :func:`policy_loss` always returns)."""
-    return {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}

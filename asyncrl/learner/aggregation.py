@@ -1,0 +1,76 @@
+"""How per-token losses add up to a step's loss, whatever the batch's split over ranks and
+micro-batches.
+
+Every tensor is 1-D over the completion tokens of one micro-batch (packed, no padding); ``seq_ids``
+says which sequence each token belongs to and ``mask`` which tokens are trained on. A step's loss
+(the policy's, :mod:`asyncrl.learner.policy_losses`; a critic's,
+:mod:`asyncrl.learner.scalar_losses`) is a weighted sum ``L = Σ_t c_t · ℓ_t`` whose weights c_t
+(:func:`token_weights`, ``algorithm.aggregation``) use GLOBAL denominators (:class:`Normaliser`,
+counted over every rank and micro-batch of the step). So a micro-batch's loss is its own
+contribution, and summing the micro-batch losses of all ranks gives the full-batch loss exactly: the
+result does not depend on how the batch is split. ``seq_mean_token_mean`` needs each sequence whole
+inside one micro-batch, as do the sequence-level parts of the losses that use :func:`seq_sum`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import get_args
+
+import torch
+from torch import Tensor
+
+from asyncrl.recipe import Aggregation
+
+AGGREGATIONS: tuple[str, ...] = tuple(a for a in get_args(Aggregation) if a != "auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Normaliser:
+    """Global denominators of one optimizer step, the same on every rank and micro-batch.
+
+    ``tokens``: tokens with mask 1 in the whole step; ``seqs``: sequences with at least one such
+    token; ``seq_len``: Dr. GRPO's constant L (use ``rollout.max_new_tokens``). Build it from
+    :func:`count_tokens_and_seqs` summed over micro-batches and all-reduced over ranks.
+    """
+
+    tokens: float
+    seqs: float
+    seq_len: float = 1.0
+
+
+def count_tokens_and_seqs(mask: Tensor, seq_ids: Tensor) -> Tensor:
+    """This micro-batch's share of the :class:`Normaliser`: float64 ``[tokens, seqs]``, to be summed."""
+    m = mask.bool()
+    return torch.tensor(
+        [float(m.sum()), float(torch.unique(seq_ids[m]).numel())], dtype=torch.float64
+    )
+
+
+def seq_sum(x: Tensor, seq_ids: Tensor) -> Tensor:
+    """Σ of ``x`` over each token's sequence, on every token of it (``x`` 0 where it must not
+    count). Differentiable in ``x``."""
+    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq_ids, x)[seq_ids]
+
+
+def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Normaliser) -> Tensor:
+    """The c_t of L = Σ_t c_t ℓ_t (0 where mask is 0), with N_tok, N_seq, L from ``norm``:
+    - ``token_mean``:              c_t = 1 / N_tok
+    - ``seq_mean_token_mean``:     c_t = 1 / (|y_i| · N_seq), |y_i| = mask-1 tokens of t's sequence
+    - ``seq_mean_token_sum_norm``: c_t = 1 / (L · N_seq)   (Dr. GRPO: no length normalisation)
+    """
+    m = mask.to(torch.float64)
+    if aggregation == "token_mean":
+        c = m / max(norm.tokens, 1)
+    elif aggregation == "seq_mean_token_mean":
+        c = m / (seq_sum(m, seq_ids).clamp(min=1) * max(norm.seqs, 1))
+    elif aggregation == "seq_mean_token_sum_norm":
+        if norm.seq_len <= 0:
+            raise ValueError(
+                f"seq_mean_token_sum_norm needs a positive seq_len, got {norm.seq_len}"
+            )
+        c = m / (norm.seq_len * max(norm.seqs, 1))
+    else:
+        raise ValueError(f"algorithm.aggregation: unknown {aggregation!r}; one of {AGGREGATIONS}")
+    return c
