@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from asyncrl import gpu, memory
 from asyncrl import recipe as recipe_mod
 from asyncrl.memory import GiB, ModelDims, gib
+from asyncrl.reach import HostError, engine_host
 from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
 
 MIN_SGLANG = (0, 5, 19)
@@ -772,8 +773,12 @@ class Doctor:
         wanted.append(("weights.master_port", r.weights.master_addr, r.weights.master_port))
         if r.generator.kind == "builtin" and r.generator.base_port:
             n = r.rollout.workers * r.generator.engines_per_worker
+            try:
+                host = engine_host(r.generator.host, r.buffer.address)
+            except HostError:  # the worker refuses it (one line); here only its ports count
+                host = r.generator.host
             for i in range(n):
-                wanted.append(("generator.base_port", r.generator.host, r.generator.base_port + i))
+                wanted.append(("generator.base_port", host, r.generator.base_port + i))
         busy, elsewhere, free = [], [], []
         for key, host, port in wanted:
             if port == 0:

@@ -199,7 +199,11 @@ class GeneratorConfig:
     kind: GeneratorKind = _f("builtin")
     urls: list[str] = _f(factory=list, doc="SGLang server URLs (kind: sglang)")
     engines_per_worker: int = _f(1, lo=0, doc="built-in engines each worker starts (kind: builtin)")
-    host: str = _f("127.0.0.1")
+    host: str = _f(
+        "",
+        doc="where built-in engines listen (the learner calls them); empty: 127.0.0.1 with the "
+        "learner on this host, else this host's address on the route to it (docs/multinode.md)",
+    )
     base_port: int = _f(0, lo=0, hi=65535, doc="0: pick free ports")
     max_batch_size: int = _f(64, lo=1, doc="built-in engine: running requests per decode step")
     device: EngineDevice = _f(

@@ -11,6 +11,12 @@ Workers: Acquire -> Grant, Put -> Ack (with per-group rejection reasons), Releas
 Register -> Ok (after the ``on_register`` callbacks ran), Status -> StatusReply; anything else, and
 anything undecodable, gets a ``wire.Error`` and is counted; the service keeps serving.
 
+With ``reach`` (the learner's: :func:`asyncrl.reach.unreachable`), a worker's first (``fresh``)
+Register is refused with ``Error("generator_unreachable")`` when the learner cannot connect to one
+of its generators: the broadcaster could never send it weights, and the worker stops at once with
+the cause. A later Register (after a learner restart) is taken whatever the network does then: a
+generator cut off for a while is the broadcaster's to drop and take back (docs/design.md §4).
+
 After :meth:`BufferService.end_run` (the learner trained its last version) the service announces
 ``wire.End`` instead of the version, and answers Acquire and Register with ``Error("run_ended")``,
 so a worker that missed the announcement learns it at its next request.
@@ -43,6 +49,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Batch", "BufferService"]
 
 RegisterCallback = Callable[[str, list[wire.GeneratorInfo]], None]
+Reach = Callable[[str], str | None]
+"""``reach(url)``: why the learner cannot connect to a generator, None if it can."""
 T = TypeVar("T")
 
 
@@ -77,6 +85,7 @@ class BufferService:
         journal_dir: str | os.PathLike | None = None,
         journal_keep: int = 8,
         journal_resume: bool = True,
+        reach: Reach | None = None,
     ) -> None:
         self.cfg = cfg
         self._tls = tls if tls is not None else TLS.from_config(cfg)
@@ -115,6 +124,9 @@ class BufferService:
         self._idle_s = 0.0
         self._end: wire.End | None = None
         self._live: set[str] = set()  # workers that registered with this process
+        self._reach = reach
+        self._refused: dict[str, str] = {}  # worker id -> why its last Register was refused
+        self._dropped: Callable[[], dict[str, str]] = dict  # url -> why it gets no weights
         self.address = ""
         self.pub_address = ""
 
@@ -134,6 +146,12 @@ class BufferService:
                 callback(worker_id, gens)
             except Exception as e:
                 log.warning("restored registration of %s: %s", worker_id, e)
+
+    def watch_generators(self, dropped: Callable[[], dict[str, str]]) -> None:
+        """``dropped()``: the registered generators the learner sends no weights to, url -> why
+        (the broadcaster's). They are in :meth:`stats` (workers ask for them with Status) and in
+        what :meth:`waiting_cause` says; it must be quick (it runs under the store's lock)."""
+        self._dropped = dropped
 
     def start(self, plane: ControlPlane | None = None) -> BufferService:
         """Bind both addresses and start serving as a task of ``plane`` (rank 0's control plane;
@@ -370,6 +388,13 @@ class BufferService:
         )
 
     async def _register(self, msg: wire.Register) -> wire.Message:
+        if msg.fresh and self._reach is not None:
+            why = await self._unreachable(msg.generators)
+            if why:
+                log.warning("register from %s refused: %s", msg.worker_id, why)
+                with self._lock:
+                    self._refused[msg.worker_id] = why
+                return wire.Error(code="generator_unreachable", message=why)
         for cb in self._callbacks:
             try:
                 with trio.fail_after(self._register_timeout_s):
@@ -382,6 +407,7 @@ class BufferService:
         with self._lock:
             self._registered[msg.worker_id] = list(msg.generators)
             self._live.add(msg.worker_id)
+            self._refused.pop(msg.worker_id, None)
             self._save_registered()
             returned = self._store.abandon(msg.worker_id) if msg.fresh else 0
             version = self._store.version
@@ -389,6 +415,27 @@ class BufferService:
             self._wake()
             log.info("%s restarted: its old leases gave back %d starts", msg.worker_id, returned)
         return wire.Ok(version=version, message=f"{len(msg.generators)} generator(s)")
+
+    async def _unreachable(self, generators: list[wire.GeneratorInfo]) -> str:
+        """Why the learner cannot reach these generators ("" if it reaches them all): each asked
+        at once, in a thread."""
+        assert self._reach is not None
+        reach = self._reach
+        causes: dict[str, str] = {}
+
+        async def ask(g: wire.GeneratorInfo) -> None:
+            cause = await trio.to_thread.run_sync(reach, g.url, abandon_on_cancel=True)
+            if cause is not None:
+                causes[g.url] = _unreachable_text(g, cause)
+
+        with trio.move_on_after(self._register_timeout_s) as scope:
+            async with trio.open_nursery() as nursery:
+                for g in generators:
+                    nursery.start_soon(ask, g)
+        if scope.cancelled_caught:  # a probe outlived its own bound: say so, never hang
+            for g in generators:
+                causes.setdefault(g.url, _unreachable_text(g, "no answer in time"))
+        return "; ".join(causes[g.url] for g in generators if g.url in causes)
 
     def _wake(self) -> None:
         """Groups or starts came back: a waiting next_batch looks again (the service's loop)."""
@@ -476,13 +523,35 @@ class BufferService:
         return batch
 
     def _timeout(self, timeout: float) -> TimeoutError:
-        s = self._store.stats()
         return TimeoutError(
-            f"buffer: no batch of {self.cfg.groups_per_batch} groups within "
-            f"{timeout:g} s at version {s['version']} ({s['occupancy']} stored, "
-            f"{s['grants_in_flight']} starts in flight, {s['capacity']} free); "
-            f"are rollout workers running and connected to {self.address}?"
+            f"buffer: no batch of {self.cfg.groups_per_batch} groups within {timeout:g} s "
+            + self._waiting_cause()
         )
+
+    def waiting_cause(self) -> str:
+        """What the learner's wait for a batch is waiting on, as far as the service knows: what
+        is stored and being generated, and the cause when it knows one (no worker registered,
+        registrations refused, generators the learner sends no weights to)."""
+        return self._call(self._waiting_cause)
+
+    def _waiting_cause(self) -> str:
+        s = self._store.stats()
+        text = (
+            f"at version {s['version']} ({s['occupancy']}/{self.cfg.groups_per_batch} groups "
+            f"stored, {s['grants_in_flight']} starts in flight, {s['capacity']} free)"
+        )
+        drops = ", ".join(f"{n} {why}" for why, n in s.get("dropped", {}).items() if n)
+        if drops:
+            text += f"; groups dropped so far: {drops}"
+        refused = "; ".join(f"{w}: {why}" for w, why in self._refused.items())
+        if refused:
+            text += f"; registrations refused: {refused}"
+        if not self._live and not self._registered:
+            text += f"; no worker registered with {self.address}"
+        dropped = self._dropped()
+        if dropped:
+            text += "; no weights to " + "; ".join(f"{u} ({why})" for u, why in dropped.items())
+        return text
 
     def set_version(self, v: int, checkpoint: str = "") -> None:
         """The learner's policy version after an optimizer step (and, if given, an HF export of
@@ -554,8 +623,25 @@ class BufferService:
         s["bad_messages_total"] = sum(bad.values())
         s["learner_wait_s"] = self._idle_s
         s["workers_registered"] = len(self._live)
+        s["registrations_refused"] = dict(self._refused)
+        s["generators_dropped"] = self._dropped()
         s["ended"] = self._end is not None
         return s
+
+
+def _unreachable_text(g: wire.GeneratorInfo, cause: str) -> str:
+    """The refusal of a generator the learner cannot reach: its url, the cause, and the key."""
+    if g.kind == "builtin":
+        fix = (
+            "a built-in engine listens on generator.host: leave it empty (this host's address on "
+            "the route to the learner) or set an address of the worker's host the learner reaches"
+        )
+    else:
+        fix = (
+            "generator.urls must name the server by an address the learner reaches, and the "
+            "server listen there (not on loopback)"
+        )
+    return f"the learner cannot reach generator {g.url} ({cause}); {fix}"
 
 
 def _registrations(saved: dict[str, Any]) -> dict[str, list[wire.GeneratorInfo]]:

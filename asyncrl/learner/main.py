@@ -59,12 +59,17 @@ OFFLINE_SOURCES: dict[str, SourceFactory] = {
 def buffer_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource:
     """The replay buffer's nng service (rank 0), resumed from the checkpoint's buffer state."""
     from asyncrl.buffer.service import BufferService
+    from asyncrl.reach import REACH_TIMEOUT_S, unreachable
 
     svc = BufferService(
         recipe.buffer,
         state=trainer.source_state,
         journal_dir=trainer.run_dir / "buffer",  # acked groups survive a kill between checkpoints
         journal_resume=recipe.run.resume,
+        # a worker's first Register: refused if the broadcaster could never reach a generator
+        reach=functools.partial(
+            unreachable, timeout_s=min(REACH_TIMEOUT_S, recipe.weights.timeout_s)
+        ),
     ).start(plane)
     svc.set_version(trainer.version)
     return svc
@@ -164,15 +169,20 @@ def train(
             on_register = getattr(trainer.source, "on_register", None)
             if rank == 0 and on_register is not None:
                 on_register(broadcaster.on_register)
+                trainer.source.watch_generators(broadcaster.dropped)
         saved_at = -1
         first_batch = True
         stop = _stop_on_signals()
+        waiting_since = None  # one wait for a batch, across the weights published during it
         while trainer.version < recipe.run.steps:
+            if waiting_since is None:
+                waiting_since = time.monotonic()
             if report is not None:
-                report.waiting_since = time.monotonic()
+                report.waiting_since = waiting_since
             batch = source_mod.broadcast_batch(
                 trainer.source,
                 timeout_s=recipe.buffer.batch_timeout_s,
+                waited_s=time.monotonic() - waiting_since,
                 wants_publish=broadcaster.needs_sync if broadcaster and rank == 0 else None,
                 stop=stop,
             )
@@ -182,7 +192,8 @@ def train(
                 break
             if batch == "publish":  # a generator joined while we wait: weights first
                 broadcaster.on_step(trainer.version, trainer, force=True)
-                continue
+                continue  # the same wait goes on: a publish does not restart its bound
+            waiting_since = None
             if evaluator is not None and first_batch:
                 # the generators that made the first batch hold the weights the learner starts
                 # from, unless a version went out already (then after_sync evaluated it)

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import trio
 
 from asyncrl import progress
+from asyncrl.reach import ANY_HOST, is_loopback
 from asyncrl.recipe import Recipe
 from asyncrl.summary import LearnerInfo
 
@@ -44,8 +45,6 @@ END_LINGER_S = 3.0
 LINGER_POLL_S = 0.05
 """How often the lingering learner asks whether a lease is still live."""
 
-_ANY_HOST = {"0.0.0.0", "::", "*", ""}
-
 
 @dataclass(kw_only=True)
 class Invocation:
@@ -58,7 +57,7 @@ class Invocation:
 def dialable(address: str) -> str:
     """``address`` as a peer dials it: a wildcard listen host (0.0.0.0) becomes this host's name."""
     parts = urlsplit(address)
-    if not parts.scheme.endswith("tcp") or parts.hostname not in _ANY_HOST:
+    if not parts.scheme.endswith("tcp") or parts.hostname not in ANY_HOST:
         return address
     return f"{parts.scheme}://{socket.gethostname()}:{parts.port}"
 
@@ -71,10 +70,6 @@ def rollout_command(inv: Invocation | None, buffer: str, pub: str) -> str:
     overrides = [o for o in (inv.overrides if inv else ()) if not o.startswith(own)]
     argv = ["asyncrl", "rollout", recipe, "--buffer", buffer, "--pub", pub, *overrides]
     return shlex.join(argv)
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class LearnerReport:
@@ -134,7 +129,7 @@ class LearnerReport:
             f"  weight group (TCPStore)  {master}{port}",
             f"  (also in {path})",
         ]
-        if _is_loopback(w.master_addr) and not _is_loopback(urlsplit(buffer).hostname or ""):
+        if is_loopback(w.master_addr) and not is_loopback(urlsplit(buffer).hostname or ""):
             lines.append(
                 f"  note: weights.master_addr={w.master_addr}: generators on other hosts cannot "
                 "join the weight group; set weights.master_addr to this host's name"
@@ -182,13 +177,9 @@ class LearnerReport:
             workers = int(st.get("workers_registered", 0))
             info += f"  workers {workers}"
             if waited >= WAIT_SHOWN_AFTER_S:
-                dropped = ", ".join(f"{n} {why}" for why, n in st.get("dropped", {}).items() if n)
                 info += (
-                    f"  waiting {waited:.0f} s for a batch ({st['occupancy']}/"
-                    f"{self.r.buffer.groups_per_batch} groups stored, "
-                    f"{st['grants_in_flight']} being generated"
-                    + (f"; dropped so far: {dropped}" if dropped else "")
-                    + ")"
+                    f"  waiting {waited:.0f} s of {self.r.buffer.batch_timeout_s:g} for a batch "
+                    f"({self.source.waiting_cause()})"
                 )
             alone = time.monotonic() - self._t0
             now = time.monotonic()

@@ -104,6 +104,7 @@ def broadcast_batch(
     source: BatchSource | None,
     *,
     timeout_s: float,
+    waited_s: float = 0.0,
     wants_publish: Callable[[], bool] | None = None,
     stop: threading.Event | None = None,
 ) -> Batch | Signal:
@@ -111,14 +112,16 @@ def broadcast_batch(
 
     Returns ``"stop"`` on every rank when ``stop`` (rank 0's: set by the learner's SIGTERM handler)
     is set while it waits (a clean stop); raises :class:`SourceError` on every rank when rank 0
-    gets no batch within ``timeout_s``. Returns ``"publish"`` on every rank when
-    ``wants_publish()`` (rank 0, between polls) is true: a generator waits for the learner's
-    weights, and its data may be what this wait needs.
+    gets no batch within ``timeout_s`` of a wait that began ``waited_s`` ago, naming what the
+    source says it waits on (``waiting_cause()``, if it has one). Returns ``"publish"`` on every
+    rank when ``wants_publish()`` (rank 0, between polls) is true: a generator waits for the
+    learner's weights, and its data may be what this wait needs; the caller then publishes and
+    calls again with the time already waited, so that publishing never restarts the bound.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     kind, payload = _DATA, b""
     if rank == 0:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s - waited_s
         while True:
             if stop is not None and stop.is_set():
                 kind = _STOP
@@ -126,11 +129,13 @@ def broadcast_batch(
             left = deadline - time.monotonic()
             if source is None or left <= 0:
                 kind = _ERROR
-                payload = (
-                    b"rank 0 has no batch source"
-                    if source is None
-                    else f"no batch within {timeout_s:g} s (buffer.batch_timeout_s)".encode()
-                )
+                if source is None:
+                    payload = b"rank 0 has no batch source"
+                else:
+                    cause = getattr(source, "waiting_cause", None)
+                    said = f": {cause()}" if cause is not None else ""
+                    payload = f"no batch within {timeout_s:g} s (buffer.batch_timeout_s){said}"
+                    payload = payload.encode()
                 break
             try:
                 payload = encode_batch(source.next_batch(min(left, POLL_S)))

@@ -9,7 +9,10 @@ writes to its run folder, waiting for it (for scripts). The worker runs until th
 the end of the run, then stops, prints its summary (one JSON line) and exits 0. With
 ``generator.kind: builtin`` the worker starts ``generator.engines_per_worker`` built-in engines and
 stops them on exit (from the newest HF export the learner has announced, labelled with its
-version; else from ``model.path``, version 0); with ``kind: sglang`` it drives ``generator.urls``.
+version; else from ``model.path``, version 0), listening on ``generator.host`` (empty: loopback for
+a learner on this host, else this host's address on the route to it: :mod:`asyncrl.reach`); with
+``kind: sglang`` it drives ``generator.urls``. A first registration the learner refuses because it
+cannot reach a generator ends the worker with that one line, exit 2 (a setting to fix).
 ``--shard I/N`` gives this worker every N-th prompt (default: from a ``workerI`` id and
 ``rollout.workers``). ``--data-state`` resumes the data position from a JSON file (a group's
 ``data_state``).
@@ -38,6 +41,7 @@ from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
 from asyncrl.generator_http import GeneratorError
 from asyncrl.gpu import trainer_nccl_env
+from asyncrl.reach import LOOPBACK, HostError, dial_host, engine_host
 from asyncrl.recipe import Recipe, RecipeError
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptDataError, PromptSource
@@ -45,7 +49,7 @@ from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.worker import RolloutWorker, WorkerError
+from asyncrl.rollout.worker import GeneratorUnreachable, RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.workflows import load_workflow
 
@@ -158,10 +162,11 @@ def spawn_engines(
     model_dir, version = weights or (Path(r.resolve(r.model.path)), 0)
     if version:
         log.info("starting the engines from %s (version %d)", model_dir, version)
+    host = listen_host(r)
     return [
         spawn_engine_process(
             str(model_dir),
-            host=r.generator.host,
+            host=host,
             port=r.generator.base_port + i if r.generator.base_port else 0,
             max_batch_size=r.generator.max_batch_size,
             weight_version=str(version),
@@ -173,6 +178,23 @@ def spawn_engines(
         )
         for i in range(r.generator.engines_per_worker)
     ]
+
+
+def listen_host(r: Recipe) -> str:
+    """Where the built-in engines listen: ``generator.host``, or (left empty) loopback for a
+    learner on this host and this host's address on the route to a remote one
+    (:func:`asyncrl.reach.engine_host`); a :class:`UsageError` naming the key when it cannot work."""
+    try:
+        host = engine_host(r.generator.host, r.buffer.address)
+    except HostError as e:
+        raise UsageError(str(e)) from None
+    if host != r.generator.host and host != LOOPBACK:
+        log.info(
+            "generator.host: the engines listen on %s (the learner is at %s)",
+            host,
+            r.buffer.address,
+        )
+    return host
 
 
 def engine_env(r: Recipe, environ: Mapping[str, str]) -> dict[str, str]:
@@ -457,7 +479,8 @@ def main(argv: list[str]) -> int:
         metrics = make_metrics(r, worker_id)
         if r.generator.kind == "builtin":
             wait_engines(engines, r.generator.startup_timeout_s)
-            urls = [e.url for e in engines]
+            host = dial_host(engines[0].host, r.buffer.address)  # 0.0.0.0 is no address to dial
+            urls = [f"http://{host}:{e.port}" for e in engines]
         else:
             urls = list(r.generator.urls)
         run = functools.partial(
@@ -482,7 +505,7 @@ def main(argv: list[str]) -> int:
         log.info("delivered %d groups", worker.stats.counters["groups_delivered"])
         print(json.dumps(worker_summary(worker, time.monotonic() - t0)), flush=True)
         return 0
-    except (RecipeError, UsageError, PluginError, PromptDataError) as e:
+    except (RecipeError, UsageError, PluginError, PromptDataError, GeneratorUnreachable) as e:
         print(f"asyncrl rollout: {e}", file=sys.stderr)
         return 2
     except (WorkerError, GeneratorError) as e:

@@ -3,7 +3,8 @@
 Before anything else every generator is labelled with the version of the weights it holds
 (``GeneratorPool.label``). Tasks:
 - ``register``: tells the learner which generators this worker drives (``wire.Register``), retried
-  until acknowledged.
+  until acknowledged; a first registration refused because the learner cannot reach a generator
+  ends the worker (:class:`GeneratorUnreachable`).
 - ``versions``: hears version announcements (``wire.Version`` over Pub/Sub) and cancels groups that can
   no longer be trained within ``max_staleness``, giving their starts back (``wire.Release``).
 - ``admission``: asks the buffer for the right to start groups (``wire.Acquire`` → ``wire.Grant``, a
@@ -11,6 +12,10 @@ Before anything else every generator is labelled with the version of the weights
   and never more than ``max_concurrent_groups``. It asks only while a generator holds weights within
   the bound (version ≥ learner version − ``max_staleness``): tokens of older weights could never be
   trained, so it waits for the broadcaster (e.g. a restarted worker's engines before they join).
+  While it waits it asks the learner (``wire.Status``) which generators it sends no weights to;
+  once the learner has said so of all of this worker's for ``dropped_limit_s`` on end, the worker
+  stops with the learner's reasons (a learner that does not answer resets the count: a partition
+  or a restart is waited out, not taken for a verdict).
 - ``group-*``: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
   one whole ``wire.Group`` (with ReMax, and one greedy episode whose reward is the group's baseline).
   An episode whose reward failed is left out of it; a group left with too few is dropped, its prompt
@@ -66,6 +71,12 @@ log = logging.getLogger(__name__)
 
 class WorkerError(RuntimeError):
     """The worker cannot go on (e.g. every group fails); the text says why."""
+
+
+class GeneratorUnreachable(WorkerError):
+    """The learner refused this worker's first registration: it cannot reach one of its
+    generators (``generator_unreachable``), so they would never get weights. A setting to fix
+    (``generator.host``, ``generator.urls``), not a fault a restart cures."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,6 +161,7 @@ class RolloutWorker:
         self._t_last = 0.0
         self._prev = dict(self.stats.counters)
         self._registering = False
+        self._dropped_since: float | None = None  # the learner says it drops all our generators
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -250,6 +262,8 @@ class RolloutWorker:
             except (TransportTimeout, BufferRefused) as e:
                 if isinstance(e, BufferRefused) and self._ended_by(e):
                     return
+                if isinstance(e, BufferRefused) and e.code == "generator_unreachable":
+                    raise GeneratorUnreachable(str(e).split(": ", 1)[-1]) from None
                 self._quiet.warning("register", "register: %s; retrying", e)
             await self._retry_sleep(attempt)
             attempt += 1
@@ -379,10 +393,40 @@ class RolloutWorker:
         self.pool.log_behind()
         await self.pool.refresh_versions()
         if not self.pool.any_eligible():
+            await self._check_dropped()
             with trio.move_on_after(self.pool.version_poll_s):
                 await self._changed.wait()
+        else:
+            self._dropped_since = None
         self.pool.log_caught_up()
         self.stats.weights_wait_s += trio.current_time() - t0
+
+    async def _check_dropped(self) -> None:
+        """Stop (:class:`WorkerError`, with the learner's reasons) once the learner has said for
+        ``dropped_limit_s`` that it sends none of this worker's generators weights: they can then
+        never come within the bound. Any other answer, or none, starts the count again."""
+        try:
+            status = await self.buffer.status()
+        except (TransportTimeout, BufferRefused):
+            self._dropped_since = None
+            return
+        said = status.stats.get("generators_dropped") or {}
+        ours = {g.url.rstrip("/") for g in self.generators}
+        why = {u: said[u] for u in sorted(ours) if u in said}
+        now = trio.current_time()
+        if not ours or len(why) < len(ours):
+            self._dropped_since = None
+            return
+        if self._dropped_since is None:
+            self._dropped_since = now
+            log.warning("the learner sends this worker's generators no weights: %s", why)
+        waited = now - self._dropped_since
+        if waited >= self.cfg.dropped_limit_s:
+            raise WorkerError(
+                f"no generator within the staleness bound (learner at version {self.version}, "
+                f"max_staleness {self.cfg.max_staleness}): the learner has sent them no weights "
+                f"for {waited:.0f} s: " + "; ".join(f"{u}: {r}" for u, r in why.items())
+            )
 
     def _start_group(self) -> None:
         """A group task on the oldest unused start."""

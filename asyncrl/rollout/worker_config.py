@@ -35,6 +35,10 @@ class WorkerConfig:
     acked_log: str = ""  # JSONL file for the ids of acknowledged groups (exactly-once audits)
     learner_silence_s: float = 10.0  # no version announcement this long, then one: a restart
     end_release_s: float = 3.0  # after the run's end: bound on giving starts back
+    # the learner says it sends none of our generators weights this long on end: stop (a dropped
+    # generator that answers again rejoins at the learner's next version or idle publish, which
+    # come at least every weights.timeout_s while it waits for data)
+    dropped_limit_s: float = 180.0
 
     @classmethod
     def from_recipe(
@@ -55,4 +59,5 @@ class WorkerConfig:
             turn_samples=ro.turn_samples,
             turn_discount=ro.turn_discount,
             acked_log=acked_log,
+            dropped_limit_s=3 * r.weights.timeout_s,
         )

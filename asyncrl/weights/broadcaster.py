@@ -155,6 +155,11 @@ class WeightBroadcaster:
         """url -> state ("joining", "member", "dropped")."""
         return dict(self.members.states())
 
+    def dropped(self) -> dict[str, str]:
+        """url -> why it is sent no weights now (dropped or refused): what the learner's wait for
+        a batch names, and what a worker whose generators fell behind the bound asks for."""
+        return {m.url: m.reason for m in self.members.known() if m.state == "dropped"}
+
     # ---- publishing (training thread) ------------------------------------------------------------
 
     def needs_sync(self) -> bool:

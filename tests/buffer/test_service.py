@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import threading
 
@@ -383,3 +385,68 @@ def test_a_restarted_worker_resumes_its_prompts_from_the_learner_checkpoint() ->
         ]  # the in-flight prompt again first, then new ones: no skip, no repeat
     finally:
         second.stop()
+
+
+@contextlib.contextmanager
+def http_server():
+    """A real HTTP server on loopback that answers every GET (404: any answer means reachable)."""
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_first_register_of_a_generator_the_learner_cannot_reach_is_refused() -> None:
+    """A worker's first (fresh) Register names a generator the learner cannot connect to: refused
+    with a machine-readable code and a message naming the url, the cause and the key to set; the
+    broadcaster never hears of it, and the learner's wait names the refusal. A later Register
+    (after a learner restart) is taken whatever the network does then: cut off for a while is the
+    broadcaster's business (dropped, taken back), not the end of the run."""
+    from asyncrl.reach import unreachable
+
+    down = "http://" + free_tcp_address().split("//")[1]  # nothing listens there
+    calls: list[tuple[str, list[str]]] = []
+    with http_server() as up, BufferService(config(), reach=unreachable) as svc:
+        svc.on_register(lambda wid, gens: calls.append((wid, [g.url for g in gens])))
+
+        async def go() -> None:
+            gens = [wire.GeneratorInfo(url=up), wire.GeneratorInfo(url=down, kind="builtin")]
+            async with BufferClient(svc.address, worker_id="w1") as c:
+                with pytest.raises(BufferRefused) as refused:
+                    await c.register(gens, fresh=True)
+                assert refused.value.code == "generator_unreachable"
+                text = str(refused.value)
+                assert f"the learner cannot reach generator {down} (ConnectError:" in text
+                assert "generator.host" in text and up not in text and "\n" not in text
+                stats = (await c.status()).stats
+                assert stats["workers_registered"] == 0 and not calls
+                assert stats["registrations_refused"] == {"w1": text.split(": ", 1)[1]}
+                with pytest.raises(TimeoutError, match=f"registrations refused: w1: .*{down}"):
+                    await trio.to_thread.run_sync(svc.next_batch, 0.2)
+                await c.register(gens)  # not fresh: taken, and the refusal forgotten
+                assert calls == [("w1", [up, down])]
+                assert (await c.status()).stats["registrations_refused"] == {}
+            async with BufferClient(svc.address, worker_id="w2") as c:
+                await c.register([wire.GeneratorInfo(url=up)], fresh=True)  # it answers: taken
+            assert calls[-1] == ("w2", [up])
+
+        run(go)
+
+
+def test_the_wait_for_a_batch_names_what_the_learner_knows() -> None:
+    """No worker registered, or every generator dropped by the broadcaster: the timeout (what the
+    learner's one-line error and its waiting line say) names it."""
+    with BufferService(config(), announce_every_s=0.2) as svc:
+        with pytest.raises(TimeoutError, match="no worker registered with tcp://"):
+            svc.next_batch(timeout_s=0.2)
+        svc.watch_generators(lambda: {"http://10.0.0.9:30000": "preflight: unreachable"})
+        assert svc.stats()["generators_dropped"] == {
+            "http://10.0.0.9:30000": "preflight: unreachable"
+        }
+        cause = svc.waiting_cause()
+        assert cause.startswith("at version 0 (0/2 groups stored")
+        assert cause.endswith("no weights to http://10.0.0.9:30000 (preflight: unreachable)")

@@ -92,3 +92,60 @@ def test_user_mistakes_are_one_line_errors(tiny_qwen3, tmp_path, capsys):
     assert main([str(recipe)]) == 2
     err = errors(capsys)
     assert len(err) == 1 and "row 1 has no 'prompt'" in err[0]
+
+
+def test_a_wait_for_a_batch_with_every_generator_dropped_ends_with_the_cause(tiny_qwen3, tmp_path):
+    """A worker registered a generator the learner cannot reach (as after a learner restart: no
+    check at that registration), so the broadcaster drops it and, idle for data, publishes again
+    every weights.timeout_s to take it back. Those publishes used to restart the wait for a batch
+    each time: the learner waited for ever. Now the wait ends at buffer.batch_timeout_s, exit 2,
+    with one line naming the cause."""
+    import trio
+
+    from asyncrl import wire
+    from asyncrl.buffer.client import BufferClient
+    from asyncrl.summary import read_learner_info
+    from asyncrl.transport import free_tcp_address
+
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    recipe = tmp_path / "rl.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "rl", "output_dir": str(tmp_path / "runs"), "steps": 3},
+                "model": {"path": str(tiny_qwen3), "max_seq_len": 64},
+                "data": {"path": str(prompts)},
+                "buffer": {"groups_per_batch": 2, "batch_timeout_s": 10},
+                "weights": {"timeout_s": 1, "backend": "gloo"},
+                "learner": {"checkpoint_every": 0},
+                "logging": {"wandb": False, "progress": False},
+            }
+        )
+    )
+    down = "http://" + free_tcp_address().split("//")[1]  # nothing listens there
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "asyncrl.cli", "learner", str(recipe)]
+    with open(tmp_path / "err", "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 180
+        while (info := read_learner_info(tmp_path / "runs" / "rl")) is None:
+            assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the learner did not listen within 180 s"
+            time.sleep(0.1)
+
+        async def register() -> None:
+            async with BufferClient(info.buffer_address, worker_id="w0") as c:
+                await c.register([wire.GeneratorInfo(url=down, kind="builtin")])
+
+        trio.run(register)
+        code = proc.wait(timeout=120)  # it used to wait for ever
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "err").read_text()
+    assert code == 2 and "Traceback" not in text, text[-3000:]
+    said = [line for line in text.splitlines() if line.startswith("asyncrl learner: ")]
+    assert said[-1].startswith("asyncrl learner: no batch within 10 s (buffer.batch_timeout_s)")
+    assert f"no weights to {down} (preflight: " in said[-1]

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -254,3 +255,45 @@ def test_the_worker_takes_its_settings_from_the_recipe(advantage: str, greedy: b
     assert (cfg.worker_id, cfg.group_size, cfg.max_staleness, cfg.max_groups) == ("w7", 5, 3, 9)
     assert cfg.max_prompt_tokens == 70  # what the context leaves after the completion's budget
     assert cfg.greedy_baseline is greedy  # ReMax's baseline episode
+
+
+def _own_network() -> list[str]:
+    """A command prefix running a process on a network of its own (a new network namespace with
+    only loopback, up): another host as far as addresses go, the same one for files (ipc://).
+    Skips, saying why, where namespaces cannot be made."""
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):  # root, else a user namespace
+        try:
+            probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True)
+        except FileNotFoundError as e:
+            pytest.skip(f"no network namespaces here: {e.filename} is missing")
+        if probe.returncode == 0:
+            return [*prefix, "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    pytest.skip(f"no network namespaces here: {probe.stderr.decode().strip()}")
+
+
+def test_a_worker_whose_engine_the_learner_cannot_reach_stops_with_one_line(tmp_path, tiny_qwen3):
+    """The worker on a network of its own (another host), the learner's buffer reached over ipc://:
+    its engine on loopback serves the worker but not the learner. The learner refuses the first
+    registration, and the worker exits 2 at once with that one line (not a silent drop, then a
+    wait that never ends)."""
+    from asyncrl.buffer.service import BufferService
+    from asyncrl.reach import unreachable
+    from asyncrl.recipe import BufferConfig
+
+    prefix = _own_network()
+    recipe = _recipe(tmp_path, tiny_qwen3)
+    sock = tmp_path / "sock"
+    sock.mkdir()
+    cfg = BufferConfig(address=f"ipc://{sock}/b.ipc", pub_address=f"ipc://{sock}/p.ipc")
+    argv = [*prefix, sys.executable, "-m", "asyncrl.cli", "rollout", str(recipe)]
+    argv += ["--buffer", cfg.address, "--pub", cfg.pub_address, "--worker-id", "worker0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    with BufferService(cfg, announce_every_s=0.2, reach=unreachable) as svc:
+        proc = subprocess.run(argv, env=env, capture_output=True, timeout=120)
+        assert svc.stats()["workers_registered"] == 0
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err
+    said = err.strip().splitlines()[-1]  # the last line, after the progress bar's
+    assert said.startswith("asyncrl rollout: the learner cannot reach generator http://127.0.0.1:")
+    assert "(ConnectError:" in said and "generator.host" in said

@@ -534,3 +534,39 @@ def test_a_failed_greedy_episode_leaves_the_group_without_a_baseline(engine, tok
         check_group(g, 3)  # the sampled episodes stand
         assert g.baseline_reward is None
         assert "greedy episodes fail on purpose" in g.metadata["remax_baseline_failure"]
+
+
+def test_a_worker_whose_generators_the_learner_dropped_stops_and_says_why(engine, tokenizer):
+    """The learner at version 5 (eta 1), the worker's engine at 0: the worker waits for weights,
+    and goes on waiting while the learner says nothing against its generator (a broadcast may be on
+    its way). Once the learner's status says it sends that generator no weights (what its
+    broadcaster reports: dropped, and why) for ``dropped_limit_s`` on end, the worker stops with
+    the learner's reason, instead of waiting for ever."""
+    from asyncrl.rollout.worker import WorkerError
+
+    dropped: dict[str, str] = {}
+
+    async def go(svc):
+        svc.watch_generators(lambda: dict(dropped))
+        await trio.to_thread.run_sync(svc.set_version, 5)
+        async with make_worker(
+            engine, tokenizer, svc.address, svc.pub_address, max_staleness=1, dropped_limit_s=0.5
+        ) as w:
+            with trio.fail_after(WAIT_S), pytest.raises(ExceptionGroup) as e:
+                async with trio.open_nursery() as n:
+                    n.start_soon(w.run)
+                    await wait_for(lambda: w.pool.min_version == 4, "the learner's version heard")
+                    t0 = w.stats.weights_wait_s
+                    await wait_for(lambda: w.stats.weights_wait_s > t0 + 1.5, "a long wait")
+                    dropped[engine.url] = "preflight: unreachable"  # the broadcaster's verdict
+        (error,) = e.value.exceptions
+        while isinstance(error, ExceptionGroup):
+            (error,) = error.exceptions
+        assert isinstance(error, WorkerError), error
+        return str(error), svc.stats()
+
+    with serve_buffer(groups_per_batch=2, max_staleness=1) as svc:
+        error, stats = trio.run(go, svc)
+    assert error.startswith("no generator within the staleness bound (learner at version 5, ")
+    assert error.endswith(f"{engine.url}: preflight: unreachable")
+    assert stats["acquires"] == 0
