@@ -326,6 +326,7 @@ class Doctor:
         learner's model and logprob code on one rank, T the recipe's logprob temperature."""
         import numpy as np
 
+        from asyncrl.learner.config import TrainerConfig
         from asyncrl.learner.packing import make_sequence, pack
         from asyncrl.learner.trainer import Trainer
 
@@ -345,7 +346,7 @@ class Doctor:
                     "run": {"output_dir": tmp},
                 }
             )
-            trainer = Trainer(one_rank, checkpointing=False, run_dir=tmp)
+            trainer = Trainer(TrainerConfig.from_recipe(one_rank), checkpointing=False, run_dir=tmp)
             try:
                 out = []
                 for ids in completions:

@@ -69,6 +69,7 @@ def tiny_reward_model(tmp_path_factory, tiny_qwen3) -> Path:
     from transformers import AutoModelForSequenceClassification
 
     from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.scalar_model import write_seq_cls_config
     from asyncrl.learner.trainer import Trainer
 
@@ -83,7 +84,7 @@ def tiny_reward_model(tmp_path_factory, tiny_qwen3) -> Path:
     write_seq_cls_config(seed)
     r = recipe_mod.from_dict({"model": {"path": str(seed)}, "algorithm": {"loss": "reward_model"}})
     work = tmp_path_factory.mktemp("tiny_reward_model_run")
-    trainer = Trainer(r, run_dir=work, checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(r), run_dir=work, checkpointing=False)
     try:
         return trainer.export_hf(tmp_path_factory.mktemp("tiny_reward_model") / "export")
     finally:

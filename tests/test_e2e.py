@@ -286,6 +286,7 @@ def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
     recorded batches in a plain synchronous loop (same init) gives the same losses: GRPO, and PPO
     with a critic (whose value losses match too)."""
     from asyncrl import recipe
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.source import decode_batch
     from asyncrl.learner.trainer import Trainer
 
@@ -306,7 +307,7 @@ def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
 
     r = recipe.load(ROOT / f"recipes/{name}.yaml", ov)
     assert (r.algorithm.advantage == "gae") == critic
-    trainer = Trainer(r, run_dir=tmp_path / "sync", checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(r), run_dir=tmp_path / "sync", checkpointing=False)
     try:
         for v, (batch, loss) in enumerate(zip(batches, async_losses, strict=True)):
             for g in batch.groups:  # on-policy: every token from the weights of version v

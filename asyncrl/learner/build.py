@@ -23,8 +23,8 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl.learner import cpu_shims
+from asyncrl.learner.config import BuildConfig
 from asyncrl.learner.placement import RoleMesh
-from asyncrl.recipe import Recipe
 
 AC_CONFIGS = {"none": lambda: None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 
@@ -34,7 +34,7 @@ class Builder:
     """Builds on this rank for the roles placed on it (``meshes``: each role's ranks and parallel
     dims, :mod:`asyncrl.learner.placement`)."""
 
-    recipe: Recipe
+    config: BuildConfig
     meshes: dict[str, RoleMesh]
     device: torch.device
     dump_folder: Path  # TorchTitan's parallelize writes compile/AC debug output under it
@@ -49,14 +49,14 @@ class Builder:
         spec.model.update_from_config(config=SimpleNamespace(parallelism=mesh.parallelism))
         with torch.device("meta"):
             model = spec.model.build()
-        lc = self.recipe.learner
+        c = self.config
         model = spec.parallelize_fn(
             model,
             parallel_dims=mesh.parallel_dims,
-            training=TrainingConfig(mixed_precision_param=self.recipe.model.dtype),
+            training=TrainingConfig(mixed_precision_param=c.dtype),
             parallelism=mesh.parallelism,
-            compile_config=CompileConfig(enable=lc.compile, components=["model"]),
-            ac_config=AC_CONFIGS[lc.activation_checkpointing](),
+            compile_config=CompileConfig(enable=c.compile, components=["model"]),
+            ac_config=AC_CONFIGS[c.activation_checkpointing](),
             dump_folder=str(self.dump_folder),
         )
         cpu_shims.force_sum_reduction(model)
@@ -86,7 +86,7 @@ class Builder:
     ) -> tuple[OptimizersContainer, LRSchedulersContainer]:
         """AdamW with the recipe's ``learner`` settings at ``lr``, and its LR schedule, which counts
         optimizer updates: ``minibatches × epochs`` per version."""
-        lc = self.recipe.learner
+        c = self.config
         optimizers = OptimizersContainer.Config(
             param_groups=[
                 ParamGroupConfig(
@@ -94,9 +94,9 @@ class Builder:
                     optimizer_name="AdamW",
                     optimizer_kwargs={
                         "lr": lr,
-                        "betas": tuple(lc.betas),
-                        "eps": lc.eps,
-                        "weight_decay": lc.weight_decay,
+                        "betas": c.betas,
+                        "eps": c.eps,
+                        "weight_decay": c.weight_decay,
                     },
                 )
             ],
@@ -105,12 +105,12 @@ class Builder:
             # foreach's numbers exactly; "fused" differs by rounding (4.6e-6 after 5 steps).
             implementation="for-loop",
         ).build(model_parts=[model])
-        per_version = lc.minibatches * lc.epochs
-        total = max(self.recipe.run.steps, 1) * per_version
+        per_version = c.updates_per_version
+        total = max(c.versions, 1) * per_version
         sched = LRSchedulersContainer.Config(
-            warmup_steps=lc.warmup_steps * per_version,
-            total_steps=total if lc.lr_schedule != "constant" else 1 << 40,
-            decay_ratio=None if lc.lr_schedule != "constant" else 0.0,
-            decay_type="cosine" if lc.lr_schedule == "cosine" else "linear",
+            warmup_steps=c.warmup_steps * per_version,
+            total_steps=total if c.lr_schedule != "constant" else 1 << 40,
+            decay_ratio=None if c.lr_schedule != "constant" else 0.0,
+            decay_type="cosine" if c.lr_schedule == "cosine" else "linear",
         )
         return optimizers, sched.build(optimizers=optimizers, training_steps=total)

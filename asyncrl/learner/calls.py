@@ -15,12 +15,12 @@ import torch.distributed as dist
 from asyncrl import metric_names as names
 from asyncrl.learner import passes
 from asyncrl.learner.advantages import compute_advantages
+from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import assign_targets
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import Sequence, split_minibatches
 from asyncrl.learner.passes import StepTotals
 from asyncrl.learner.source import Batch
-from asyncrl.recipe import Recipe
 from asyncrl.rollout.turns import turn_of
 
 
@@ -47,20 +47,20 @@ class Step:
 def minibatches(models: Models, mine: list[Sequence], version: int) -> list[list[Sequence]]:
     """``learner.epochs`` passes over this rank's share of a role, each in ``learner.minibatches``
     random parts (the same seeds for actor and critic), in update order."""
-    lc, seed = models.recipe.learner, models.recipe.run.seed
+    c = models.config
     return [
         part
-        for epoch in range(lc.epochs)
-        for part in split_minibatches(mine, lc.minibatches, seed=(seed, version, epoch))
+        for epoch in range(c.epochs)
+        for part in split_minibatches(mine, c.minibatches, seed=(c.seed, version, epoch))
     ]
 
 
-def group_advantages(recipe: Recipe, batch: Batch, seqs: list[Sequence]) -> dict[str, float]:
+def group_advantages(config: TrainerConfig, batch: Batch, seqs: list[Sequence]) -> dict[str, float]:
     """Each sequence's advantage from its group's rewards (``algorithm.advantage``); ``seqs`` are
     the sequences of ``batch`` (:func:`asyncrl.learner.step.sequences`). Per-turn samples
     (``rollout.turn_samples``) are found by the place each carries (``turn_of``): the group's
     baseline is over episodes. Returns the batch's ReMax count."""
-    alg = recipe.algorithm
+    alg = config.algorithm
     groups = [g for g in batch.groups if g.samples]
     if not groups:
         return {}
@@ -71,7 +71,7 @@ def group_advantages(recipe: Recipe, batch: Batch, seqs: list[Sequence]) -> dict
         eps=alg.adv_eps,
         baselines=baselines,
         turns=[[turn_of(s) for s in g.samples] for g in groups],
-        turn_discount=recipe.rollout.turn_discount,
+        turn_discount=config.turn_discount,
     )
     for seq, a in zip(seqs, torch.cat(advs).tolist(), strict=True):
         seq.advantage = a
@@ -144,13 +144,13 @@ def call_advantages(models: Models, run: Step) -> None:
     sample from the group rewards of the whole batch (each rank computes them all alike).
     Roles on every rank: each rank its share, the whitening's sums reduced over them; roles on
     their own ranks: every rank all sequences (their values exchanged), no collective."""
-    alg, colocated = models.recipe.algorithm, models.colocated
+    alg, colocated = models.config.algorithm, models.colocated
     if models.with_critic:
         seqs = run.mine if colocated else run.seqs
         group = models.meshes["actor"].dp_group if colocated else None
         run.info |= assign_targets(seqs, alg, reduce=colocated, group=group)
     else:
-        run.info |= group_advantages(models.recipe, run.batch, run.seqs)
+        run.info |= group_advantages(models.config, run.batch, run.seqs)
 
 
 def call_train_actor(models: Models, run: Step) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import CheckpointManager
 
-from asyncrl.recipe import LearnerConfig
+from asyncrl.learner.config import CheckpointPolicy
 
 
 class _Absent(Stateful):
@@ -54,7 +54,7 @@ class Checkpoints:
 
     def __init__(
         self,
-        lc: LearnerConfig,
+        policy: CheckpointPolicy,
         *,
         model: torch.nn.Module | None,
         optimizers: Any,
@@ -67,18 +67,18 @@ class Checkpoints:
     ) -> None:
         self.enabled = enabled
         self._state = _LearnerState()
-        keep = lc.keep_checkpoints
+        keep = policy.keep
         extra = {k: v if v is not None else _Absent() for k, v in extra_states.items()}
         self.manager = CheckpointManager.Config(
             enable=True,
             folder="checkpoints",
-            interval=lc.checkpoint_every or (1 << 40),
+            interval=policy.every or (1 << 40),
             keep_latest_k=0 if keep == 0 else max(keep, 2),
             initial_load_path=str(hf_folder.resolve()) if hf_folder is not None else None,
             initial_load_in_hf=hf_folder is not None,
             initial_load_model_only=True,
             last_save_model_only=False,
-            async_mode="async" if lc.checkpoint_async else "disabled",
+            async_mode="async" if policy.asynchronous else "disabled",
             load_only=not enabled,
         ).build(
             dataloader=None,

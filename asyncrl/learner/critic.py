@@ -43,7 +43,7 @@ from asyncrl.recipe import AlgorithmConfig
 
 if TYPE_CHECKING:
     from asyncrl.learner.build import Builder
-    from asyncrl.recipe import Recipe
+    from asyncrl.learner.config import TrainerConfig
 
 WHITEN_EPS = 1e-8
 """Added to the batch's advantage std before dividing (verl's and OpenRLHF's whitening)."""
@@ -154,20 +154,18 @@ class Critic:
     """The value model on this rank: built, loaded and optimised as the actor is (collective over
     the critic's ranks: ``build.meshes["critic"]``)."""
 
-    def __init__(self, r: Recipe, build: Builder) -> None:
-        self.alg = r.algorithm
-        self.grad_clip = r.learner.grad_clip
-        self.folder = r.resolve(r.critic.path or r.model.path)
-        self.spec = scalar_spec(
-            self.folder, attention=r.model.attention, max_seq_len=r.model.max_seq_len
-        )
+    def __init__(self, c: TrainerConfig, build: Builder) -> None:
+        self.alg = c.algorithm
+        self.grad_clip = c.grad_clip
+        self.folder = c.critic_dir
+        self.spec = scalar_spec(self.folder, attention=c.attention, max_seq_len=c.max_seq_len)
         self.model = build.model(self.spec, "critic")
         self.model.train()
         self.adapter = self.spec.state_dict_adapter(self.spec.model, str(self.folder))
         build.load_hf(self.model, self.adapter, self.folder, group=build.meshes["critic"].group)
         if not self.adapter.include_head:  # a causal LM's backbone: a fresh head from the seed
-            init_head(self.model, r.run.seed)
-        self.optimizers, self.lr_schedulers = build.optimizer(self.model, r.critic.lr)
+            init_head(self.model, c.seed)
+        self.optimizers, self.lr_schedulers = build.optimizer(self.model, c.critic_lr)
 
     def states(self) -> dict[str, Any]:
         """The critic's part of the learner's checkpoint (resumed from it, not from the folder)."""

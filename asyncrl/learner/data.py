@@ -17,7 +17,7 @@ import numpy as np
 
 from asyncrl import tasks, wire
 from asyncrl.buffer.store import Batch
-from asyncrl.recipe import Recipe
+from asyncrl.recipe import DataConfig, Recipe
 
 
 class DataError(ValueError):
@@ -170,7 +170,7 @@ class PreferenceSource(SFTSource):
         d = recipe.data
         if not d.path:
             raise DataError("data.path (a jsonl or parquet file of preference pairs) is required")
-        rows = load_preference_rows(recipe.resolve(d.path), recipe)
+        rows = load_preference_rows(recipe.resolve(d.path), d)
         return cls.from_rows(recipe, rows)
 
     def pair(self, row: dict[str, str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -206,9 +206,8 @@ class PreferenceSource(SFTSource):
         return Batch(groups=groups, version=self.version, stats={"data/epoch": self.epoch})
 
 
-def load_preference_rows(path: str | Path, recipe: Recipe) -> list[dict[str, str]]:
+def load_preference_rows(path: str | Path, d: DataConfig) -> list[dict[str, str]]:
     """``{prompt, chosen, rejected}`` rows of a preference file, named by the recipe's data keys."""
-    d = recipe.data
     return load_rows(
         path, {"prompt": d.prompt_key, "chosen": d.chosen_key, "rejected": d.rejected_key}
     )

@@ -119,14 +119,16 @@ def train(
     Rank 0 also tells its user where it listens and how it is doing (:class:`LearnerReport`), and
     at a clean end (the last version, or a stop on SIGTERM) writes the run's summary and plots
     (:func:`asyncrl.summary.finish_run`); at the last version it first announces the end."""
-    from asyncrl.learner.distributed import collective_timeout_s, ensure_distributed
+    from asyncrl.learner.config import TrainerConfig
+    from asyncrl.learner.distributed import ensure_distributed
     from asyncrl.learner.trainer import Trainer
     from asyncrl.metrics import MetricsSink
 
     t0 = time.monotonic()
     match_sglang_nccl(recipe)
-    rank, _ = ensure_distributed(collective_timeout_s(recipe))
-    trainer = Trainer(recipe)
+    config = TrainerConfig.from_recipe(recipe)  # what the Trainer reads of the recipe
+    rank, _ = ensure_distributed(config.collective_timeout_s)
+    trainer = Trainer(config)
     if rank == 0:
         for warning in recipe_mod.warnings(recipe):  # the same lines `asyncrl check` prints
             print(f"asyncrl learner: warning: {warning}", file=sys.stderr, flush=True)

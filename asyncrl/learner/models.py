@@ -15,10 +15,10 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import dataflow
 from asyncrl.learner import cpu_shims
+from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.offload import Offloader, Reallocation
 from asyncrl.learner.placement import RoleMesh
-from asyncrl.recipe import Recipe
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -32,10 +32,9 @@ class Models:
     """What this rank holds of each role. A role this rank is not on is None (its optimizer too);
     ``ref`` is filled after the actor's weights load (it may be resharded from them)."""
 
-    recipe: Recipe
+    config: TrainerConfig  # what the step, the critic and the reward model read of the recipe
     device: torch.device
     meshes: dict[str, RoleMesh]
-    flow: dataflow.Dataflow
     # each call's outputs another role's ranks need (:func:`asyncrl.learner.placement.exchanges`)
     exchanges: dict[str, tuple[str, ...]]
     spec: ModelSpec
@@ -46,6 +45,10 @@ class Models:
     lr_schedulers: LRSchedulersContainer | None = None
     critic: Critic | None = None
     ref: torch.nn.Module | None = None
+
+    @property
+    def flow(self) -> dataflow.Dataflow:
+        return self.config.flow
 
     @property
     def max_seq_len(self) -> int:
@@ -75,7 +78,7 @@ def reallocation(models: Models) -> Reallocation:
     offloaders = {}
     roles = {"critic": models.critic, "ref": models.ref}
     for role in ("actor", "critic", "ref"):
-        if not getattr(models.recipe.placement, role).offload:
+        if not getattr(models.config.placement, role).offload:
             continue
         if cpu_shims.ON_CPU or roles.get(role) is None:
             why = (

@@ -55,7 +55,7 @@ def micro_batches(
     """This rank's sequences, packed; every rank of the role (``group``, default every rank)
     runs the same number of micro-batches (FSDP's collectives must pair up), padding with empty
     rows that carry no loss."""
-    bins = split_micro_batches(mine, models.recipe.learner.micro_batch_tokens)
+    bins = split_micro_batches(mine, models.config.micro_batch_tokens)
     n = torch.tensor([len(bins)], dtype=torch.int64)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     bins += [[] for _ in range(int(n) - len(bins))]
@@ -97,9 +97,7 @@ def logprobs(models: Models, mbs: list[MicroBatch]) -> list[torch.Tensor]:
 def drift(models: Models, mb: MicroBatch, prox_logp: torch.Tensor, version: int) -> torch.Tensor:
     """This micro-batch's drift sums (:func:`drift_sums`) against π_prox, at ``version``."""
     cpu = (t.cpu() for t in (mb.behavior_logp, prox_logp, version - mb.versions, mb.mask))
-    return drift_sums(
-        *cpu, mb.mixed_versions.cpu(), max_staleness=models.recipe.buffer.max_staleness
-    )
+    return drift_sums(*cpu, mb.mixed_versions.cpu(), max_staleness=models.config.max_staleness)
 
 
 def per_token(
@@ -131,7 +129,7 @@ def recompute_prox(
 ) -> torch.Tensor:
     """π_prox before a batch's first update (AReaL's recompute): one forward-only pass over this
     rank's sequences, stored on each :class:`Sequence`; returns the batch's drift sums."""
-    sums = torch.zeros(models.recipe.buffer.max_staleness + 2, 3, dtype=torch.float64)
+    sums = torch.zeros(models.config.max_staleness + 2, 3, dtype=torch.float64)
 
     def prox(mb: MicroBatch) -> dict[str, torch.Tensor]:
         lp = token_logprobs(models, mb)[0]
@@ -152,7 +150,7 @@ def normaliser(models: Models, mbs: list[MicroBatch], mesh: RoleMesh) -> Normali
     return Normaliser(
         tokens=float(counts[0]),
         seqs=float(counts[1]),
-        seq_len=float(models.recipe.rollout.max_new_tokens),
+        seq_len=float(models.config.max_new_tokens),
     )
 
 
@@ -171,7 +169,7 @@ def actor_micro_batch(
     through the output projection a chunk at a time and through the decoder
     (:mod:`asyncrl.learner.logprobs`). A rank whose micro-batch trains no token runs the same
     collectives (the projection on one row, with gradient 0), so FSDP's pair up."""
-    alg, actor = models.recipe.algorithm, models.actor
+    alg, actor = models.config.algorithm, models.actor
     assert actor is not None
     h = hidden(models, mb, actor)
     # the ``ref`` call's, computed here or on the ref's own ranks (then exchanged)
@@ -231,7 +229,7 @@ def update_actor(
     models.optimizers.zero_grad()
     for mb in mbs:
         actor_micro_batch(models, mb, norm, totals, version=version, measure_drift=measure_drift)
-    clip = models.recipe.learner.grad_clip
+    clip = models.config.grad_clip
     grad_norm = dist_utils.clip_grad_norm_(
         list(actor.parameters()), clip if clip > 0 else math.inf, foreach=True
     )

@@ -74,9 +74,9 @@ class RewardModelSteps:
         if not models.meshes["actor"].whole_world:  # its step is written for every rank
             raise LearnerError(
                 "placement.actor.ranks: the reward model trains on every learner rank, got "
-                f"{models.recipe.placement.actor.ranks}"
+                f"{models.config.placement.actor.ranks}"
             )
-        self.models, self.recipe, self.device = models, models.recipe, models.device
+        self.models, self.config, self.device = models, models.config, models.device
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.model: torch.nn.Module = models.actor  # type: ignore[assignment]
         self._eval_pairs: list[Pair] | None = None
@@ -85,7 +85,7 @@ class RewardModelSteps:
         """A causal LM's backbone gets a new head at a fresh start; from then on the weights carry
         the head (exports and checkpoints)."""
         if fresh and not adapter.include_head:
-            init_head(self.model, self.recipe.run.seed)
+            init_head(self.model, self.config.seed)
         adapter.include_head = True  # loaded: exports carry the head from now on
         adapter.include_bias = True
 
@@ -107,10 +107,7 @@ class RewardModelSteps:
         """This rank's pairs in micro-batches; every rank runs as many (FSDP's collectives pair up),
         padding with empty ones."""
         lengths = [len(c) + len(r) for c, r in pairs]
-        bins = [
-            [pairs[i] for i in b]
-            for b in pair_bins(lengths, self.recipe.learner.micro_batch_tokens)
-        ]
+        bins = [[pairs[i] for i in b] for b in pair_bins(lengths, self.config.micro_batch_tokens)]
         n = torch.tensor([len(bins)], dtype=torch.int64)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return bins + [[] for _ in range(int(n) - len(bins))]
@@ -147,7 +144,7 @@ class RewardModelSteps:
                 ],
                 dtype=torch.float64,
             )
-        clip = self.recipe.learner.grad_clip
+        clip = self.config.grad_clip
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True
         )
@@ -175,8 +172,8 @@ class RewardModelSteps:
         for k, v in batch.stats.items():
             if isinstance(v, int | float) and not isinstance(v, bool):
                 metrics.setdefault(k, float(v))
-        every = self.recipe.run.eval_every
-        if version >= self.recipe.run.steps or (every and version % every == 0):
+        every = self.config.held_out.every
+        if version >= self.config.steps or (every and version % every == 0):
             acc = self.held_out_accuracy()
             if acc is not None:
                 metrics[names.RM_EVAL_ACCURACY] = acc
@@ -187,13 +184,14 @@ class RewardModelSteps:
     def _load_eval_pairs(self) -> list[Pair]:
         from asyncrl.learner.data import PreferenceSource, load_preference_rows
 
-        r = self.recipe
-        rows = load_preference_rows(r.resolve(r.data.eval_path), r)
-        rows = rows[: r.run.eval_prompts] if r.run.eval_prompts else rows
+        held = self.config.held_out
+        assert held.path is not None
+        rows = load_preference_rows(held.path, held.data)
+        rows = rows[: held.limit] if held.limit else rows
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(r.resolve(r.model.path)))
-        src = PreferenceSource(rows, tok, batch_size=1, chat_template=r.data.chat_template)
+        tok = AutoTokenizer.from_pretrained(str(self.config.model_dir))
+        src = PreferenceSource(rows, tok, batch_size=1, chat_template=held.data.chat_template)
         out = []
         for row in rows:
             p, c, rej = src.pair(row)
@@ -209,7 +207,7 @@ class RewardModelSteps:
     def held_out_accuracy(self) -> float | None:
         """The fraction of ``data.eval_path``'s pairs (the first ``run.eval_prompts``) the model
         ranks right, chosen over rejected (collective; None without held-out pairs)."""
-        if not self.recipe.data.eval_path:
+        if self.config.held_out.path is None:
             return None
         if self._eval_pairs is None:
             self._eval_pairs = self._load_eval_pairs()

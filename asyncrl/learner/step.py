@@ -58,18 +58,18 @@ def sequences(
     """Every sample of the batch laid out for packing, in group order, with its reward (the
     ``advantages`` call sets the advantages), and the batch's numbers (staleness, truncation,
     reward and length means); refuses a token outside the staleness bound at ``version``."""
-    r = models.recipe
-    is_sft = r.algorithm.loss == "sft"
+    c = models.config
+    is_sft = c.loss == "sft"
     groups = [g for g in batch.groups if g.samples]
     rewards = [g.rewards for g in groups]
     seqs, i = [], 0
-    eta = r.buffer.max_staleness
+    eta = c.max_staleness
     info = {"learner/truncated_samples": 0.0}
     staleness: list[np.ndarray] = []
     for gi, g in enumerate(groups):
         for si, s in enumerate(g.samples):
             mask = s.loss_mask
-            if r.buffer.overlong_filter and s.finish_reason == "length":
+            if c.overlong_filter and s.finish_reason == "length":
                 mask = np.zeros_like(mask)
             if not is_sft and (mask > 0).any():
                 k = version - np.asarray(s.versions)[mask > 0]
@@ -174,7 +174,8 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
     pass before the first; with one, from that update's own forward, which is the same thing.
     """
     t0 = time.perf_counter()
-    lc, eta = models.recipe.learner, models.recipe.buffer.max_staleness
+    c = models.config
+    eta = c.max_staleness
     seqs, info = sequences(models, batch, version)
     totals = StepTotals(drift=torch.zeros(eta + 2, 3, dtype=torch.float64))
     if models.with_critic:
@@ -186,7 +187,7 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
         shares={role: m.share(seqs) for role, m in models.meshes.items()},
         version=version,
         totals=totals,
-        several=lc.minibatches * lc.epochs > 1,
+        several=c.minibatches * c.epochs > 1,
     )
     run_calls(models, realloc, run)
     summed = reduce_totals(models, totals)
@@ -202,8 +203,8 @@ def step_metrics(
 ) -> dict[str, float]:
     """The step's metrics from its reduced totals (``dt``: its seconds; ``info``: what the batch
     and the calls reported)."""
-    lc = models.recipe.learner
-    updates = lc.minibatches * lc.epochs
+    c = models.config
+    updates = c.minibatches * c.epochs
     tokens = float(summed["counted/tokens"])
     stats = {k.removeprefix("counted/stat/"): float(v) for k, v in summed.items() if "/stat/" in k}
     out = {
@@ -223,7 +224,7 @@ def step_metrics(
         out[names.VALUE_LOSS] = stats.pop("value_loss") / updates
         out["critic/grad_norm"] = float(summed["role/critic_grad_norm"])
     out |= peak_memory() | info | finalize_stats(stats)
-    if models.recipe.algorithm.loss != "sft":
-        eta = models.recipe.buffer.max_staleness
+    if models.config.loss != "sft":
+        eta = models.config.max_staleness
         out |= finalize_drift(summed["counted/drift"].reshape(eta + 2, 3))
     return out

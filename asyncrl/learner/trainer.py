@@ -28,13 +28,14 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import malloc
-from asyncrl.dataflow import Dataflow, from_recipe
+from asyncrl.dataflow import Dataflow
 from asyncrl.learner import cpu_shims, export, passes
 from asyncrl.learner.build import Builder
 from asyncrl.learner.calls import CALL_RUNNERS
 from asyncrl.learner.checkpoint import Checkpoints
+from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import CRITIC_STATES, Critic
-from asyncrl.learner.distributed import collective_timeout_s, ensure_distributed
+from asyncrl.learner.distributed import ensure_distributed
 from asyncrl.learner.logprobs import chunk_tokens
 from asyncrl.learner.model import build_spec
 from asyncrl.learner.models import LearnerError, Models, reallocation
@@ -45,13 +46,7 @@ from asyncrl.learner.reward_model import RewardModelSteps
 from asyncrl.learner.scalar_model import scalar_spec, write_seq_cls_config
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.learner.step import StepResult, sequences, train_step
-from asyncrl.recipe import (
-    Recipe,
-    RecipeError,
-    check_critic_placement,
-    check_placement,
-    learner_roles,
-)
+from asyncrl.recipe import RecipeError, check_critic_placement, check_placement
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -59,45 +54,45 @@ log = logging.getLogger("asyncrl.learner")
 class Trainer:
     """The learner on one rank. Construct it on every rank (collective), then call :meth:`step`.
 
-    ``Trainer(recipe, source=None, run_dir=None, checkpointing=True)``: ``source`` matters on rank 0
-    only; ``run_dir`` defaults to the recipe's run folder; with ``checkpointing=False`` nothing is
-    written (the HF weights are still loaded through the CheckpointManager).
+    ``Trainer(TrainerConfig.from_recipe(recipe), source=None, run_dir=None, checkpointing=True)``:
+    ``source`` matters on rank 0 only; ``run_dir`` defaults to the recipe's run folder; with
+    ``checkpointing=False`` nothing is written (the HF weights are still loaded through the
+    CheckpointManager).
     """
 
     def __init__(
         self,
-        recipe: Recipe,
+        config: TrainerConfig,
         *,
         source: BatchSource | None = None,
         run_dir: str | Path | None = None,
         checkpointing: bool = True,
     ) -> None:
-        r = self.recipe = recipe
-        self.rank, self.world = ensure_distributed(collective_timeout_s(r))
+        c = self.config = config
+        self.rank, self.world = ensure_distributed(c.collective_timeout_s)
         device = torch.device("cpu")
         if not cpu_shims.ON_CPU:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         self.source = source
-        self.run_dir = Path(run_dir) if run_dir is not None else r.run_dir
-        self.model_dir = r.resolve(r.model.path)
-        if r.model.dtype == "float16":
+        self.run_dir = Path(run_dir) if run_dir is not None else c.run_dir
+        self.model_dir = c.model_dir
+        if c.build.dtype == "float16":
             raise LearnerError("model.dtype: float16 training is not supported; use bfloat16")
         self.version = 0
         self.source_state: dict | None = None
         self.last_export = ""
 
         # Each role's ranks and parallel dims (asyncrl/learner/placement.py), checked first.
-        flow = from_recipe(r)
+        flow, roles = c.flow, c.roles
         self.check_dataflow(flow)
-        roles = learner_roles(r)
         try:
-            check_placement(r.placement, self.world, roles=roles)
+            check_placement(c.placement, self.world, roles=roles)
             if "critic" in roles:
-                check_critic_placement(r.placement, self.world)
+                check_critic_placement(c.placement, self.world)
         except RecipeError as e:  # one line, as the learner's other configuration errors
             raise LearnerError(str(e)) from None
-        meshes = build_role_meshes(r.placement, self.world, self.rank, roles)
+        meshes = build_role_meshes(c.placement, self.world, self.rank, roles)
         actor = meshes["actor"]
         colocated = all(m.whole_world for m in meshes.values())
         self.parallel_dims = actor.parallel_dims
@@ -110,41 +105,40 @@ class Trainer:
             self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
             self.dp_group = dp_mesh.get_group()
 
-        self.build = Builder(r, meshes, device, self.run_dir)
+        self.build = Builder(c.build, meshes, device, self.run_dir)
         spec = self.model_spec()
         # a rank's logits span its vocabulary slice: 1/tp of it under tensor parallelism (the
         # actor's and π_ref's projections share the chunk, so the smaller degree sizes it)
-        tp = min(r.placement.actor.tensor_parallel, r.placement.ref.tensor_parallel)
+        tp = min(c.placement.actor.tensor_parallel, c.placement.ref.tensor_parallel)
         vocab = -(-spec.model.vocab_size // tp)
-        if r.learner.compile and cpu_shims.ON_CPU:
+        if c.build.compile and cpu_shims.ON_CPU:
             log.warning(
                 "learner.compile on CPU: every new batch layout recompiles the blocks (measured on "
                 "the tiny test model: 38-60 s per step against 0.3 s eager); it is meant for GPUs"
             )
         self.models = Models(
-            recipe=r,
+            config=c,
             device=device,
             meshes=meshes,
-            flow=flow,
             # the driver's calls read the actor's shares when every role is on every rank
             exchanges=exchanges(
                 flow, {k: m.layout for k, m in meshes.items()}, actor.layout if colocated else None
             ),
             spec=spec,
-            temperature=1.0 if r.algorithm.loss == "sft" else r.rollout.logprob_temperature,
-            chunk_tokens=chunk_tokens(vocab, r.learner.logits_chunk_mb),
+            temperature=c.temperature,
+            chunk_tokens=chunk_tokens(vocab, c.logits_chunk_mb),
         )
         m = self.models
         # A rank outside the actor's ranks holds no actor (model, optimizer: None).
         if actor.holds:
             m.actor = self.build.model(spec, "actor")
             m.actor.train()
-            m.optimizers, m.lr_schedulers = self.build.optimizer(m.actor, r.learner.lr)
+            m.optimizers, m.lr_schedulers = self.build.optimizer(m.actor, c.lr)
 
         self.adapter = spec.state_dict_adapter(spec.model, str(self.model_dir))
         # PPO with a critic: the value model on its ranks, checkpointed with the actor (its keys)
         critic_mesh = meshes.get("critic")
-        m.critic = Critic(r, self.build) if critic_mesh and critic_mesh.holds else None
+        m.critic = Critic(c, self.build) if critic_mesh and critic_mesh.holds else None
         self.checkpointing = checkpointing
         critic_states: dict[str, Any] | None = None
         if m.critic is not None:
@@ -152,7 +146,7 @@ class Trainer:
         elif m.with_critic:  # on other ranks
             critic_states = dict.fromkeys(CRITIC_STATES)
         self.checkpoints = Checkpoints(
-            self.recipe.learner,
+            c.checkpoints,
             model=m.actor,
             optimizers=m.optimizers,
             lr_schedulers=m.lr_schedulers,
@@ -165,7 +159,7 @@ class Trainer:
         self._load()
         # a reward model: the scalar-head model trained on preference pairs by its own executor
         self.reward_model: RewardModelSteps | None = None
-        if r.algorithm.loss == "reward_model":
+        if c.loss == "reward_model":
             self.reward_model = RewardModelSteps(
                 m, dp_rank=self.dp_rank, dp_size=self.dp_size, dp_group=self.dp_group
             )
@@ -238,8 +232,8 @@ class Trainer:
             log.info(
                 "π_ref: resharded from the actor's initial weights (tensor_parallel %d -> %d, "
                 "%.1f MiB gathered)",
-                self.recipe.placement.actor.tensor_parallel,
-                self.recipe.placement.ref.tensor_parallel,
+                self.config.placement.actor.tensor_parallel,
+                self.config.placement.ref.tensor_parallel,
                 moved / 2**20,
             )
             return
@@ -251,14 +245,14 @@ class Trainer:
     def model_spec(self) -> ModelSpec:
         """The TorchTitan spec of ``model.path``: a causal LM, or a reward model's backbone with its
         scalar head."""
-        r = self.recipe
-        spec = scalar_spec if r.algorithm.loss == "reward_model" else build_spec
-        return spec(self.model_dir, attention=r.model.attention, max_seq_len=r.model.max_seq_len)
+        c = self.config
+        spec = scalar_spec if c.loss == "reward_model" else build_spec
+        return spec(self.model_dir, attention=c.attention, max_seq_len=c.max_seq_len)
 
     def check_dataflow(self, flow: Dataflow) -> None:
         """Refuse, before any model loads, a graph with a call :meth:`step` cannot run (the
         reward-modelling graph is one call, ``train_reward``: :class:`RewardModelSteps`)."""
-        known = {"train_reward"} if self.recipe.algorithm.loss == "reward_model" else CALL_RUNNERS
+        known = {"train_reward"} if self.config.loss == "reward_model" else CALL_RUNNERS
         unknown = [c.label for c in flow.calls if c.name not in known]
         if unknown:
             raise LearnerError(f"{flow.name}: no runner in the learner for {unknown}")
@@ -278,7 +272,7 @@ class Trainer:
     def _load(self) -> None:
         """The latest checkpoint (with ``run.resume``), else the HF weights of ``model.path``."""
         step = self.latest_checkpoint_step()
-        if step >= 0 and not self.recipe.run.resume:
+        if step >= 0 and not self.config.resume:
             raise LearnerError(
                 f"{self.checkpoint_dir} already holds checkpoints (step {step}); "
                 "set run.resume=true to continue it or pick another run.name"
@@ -345,7 +339,7 @@ class Trainer:
             self.model,
             self.checkpoints.manager,
             path,
-            dtype=dtype or self.recipe.model.dtype,
+            dtype=dtype or self.config.build.dtype,
             source=self.model_dir,
             rank=self.rank,
         )
@@ -357,7 +351,7 @@ class Trainer:
 
     def maybe_export(self) -> str:
         """HF export every ``learner.export_every`` versions into ``run_dir/hf/v{version}``."""
-        k = self.recipe.learner.export_every
+        k = self.config.checkpoints.export_every
         if k and self.version % k == 0:
             self.last_export = str(self.export_hf(self.run_dir / "hf" / f"v{self.version}"))
             return self.last_export

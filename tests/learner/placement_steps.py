@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from asyncrl import recipe as recipe_mod
+from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.source import decode_batch
 from asyncrl.learner.trainer import Trainer
 from tests.numerics import full, hf_grads
@@ -59,7 +60,11 @@ def main(recipe_path: str, batch_path: str, out_dir: str, steps: str, run_dir: s
     recipe = recipe_mod.load(recipe_path, ["run.resume=true"] if run_dir else [])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(recipe, run_dir=run_dir or out / "run", checkpointing=bool(run_dir))
+    trainer = Trainer(
+        TrainerConfig.from_recipe(recipe),
+        run_dir=run_dir or out / "run",
+        checkpointing=bool(run_dir),
+    )
     try:
         batch = decode_batch(Path(batch_path).read_bytes())
         if trainer.model is not None:

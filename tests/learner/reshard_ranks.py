@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from asyncrl import recipe as recipe_mod
+from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.passes import token_logprobs
 from asyncrl.learner.reshard import reshard
 from asyncrl.learner.source import decode_batch
@@ -40,7 +41,11 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(recipe_path: str, batch_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     out = Path(out_dir)
-    tr = Trainer(recipe_mod.load(recipe_path), run_dir=out / "run", checkpointing=False)
+    tr = Trainer(
+        TrainerConfig.from_recipe(recipe_mod.load(recipe_path)),
+        run_dir=out / "run",
+        checkpointing=False,
+    )
     try:
         ref_mesh = tr.meshes["ref"]
         hf_ref = tr.build.model(tr.spec, "ref")

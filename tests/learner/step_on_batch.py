@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from asyncrl import recipe as recipe_mod
 from asyncrl import wire
+from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.source import decode_batch
 from asyncrl.learner.trainer import Trainer
 from tests.numerics import hf_grads
@@ -77,7 +78,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def main(recipe_path: str, batch_path: str, out_dir: str, *flags: str) -> None:
     recipe = recipe_mod.load(recipe_path)
     out = Path(out_dir)
-    trainer = Trainer(recipe, run_dir=out / "run", checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(recipe), run_dir=out / "run", checkpointing=False)
     try:
         batch = decode_batch(Path(batch_path).read_bytes())
         if "--before" in flags:  # log π of every trained token and the weights, before the step

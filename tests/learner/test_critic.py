@@ -135,6 +135,7 @@ def test_a_value_change_beyond_the_clip_loses_its_gradient(tiny_qwen3, tmp_path)
 @pytest.mark.parametrize("advantage", ["gae", "vtrace"])
 def test_checkpoint_and_resume_continue_actor_and_critic_bitwise(tiny_qwen3, tmp_path, advantage):
     from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     spec = {
@@ -155,14 +156,14 @@ def test_checkpoint_and_resume_continue_actor_and_critic_bitwise(tiny_qwen3, tmp
             out.append((res.loss, res.metrics[names.VALUE_LOSS], critic, trainer.hf_state_dict()))
         return out
 
-    a = Trainer(recipe_mod.from_dict(spec))
+    a = Trainer(TrainerConfig.from_recipe(recipe_mod.from_dict(spec)))
     vocab = a.spec.model.vocab_size
     run(a, [0])
     assert a.save_checkpoint(force=True)
     straight = run(a, [1, 2])
     a.close()
     spec["run"]["resume"] = True
-    b = Trainer(recipe_mod.from_dict(spec))
+    b = Trainer(TrainerConfig.from_recipe(recipe_mod.from_dict(spec)))
     assert b.version == 1
     resumed = run(b, [1, 2])
     b.close()

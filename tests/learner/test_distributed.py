@@ -108,11 +108,12 @@ def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 
 @pytest.mark.numerics
 def test_two_ranks_match_one_rank_on_the_same_global_batch(runs, tmp_path):
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.data import SFTSource
     from asyncrl.learner.trainer import Trainer
 
     recipe = recipe_mod.load(runs["recipe"], ["learner.micro_batch_tokens=4096"])
-    tr = Trainer(recipe, run_dir=tmp_path, checkpointing=False)
+    tr = Trainer(TrainerConfig.from_recipe(recipe), run_dir=tmp_path, checkpointing=False)
     res = tr.step(SFTSource.from_recipe(recipe).next_batch())
     assert res.metrics["learner/micro_batches"] == 1
     loss2, gn2 = losses(runs["runs"] / "u")[1]
@@ -165,6 +166,7 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(
     a critic: its values pass, the advantages' whitening and its update pair up as well."""
 
     from asyncrl import wire
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.packing import make_sequence, split_over_ranks
     from asyncrl.learner.source import Batch, encode_batch
     from asyncrl.learner.trainer import Trainer
@@ -199,7 +201,11 @@ def test_a_rank_without_trained_tokens_steps_with_the_others(
     n = len(load_file(str(tmp_path / "weights.safetensors")))
     assert kept == [{"tensors": n, "dtypes": ["torch.bfloat16"]}, {"tensors": 0, "dtypes": []}]
 
-    tr = Trainer(recipe_mod.load(recipe_file), run_dir=tmp_path / "one", checkpointing=False)
+    tr = Trainer(
+        TrainerConfig.from_recipe(recipe_mod.load(recipe_file)),
+        run_dir=tmp_path / "one",
+        checkpointing=False,
+    )
     one = tr.step(batch)
     assert one.metrics["loss/tokens"] == two["loss/tokens"] == 30
     assert_close_rel(one.loss, two["loss"], scale=1.0)  # with a critic: whitened advantages

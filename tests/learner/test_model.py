@@ -17,6 +17,7 @@ FIXTURES = ["tiny_qwen3", "tiny_qwen3_untied", "tiny_llama", "tiny_llama_tied"]
 
 
 def make_trainer(model_dir, tmp_path, **sections):
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     data = {
@@ -25,7 +26,7 @@ def make_trainer(model_dir, tmp_path, **sections):
     }
     for k, v in sections.items():
         data.setdefault(k, {}).update(v)
-    return Trainer(recipe_mod.from_dict(data), checkpointing=False)
+    return Trainer(TrainerConfig.from_recipe(recipe_mod.from_dict(data)), checkpointing=False)
 
 
 def random_sequences(n: int, vocab: int, seed: int = 0) -> list[np.ndarray]:

@@ -69,12 +69,13 @@ def test_a_resumed_run_loads_the_ref_from_hf(tiny_qwen3, tmp_path, caplog):
     checkpoint reads π_ref from HF (the actor then holds the checkpoint's weights)."""
     import torch
 
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     torch.set_num_threads(1)
     spec = _spec(tmp_path, tiny_qwen3, {})
     caplog.set_level(logging.INFO, logger="asyncrl.learner")
-    tr = Trainer(recipe_mod.from_dict(spec), run_dir=tmp_path / "run")
+    tr = Trainer(TrainerConfig.from_recipe(recipe_mod.from_dict(spec)), run_dir=tmp_path / "run")
     try:
         assert not tr.resumed and tr.ref_source == "reshard"
         fresh = [r.getMessage() for r in caplog.records if r.getMessage().startswith("π_ref:")]
@@ -87,7 +88,7 @@ def test_a_resumed_run_loads_the_ref_from_hf(tiny_qwen3, tmp_path, caplog):
         tr.close()
     caplog.clear()
     spec["run"]["resume"] = True
-    tr = Trainer(recipe_mod.from_dict(spec), run_dir=tmp_path / "run")
+    tr = Trainer(TrainerConfig.from_recipe(recipe_mod.from_dict(spec)), run_dir=tmp_path / "run")
     try:
         assert tr.resumed and tr.ref_source == "hf"
     finally:

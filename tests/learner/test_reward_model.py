@@ -50,12 +50,13 @@ def test_scalar_model_export_scores_like_transformers(fixture, arch, request, tm
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     r = recipe_mod.from_dict(rm_recipe(tmp_path, tiny_qwen3, 1))
     tok = AutoTokenizer.from_pretrained(tiny_qwen3)
     seqs = [np.asarray(tok(t)["input_ids"]) for t in ("dcab=abcd<eos>", "x", "hello, world")]
-    trainer = Trainer(r, checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(r), checkpointing=False)
     with torch.no_grad():
         ours = trainer.reward_model.scores(seqs)
     out = trainer.export_hf(tmp_path / "export")
@@ -67,7 +68,10 @@ def test_scalar_model_export_scores_like_transformers(fixture, arch, request, tm
     with torch.no_grad():
         theirs = torch.stack([hf(torch.as_tensor(s)[None]).logits[0, 0] for s in seqs])
     assert torch.allclose(ours, theirs, atol=1e-5), (ours, theirs)
-    again = Trainer(recipe_mod.from_dict(rm_recipe(tmp_path, out, 1)), checkpointing=False)
+    again = Trainer(
+        TrainerConfig.from_recipe(recipe_mod.from_dict(rm_recipe(tmp_path, out, 1))),
+        checkpointing=False,
+    )
     with torch.no_grad():
         assert torch.allclose(again.reward_model.scores(seqs), ours, atol=1e-6)
 
@@ -109,12 +113,13 @@ def test_bad_preference_row_names_file_and_row(tiny_qwen3, tmp_path, capsys):
 def test_micro_batches_leave_no_unsharded_gradient_to_the_next(tiny_qwen3, tmp_path):
     """The reward model's gradient accumulation reduce-scatters at every micro-batch, as the
     actor's (tests/learner/test_critic.py): no forward starts with an unsharded gradient held."""
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.data import PreferenceSource
     from asyncrl.learner.trainer import Trainer
     from tools.bench.accumulation_memory import held_at_each_forward
 
     recipe = recipe_mod.from_dict(rm_recipe(tmp_path, tiny_qwen3, 1, micro_batch_tokens=100))
-    trainer = Trainer(recipe, checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
     try:
         with held_at_each_forward([trainer.model]) as held:
             res = trainer.step(PreferenceSource.from_recipe(recipe).next_batch())
@@ -150,6 +155,7 @@ def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
     reports is computed before its update, from the weights alone."""
     from safetensors.torch import load_file
 
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.data import PreferenceSource
     from asyncrl.learner.trainer import Trainer
     from tests.learner.test_distributed import finish, torchrun
@@ -165,7 +171,11 @@ def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
 
     def one_rank(model, name: str) -> Trainer:
         over = ["learner.micro_batch_tokens=100000", f"model.path={model}"]
-        return Trainer(recipe_mod.load(recipe, over), run_dir=tmp_path / name, checkpointing=False)
+        return Trainer(
+            TrainerConfig.from_recipe(recipe_mod.load(recipe, over)),
+            run_dir=tmp_path / name,
+            checkpointing=False,
+        )
 
     src = PreferenceSource.from_recipe(recipe_mod.load(recipe))
     for step, start in ((1, tiny_qwen3), (2, run / "hf" / "v1")):

@@ -72,8 +72,8 @@ def test_every_loss_takes_a_finite_step(tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path, **RL)
     before = params(tr)
     for i, name in enumerate(LOSSES):
-        alg = dataclasses.replace(tr.recipe.algorithm, loss=name, entropy_coef=0.01 * (i % 2))
-        tr.models.recipe = dataclasses.replace(tr.recipe, algorithm=alg)  # what the step reads
+        alg = dataclasses.replace(tr.config.algorithm, loss=name, entropy_coef=0.01 * (i % 2))
+        tr.models.config = dataclasses.replace(tr.config, algorithm=alg)  # what the step reads
         batch = rl_batch(tr.spec.model.vocab_size, seed=i)
         res = tr.step(batch)
         assert res.version == i + 1 and tr.version == i + 1
@@ -327,7 +327,7 @@ def test_remax_advantages_are_each_reward_minus_its_groups_greedy_reward(tiny_qw
         g.baseline_reward = b
     batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
     seqs = tr.sequences(batch)
-    assert group_advantages(tr.recipe, batch, seqs) == {"learner/remax_mean_baselines": 1.0}
+    assert group_advantages(tr.config, batch, seqs) == {"learner/remax_mean_baselines": 1.0}
     want = []
     for g in batch.groups:
         r = np.array([s.reward for s in g.samples])
@@ -378,6 +378,6 @@ def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_
     group = wire.Group(id="g", samples=[*a, *b])
     batch = Batch(groups=[wire.decode(wire.encode(group))], version=0, stats={})
     seqs = tr.sequences(batch)
-    group_advantages(tr.recipe, batch, seqs)
+    group_advantages(tr.config, batch, seqs)
     assert [s.advantage for s in seqs] == pytest.approx([0.25, 0.5, 1.0, -1.0])
     assert [bool(s.mask.any()) for s in seqs] == [False, False, False, True]

@@ -76,6 +76,7 @@ CRITIC = {"loss": "ppo", "advantage": "gae", "kl_reward_coef": 0.1}
     ids=["qwen3-tied", "llama-untied-chunks", "qwen3-critic", "llama-dp2-tp2"],
 )
 def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, ranks, request, tmp_path):
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     one_file, two_file = _recipes(tmp_path, request.getfixturevalue(fixture), alg, chunk_mb, tp)
@@ -86,7 +87,11 @@ def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, ranks,
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "metrics.json").read_text())
 
-    tr = Trainer(recipe_mod.load(one_file), run_dir=tmp_path / "one", checkpointing=False)
+    tr = Trainer(
+        TrainerConfig.from_recipe(recipe_mod.load(one_file)),
+        run_dir=tmp_path / "one",
+        checkpointing=False,
+    )
     try:
         seqs = tr.sequences(batch)
         lp_one = torch.cat(tr.logprobs(tr.micro_batches(seqs)))
@@ -162,6 +167,7 @@ def test_a_critic_with_another_tensor_parallel_degree_is_refused(tiny_qwen3, tmp
 
 
 def test_a_degree_the_ranks_do_not_split_into_is_refused(tiny_qwen3, tmp_path):
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import LearnerError, Trainer
 
     r = recipe_mod.from_dict(
@@ -174,4 +180,4 @@ def test_a_degree_the_ranks_do_not_split_into_is_refused(tiny_qwen3, tmp_path):
         }
     )
     with pytest.raises(LearnerError, match=r"1 rank\(s\) do not split into tensor-parallel"):
-        Trainer(r, run_dir=tmp_path / "run", checkpointing=False)
+        Trainer(TrainerConfig.from_recipe(r), run_dir=tmp_path / "run", checkpointing=False)

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.sglang
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_learner_logprobs_equal_sglangs_at_the_temperature(served: Served, tmp_path, temperature):
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     params = SamplingParams(max_new_tokens=32, temperature=temperature, ignore_eos=True)
@@ -31,7 +32,7 @@ def test_learner_logprobs_equal_sglangs_at_the_temperature(served: Served, tmp_p
             "run": {"output_dir": str(tmp_path / "runs")},
         }
     )
-    trainer = Trainer(recipe, checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
     try:
         seq = make_sequence(0, np.array(PROMPT), np.array(c.output_ids))
         (learner,) = trainer.logprobs([pack([seq])])

@@ -32,6 +32,7 @@ PROMPTS = [[10, 20, 30, 40], [50, 7, 9]]
 
 
 def make_trainer(model_dir, tmp_path):
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     data = {
@@ -40,7 +41,7 @@ def make_trainer(model_dir, tmp_path):
         "algorithm": {"loss": "sft"},
         "learner": {"lr": 3e-2},
     }
-    return Trainer(recipe_mod.from_dict(data), checkpointing=False)
+    return Trainer(TrainerConfig.from_recipe(recipe_mod.from_dict(data)), checkpointing=False)
 
 
 def sft_batch(version: int, vocab: int, seed: int) -> Batch:

@@ -88,6 +88,7 @@ def worker(model_dir: str, tokens: int, micro_batches: int, out: str) -> None:
 
     from asyncrl import memory
     from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.logprobs import chunk_tokens
     from asyncrl.learner.trainer import Trainer
     from tools.bench.logprob_memory import rl_batch
@@ -103,7 +104,7 @@ def worker(model_dir: str, tokens: int, micro_batches: int, out: str) -> None:
             "run": {"output_dir": tempfile.mkdtemp()},
         }
     )
-    trainer = Trainer(recipe, checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
     try:
         vocab = trainer.spec.model.vocab_size
         rng = np.random.default_rng(0)

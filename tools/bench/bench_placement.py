@@ -84,6 +84,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -95,9 +96,17 @@ def worker(a: argparse.Namespace) -> None:
         "buffer": {"max_staleness": a.steps + 2},  # every batch is of version 0
         "run": {"output_dir": str(tmp / "runs")},
     }
-    shared = Trainer(recipe_mod.from_dict(spec), checkpointing=False, run_dir=tmp / "shared")
+    shared = Trainer(
+        TrainerConfig.from_recipe(recipe_mod.from_dict(spec)),
+        checkpointing=False,
+        run_dir=tmp / "shared",
+    )
     spec["placement"] = {"actor": {"ranks": [0]}, "critic": {"ranks": [1]}}
-    disjoint = Trainer(recipe_mod.from_dict(spec), checkpointing=False, run_dir=tmp / "disjoint")
+    disjoint = Trainer(
+        TrainerConfig.from_recipe(recipe_mod.from_dict(spec)),
+        checkpointing=False,
+        run_dir=tmp / "disjoint",
+    )
     actor_s: list[tuple[float, float]] = []
     critic_s: list[tuple[float, float]] = []
     timed(disjoint, "train_actor", actor_s)

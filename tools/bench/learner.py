@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
     from tools.make_tiny_model import make_tiny_model
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             "run": {"output_dir": str(tmp / "runs")},
         }
     )
-    ours = Trainer(recipe, checkpointing=False, run_dir=tmp / "run")
+    ours = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False, run_dir=tmp / "run")
     hf = HFLoop(model_dir, lr=1e-4, micro=a.hf_micro)
     vocab = ours.spec.model.vocab_size
     batches = make_batches(a.steps + 2, a.batch, a.min_len, a.max_len, vocab)

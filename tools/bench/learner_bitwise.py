@@ -111,6 +111,12 @@ def run(name: str, work: Path) -> None:
         from asyncrl.learner.reward_model import RewardModelTrainer
     except ImportError:
         RewardModelTrainer = Trainer  # noqa: N806
+    try:  # after cd8c995 the Trainer takes its TrainerConfig, not the recipe
+        from asyncrl.learner.config import TrainerConfig
+
+        inputs = TrainerConfig.from_recipe
+    except ImportError:
+        inputs = None
 
     data = {
         "model": {"path": str(work / "model"), "max_seq_len": 256},
@@ -121,7 +127,8 @@ def run(name: str, work: Path) -> None:
             data.setdefault(k, {}).update(v)
     torch.manual_seed(0)
     learner = RewardModelTrainer if name.startswith("reward-model") else Trainer
-    tr = learner(recipe_mod.from_dict(data), checkpointing=False)
+    r = recipe_mod.from_dict(data)
+    tr = learner(inputs(r) if inputs is not None else r, checkpointing=False)
     lines = []
     vocab = tr.spec.model.vocab_size
     for step in range(STEPS):

@@ -76,6 +76,7 @@ def one(model_dir: str, tokens: int, chunk_mb: float) -> dict:
     import torch
 
     from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -93,7 +94,7 @@ def one(model_dir: str, tokens: int, chunk_mb: float) -> dict:
             "run": {"output_dir": tempfile.mkdtemp()},
         }
     )
-    trainer = Trainer(recipe, checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
     vocab = trainer.spec.model.vocab_size
     rng = np.random.default_rng(0)
 

@@ -355,6 +355,7 @@ def learner_one(model: Path, work: Path, dry: bool, micro_batches: int) -> dict[
 
     from asyncrl import recipe as recipe_mod
     from asyncrl.doctor import Doctor
+    from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
     from asyncrl.memory import ModelDims
 
@@ -377,7 +378,7 @@ def learner_one(model: Path, work: Path, dry: bool, micro_batches: int) -> dict[
         }
     )
     t0 = time.perf_counter()
-    trainer = Trainer(recipe, checkpointing=False)
+    trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
     figs: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2)}
     vocab = trainer.spec.model.vocab_size
     params = sum(p.numel() for p in trainer.model.parameters())
