@@ -2,10 +2,11 @@
 
 The training loop is blocking torch code with collectives across ranks, so it keeps the main
 thread. Everything else rank 0 serves (the buffer's nng service and version announcer, the weight
-broadcaster's sender) runs as named tasks of the one nursery of :class:`ControlPlane`: blocking
-calls (HTTP to generators, gloo/NCCL collectives, the held-out evaluation) go to worker threads
-through ``trio.to_thread`` with a limiter, every wait has a cancel scope, and the training thread
-talks to the tasks through :meth:`ControlPlane.run` (``trio.from_thread`` with the loop's token).
+broadcaster's sender) runs as named tasks of the one nursery of :class:`ControlPlane`: HTTP calls
+to generators are async tasks of the loop, blocking calls (gloo/NCCL collectives, the held-out
+evaluation) go to worker threads through ``trio.to_thread`` with a limiter, every wait has a cancel
+scope, and the training thread talks to the tasks through :meth:`ControlPlane.run`
+(``trio.from_thread`` with the loop's token).
 
 A task that raises ends the plane (structured concurrency: its siblings are cancelled) and the
 error is kept in :attr:`ControlPlane.failure` for the training thread to report.

@@ -216,21 +216,24 @@ class Doctor:
         return [self._check_server(url) for url in g.urls]
 
     def _check_server(self, url: str) -> Check:
-        from asyncrl.generator_http import GeneratorError, WeightsClient
+        import trio
+
+        from asyncrl.generator_http import GeneratorError, WeightsClient, async_client
         from asyncrl.rollout.sglang_protocol import parse_version_label
         from asyncrl.weights.rendezvous import LayoutError, radix_cache_problem, server_ranks
         from asyncrl.wire import GeneratorInfo
 
+        async def ask() -> tuple[dict, dict]:  # what the broadcaster asks, with its client
+            async with async_client(self.timeout_s) as http:
+                client = WeightsClient(GeneratorInfo(url=url), http)
+                return await client.model_info(), await client.server_info() or {}
+
         name = f"SGLang {url}"
-        client = WeightsClient(GeneratorInfo(url=url), timeout_s=self.timeout_s)
         try:
-            info = client.model_info()
-            server = client.server_info() or {}
+            info, server = trio.run(ask)
         except GeneratorError as e:
             fix = "start it, or fix generator.urls" if e.dead else "is it an SGLang server?"
             return Check(name=name, ok=False, detail=f"{e}; {fix}")
-        finally:
-            client.close()
         self.servers[url] = server
         problems, facts = [], []
         if info.get("engine") == "asyncrl":

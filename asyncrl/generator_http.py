@@ -10,8 +10,9 @@ error stays with the caller: the pool marks a generator down and retries it afte
 reward model tries the next server, the broadcaster drops the generator until the next version's
 health check.
 
-The weight calls are synchronous (:class:`WeightsClient`): the broadcaster runs them in worker threads
-(``trio.to_thread``) beside its blocking collective; ``/generate`` and ``/classify`` are async on trio.
+Every one of these calls is async on trio (:func:`acall`): the broadcaster's weight calls
+(:class:`WeightsClient`) are tasks of its loop beside its blocking collective, which alone runs in a
+worker thread. :func:`call` on a plain client is for tools and processes without a loop.
 """
 
 from __future__ import annotations
@@ -67,20 +68,29 @@ def _timeout(timeout_s: float, connect_s: float | None) -> httpx.Timeout:
     return httpx.Timeout(timeout_s, connect=timeout_s if connect_s is None else connect_s)
 
 
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def sync_client(
     timeout_s: float, *, connect_s: float | None = None, api_key: str | None = None
 ) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.Client(timeout=_timeout(timeout_s, connect_s), headers=headers)
+    return httpx.Client(timeout=_timeout(timeout_s, connect_s), headers=_headers(api_key))
 
 
 def async_client(
-    timeout_s: float, *, connect_s: float | None = None, keepalive: int = 20
+    timeout_s: float,
+    *,
+    connect_s: float | None = None,
+    keepalive: int = 20,
+    api_key: str | None = None,
 ) -> httpx.AsyncClient:
     """As many connections as there are requests in flight (the caller bounds those); ``keepalive``
     of them kept open between requests."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=keepalive)
-    return httpx.AsyncClient(timeout=_timeout(timeout_s, connect_s), limits=limits)
+    return httpx.AsyncClient(
+        timeout=_timeout(timeout_s, connect_s), limits=limits, headers=_headers(api_key)
+    )
 
 
 def _no_answer(url: str, path: str, e: httpx.TransportError, timeout: float) -> GeneratorError:
@@ -221,71 +231,68 @@ class GroupSpec:
 
 class WeightsClient:
     """The calls the broadcaster makes to one generator: one method per endpoint of SGLang's
-    weight-update API (SGLang 0.5.23's http_server.py; docs/design.md §3), each bounded by
-    ``timeout_s`` unless it says otherwise. Thread-safe: calls may run from several threads at once.
-    """
+    weight-update API (SGLang 0.5.23's http_server.py; docs/design.md §3), each a coroutine on
+    ``http`` (:func:`async_client`: its timeout bounds every call unless a method says otherwise).
+    The client is the caller's, shared by every generator's calls and closed by the caller, on the
+    trio loop that makes the calls (the broadcaster's sender task)."""
 
-    def __init__(self, info: GeneratorInfo, *, timeout_s: float, api_key: str | None = None):
+    def __init__(self, info: GeneratorInfo, http: httpx.AsyncClient):
         self.info = info
         self.url = info.url.rstrip("/")
-        self.timeout_s = timeout_s
-        self._http = sync_client(timeout_s, api_key=api_key)
+        self._http = http
 
-    def close(self) -> None:
-        self._http.close()
+    async def _call(self, method: str, path: str, body: dict | None = None, **kw: Any) -> Any:
+        return await acall(self._http, self.url, method, path, body, **kw)
 
-    def _call(self, method: str, path: str, body: dict | None = None, **kw: Any) -> Any:
-        return call(self._http, self.url, method, path, body, **kw)
-
-    def _object(self, method: str, path: str, **kw: Any) -> dict | None:
-        data = self._call(method, path, **kw)
+    async def _object(self, method: str, path: str, **kw: Any) -> dict | None:
+        data = await self._call(method, path, **kw)
         if data is not None and not isinstance(data, dict):
             raise GeneratorError("expected a JSON object", url=self.url, path=path)
         return data
 
-    def health(self, *, timeout_s: float | None = None) -> bool:
-        return healthy(self._http, self.url, timeout_s=timeout_s)
+    async def health(self, *, timeout_s: float | None = None) -> bool:
+        return await ahealthy(self._http, self.url, timeout_s=timeout_s)
 
-    def model_info(self, *, timeout_s: float | None = None) -> dict:
-        data = self._object("GET", "/model_info", timeout_s=timeout_s)
+    async def model_info(self, *, timeout_s: float | None = None) -> dict:
+        data = await self._object("GET", "/model_info", timeout_s=timeout_s)
         if data is None:
             raise GeneratorError("expected a JSON object", url=self.url, path="/model_info")
         return data
 
-    def server_info(self, *, timeout_s: float | None = None) -> dict | None:
+    async def server_info(self, *, timeout_s: float | None = None) -> dict | None:
         """SGLang's resolved server arguments (``tp_size``, ``dp_size``...); None where the server has
         no such endpoint (the built-in engine). ``/get_server_info`` is the older name."""
         for path in ("/server_info", "/get_server_info"):
-            data = self._object("GET", path, timeout_s=timeout_s, ok_404=True)
+            data = await self._object("GET", path, timeout_s=timeout_s, ok_404=True)
             if data is not None:
                 return data
         return None
 
-    def weight_version(self, *, timeout_s: float | None = None) -> str | None:
-        v = self.model_info(timeout_s=timeout_s).get("weight_version")
+    async def weight_version(self, *, timeout_s: float | None = None) -> str | None:
+        v = (await self.model_info(timeout_s=timeout_s)).get("weight_version")
         return None if v is None else str(v)
 
-    def pause(self, mode: PauseMode) -> None:
+    async def pause(self, mode: PauseMode) -> None:
         """Pause generation; ``mode`` is "in_place" or "retract", never "abort" (no lost work)."""
         if mode not in get_args(PauseMode):
             raise ValueError(f"pause mode must be one of {get_args(PauseMode)}, got {mode!r}")
-        self._call("POST", "/pause_generation", {"mode": mode})
+        await self._call("POST", "/pause_generation", {"mode": mode})
 
-    def resume(self) -> None:
-        self._call("POST", "/continue_generation", {})
+    async def resume(self) -> None:
+        await self._call("POST", "/continue_generation", {})
 
-    def begin(self) -> bool:
+    async def begin(self) -> bool:
         """Open an update session. False: the server predates sessions (SGLang <= 0.5.20, 404)."""
-        return self._call("POST", "/begin_weight_update", {}, ok_404=True) is not None
+        return await self._call("POST", "/begin_weight_update", {}, ok_404=True) is not None
 
-    def end(self) -> dict:
+    async def end(self) -> dict:
         """Close the session. The built-in engine swaps the staged weights in here and reports the
         swap's pause in ``pause_s``."""
-        data = self._call("POST", "/end_weight_update", {})
+        data = await self._call("POST", "/end_weight_update", {})
         return data if isinstance(data, dict) else {}
 
-    def init_group(self, spec: GroupSpec, *, rank_offset: int) -> None:
-        """Join the group; blocks until every rank has joined. ``timeout_s`` is our extension
+    async def init_group(self, spec: GroupSpec, *, rank_offset: int) -> None:
+        """Join the group; returns once every rank has joined. ``timeout_s`` is our extension
         (SGLang ignores unknown keys): the built-in engine uses it as its group's timeout."""
         body = {
             "master_address": spec.master_address,
@@ -296,13 +303,15 @@ class WeightsClient:
             "backend": spec.backend,
             "timeout_s": spec.timeout_s,
         }
-        self._call("POST", "/init_weights_update_group", body, timeout_s=2 * spec.timeout_s + 5)
+        await self._call(
+            "POST", "/init_weights_update_group", body, timeout_s=2 * spec.timeout_s + 5
+        )
 
-    def destroy_group(self, group_name: str, *, timeout_s: float | None = None) -> None:
+    async def destroy_group(self, group_name: str, *, timeout_s: float | None = None) -> None:
         body = {"group_name": group_name}
-        self._call("POST", "/destroy_weights_update_group", body, timeout_s=timeout_s)
+        await self._call("POST", "/destroy_weights_update_group", body, timeout_s=timeout_s)
 
-    def update_from_distributed(
+    async def update_from_distributed(
         self,
         meta: dict,
         *,
@@ -326,25 +335,25 @@ class WeightsClient:
             body["load_format"] = "flattened_bucket"
         if weight_version is not None:
             body["weight_version"] = weight_version
-        self._call("POST", "/update_weights_from_distributed", body, timeout_s=timeout_s)
+        await self._call("POST", "/update_weights_from_distributed", body, timeout_s=timeout_s)
 
-    def update_from_disk(self, model_path: str, *, weight_version: str) -> None:
+    async def update_from_disk(self, model_path: str, *, weight_version: str) -> None:
         body = {
             "model_path": model_path,
             "weight_version": weight_version,
             "abort_all_requests": False,
             "flush_cache": False,
         }
-        self._call("POST", "/update_weights_from_disk", body)
+        await self._call("POST", "/update_weights_from_disk", body)
 
-    def checksum(self, *, sample: int = 0) -> str | None:
+    async def checksum(self, *, sample: int = 0) -> str | None:
         """The server's weights checksum (:func:`asyncrl.weights.buckets.checksum`, ``sample`` values
         per tensor; 0: all), or None if it gives none we can compare (SGLang's own
         ``per_engine_checksum`` hashes differently, per fused parameter)."""
         body: dict = {"action": "checksum"}
         if sample and self.info.kind == "builtin":  # SGLang's request schema has no such key
             body["sample"] = sample
-        data = self._call("POST", "/weights_checker", body)
+        data = await self._call("POST", "/weights_checker", body)
         if not isinstance(data, dict):
             return None
         c = data.get("checksum")

@@ -1,6 +1,6 @@
 """The one HTTP layer to a generator: every way a call can fail is the same GeneratorError, with the
-same message, from the weight path's sync calls and the rollout's async ones; readiness waits by the
-back-off. Against real HTTP servers on loopback: the built-in engine for what a serving generator
+same message, from the sync calls (tools, processes without a loop) and the async ones (the
+rollout's, the weight path's); readiness waits by the back-off. Against real HTTP servers on loopback: the built-in engine for what a serving generator
 answers, and a small scripted server for the faults a healthy engine never gives (5xx, ``success:
 false``, a body that is not JSON, no answer at all)."""
 
@@ -29,11 +29,13 @@ from asyncrl.wire import GeneratorInfo
 
 class _Scripted(BaseHTTPRequestHandler):
     """Answers each path with its scripted (status, body) replies in turn, the last one for ever;
-    ``/hang`` reads the request and does not answer until the test ends."""
+    ``/hang`` reads the request and does not answer until the test ends; a path under ``/silent/``
+    does not answer either, and sets ``given_up`` once the client has closed the connection."""
 
     replies: dict[str, list[tuple[int, bytes]]] = {}
     hits: dict[str, int] = {}
     release = threading.Event()
+    given_up = threading.Event()
 
     def log_message(self, *a):
         pass
@@ -43,6 +45,11 @@ class _Scripted(BaseHTTPRequestHandler):
         n = self.hits[self.path] = self.hits.get(self.path, 0) + 1
         if self.path == "/hang":
             self.release.wait(30)
+            return
+        if self.path.startswith("/silent/"):
+            self.connection.settimeout(30)
+            if self.connection.recv(1) == b"":  # the client closed it
+                self.given_up.set()
             return
         script = self.replies[self.path]
         status, body = script[min(n, len(script)) - 1]
@@ -58,6 +65,7 @@ class _Scripted(BaseHTTPRequestHandler):
 def scripted() -> Iterator[str]:
     _Scripted.hits, _Scripted.replies = {}, {}
     _Scripted.release.clear()
+    _Scripted.given_up.clear()
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -140,11 +148,17 @@ def test_a_server_that_does_not_listen_is_dead_for_both_paths():
     for message, dead, timed_out, status, refused in (sync[0], async_[0]):
         assert message.startswith(f"{nobody}/generate: unreachable: ConnectError")
         assert (dead, timed_out, status, refused) == (True, False, None, False)
-    client = WeightsClient(GeneratorInfo(url=nobody), timeout_s=2.0)
-    assert client.health() is False
-    with pytest.raises(GeneratorError, match="unreachable") as e:
-        client.weight_version()
-    assert e.value.dead and e.value.url == nobody and e.value.path == "/model_info"
+
+    async def weights_calls() -> tuple[bool, GeneratorError]:
+        async with async_client(2.0) as http:
+            client = WeightsClient(GeneratorInfo(url=nobody), http)
+            with pytest.raises(GeneratorError, match="unreachable") as e:
+                await client.weight_version()
+            return await client.health(), e.value
+
+    healthy, e = trio.run(weights_calls)
+    assert healthy is False
+    assert e.dead and e.url == nobody and e.path == "/model_info"
 
 
 def test_wait_healthy_asks_again_until_a_server_is_up_and_names_one_that_never_is(scripted):
@@ -164,31 +178,56 @@ def test_wait_healthy_asks_again_until_a_server_is_up_and_names_one_that_never_i
     assert err.endswith(f": {nobody}")  # only the one that never answered
 
 
-def test_weight_calls_from_worker_threads_against_the_engine(rollout_engine):
-    """The control plane runs the broadcaster's calls in trio.to_thread: several at once on one
-    client, beside the loop's own async calls to the same engine."""
-    client = WeightsClient(GeneratorInfo(url=rollout_engine.url), timeout_s=30.0)
+def test_weight_calls_as_tasks_on_one_client_against_the_engine(rollout_engine):
+    """The broadcaster's calls to a generator are tasks of its loop, several at once on the one
+    client its sender made, as the rollout's ``/generate`` calls are."""
+    info = GeneratorInfo(url=rollout_engine.url)
 
     async def run():
         out: dict = {}
 
-        async def in_thread(name, fn):
-            out[name] = await trio.to_thread.run_sync(fn)
+        async def task(name, fn):
+            out[name] = await fn()
 
         async with async_client(30.0) as http, trio.open_nursery() as n:
-            n.start_soon(in_thread, "health", client.health)
-            n.start_soon(in_thread, "version", client.weight_version)
-            n.start_soon(in_thread, "checksum", client.checksum)
+            client = WeightsClient(info, http)
+            n.start_soon(task, "health", client.health)
+            n.start_soon(task, "version", client.weight_version)
+            n.start_soon(task, "checksum", client.checksum)
             out["model_info"] = await acall(http, rollout_engine.url, "GET", "/model_info")
         return out
 
-    try:
-        out = trio.run(run)
-    finally:
-        client.close()
+    out = trio.run(run)
     assert out["health"] is True
     assert out["version"] == out["model_info"]["weight_version"]
     assert isinstance(out["checksum"], str) and out["checksum"]
+
+
+def test_a_generator_silent_past_the_bound_is_given_up_at_once_and_alone(scripted):
+    """The broadcaster's wait on its generators' calls (FanOut.each) is bounded: one that has not
+    answered when the bound passes fails alone (the other's answer is kept), and its request is
+    cancelled then, its connection closed while the client stays open for the next calls. A call
+    run in a worker thread could only be abandoned: it held the connection until the client's own
+    timeout (60 s here)."""
+    from asyncrl.weights.fanout import FanOut
+    from asyncrl.weights.members import Member
+
+    _Scripted.replies = {"/ok/end_weight_update": [(200, _json({"success": True, "pause_s": 0.1}))]}
+    infos = [GeneratorInfo(url=f"{scripted}/ok"), GeneratorInfo(url=f"{scripted}/silent")]
+
+    async def run():
+        async with async_client(60.0) as http:
+            members = [Member(info=i, client=WeightsClient(i, http)) for i in infos]
+            ok, bad = await FanOut(nice=False).each(members, lambda m: m.client.end(), 0.5)
+            closed = await trio.to_thread.run_sync(_Scripted.given_up.wait, 20)
+            return ok, bad, closed, http.is_closed
+
+    ok, bad, closed, client_closed = trio.run(run)
+    assert ok == {f"{scripted}/ok": {"success": True, "pause_s": 0.1}}
+    (e,) = bad.values()
+    assert list(bad) == [f"{scripted}/silent"]
+    assert isinstance(e, GeneratorError) and e.dead and str(e).endswith("no answer within 0.5s")
+    assert closed and not client_closed
 
 
 def test_the_pool_moves_a_request_off_a_5xx_generator_but_not_off_a_refusal(

@@ -20,9 +20,10 @@ one error line naming it and the fix, and asked again before each version until 
 
 Overlap: :meth:`WeightBroadcaster.publish` copies the snapshot on the caller's (training) thread and
 hands it to the sender task, a task of rank 0's control plane (asyncrl.control), which sends it while
-the learner computes the next version: a task per generator for the HTTP calls, the broadcast in a
-worker thread, every wait in a cancel scope. At most one version is in flight (the next publish waits
-for its transfer). ``overlap: false`` sends synchronously. A hook
+the learner computes the next version: a task per generator for the HTTP calls (async, on one
+client the sender task makes and closes), the broadcast in a worker thread, every wait in a cancel
+scope. At most one version is in flight (the next publish waits for its transfer). ``overlap:
+false`` sends synchronously. A hook
 (``after_sync``: the held-out evaluation) may hold the generators on a version after it is out; the
 learner does not wait for it: what it publishes meanwhile goes out when the hold ends, newest only.
 """
@@ -37,13 +38,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import torch.distributed as dist
 import trio
 
 from asyncrl import metric_names
 from asyncrl.control import ControlPlane
-from asyncrl.generator_http import WeightsClient
+from asyncrl.generator_http import WeightsClient, async_client
 from asyncrl.gpu import cuda_uuid
 from asyncrl.recipe import WeightsConfig
 from asyncrl.weights import buckets
@@ -94,9 +96,9 @@ class WeightBroadcaster:
         self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
         self.reports: list[SyncReport] = []
         self._metrics: dict[str, Any] = {}  # of the versions synced since take_metrics()
-        self.members = Members(
-            lambda info: WeightsClient(info, timeout_s=cfg.timeout_s, api_key=api_key)
-        )
+        self._api_key = api_key
+        self._http: httpx.AsyncClient | None = None  # the sender task's (serve), rank 0's
+        self.members = Members(self._client)
         self.fanout = FanOut(nice=cfg.overlap)
         # Rank 0's GPU, read here in the training thread (where the learner set its device; the
         # CUDA current device is per thread), for each group's backend, chosen from its member.
@@ -129,8 +131,9 @@ class WeightBroadcaster:
     # ---- membership (any thread) -----------------------------------------------------------------
 
     def add_generator(self, info: GeneratorInfo) -> None:
-        """Register a generator; it joins the group at the next version."""
-        if self.members.add(info):
+        """Register a generator; it joins the group at the next version. A no-op on ranks other
+        than 0 (they send nothing)."""
+        if self.rank == 0 and self.members.add(info):
             log.info(
                 "weights: generator %s registered (%s, %d rank(s))",
                 info.url.rstrip("/"),
@@ -251,7 +254,7 @@ class WeightBroadcaster:
         return out
 
     def close(self) -> None:
-        """Finish the in-flight broadcast, leave the group and close the HTTP clients."""
+        """Finish the in-flight broadcast, leave the group and close the HTTP client."""
         if self._closed:
             return
         self._closed = True
@@ -273,11 +276,20 @@ class WeightBroadcaster:
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The sender task: runs each version (and hold) handed over by the training thread, one
-        at a time; ends when :meth:`close` closes its channel."""
-        async with trio.open_nursery() as background:
+        at a time; ends when :meth:`close` closes its channel. The generators' HTTP client is
+        made here before the task has started (so before any generator is registered) and closed
+        when it ends, on the loop that makes its calls."""
+        http = async_client(self.cfg.timeout_s, api_key=self._api_key)
+        async with http, trio.open_nursery() as background:
+            self._http = http
             self.groups.background = background  # abandoned groups' teardown
             await self.sender.serve(task_status=task_status)
             background.cancel_scope.cancel()  # a group still being abandoned is left to its thread
+
+    def _client(self, info: GeneratorInfo) -> WeightsClient:
+        """A new member's calls, on the sender task's client."""
+        assert self._http is not None, "generators are registered on rank 0, after serve() started"
+        return WeightsClient(info, self._http)
 
     async def _version(self, ready: Any, make: Callable[[], Snapshot]) -> SyncReport:
         """One version: its snapshot (built in a worker thread when the tensors are owned), then
@@ -301,9 +313,7 @@ class WeightBroadcaster:
         # a dropped one's group (not left yet) is abandoned: its server may not answer
         await self.groups.drop([u for u in self.groups.urls() if u not in live], tell=False)
         await self.groups.drop(self.groups.urls(), background=False)
-        self.sender.close()  # ends serve()
-        for m in members:
-            m.client.close()
+        self.sender.close()  # ends serve(), which closes the HTTP client
 
     def _snapshot(
         self, version: int, named: Mapping[str, torch.Tensor], *, copy: bool = True

@@ -1,15 +1,16 @@
-"""Calls to every generator at once, each in a worker thread, beside rank 0's collective.
+"""Calls to every generator at once, beside rank 0's collective.
 
 A generator's HTTP call for a group's rendezvous or a bucket returns only once rank 0's side of
-that collective is done, so both run at once: a task per generator for its call, the collective in
-a worker thread (on the sender's CUDA stream while a version from the GPU is in flight), every wait
-bounded. Who has not answered in time failed; nothing here waits on a dead peer.
+that collective is done, so both run at once: a task per generator for its call (async, on the
+sender's loop), the collective in a worker thread (blocking torch.distributed; on the sender's CUDA
+stream while a version from the GPU is in flight), every wait bounded. Who has not answered in time
+failed; nothing here waits on a dead peer.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -21,9 +22,6 @@ from asyncrl.weights.threads import lower_priority
 
 T = TypeVar("T")
 
-HTTP_CALLS = 32
-"""Blocking HTTP calls to generators in flight at once (worker threads)."""
-
 
 class Failed(Exception):
     """Some generators failed during an attempt: ``culprits`` are dropped, the rest retry."""
@@ -34,9 +32,11 @@ class Failed(Exception):
 
 
 class FanOut:
-    """The sender's worker threads: HTTP calls (many at once) and collectives (one at a time).
+    """The sender's HTTP calls (a task each, many at once) and its worker thread for collectives
+    (one at a time).
 
-    ``nice``: they run at a lower CPU priority (the transfer overlaps the learner's step).
+    ``nice``: the collectives' threads run at a lower CPU priority (the transfer overlaps the
+    learner's step).
     ``ready``: the version in flight's CUDA event (None: from the CPU), which the sender's stream
     waits on before a collective reads the snapshot."""
 
@@ -44,7 +44,6 @@ class FanOut:
         self.nice = nice
         self.ready: Any = None
         self._stream: Any = None  # the sender's CUDA stream, made on first use (GPU only)
-        self._http_limiter = trio.CapacityLimiter(HTTP_CALLS)
         self._collective_limiter = trio.CapacityLimiter(1)  # one broadcast or rendezvous at a time
 
     async def drain(self) -> None:
@@ -77,16 +76,8 @@ class FanOut:
             functools.partial(self._on_stream, fn, *args), limiter=self._collective_limiter
         )
 
-    async def http(self, fn: Callable[..., T], *args: Any) -> T:
-        """One HTTP call (the client's own timeout bounds it); abandoned if its scope is cancelled."""
-        return await trio.to_thread.run_sync(
-            functools.partial(self._niced, fn, *args),
-            limiter=self._http_limiter,
-            abandon_on_cancel=True,
-        )
-
     async def each(
-        self, members: list[Member], fn: Callable[[Member], Any], timeout: float
+        self, members: list[Member], fn: Callable[[Member], Awaitable[Any]], timeout: float
     ) -> tuple[dict[str, Any], dict[str, GeneratorError | Exception]]:
         """Run ``fn`` for every member concurrently; results and failures by url (bounded wait)."""
         _, ok, bad = await self.beside(members, fn, None, lambda _: timeout)
@@ -95,20 +86,21 @@ class FanOut:
     async def beside(
         self,
         members: list[Member],
-        fn: Callable[[Member], Any],
+        fn: Callable[[Member], Awaitable[Any]],
         collective: Callable[[], Any] | None,
         bound: Callable[[Any], float],
     ) -> tuple[Any, dict[str, Any], dict[str, GeneratorError | Exception]]:
-        """Run ``fn`` for every member concurrently (a task each, its call in a worker thread)
-        while rank 0's ``collective`` runs (the servers' calls return only once it is done); then
-        give them ``bound(its result)`` more seconds. Returns the collective's result (or its
-        exception), and the members' results and failures by url: who has not answered failed."""
+        """Run ``fn`` for every member concurrently (a task each; its HTTP client's timeout bounds
+        each call) while rank 0's ``collective`` runs in a worker thread (the servers' calls return
+        only once it is done); then give them ``bound(its result)`` more seconds, and cancel who
+        is still waiting. Returns the collective's result (or its exception), and the members'
+        results and failures by url: who has not answered failed."""
         ok: dict[str, Any] = {}
         bad: dict[str, GeneratorError | Exception] = {}
 
         async def one(m: Member) -> None:
             try:
-                ok[m.url] = await self.http(fn, m)
+                ok[m.url] = await fn(m)
             except Exception as e:
                 bad[m.url] = e
 

@@ -44,13 +44,13 @@ class Refused(GeneratorError):
     fix). Nothing is sent to it while they stay so."""
 
 
-def ask_server(m: Member, pause_mode: str) -> int:
+async def ask_server(m: Member, pause_mode: str) -> int:
     """The ranks ``m`` takes in the group, from its ``/server_info`` (no such endpoint: its
     registered world size), and where it receives (:attr:`Member.device`, :attr:`Member.gpu_uuid`);
     :class:`Refused` if it cannot take these updates: a radix cache with ``pause_mode: in_place``
     (:func:`rendezvous.radix_cache_problem`, what ``asyncrl doctor`` checks), or a layout SGLang
-    cannot join. Blocking (HTTP)."""
-    info = m.client.server_info()
+    cannot join."""
+    info = await m.client.server_info()
     if info is None:
         return m.info.world_size
     device, gpu = info.get("device"), info.get("gpu_uuid")

@@ -154,10 +154,10 @@ class Sync:
         known = self.members.known()
         quick = min(5.0, self.cfg.timeout_s)  # a dropped one that answers slowly is not back yet
 
-        def probe(m: Member) -> str | None:
+        async def probe(m: Member) -> str | None:
             if m.state == "dropped":
-                return "up" if m.client.health(timeout_s=quick) else None
-            return m.client.weight_version()
+                return "up" if await m.client.health(timeout_s=quick) else None
+            return await m.client.weight_version()
 
         ok, bad = await self.fanout.each(known, probe, timeout=self.cfg.timeout_s + 1)
         for m in known:
@@ -187,7 +187,7 @@ class Sync:
         is then the version it holds."""
         version = report.version
         try:
-            ranks = await self.fanout.http(ask_server, m, self.cfg.pause_mode)
+            ranks = await ask_server(m, self.cfg.pause_mode)
         except Refused as e:
             said = m.state == "dropped" and m.refused == e.message
             m.refused = e.message
@@ -204,8 +204,7 @@ class Sync:
         if exp is not None:
             path, v = exp
             try:
-                load = functools.partial(m.client.update_from_disk, weight_version=str(v))
-                await self.fanout.http(load, str(path))
+                await m.client.update_from_disk(str(path), weight_version=str(v))
                 m.version = v
                 log.info("weights: %s loaded %s (version %d) from disk", m.url, path, v)
             except GeneratorError as e:
@@ -232,11 +231,11 @@ class Sync:
         The built-in engine is not paused: it receives into a staging copy while it decodes and
         swaps between two decode steps at ``/end_weight_update``, so its pause is the swap alone."""
 
-        def pause(m: Member) -> None:
+        async def pause(m: Member) -> None:
             if m.info.kind != "builtin" and m.url not in paused:
-                m.client.pause(self.cfg.pause_mode)
+                await m.client.pause(self.cfg.pause_mode)
                 paused[m.url] = time.monotonic()
-            m.sessions = m.client.begin()
+            m.sessions = await m.client.begin()
 
         _, bad = await self.fanout.each(members, pause, timeout=self.cfg.timeout_s + 5)
         if bad:
@@ -256,7 +255,7 @@ class Sync:
             version = str(snap.version) if i == n - 1 else None
             groups = {m.url: self.groups[m.url] for m in live}
 
-            def update(m: Member, meta=meta, version=version, groups=groups) -> None:
+            async def update(m: Member, meta=meta, version=version, groups=groups) -> None:
                 # SGLang's radix cache still holds prefixes computed by the old weights, and new
                 # requests would reuse them under the new version's label. After a retract pause
                 # nothing is resident, so the last bucket flushes it (the built-in engine has none).
@@ -265,7 +264,7 @@ class Sync:
                     and self.cfg.pause_mode == "retract"
                     and m.info.kind != "builtin"
                 )
-                m.client.update_from_distributed(
+                await m.client.update_from_distributed(
                     meta,
                     group_name=groups[m.url].spec.group_name,
                     load_format=self.cfg.load_format,
@@ -341,8 +340,8 @@ class Sync:
         refusing an update is alive, and its requests must not stay frozen)."""
         targets = self.members.these(list(paused))
 
-        def cont(m: Member) -> None:
-            m.client.resume()
+        async def cont(m: Member) -> None:
+            await m.client.resume()
             report.pause_s[m.url] = time.monotonic() - paused[m.url]
 
         _, bad = await self.fanout.each(targets, cont, timeout=self.cfg.timeout_s + 5)
@@ -361,8 +360,8 @@ class Sync:
         )
         members = self.members.these(report.updated)
 
-        def check(m: Member) -> tuple[str | None, str | None]:
-            return m.client.weight_version(), m.client.checksum(sample=sample)
+        async def check(m: Member) -> tuple[str | None, str | None]:
+            return await m.client.weight_version(), await m.client.checksum(sample=sample)
 
         ok, bad = await self.fanout.each(members, check, timeout=self.cfg.timeout_s + 5)
         for url, (version, checksum) in ok.items():

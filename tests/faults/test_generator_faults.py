@@ -38,7 +38,9 @@ STEPS = 10_000  # far more than needed: the test stops the learner (SIGTERM) onc
 
 @pytest.mark.timeout(600)  # its waits are bounded below; the loaded machine needs more than 300 s
 def test_generator_killed_mid_generation_is_dropped_and_rejoins(tmp_path: Path, tiny_qwen3):
-    from asyncrl.generator_http import WeightsClient
+    import trio
+
+    from asyncrl.generator_http import WeightsClient, async_client
     from asyncrl.rollout.engine import start_engine_process
     from asyncrl.wire import GeneratorInfo
 
@@ -115,10 +117,13 @@ def test_generator_killed_mid_generation_is_dropped_and_rejoins(tmp_path: Path, 
             tiny_qwen3, port=port, log_path=tmp_path / "revived.log", timeout_s=120
         )
         t_revive = time.monotonic()
-        client = WeightsClient(GeneratorInfo(url=url), timeout_s=10)
+
+        async def weight_version() -> str | None:  # what the broadcaster's preflight asks
+            async with async_client(10) as http:
+                return await WeightsClient(GeneratorInfo(url=url), http).weight_version()
 
         def caught_up() -> bool:
-            v = client.weight_version()
+            v = trio.run(weight_version)
             return v is not None and v.isdigit() and int(v) >= version() - 1 and int(v) > v_kill
 
         wait_until(

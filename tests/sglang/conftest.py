@@ -20,7 +20,7 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   length and greedy/sampled), test_abort_resume.py (the abort finish with its ``message``, partial
   tokens/logprobs/spans, HTTP 200; then the resubmitted sample), test_weights.py (spans over two
   versions, ``num_retractions`` > 0 with ``retract``).
-- ``/health`` (generator_http.healthy: pool.wait_ready, WeightsClient.health):
+- ``/health`` (generator_http.ahealthy: pool.wait_ready, WeightsClient.health):
   test_generate.py::test_client_wait_ready, test_failure.py (down after a kill).
 - ``/model_info`` ``weight_version`` (WeightsClient.weight_version, GeneratorPool.label and its
   polling while a server is behind the version bound): test_weights.py, test_generate.py
@@ -30,7 +30,7 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   labelled so when it first comes up): test_generate.py::test_a_default_server_is_labelled_at_join
   (``new_version`` in the reply, ``/model_info`` after, a running request not aborted; SGLang
   stamps the label on it as a version change: ``"default"`` spans, refused by the client).
-- Control endpoints' ``success``/``message`` and HTTP status (generator_http.call, WeightsClient):
+- Control endpoints' ``success``/``message`` and HTTP status (generator_http.acall, WeightsClient):
   ``/init_weights_update_group``, ``/pause_generation``, ``/begin_weight_update`` (200 on 0.5.23,
   so sessions are used), ``/update_weights_from_distributed``, ``/end_weight_update``,
   ``/continue_generation``, ``/destroy_weights_update_group``: test_weights.py (a failure in any

@@ -9,9 +9,10 @@ import time
 import uuid
 
 import pytest
+import trio
 from sglang_helpers import Served, perturbed
 
-from asyncrl.generator_http import GeneratorError, WeightsClient
+from asyncrl.generator_http import GeneratorError, WeightsClient, async_client
 from asyncrl.recipe import WeightsConfig
 from asyncrl.weights.broadcaster import WeightBroadcaster
 from asyncrl.wire import GeneratorInfo
@@ -61,12 +62,16 @@ def test_server_killed_mid_update(qwen3: Served, doomed):
     """SIGKILL after the first bucket: the connection resets, the generator is dropped."""
     b, elapsed = _publish_and_lose(qwen3, doomed, signal.SIGKILL)
     _check_dropped(b, qwen3, elapsed)
-    client = WeightsClient(GeneratorInfo(url=qwen3.url), timeout_s=2.0)
-    assert client.health() is False
-    with pytest.raises(GeneratorError) as e:
-        client.model_info()
-    assert e.value.dead
-    client.close()
+
+    async def ask() -> bool:
+        async with async_client(2.0) as http:
+            client = WeightsClient(GeneratorInfo(url=qwen3.url), http)
+            with pytest.raises(GeneratorError) as e:
+                await client.model_info()
+            assert e.value.dead
+            return await client.health()
+
+    assert trio.run(ask) is False
     _check_next_version_is_quick(b, qwen3)
 
 

@@ -26,7 +26,7 @@ from sglang_helpers import (
     sglang_checksums,
 )
 
-from asyncrl.generator_http import WeightsClient
+from asyncrl.generator_http import WeightsClient, async_client
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.client import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
@@ -180,10 +180,12 @@ def test_update_from_disk(served: Served, tmp_path):
         k: t.contiguous() for k, t in new.items() if not (served.tied and k == "lm_head.weight")
     }
     save_file(sent, str(export / "model.safetensors"))
-    client = WeightsClient(GeneratorInfo(url=served.url), timeout_s=120)
-    try:
-        client.update_from_disk(str(export), weight_version=str(v))
-    finally:
-        client.close()
+
+    async def load() -> None:
+        async with async_client(120) as http:
+            client = WeightsClient(GeneratorInfo(url=served.url), http)
+            await client.update_from_disk(str(export), weight_version=str(v))
+
+    trio.run(load)
     served.set_weights(v, new)
     check_served_weights(served, None)

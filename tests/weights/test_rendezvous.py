@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import functools
 
+import httpx
 import pytest
+import trio
 
 from asyncrl import gpu
-from asyncrl.generator_http import WeightsClient
+from asyncrl.generator_http import WeightsClient, async_client
 from asyncrl.weights import rendezvous
 from asyncrl.weights.groups import ask_server, backend_for
 from asyncrl.weights.members import Member
@@ -62,9 +64,15 @@ def test_who_cannot_join_an_nccl_group():
     assert not gpu.recipe_needs_gloo("sglang", "cpu", cuda=True)
 
 
-def _member(kind: str, port: int, device: str | None = None, gpu_uuid: str | None = None) -> Member:
+def _member(
+    http: httpx.AsyncClient,
+    kind: str,
+    port: int,
+    device: str | None = None,
+    gpu_uuid: str | None = None,
+) -> Member:
     info = GeneratorInfo(url=f"http://127.0.0.1:{port}", kind=kind)
-    m = Member(info=info, client=WeightsClient(info, timeout_s=1.0))
+    m = Member(info=info, client=WeightsClient(info, http))
     m.device, m.gpu_uuid = device, gpu_uuid
     return m
 
@@ -73,26 +81,29 @@ def test_the_broadcaster_picks_gloo_when_a_member_cannot_join_nccl():
     """Decided per group build from what the members report: a built-in engine on CPU (or one
     that reports no device) or on rank 0's own GPU makes the group gloo on a CUDA host; SGLang
     and built-in engines on other GPUs get NCCL."""
-    sglang, old = _member("sglang", 1), _member("builtin", 2)
-    on_cpu = _member("builtin", 3, "cpu")
-    elsewhere, beside = (
-        _member("builtin", 4, "cuda", "GPU-1"),
-        _member("builtin", 5, "cuda", "GPU-0"),
-    )
-    members = (sglang, old, on_cpu, elsewhere, beside)
-    auto = functools.partial(backend_for, "auto", cuda=True, sender_gpu="GPU-0")
-    try:
-        assert auto([sglang]) == "nccl"
-        assert auto([sglang, elsewhere]) == "nccl"
-        assert auto([elsewhere]) == "nccl"
-        assert auto([sglang, old]) == "gloo"
-        assert auto([elsewhere, on_cpu]) == "gloo"
-        assert auto([beside]) == "gloo"
-        assert backend_for("auto", [sglang, elsewhere], cuda=False, sender_gpu="GPU-0") == "gloo"
-        assert backend_for("nccl", [sglang], cuda=False, sender_gpu=None) == "nccl"
-    finally:
-        for m in members:
-            m.client.close()
+
+    async def run() -> None:
+        async with async_client(1.0) as http:
+            member = functools.partial(_member, http)
+            sglang, old = member("sglang", 1), member("builtin", 2)
+            on_cpu = member("builtin", 3, "cpu")
+            elsewhere, beside = (
+                member("builtin", 4, "cuda", "GPU-1"),
+                member("builtin", 5, "cuda", "GPU-0"),
+            )
+            auto = functools.partial(backend_for, "auto", cuda=True, sender_gpu="GPU-0")
+            assert auto([sglang]) == "nccl"
+            assert auto([sglang, elsewhere]) == "nccl"
+            assert auto([elsewhere]) == "nccl"
+            assert auto([sglang, old]) == "gloo"
+            assert auto([elsewhere, on_cpu]) == "gloo"
+            assert auto([beside]) == "gloo"
+            assert (
+                backend_for("auto", [sglang, elsewhere], cuda=False, sender_gpu="GPU-0") == "gloo"
+            )
+            assert backend_for("nccl", [sglang], cuda=False, sender_gpu=None) == "nccl"
+
+    trio.run(run)
 
 
 def test_a_built_in_engine_reports_where_it_runs(rollout_engine):
@@ -100,13 +111,15 @@ def test_a_built_in_engine_reports_where_it_runs(rollout_engine):
     cache; the broadcaster reads it before a group build, so an engine on CPU gets gloo even on a
     CUDA host."""
     info = GeneratorInfo(url=rollout_engine.url, kind="builtin")
-    m = Member(info=info, client=WeightsClient(info, timeout_s=10.0))
-    try:
-        server = m.client.server_info()
-        assert server is not None and server["device"] == "cpu" and server["gpu_uuid"] is None
-        assert server["dtype"] == "float32"  # on CPU as always, whatever model.dtype says
-        assert ask_server(m, "in_place") == 1  # one rank, and not refused for a radix cache
-        assert m.device == "cpu" and m.gpu_uuid is None and m.needs_gloo("GPU-0")
-        assert backend_for("auto", [m], cuda=True, sender_gpu="GPU-0") == "gloo"
-    finally:
-        m.client.close()
+
+    async def run() -> tuple[Member, dict | None, int]:
+        async with async_client(10.0) as http:
+            m = Member(info=info, client=WeightsClient(info, http))
+            return m, await m.client.server_info(), await ask_server(m, "in_place")
+
+    m, server, ranks = trio.run(run)
+    assert server is not None and server["device"] == "cpu" and server["gpu_uuid"] is None
+    assert server["dtype"] == "float32"  # on CPU as always, whatever model.dtype says
+    assert ranks == 1  # one rank, and not refused for a radix cache
+    assert m.device == "cpu" and m.gpu_uuid is None and m.needs_gloo("GPU-0")
+    assert backend_for("auto", [m], cuda=True, sender_gpu="GPU-0") == "gloo"
