@@ -216,8 +216,7 @@ class Doctor:
         return [self._check_server(url) for url in g.urls]
 
     def _check_server(self, url: str) -> Check:
-        import trio
-
+        from asyncrl.control import ControlPlane
         from asyncrl.generator_http import GeneratorError, WeightsClient, async_client
         from asyncrl.rollout.sglang_protocol import parse_version_label
         from asyncrl.weights.rendezvous import LayoutError, radix_cache_problem, server_ranks
@@ -229,11 +228,14 @@ class Doctor:
                 return await client.model_info(), await client.server_info() or {}
 
         name = f"SGLang {url}"
+        plane = ControlPlane("doctor")  # the one way blocking code runs async code
         try:
-            info, server = trio.run(ask)
+            info, server = plane.run(ask)
         except GeneratorError as e:
             fix = "start it, or fix generator.urls" if e.dead else "is it an SGLang server?"
             return Check(name=name, ok=False, detail=f"{e}; {fix}")
+        finally:
+            plane.close()
         self.servers[url] = server
         problems, facts = [], []
         if info.get("engine") == "asyncrl":
