@@ -76,7 +76,7 @@ class Engine:
         lm = BatchedLM(model)
         eos = _eos_ids(model, tok)
         eng = cls(config=config, tokenizer=tok, hf_model=model)
-        eng.store = WeightStore(model, eng)
+        eng.store = WeightStore(model, eng, receive_buffers=lm.receive_buffers)
         eng.scheduler = Scheduler(
             lm,
             eos_ids=eos,
@@ -144,7 +144,7 @@ class Engine:
 
     def swap(self, staged: dict[str, torch.Tensor], version: str | None) -> float:
         lm = self.scheduler.lm
-        lm.prepare(staged)  # the fused projections' copy (in place), here rather than in the swap
+        lm.prepare(staged)  # the fused projections (adopted, or copied in place), not in the swap
 
         def apply() -> None:
             self.store.apply(staged)

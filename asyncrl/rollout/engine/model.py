@@ -8,32 +8,24 @@ Qwen3, rotary embedding, SDPA, MLP), but the KV cache is one preallocated tensor
 by the last one, so a decode step is a slice, never a gather.
 
 At these sizes a decode step is mostly per-op overhead, so q/k/v and gate/up run as one matmul each
-(the parameters become views into the fused tensors, so no memory is duplicated) and rotary cos/sin
-come from a table. A weight swap re-points parameters; :meth:`BatchedLM.prepare` fuses the incoming
-tensors off the decode thread and :meth:`BatchedLM.refresh` adopts them, so the swap stays a pointer
-swap.
+(the parameters become views into the fused tensors, so no memory is duplicated; the groups and
+their layout are ``fused.py``'s) and rotary cos/sin come from a table. A weight swap re-points parameters;
+:meth:`BatchedLM.prepare` fuses the incoming tensors off the decode thread (no copy when they were
+received into the buffers :meth:`BatchedLM.receive_buffers` lays out) and :meth:`BatchedLM.refresh`
+adopts them, so the swap stays a pointer swap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from asyncrl.rollout.engine.fused import FUSED, Fused, Group, ReceiveBuffers, fuse, ptrs
+
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
-
-
-@dataclass
-class Fused:
-    """One matmul standing for several linear layers; their parameters are views into it."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    ptrs: tuple[int, ...]  # the members' data pointers when fused: a swap changes them
 
 
 @dataclass
@@ -135,6 +127,7 @@ class BatchedLM:
         self.fused: dict[tuple[int, str], Fused] = {}
         self._prepared: dict[tuple[int, ...], Fused] = {}
         self._names = {id(p): n for n, p in hf_model.named_parameters()}
+        self.groups = self._groups()
         act = getattr(cfg, "hidden_act", None)
         self._act = F.silu if act in ("silu", "swish") else self.layers[0].mlp.act_fn
         self.qk_norm: dict[int, torch.Tensor] = {}  # Qwen3: q_norm and k_norm weights, per head
@@ -142,7 +135,7 @@ class BatchedLM:
         with torch.no_grad():
             self.refresh()
 
-    # ---- fused projections -----------------------------------------------------------------------
+    # ---- fused projections (fused.py) ------------------------------------------------------------
 
     def _members(self) -> list[tuple[tuple[int, str], list[torch.nn.Linear]]]:
         out = []
@@ -152,59 +145,61 @@ class BatchedLM:
                 out.append(((li, block), mods))
         return out
 
-    @staticmethod
-    def _ptrs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[int, ...]:
-        """The data pointers of (weight, bias) pairs: what identifies a fused group's members."""
-        return tuple(t.data_ptr() for pair in pairs for t in pair if t is not None)
+    def _groups(self) -> list[Group]:
+        out = []
+        for key, mods in self._members():
+            biases = [m.bias for m in mods]
+            out.append(
+                Group(
+                    key=key,
+                    weights=tuple(self._names[id(m.weight)] for m in mods),
+                    biases=None
+                    if any(b is None for b in biases)
+                    else tuple(self._names[id(b)] for b in biases),
+                    rows=tuple(m.weight.shape[0] for m in mods),
+                    cols=mods[0].weight.shape[1],
+                )
+            )
+        return out
 
-    @staticmethod
-    def _fuse(
-        weights: list[torch.Tensor], biases: list[torch.Tensor | None]
-    ) -> tuple[Fused, list[tuple[torch.Tensor, torch.Tensor | None]]]:
-        """One tensor for the members (a copy), and each member's (weight, bias) view into it."""
-        rows = [w.shape[0] for w in weights]
-        w = torch.cat(weights)
-        b = torch.cat(biases) if all(x is not None for x in biases) else None  # type: ignore[arg-type]
-        bs = b.split(rows) if b is not None else [None] * len(rows)
-        views = list(zip(w.split(rows), bs, strict=True))
-        return Fused(weight=w, bias=b, ptrs=BatchedLM._ptrs(views)), views
+    def receive_buffers(self) -> ReceiveBuffers:
+        """Fresh buffers for one weight-update session: receiving the fused groups' members there
+        lets :meth:`prepare` adopt them without a copy."""
+        return ReceiveBuffers(self.groups, self.dtype, self.device)
 
     def prepare(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Fuse incoming weights ahead of a swap (any thread, not the decode one): every fused
-        group ``staged`` touches is rebuilt from the staged and current tensors, and its members are
-        staged as views into it, so that :meth:`refresh` after the swap only re-points. In place:
-        each group's separate tensors are let go as soon as it is fused (one group's worth of extra
-        memory, not all of them)."""
-        out = staged
-        for _, mods in self._members():
-            keys = [
-                (self._names[id(m.weight)], None if m.bias is None else self._names[id(m.bias)])
-                for m in mods
-            ]
-            if not any(k in staged for pair in keys for k in pair if k):
+        """Fuse incoming weights ahead of a swap (any thread, not the decode one), so that
+        :meth:`refresh` after the swap only re-points: every fused group ``staged`` touches is
+        built from the staged and current tensors, adopted as it is when its members were received
+        into one buffer (:meth:`receive_buffers`), else copied into one tensor and its members
+        staged as views into it. In place: a copied group's separate tensors are let go as soon as
+        it is fused (one group's worth of extra memory, not all of them)."""
+        for g, mods in zip(self.groups, (m for _, m in self._members()), strict=True):
+            bnames = g.biases or (None,) * len(mods)
+            if not any(k in staged for k in (*g.weights, *(g.biases or ()))):
                 continue
-            f, views = self._fuse(
-                [staged.get(kw, m.weight.data) for m, (kw, _) in zip(mods, keys, strict=True)],
-                [kb and staged.get(kb, m.bias.data) for m, (_, kb) in zip(mods, keys, strict=True)],
+            f, views = fuse(
+                [staged.get(kw, m.weight.data) for m, kw in zip(mods, g.weights, strict=True)],
+                [kb and staged.get(kb, m.bias.data) for m, kb in zip(mods, bnames, strict=True)],
             )
-            for (kw, kb), (w, b) in zip(keys, views, strict=True):
-                out[kw] = w
+            for kw, kb, (w, b) in zip(g.weights, bnames, views, strict=True):
+                staged[kw] = w
                 if kb:
-                    out[kb] = b
+                    staged[kb] = b
             self._prepared[f.ptrs] = f
-        return out
+        return staged
 
     def refresh(self) -> None:
         """Bring the fused tensors in line with the parameters (at load and after every swap).
         Prepared groups are adopted as they are; any other change is fused here (a copy)."""
         for key, mods in self._members():
-            ptrs = self._ptrs((m.weight, m.bias) for m in mods)
+            current = ptrs((m.weight, m.bias) for m in mods)
             f = self.fused.get(key)
-            if f is not None and f.ptrs == ptrs:
+            if f is not None and f.ptrs == current:
                 continue
-            f = self._prepared.get(ptrs)
+            f = self._prepared.get(current)
             if f is None:
-                f, views = self._fuse(
+                f, views = fuse(
                     [m.weight.data for m in mods],
                     [None if m.bias is None else m.bias.data for m in mods],
                 )
@@ -218,13 +213,13 @@ class BatchedLM:
             a = layer.self_attn
             if not hasattr(a, "q_norm"):
                 continue
-            ptrs = (a.q_norm.weight.data_ptr(), a.k_norm.weight.data_ptr())
-            if self._qk_ptrs.get(li) != ptrs:  # a few KB per layer: cheap even in the swap
+            qk = (a.q_norm.weight.data_ptr(), a.k_norm.weight.data_ptr())
+            if self._qk_ptrs.get(li) != qk:  # a few KB per layer: cheap even in the swap
                 qw, kw = a.q_norm.weight.detach(), a.k_norm.weight.detach()
                 self.qk_norm[li] = torch.cat(
                     (qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1))
                 )
-                self._qk_ptrs[li] = ptrs
+                self._qk_ptrs[li] = qk
 
     # ---- forward ---------------------------------------------------------------------------------
 

@@ -1,7 +1,10 @@
 """The engine's weight store: update groups, the update session, and a staging copy of the tensors.
 
 An HTTP thread joins the trainer's group (SGLang's rendezvous, ``asyncrl.weights.rendezvous``),
-receives each broadcast into freshly allocated tensors and stages them while decoding goes on.
+receives each broadcast into freshly allocated tensors and stages them while decoding goes on. The
+members of the model's fused projections are received into row slices of one buffer per group and
+session, which the model lays out (``fused.py:ReceiveBuffers``), so that the swap adopts them as
+they are instead of copying them once more.
 Nothing the decode thread reads is touched until the session ends: :meth:`WeightStore.apply` then
 runs in the decode thread between two steps and only re-points each parameter at its new tensor, so
 the swap costs microseconds whatever the model size.
@@ -19,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from asyncrl.rollout.engine.fused import ReceiveBuffers
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.threads import BACKGROUND_NICE, lower_priority
 
@@ -87,7 +91,14 @@ class WeightStore:
     (a restarted learner) abandons a session its predecessor left open.
     """
 
-    def __init__(self, model: torch.nn.Module, loop: DecodeLoop):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loop: DecodeLoop,
+        receive_buffers: Callable[[], ReceiveBuffers] | None = None,
+    ):
+        """``receive_buffers``: a session's buffers for the fused members (the engine's model
+        gives them, ``BatchedLM.receive_buffers``); None: every tensor is received on its own."""
         self.model = model
         self.loop = loop
         self.device = next(model.parameters()).device
@@ -101,6 +112,8 @@ class WeightStore:
         self.backends: dict[str, str] = {}  # group name -> its backend (what a receive lands in)
         self._session_open = False
         self._staged: dict[str, torch.Tensor] = {}
+        self._new_buffers = receive_buffers
+        self._buffers: ReceiveBuffers | None = None  # the open session's
         self._pending_version: str | None = None  # the label of the staged weights, at their swap
         self._lock = threading.Lock()  # one weight operation at a time (HTTP threads)
         self.receiver = Receiver()
@@ -165,6 +178,7 @@ class WeightStore:
                 raise WeightError("a weight-update session is already open")
             self._close_session()
             self._session_open = True
+            self._buffers = self._new_buffers() if self._new_buffers is not None else None
 
     def update(
         self,
@@ -249,6 +263,7 @@ class WeightStore:
     def _close_session(self) -> None:
         self._session_open = False
         self._staged = {}
+        self._buffers = None
         self._pending_version = None
 
     # ---- receiving -------------------------------------------------------------------------------
@@ -266,26 +281,47 @@ class WeightStore:
         pg = self.groups[group_name]
         # NCCL fills CUDA tensors (the engine's device); gloo host ones, moved over at staging
         dev = self.device if self.backends.get(group_name) == "nccl" else torch.device("cpu")
-        return self.receiver.run(lambda: self._receive(pg, names, dtypes, shapes, load_format, dev))
+        bufs = self._buffers
+        return self.receiver.run(
+            lambda: self._receive(pg, names, dtypes, shapes, load_format, dev, bufs)
+        )
 
     def _receive(
-        self, pg, names, dtypes, shapes, load_format, device: torch.device
+        self,
+        pg,
+        names,
+        dtypes,
+        shapes,
+        load_format,
+        device: torch.device,
+        bufs: ReceiveBuffers | None,
     ) -> list[tuple[str, torch.Tensor]]:
         if load_format == "flattened_bucket":
+            # One broadcast into one buffer: the fused members need no buffers of their own, since
+            # a bucket holds them back to back (the learner's order) and the swap adopts them there.
             _, total = buckets.flat_layout(dtypes, shapes)
             flat = torch.empty(total, dtype=torch.uint8, device=device)
             dist.broadcast(flat, src=0, group=pg)
             return list(zip(names, buckets.unflatten(flat, dtypes, shapes), strict=True))
         # Post every receive before waiting on any (as SGLang does): one round trip per call, not
-        # one per tensor.
+        # one per tensor. A fused group's members land in row slices of one buffer.
         out = [
-            (n, torch.empty(s, dtype=dt, device=device))
+            (n, self._receive_buffer(bufs, n, dt, s, device))
             for n, dt, s in zip(names, dtypes, shapes, strict=True)
         ]
         works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
         for w in works:
             w.wait()
         return out
+
+    def _receive_buffer(
+        self, bufs: ReceiveBuffers | None, name: str, dtype: torch.dtype, shape, device
+    ) -> torch.Tensor:
+        """Where one tensor of a list-format call is received: its fused group's slice if it has
+        one (``bufs``), else a tensor of its own."""
+        key = self.resolve(name)
+        t = bufs.get(key, dtype, shape, device) if bufs is not None and key is not None else None
+        return t if t is not None else torch.empty(shape, dtype=dtype, device=device)
 
     def stage(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Keep checked tensors for the session's swap."""
