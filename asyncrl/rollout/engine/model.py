@@ -9,10 +9,10 @@ by the last one, so a decode step is a slice, never a gather.
 
 At these sizes a decode step is mostly per-op overhead, so q/k/v and gate/up run as one matmul each
 (the parameters become views into the fused tensors, so no memory is duplicated; the groups and
-their layout are ``fused.py``'s) and rotary cos/sin come from a table. A weight swap re-points parameters;
-:meth:`BatchedLM.prepare` fuses the incoming tensors off the decode thread (no copy when they were
-received into the buffers :meth:`BatchedLM.receive_buffers` lays out) and :meth:`BatchedLM.refresh`
-adopts them, so the swap stays a pointer swap.
+their layout are ``fused.py``'s) and rotary cos/sin come from a table. A weight swap re-points
+parameters; :meth:`BatchedLM.prepare` fuses the incoming tensors off the decode thread (no copy when
+they were received into the buffers :meth:`BatchedLM.receive_buffers` lays out) and
+:meth:`BatchedLM.refresh` adopts them, so the swap stays a pointer swap.
 """
 
 from __future__ import annotations

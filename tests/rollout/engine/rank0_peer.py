@@ -3,9 +3,9 @@
     python tests/rollout/engine/rank0_peer.py PORT GROUP_NAME
 
 Joins as rank 0 of a 2-rank gloo group through the learner's rendezvous
-(:func:`asyncrl.weights.rendezvous.init_custom_process_group`), then reads lines ``FORMAT PATH`` from
-stdin: the (name, tensor) list saved at PATH is broadcast one tensor at a time (``list``) or as one
-flattened bucket (``flattened_bucket``), as the learner sends a bucket. At the end of stdin it
+(:func:`asyncrl.weights.rendezvous.init_custom_process_group`), then reads lines ``FORMAT PATH``
+from stdin: the (name, tensor) list saved at PATH is broadcast one tensor at a time (``list``) or as
+one flattened bucket (``flattened_bucket``), as the learner sends a bucket. At the end of stdin it
 leaves the group. Its own process, because one process cannot hold both ends of a group (c10d
 refuses a second group of the same name).
 """
