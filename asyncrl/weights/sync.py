@@ -282,7 +282,11 @@ class Sync:
             # a member whose group failed answers only once that group timed out: it is dropped
             # whatever it answers, and the others answered as soon as their broadcast was in
             result, _, bad = await self.fanout.beside(
-                live, update, broadcast, lambda _: self.cfg.timeout_s
+                live,
+                update,
+                broadcast,
+                lambda _: self.cfg.timeout_s,
+                lambda r: r[0] if isinstance(r, tuple) else (),  # their broadcast's errors
             )
             if isinstance(result, Exception):  # not a broadcast's failure (each is caught): a bug
                 result = ({u: f"broadcast: {result}" for u in groups}, 0.0)

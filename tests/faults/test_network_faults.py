@@ -315,7 +315,7 @@ def test_partition_beginning_during_a_weight_broadcast(tmp_path, tiny_qwen3):
     rec = two_host_run(
         tmp_path, tiny_qwen3, "partition from a weight broadcast's first packet", fault
     )
-    assert rec["broadcaster_gave_up_s"] <= WEIGHTS_TIMEOUT_S + 10, rec
+    assert rec["broadcaster_gave_up_s"] <= WEIGHTS_TIMEOUT_S + 5, rec  # was 2 x timeout_s
 
 
 @pytest.mark.timeout(500)
@@ -337,11 +337,12 @@ def test_learner_killed_while_partitioned_restarts_before_the_heal(tmp_path, tin
             what="the restarted learner's start",
             procs=run.procs,
         )
-        run.hold(5.0)  # still cut off: it waits for data it cannot get yet
+        run.hold(5.0)  # still cut off: it trains what its journal readmitted, then waits
         hosts.link.heal()
         t_heal = time.monotonic()
+        n_healed = len(read_jsonl(run.audit_file))
         wait_until(
-            lambda: any("groups" in r for r in read_jsonl(run.audit_file)[n_records:]),
+            lambda: any("groups" in r for r in read_jsonl(run.audit_file)[n_healed:]),
             timeout_s=180,
             what="the restarted learner's first step after the heal",
             procs=run.procs,
