@@ -36,7 +36,8 @@ test-kernels: $(STAMP)
 	done
 
 # The faults tier (RELIABILITY.md): tests/faults (SIGKILLed workers, learner, engines; hostile
-# input to the buffer; broken rewards, tools, data), the weights' SIGKILL-mid-update test, and the
+# input to the buffer; broken rewards, tools, data; two hosts in network namespaces, as root, with
+# their link cut, lossy or half-open), the weights' SIGKILL-mid-update test, and the
 # longer variants of a few default tests (an RL run's Ctrl-C, learner + rollout over mutual TLS).
 test-faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m faults tests

@@ -40,7 +40,8 @@ ETA = 2
 WEIGHTS_TIMEOUT_S = 10.0
 PARTITION_S = 20.0
 LOSSY = Direction(delay_s=0.1, jitter_s=0.02, loss=0.05)  # each way: 200 ms more per round trip
-LOSSY_FACTOR = 4.0  # the lossy run's wall within this many times the clean run's
+LOSSY_FACTOR = 8.0  # the lossy run's wall within this many times the clean run's (3.0 measured;
+# the clean run's own wall varies 15-32 s with the machine's other load, the lossy one's less)
 CLEAN_WALL: dict[str, float] = {}  # the clean run's wall, when it ran in this session
 
 
