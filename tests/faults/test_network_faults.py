@@ -40,8 +40,9 @@ ETA = 2
 WEIGHTS_TIMEOUT_S = 10.0
 PARTITION_S = 20.0
 LOSSY = Direction(delay_s=0.1, jitter_s=0.02, loss=0.05)  # each way: 200 ms more per round trip
-LOSSY_FACTOR = 8.0  # the lossy run's wall within this many times the clean run's (3.0 measured;
-# the clean run's own wall varies 15-32 s with the machine's other load, the lossy one's less)
+LOSSY_EXTRA_S_PER_STEP = 15.0  # the lossy run's wall at most this much per version over the clean's
+# (measured 7-10 s: the link's round trips and retransmissions, not the machine's load, set it; so a
+# factor of the clean wall, 8-32 s with the other jobs here, is no bound: it measured 3.0 to 10.7)
 CLEAN_WALL: dict[str, float] = {}  # the clean run's wall, when it ran in this session
 
 
@@ -242,7 +243,8 @@ def test_partition_mid_run_heals_and_loses_nothing(tmp_path, tiny_qwen3):
 @pytest.mark.timeout(500)
 def test_delay_loss_and_reordering_for_a_whole_run(tmp_path, tiny_qwen3):
     """100 ms each way (+ up to 20 ms jitter, which reorders) and 5 % loss each way for the whole
-    run: it completes, within LOSSY_FACTOR of the clean run's wall, staleness within the bound."""
+    run: it completes, at most LOSSY_EXTRA_S_PER_STEP per version slower than the clean run,
+    staleness within the bound."""
 
     def fault(run: Run, hosts: Hosts) -> dict:
         hosts.link.set(to_rollout=LOSSY, to_learner=LOSSY)
@@ -250,7 +252,7 @@ def test_delay_loss_and_reordering_for_a_whole_run(tmp_path, tiny_qwen3):
 
     rec = two_host_run(tmp_path, tiny_qwen3, "100 ms each way + 5 % loss + reordering", fault)
     if CLEAN_WALL:
-        assert rec["wall_vs_clean"] <= LOSSY_FACTOR, rec
+        assert rec["wall_s"] - CLEAN_WALL["s"] <= STEPS * LOSSY_EXTRA_S_PER_STEP, rec
 
 
 @pytest.mark.timeout(400)
