@@ -181,6 +181,14 @@ class Hosts:
     def run_in(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
 
+    def pids(self) -> list[int]:
+        """Every process still in either namespace (what a test left behind)."""
+        out: list[int] = []
+        for ns in (self.learner_ns, self.rollout_ns):
+            r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            out += [int(x) for x in r.stdout.split()]
+        return out
+
     def env(self, ns: str) -> dict[str, str]:
         """What a process on that host needs beyond the tier's child env: gloo's endpoint on the
         link's device (gloo would otherwise bind the address the machine's host name resolves to,

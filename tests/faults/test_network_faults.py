@@ -193,6 +193,8 @@ def two_host_run(
             result = run.audit()
         finally:
             run.stop()
+        # no process left behind on either host (the engine too: it follows its worker)
+        wait_until(lambda: not hosts.pids(), timeout_s=30, what="both hosts to be empty")
         record = {
             "scenario": scenario,
             **figures,
