@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from asyncrl.generator_http import GeneratorError, call, sync_client
+from asyncrl.generator_http import GeneratorError, acall, async_client
 
 LOOPBACK = "127.0.0.1"
 """Where a built-in engine listens when the learner is on the same host."""
@@ -101,15 +101,15 @@ def dial_host(listen: str, learner_address: str) -> str:
     return engine_host("", learner_address)
 
 
-def unreachable(url: str, *, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+async def unreachable(url: str, *, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
     """Why this process cannot reach the HTTP server at ``url``; None if it can.
 
     Any answer counts, whatever its status (a server still loading answers 503), and so does a
     connection whose answer is slow: only a failure to connect is a matter of the network (refused,
     no route, no such name, no answer to the connect within ``timeout_s``)."""
-    with sync_client(timeout_s) as http:
+    async with async_client(timeout_s) as http:
         try:
-            call(http, url.rstrip("/"), "GET", "/health")
+            await acall(http, url.rstrip("/"), "GET", "/health")
         except GeneratorError as e:
             cause = e.__cause__
             if not e.dead or isinstance(cause, httpx.ReadTimeout | httpx.WriteTimeout):

@@ -32,7 +32,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Batch", "BufferService"]
 
 RegisterCallback = Callable[[str, list[wire.GeneratorInfo]], None]
-Reach = Callable[[str], str | None]
-"""``reach(url)``: why the learner cannot connect to a generator, None if it can."""
+Reach = Callable[[str], Awaitable[str | None]]
+"""``await reach(url)``: why the learner cannot connect to a generator, None if it can."""
 T = TypeVar("T")
 
 
@@ -418,13 +418,13 @@ class BufferService:
 
     async def _unreachable(self, generators: list[wire.GeneratorInfo]) -> str:
         """Why the learner cannot reach these generators ("" if it reaches them all): each asked
-        at once, in a thread."""
+        at once."""
         assert self._reach is not None
         reach = self._reach
         causes: dict[str, str] = {}
 
         async def ask(g: wire.GeneratorInfo) -> None:
-            cause = await trio.to_thread.run_sync(reach, g.url, abandon_on_cancel=True)
+            cause = await reach(g.url)
             if cause is not None:
                 causes[g.url] = _unreachable_text(g, cause)
 
