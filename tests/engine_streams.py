@@ -1,4 +1,5 @@
-"""A streaming ``/generate`` consumed in a thread, for engine tests that act while a request decodes."""
+"""HTTP calls to an engine that run in a thread, for engine tests that act while one is in flight: a
+streaming ``/generate`` that decodes, or a weight call that blocks until rank 0 broadcasts."""
 
 from __future__ import annotations
 
@@ -31,3 +32,21 @@ class GenerateStream:
     def result(self) -> dict:
         self._t.join(120)
         return self.chunks[-1]
+
+
+class PostInThread:
+    """One POST in a thread (the trainer's "post, then broadcast, then join"): the engine's side of
+    a broadcast answers only once the broadcast is received."""
+
+    def __init__(self, client: httpx.Client, path: str, body: dict):
+        self.resp: httpx.Response | None = None
+        self._t = threading.Thread(target=self._run, args=(client, path, body))
+        self._t.start()
+
+    def _run(self, client: httpx.Client, path: str, body: dict) -> None:
+        self.resp = client.post(path, json=body, timeout=120)
+
+    def join(self) -> httpx.Response:
+        self._t.join(120)
+        assert self.resp is not None, "HTTP call did not return"
+        return self.resp

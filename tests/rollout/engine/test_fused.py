@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.rollout.engine import EngineConfig, serve
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets
+from tests.engine_streams import PostInThread
 from tests.numerics import assert_logits_close
 
 pytestmark = pytest.mark.numerics  # compares float32 logits with transformers' (tests/numerics.py)
@@ -25,22 +25,6 @@ pytestmark = pytest.mark.numerics  # compares float32 logits with transformers' 
 GROUP = "fused_update_group"
 PEER = Path(__file__).with_name("rank0_peer.py")
 PROMPT = [5, 6, 7, 8, 9, 10]
-
-
-class _Post:
-    """One HTTP call in a thread: the engine's side of a broadcast blocks until it is received."""
-
-    def __init__(self, client: httpx.Client, path: str, body: dict):
-        self.resp: httpx.Response | None = None
-        self._t = threading.Thread(target=self._run, args=(client, path, body))
-        self._t.start()
-
-    def _run(self, client, path, body):
-        self.resp = client.post(path, json=body, timeout=120)
-
-    def ok(self) -> None:
-        self._t.join(120)
-        assert self.resp is not None and self.resp.status_code == 200, self.resp and self.resp.text
 
 
 def _perturbed(path: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +57,8 @@ def test_a_distributed_update_is_adopted_without_a_copy(tiny_qwen3, tmp_path):
         lm, store = eng.scheduler.lm, eng.store
         init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
         init |= {"world_size": 2, "group_name": GROUP, "backend": "gloo"}
-        _Post(client, "/init_weights_update_group", init).ok()
+        r = PostInThread(client, "/init_weights_update_group", init).join()
+        assert r.status_code == 200, r.text
 
         def served_logits() -> torch.Tensor:
             return eng.call(lambda: lm.prefill(lm.new_cache(), 0, [PROMPT], all_logits=True))[1][0]
@@ -86,10 +71,11 @@ def test_a_distributed_update_is_adopted_without_a_copy(tiny_qwen3, tmp_path):
             body = {**b.meta(), "group_name": GROUP}
             if load_format == "flattened_bucket":  # else SGLang's default: one broadcast each
                 body["load_format"] = load_format
-            call = _Post(client, "/update_weights_from_distributed", body)
+            call = PostInThread(client, "/update_weights_from_distributed", body)
             peer.stdin.write(f"{load_format} {path}\n")
             peer.stdin.flush()
-            call.ok()
+            r = call.join()
+            assert r.status_code == 200, r.text
             return dict(store._staged)  # the session's received tensors, before the swap
 
         def assert_adopted(staged: dict[str, torch.Tensor]) -> None:

@@ -3,8 +3,6 @@ engine (a child process) is rank 1, joined over HTTP with SGLang's rendezvous.""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
 import torch
@@ -14,26 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.rollout.engine import EngineConfig, serve, start_engine_process
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
-from tests.engine_streams import GenerateStream
+from tests.engine_streams import GenerateStream, PostInThread
 
 GROUP = "weight_update_group"
-
-
-class _Async:
-    """Run one HTTP call in a thread (the trainer's 'post, then broadcast, then join')."""
-
-    def __init__(self, client: httpx.Client, path: str, body: dict):
-        self.resp: httpx.Response | None = None
-        self._t = threading.Thread(target=self._run, args=(client, path, body))
-        self._t.start()
-
-    def _run(self, client, path, body):
-        self.resp = client.post(path, json=body, timeout=120)
-
-    def join(self) -> httpx.Response:
-        self._t.join(120)
-        assert self.resp is not None, "HTTP call did not return"
-        return self.resp
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +44,7 @@ def trainer(engine):
         "group_name": GROUP,
         "backend": "gloo",
     }
-    call = _Async(client, "/init_weights_update_group", body)
+    call = PostInThread(client, "/init_weights_update_group", body)
     pg = rendezvous.init_custom_process_group(
         master_address="127.0.0.1",
         master_port=port,
@@ -100,7 +81,7 @@ def _send(
         body["weight_version"] = version
     if flattened:
         body["load_format"] = "flattened_bucket"
-    call = _Async(client, "/update_weights_from_distributed", body)
+    call = PostInThread(client, "/update_weights_from_distributed", body)
     if flattened:
         dist.broadcast(buckets.flatten(b.tensors), src=0, group=pg)
     else:
