@@ -21,6 +21,7 @@ class BufferRefused(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
 
 
 REQUEST_TIMEOUT_S = 10.0

@@ -213,7 +213,7 @@ class RolloutWorker:
         """A ``run_ended`` reply: the end announcement this worker did not hear."""
         if e.code != "run_ended":
             return False
-        self._end(wire.End(version=self.version, message=str(e).split(": ", 1)[-1]))
+        self._end(wire.End(version=self.version, message=e.message))
         return True
 
     # -- capacity ----------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ class RolloutWorker:
                 if isinstance(e, BufferRefused) and self._ended_by(e):
                     return
                 if isinstance(e, BufferRefused) and e.code == "generator_unreachable":
-                    raise GeneratorUnreachable(str(e).split(": ", 1)[-1]) from None
+                    raise GeneratorUnreachable(e.message) from None
                 self._quiet.warning("register", "register: %s; retrying", e)
             await self._retry_sleep(attempt)
             attempt += 1
