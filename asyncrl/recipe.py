@@ -332,6 +332,45 @@ class AlgorithmConfig:
         return "token_mean"
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the actor's linear layers (docs/lora.md): the base stays frozen, only
+    the adapters train, are checkpointed and are sent to the generators. The effective weight of a
+    target is W + (alpha / rank) · B A, as PEFT's LoRA (not rsLoRA)."""
+
+    rank: int = _f(0, lo=0, doc="adapter rank r (0: no LoRA, the whole model trains)")
+    alpha: float = _f(16.0, lo=0, lo_open=True, doc="the adapter's scale is alpha / rank")
+    dropout: float = _f(0.0, lo=0, hi=0.99, doc="dropout on the adapter's input while training")
+    targets: list[LoraTarget] = _f(
+        factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        doc="the HF linear layers that get an adapter",
+    )
+    export: Literal["adapter", "merged"] = _f(
+        "adapter",
+        doc="adapter: a PEFT folder (adapter_config.json, adapter_model.safetensors); merged: an "
+        "HF folder with B A folded into the weights",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank if self.rank else 0.0
+
+
 @dataclass(kw_only=True)
 class LearnerConfig:
     ranks: int = _f(1, lo=1, doc="torchrun processes started by `asyncrl run`")
@@ -368,6 +407,7 @@ class LearnerConfig:
     checkpoint_async: bool = _f(True)
     export_every: int = _f(0, lo=0, doc="HF safetensors export every k versions (0: at the end)")
     keep_checkpoints: int = _f(2, lo=0)
+    lora: LoraConfig = _f(factory=LoraConfig, doc="low-rank adapters (rank 0: off)")
 
 
 @dataclass(kw_only=True)
