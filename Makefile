@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-kernels test-faults test-sglang lint format demo demo-rlhf demo-agent bench clean
+.PHONY: venv test test-kernels test-faults test-sglang lint format demo demo-rlhf demo-distill demo-agent bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -77,6 +77,17 @@ demo-rlhf: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rm.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_rlhf.yaml --overwrite
 	@echo "summary: runs/demo_rlhf/summary.json   plots: runs/demo_rlhf/plots/ (reward_model.png)   reward model: runs/demo_rm/"
+
+# The on-policy distillation demo (docs/distill.md): the SFT'd student learns from the RL demo's
+# final export as a teacher (its logprobs of the student's own samples), with no task reward in the
+# loss. 1. model + data, 2. SFT warm start (demo_sft), 3. async GRPO (demo: the teacher, and the
+# same budget with GRPO alone), 4. distillation (demo_distill; `asyncrl run` serves the teacher).
+demo-distill: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_sft.yaml --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo.yaml --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_distill.yaml --overwrite
+	@echo "summary: runs/demo_distill/summary.json (GRPO alone: runs/demo/summary.json)   plots: runs/demo_distill/plots/"
 
 # The agent demo (docs/agents.md): the tiny Qwen3 learns to call a tool, served over MCP (stdio, one
 # `python -m asyncrl.demo_agent` per episode), to answer lookups it cannot know. 1. model + data,

@@ -1,8 +1,9 @@
 """An RL algorithm's step as a graph of model calls (docs/design.md §11): GRPO, PPO with a critic,
-ReMax, SFT and reward modelling are each a :class:`Dataflow`, checked before anything runs.
+ReMax, on-policy distillation, SFT and reward modelling are each a :class:`Dataflow`, checked
+before anything runs.
 
 A :class:`ModelCall` is one call of one role's model (the actor that generates and is trained, a
-critic, a frozen reference, a reward model) or a ``driver`` computation on the data (a rule reward,
+critic, a frozen reference, a reward model, a distillation teacher) or a ``driver`` computation on the data (a rule reward,
 advantages), reading and writing named keys of the step's batch. :meth:`Dataflow.validate` refuses
 a graph that could not run (a key nobody produces, a cycle) or that would mix weight versions: a
 role's ``train_step`` makes its next version, so every other call of that role in the step must come
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:
     from asyncrl.recipe import Recipe
 
-Role = Literal["actor", "critic", "ref", "reward", "driver"]
+Role = Literal["actor", "critic", "ref", "reward", "teacher", "driver"]
 CallKind = Literal["generate", "inference", "train_step", "compute"]
 ROLES: tuple[str, ...] = get_args(Role)
 CALL_KINDS: tuple[str, ...] = get_args(CallKind)
@@ -343,6 +344,33 @@ def remax(*, kl_loss: bool = False, prox: bool = False, reward_model: bool = Tru
     return Dataflow("remax", calls, _data(reward_model)).validate()
 
 
+def distill(
+    *, outcome: bool = False, kl_loss: bool = False, prox: bool = False, reward_model: bool = False
+) -> Dataflow:
+    """On-policy distillation: the teacher scores the tokens the student sampled (forward only,
+    its log-probabilities), and each token's advantage is log π_teacher − log μ; with ``outcome``
+    the sample's group advantage of the rewards is added (``algorithm.distill_coef``). In asyncrl
+    the rollout worker runs ``teacher`` (on ``rollout.teacher``'s servers) beside the reward, and
+    the logprobs travel with the samples."""
+    extras, keys = _actor_extras(kl_loss=kl_loss, prox=prox)
+    adv_in = ("behavior_logp", "teacher_logp") + (("rewards",) if outcome else ())
+    calls = [
+        _generate(),
+        _score(reward_model),
+        ModelCall("teacher", "teacher", "inference", ("prompts", "responses"), ("teacher_logp",)),
+        *extras,
+        ModelCall("advantages", "driver", "compute", adv_in, ("advantages",)),
+        ModelCall(
+            "train_actor",
+            "actor",
+            "train_step",
+            ("prompts", "responses", "behavior_logp", "advantages", *keys),
+        ),
+    ]
+    name = "on-policy distillation" + (" + outcome (grpo)" if outcome else "")
+    return Dataflow(name, calls, _data(reward_model)).validate()
+
+
 def sft() -> Dataflow:
     """Supervised fine-tuning: the actor trains on the data's completions; nothing is generated."""
     calls = [ModelCall("train_actor", "actor", "train_step", ("prompts", "completions"))]
@@ -374,4 +402,6 @@ def from_recipe(recipe: Recipe) -> Dataflow:
         return ppo_with_critic(alg.kl_reward_coef > 0, vtrace=alg.advantage == "vtrace", **common)
     if alg.advantage == "remax":
         return remax(**common)
+    if alg.advantage == "distill":
+        return distill(outcome=alg.distill_coef > 0, **common)
     return grpo(advantage=alg.advantage, **common)

@@ -21,6 +21,7 @@ ROLE_COLOURS = {
     "critic": "#dd8452",
     "ref": "#8c8c8c",
     "reward": "#55a868",
+    "teacher": "#8172b3",
     "driver": "#d9d9d9",
 }
 
@@ -42,6 +43,8 @@ def call_places(flow: dataflow.Dataflow, r: recipe_mod.Recipe) -> dict[str, str]
             out[c.name] = layouts[role].layout
         elif c.role in ("reward", "driver") and c.name.startswith("reward"):
             out[c.name] = "rollout workers"
+        elif c.role == "teacher":
+            out[c.name] = "rollout workers (rollout.teacher's servers)"
         else:
             out[c.name] = "every learner rank"
     return out

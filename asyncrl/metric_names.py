@@ -95,3 +95,9 @@ ROLLOUT_TOOL_CALL_RATE = "rollout/tool_call_rate"  # the worker's episodes over 
 
 READ_WHEN_TOOLS = (EVAL_TOOL_CALL_RATE, ROLLOUT_TOOL_CALL_RATE)
 """Every tools name above: a real run with tools logs each (tests/test_demo_agent.py checks)."""
+
+# -- on-policy distillation only (algorithm.advantage: distill), one record per version ----------
+DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean of log μ_t − log π_teacher,t over trained tokens
+
+READ_WHEN_DISTILL = (DISTILL_REVERSE_KL,)
+"""Every distillation name above: a real distillation run logs each."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import types
 import typing
@@ -28,7 +29,7 @@ OFFLINE_LOSSES = ("sft", "reward_model")
 """Losses trained from a local data set: no rollouts, no buffer, no weight broadcast."""
 RewardNorm = Literal["none", "running", "fixed"]
 RewardInput = Literal["ids", "text"]
-Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "vtrace", "remax"]
+Advantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "vtrace", "remax", "distill"]
 Aggregation = Literal["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 Checkpointing = Literal["none", "selective", "full"]
 PauseMode = Literal["in_place", "retract"]
@@ -136,6 +137,30 @@ class RewardModelConfig:
 
 
 @dataclass(kw_only=True)
+class TeacherConfig:
+    """The teacher of on-policy distillation (``algorithm.advantage: distill``, docs/distill.md):
+    a causal LM whose log-probabilities of the student's sampled tokens the workers ask for, on
+    ``/generate`` (SGLang, or `asyncrl engine`) with no new tokens. It must share the student's
+    tokenizer: the same token ids are scored."""
+
+    urls: list[str] = _f(
+        factory=list, doc="/generate servers of the teacher (SGLang or `asyncrl engine`)"
+    )
+    path: str = _f(
+        "",
+        doc="the teacher's HF folder (relative to the recipe) that `asyncrl run` serves on "
+        "`servers` built-in engines and gives the workers as urls; exclusive with urls",
+    )
+    servers: int = _f(1, lo=1, doc="built-in teacher servers `asyncrl run` starts on path")
+    timeout_s: float = _f(60.0, lo=0, lo_open=True, doc="one teacher request's bound")
+    batch_size: int = _f(16, lo=1, doc="sequences per teacher request")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls or self.path)
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     workers: int = _f(1, lo=0, doc="rollout worker processes started by `asyncrl run`")
     group_size: int = _f(8, lo=1, doc="samples per prompt (GRPO's n)")
@@ -154,6 +179,9 @@ class RolloutConfig:
     reward_timeout_s: float = _f(10.0, lo=0, lo_open=True)
     reward_weight: float = _f(1.0, doc="weight of rollout.reward when a reward model adds to it")
     reward_model: RewardModelConfig = _f(factory=RewardModelConfig)
+    teacher: TeacherConfig = _f(
+        factory=TeacherConfig, doc="algorithm.advantage: distill's teacher (its logprobs)"
+    )
     tools: list[str] = _f(
         factory=list,
         doc="multi_turn's tools: import paths of functions, MCP servers 'mcp:stdio:<command line>' "
@@ -313,6 +341,12 @@ class AlgorithmConfig:
         0.0,
         lo=0,
         doc="β of the per-token reward r_t − β·(log μ_t − log π_ref,t) (gae, vtrace; classic RLHF)",
+    )
+    distill_coef: float = _f(
+        0.0,
+        lo=0,
+        doc="distill: weight of the outcome reward in A_t = −(log μ_t − log π_teacher,t) + "
+        "distill_coef·A_i, A_i the sample's GRPO advantage (0: the teacher alone)",
     )
 
     @property
@@ -955,6 +989,7 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
                 file=file,
                 key=f"rollout.reward_model.urls[{i}]",
             )
+    _validate_teacher(r, file=file, check_files=check_files)
     tls = r.buffer.tls
     given = [bool(tls.cert), bool(tls.key), bool(tls.ca)]
     if any(given) and not all(given):
@@ -979,6 +1014,110 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
                 file=file,
                 key=f"buffer.{k}",
             )
+
+
+def _validate_teacher(r: Recipe, *, file: str | None, check_files: bool) -> None:
+    """``algorithm.advantage: distill`` and ``rollout.teacher`` go together (a teacher no advantage
+    reads would be served and asked for nothing); the teacher's urls or path as the reward
+    model's."""
+    alg, t = r.algorithm, r.rollout.teacher
+    distill = alg.advantage == "distill" and alg.uses_rollouts
+    if distill and not t.enabled:
+        raise RecipeError(
+            "algorithm.advantage distill needs a teacher: set rollout.teacher.path (a causal LM "
+            "folder `asyncrl run` serves) or rollout.teacher.urls (/generate servers)",
+            file=file,
+            key="rollout.teacher",
+        )
+    if t.enabled and not distill:
+        raise RecipeError(
+            f"a teacher is read by algorithm.advantage distill only, not {alg.advantage}"
+            + (f" with loss {alg.loss}" if not alg.uses_rollouts else "")
+            + ": set the advantage to distill, or leave rollout.teacher empty",
+            file=file,
+            key="rollout.teacher",
+        )
+    if alg.distill_coef and alg.advantage != "distill":
+        raise RecipeError(
+            "weighs the outcome reward inside the distill advantage: set algorithm.advantage "
+            "distill, or leave it 0",
+            file=file,
+            key="algorithm.distill_coef",
+        )
+    if distill and r.buffer.dynamic_sampling:
+        raise RecipeError(
+            "drops groups whose rewards are all equal, but the distill advantage is the teacher's, "
+            "per token, whatever the rewards: set it false",
+            file=file,
+            key="buffer.dynamic_sampling",
+        )
+    if t.path and t.urls:
+        raise RecipeError(
+            "give urls (servers you started) or path (`asyncrl run` starts servers on it), "
+            "not both",
+            file=file,
+            key="rollout.teacher.path",
+        )
+    if check_files and t.path and not (r.resolve(t.path) / "config.json").is_file():
+        raise RecipeError(
+            f"teacher folder {t.path!r} has no config.json (an HF causal LM folder, e.g. a run's "
+            "hf/latest)",
+            file=file,
+            key="rollout.teacher.path",
+        )
+    for i, u in enumerate(t.urls):
+        if not u.startswith(("http://", "https://")):
+            raise RecipeError(
+                f"expected an http(s):// URL, got {u!r}",
+                file=file,
+                key=f"rollout.teacher.urls[{i}]",
+            )
+    if check_files and t.path and r.model.path:
+        differs = tokenizer_difference(r.resolve(r.model.path), r.resolve(t.path))
+        if differs:
+            raise RecipeError(
+                f"the teacher's tokenizer is not the student's ({differs}): the teacher scores the "
+                "student's token ids, which must mean the same text to both",
+                file=file,
+                key="rollout.teacher.path",
+            )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+"""The files that define an HF tokenizer's token ids (one format or another)."""
+
+
+def tokenizer_difference(student: Path, teacher: Path) -> str:
+    """Why two HF folders' token ids may not mean the same text ("" when they do): a tokenizer
+    file one has and the other lacks or holds otherwise (tokenizer.json compared by its vocabulary
+    and added tokens, the rest byte for byte); with no such file to compare, their config.json
+    ``vocab_size``."""
+    compared = False
+    for name in TOKENIZER_FILES:
+        a, b = student / name, teacher / name
+        if not a.is_file() and not b.is_file():
+            continue
+        if a.is_file() != b.is_file():
+            return f"{name} in one folder only"
+        compared = True
+        if name == "tokenizer.json":
+            ja, jb = (json.loads(x.read_text()) for x in (a, b))
+            same = all(ja.get(k) == jb.get(k) for k in ("model", "added_tokens"))
+        else:
+            same = a.read_bytes() == b.read_bytes()
+        if not same:
+            return f"{name} differs"
+    if compared:
+        return ""
+    sizes = []
+    for folder in (student, teacher):
+        try:
+            sizes.append(json.loads((folder / "config.json").read_text()).get("vocab_size"))
+        except (OSError, ValueError):
+            sizes.append(None)
+    if sizes[0] != sizes[1]:
+        return f"vocab_size {sizes[0]} vs {sizes[1]}"
+    return ""
 
 
 def warnings(recipe: Recipe) -> list[str]:

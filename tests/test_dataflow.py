@@ -21,6 +21,8 @@ BUILT = {
     "ppo_rule_reward": df.ppo_with_critic(False, reward_model=False),
     "remax": df.remax(),
     "remax_rule_kl": df.remax(reward_model=False, kl_loss=True),
+    "distill": df.distill(),
+    "distill_outcome_kl_prox": df.distill(outcome=True, kl_loss=True, prox=True),
     "sft": df.sft(),
     "reward_modelling": df.reward_modelling(),
 }
@@ -260,5 +262,24 @@ def test_the_learner_has_a_runner_for_every_call_or_the_rollout_side_runs_it(nam
         if c.name == "train_reward":
             continue
         assert (CALL_RUNNERS.get(c.name) is None) == (
-            c.call == "generate" or c.name.startswith("reward")
+            c.call == "generate" or c.name.startswith("reward") or c.role == "teacher"
         )
+
+
+def test_distill_reads_the_teachers_logprobs_and_the_rewards_only_when_mixed_in():
+    """The teacher is a model call of its own (forward only, in the rollout workers); the
+    advantages read its logprobs and the sampler's, and the rewards only with distill_coef > 0."""
+    teacher = ("algorithm.advantage=distill", "rollout.teacher.urls=[http://127.0.0.1:9]")
+    flow = df.from_recipe(_recipe(*teacher, "buffer.dynamic_sampling=false"))
+    assert flow.name == "on-policy distillation"
+    assert {c.role for c in flow.calls} == {"actor", "driver", "teacher"}
+    call = next(c for c in flow.calls if c.name == "teacher")
+    assert call.label == "teacher.inference" and call.outputs == ("teacher_logp",)
+    adv = next(c for c in flow.calls if c.name == "advantages")
+    assert adv.inputs == ("behavior_logp", "teacher_logp")
+    assert [[c.name for c in lv] for lv in flow.order()][1] == ["reward_fn", "teacher"]
+    mixed = df.from_recipe(
+        _recipe(*teacher, "buffer.dynamic_sampling=false", "algorithm.distill_coef=0.5")
+    )
+    assert mixed.name == "on-policy distillation + outcome (grpo)"
+    assert "rewards" in next(c for c in mixed.calls if c.name == "advantages").inputs

@@ -106,3 +106,17 @@ def test_graph_says_where_each_call_runs(tmp_path, capsys):
         "train_critic": "ranks 6-7, TP 1 × DP 2, offloaded between calls",
     }
     _valid_png(tmp_path / "g.png")
+
+
+def test_graph_of_the_distillation_demo_shows_the_teacher(tmp_path, capsys):
+    """`asyncrl graph recipes/demo_distill.yaml`: the teacher's call, where it runs, its colour."""
+    path = DEMO.with_name("demo_distill.yaml")
+    assert main([str(path), "--out", str(tmp_path / "g.png")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("on-policy distillation: data provides prompts, answers")
+    assert (
+        "[1] teacher: teacher.inference prompts, responses -> teacher_logp  "
+        "@ rollout workers (rollout.teacher's servers)"
+    ) in printed
+    assert "[2] advantages: driver.compute behavior_logp, teacher_logp -> advantages" in printed
+    _valid_png(tmp_path / "g.png")

@@ -283,11 +283,7 @@ def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_
     learner and the workers, healthy, and hands their urls (not the path) to both; one killed is
     restarted by the supervisor on the same port, so the urls the workers hold stay right."""
     from asyncrl.generator_http import healthy, sync_client
-    from asyncrl.launch.reward_servers import (
-        reward_server_children,
-        start_reward_servers,
-        url_overrides,
-    )
+    from asyncrl.launch.model_servers import server_children, start_servers, url_overrides
     from asyncrl.rollout.model_reward import build_reward
 
     r = _recipe(
@@ -299,17 +295,17 @@ def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_
         "rollout.reward_model.servers=2",
     )
     run_dir = prepare_run_dir(r, overwrite=False)
-    children = reward_server_children(r, run_dir, tmp_path)
+    children = server_children(r, run_dir, tmp_path)
     assert [c.name for c in children] == ["reward_model0", "reward_model1"]
     env = {**os.environ, **launch.CHILD_ENV}
     http = sync_client(2.0)
     try:
-        urls = start_reward_servers(children, env, timeout_s=120.0)
+        urls = start_servers(children, env, timeout_s=120.0)
         assert len(set(urls)) == 2 and all(healthy(http, u) for u in urls)
         scores = [_classify(u, "dcab=abcd") for u in urls]
         assert scores[0] == pytest.approx(scores[1], abs=1e-6)  # the same model behind both
         # the learner and the worker get the urls and no path: their recipe loads, and scores
-        plan = make_plan(r, ROOT / "recipes/demo.yaml", url_overrides(urls), tmp_path)
+        plan = make_plan(r, ROOT / "recipes/demo.yaml", url_overrides(children, urls), tmp_path)
         for child in plan.children:
             given = [a for a in child.argv if a.startswith("rollout.reward_model.")]
             seen = recipe.load(
@@ -339,7 +335,7 @@ def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_
 
 def test_a_reward_model_server_that_cannot_start_is_named_with_its_log(tmp_path, tiny_qwen3):
     """A server that exits while starting stops the launch with its name and its log's tail."""
-    from asyncrl.launch.reward_servers import reward_server_children, start_reward_servers
+    from asyncrl.launch.model_servers import server_children, start_servers
 
     rm = tmp_path / "rm"
     rm.mkdir()
@@ -351,10 +347,10 @@ def test_a_reward_model_server_that_cannot_start_is_named_with_its_log(tmp_path,
         "rollout.reward=model",
         f"rollout.reward_model.path={rm}",
     )
-    children = reward_server_children(r, prepare_run_dir(r, overwrite=False), tmp_path)
+    children = server_children(r, prepare_run_dir(r, overwrite=False), tmp_path)
     env = {**os.environ, **launch.CHILD_ENV}
     with pytest.raises(launch.LaunchError, match="reward_model0 .* exited with code") as e:
-        start_reward_servers(children, env, timeout_s=120.0)
+        start_servers(children, env, timeout_s=120.0)
     assert "reward_model0.log" in str(e.value)
     assert all(c.poll() is not None for c in children)
 

@@ -92,3 +92,25 @@ def test_the_rlhf_demo_chains_its_stages_and_never_gives_the_answer_to_the_rl_re
 
 def _norm(p: Path) -> Path:
     return Path(os.path.normpath(p))
+
+
+def test_the_distillation_demo_chains_its_stages_and_trains_on_no_task_reward():
+    """`make demo-distill`: the student is demo_sft's export, the teacher demo's (served by
+    `asyncrl run`), the budget demo's (so the two runs compare), and the outcome reward has no
+    weight in the loss."""
+    d = recipe.load(ROOT / "recipes/demo_distill.yaml", check_files=False)
+    demo = recipe.load(ROOT / "recipes/demo.yaml", check_files=False)
+    sft = recipe.load(ROOT / "recipes/demo_sft.yaml", check_files=False)
+    assert d.algorithm.advantage == "distill" and d.algorithm.distill_coef == 0
+    assert _norm(d.resolve(d.model.path)) == ROOT / "runs" / sft.run.name / "hf/latest"
+    t = d.rollout.teacher
+    assert _norm(d.resolve(t.path)) == ROOT / "runs" / demo.run.name / "hf/latest" and not t.urls
+    for section, keys in {
+        "run": ("steps",),
+        "rollout": ("group_size", "max_new_tokens", "temperature"),
+        "buffer": ("groups_per_batch", "max_staleness", "max_batches_ahead"),
+        "learner": ("lr", "minibatches", "epochs"),
+        "algorithm": ("loss",),
+    }.items():
+        for k in keys:
+            assert getattr(getattr(d, section), k) == getattr(getattr(demo, section), k), k

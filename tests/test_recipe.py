@@ -196,6 +196,53 @@ def test_overrides_are_typed(tmp_path):
             "set weights.backend=auto or gloo, or generator.device=cuda",
         ),
         ("generator: {device: gpu}\n", [], "generator.device", "expected one of"),
+        # on-policy distillation: the advantage and its teacher go together
+        ("algorithm: {advantage: distill}\n", [], "rollout.teacher", "needs a teacher"),
+        (
+            "rollout: {teacher: {urls: ['http://127.0.0.1:30002']}}\n",
+            [],
+            "rollout.teacher",
+            "read by algorithm.advantage distill only, not grpo",
+        ),
+        (
+            "algorithm: {advantage: distill, loss: sft}\nrollout: {teacher: {path: .}}\n",
+            [],
+            "rollout.teacher",
+            "not distill with loss sft",
+        ),
+        (
+            "algorithm: {distill_coef: 0.5}\n",
+            [],
+            "algorithm.distill_coef",
+            "set algorithm.advantage",
+        ),
+        ("algorithm: {distill_coef: -1}\n", [], "algorithm.distill_coef", "must be >= 0"),
+        (
+            "algorithm: {advantage: distill}\nrollout: {teacher: {urls: [localhost:1]}}\n",
+            [],
+            "rollout.teacher.urls[0]",
+            "http(s)://",
+        ),
+        (
+            "algorithm: {advantage: distill}\n"
+            "rollout: {teacher: {urls: ['http://127.0.0.1:1'], path: .}}\n",
+            [],
+            "rollout.teacher.path",
+            "not both",
+        ),
+        (
+            "algorithm: {advantage: distill}\nrollout: {teacher: {path: no_such_teacher}}\n",
+            [],
+            "rollout.teacher.path",
+            "has no config.json",
+        ),
+        (
+            "algorithm: {advantage: distill}\nrollout: {teacher: {urls: ['http://127.0.0.1:1']}}\n"
+            "buffer: {dynamic_sampling: true}\n",
+            [],
+            "buffer.dynamic_sampling",
+            "the distill advantage is the teacher's",
+        ),
     ],
 )
 def test_errors_name_key_and_file(tmp_path, text, overrides, key, needle):
@@ -385,3 +432,32 @@ def test_placement_against_the_learners_world():
     p.critic.ranks = []
     with pytest.raises(RecipeError, match="placement.critic.ranks: shares ranks"):
         recipe.check_placement(p, world=2)
+
+
+def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused(tmp_path, tiny_qwen3):
+    """The teacher scores the student's token ids: its tokenizer must be the student's. The same
+    folder (or a copy) passes; another vocabulary, or a tokenizer file only one side has, is
+    refused naming rollout.teacher.path and what differs."""
+    import json
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_qwen3, teacher)
+    text = (
+        f"model: {{path: {tiny_qwen3}}}\nalgorithm: {{advantage: distill}}\n"
+        f"rollout: {{teacher: {{path: {teacher}}}}}\n"
+    )
+    path = _write(tmp_path, text)
+    assert recipe.load(path).rollout.teacher.path == str(teacher)
+    tok = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[5:7]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: the same size, other meanings
+    (teacher / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(RecipeError) as e:
+        recipe.load(path)
+    assert e.value.key == "rollout.teacher.path" and "tokenizer.json differs" in str(e.value)
+    (teacher / "tokenizer.json").unlink()
+    with pytest.raises(RecipeError, match="tokenizer.json in one folder only"):
+        recipe.load(path)
+    assert recipe.load(path, check_files=False).rollout.teacher.path == str(teacher)

@@ -491,3 +491,40 @@ def test_baseline_reward_travels_and_a_group_encoded_before_it_decodes_without_o
     assert old.baseline_reward is None and old.rewards == group.rewards
     group.baseline_reward = None
     assert_same(old, group)
+
+
+def test_teacher_logprobs_travel_when_the_samples_have_them_and_are_checked():
+    """The optional per-token array: absent from the message when no sample has it (the bytes of
+    a message from before it, decoded as empty), carried and decoded as a view when every sample
+    has one per completion token; a sample with none beside one with some, a length that is not
+    its completion's, a group of a message that has them beside one that has not, or a value that
+    is no log-probability are refused by name."""
+    group = _valid_messages(random.Random(1))[0]
+    plain = wire.encode(group)
+    assert b"teacher_logprobs" not in plain
+    assert wire.decode(plain).samples[0].teacher_logprobs.size == 0
+    for i, s in enumerate(group.samples):
+        s.teacher_logprobs = -np.arange(1, len(s.completion_ids) + 1, dtype=np.float32) / (i + 2)
+    back = wire.decode(wire.encode(group))
+    assert wire.encode(back) == wire.encode(group)  # from the columns it arrived in
+    assert_same(group, back)
+    first = next(s for s in group.samples if len(s.completion_ids) >= 2)
+    second = dataclasses.replace(first, id="x", teacher_logprobs=np.zeros(0, np.float32))
+    with pytest.raises(wire.WireError, match=r"group.samples\[1\].teacher_logprobs: 0 entries"):
+        wire.encode(dataclasses.replace(group, samples=[first, second]))
+    short = dataclasses.replace(first, teacher_logprobs=first.teacher_logprobs[:-1])
+    with pytest.raises(wire.WireError, match=r"put.groups\[0\].samples\[0\].teacher_logprobs"):
+        wire.encode(wire.Put(worker_id="w", groups=[dataclasses.replace(group, samples=[short])]))
+    other = wire.decode(plain)
+    other.id = "other"
+    with pytest.raises(wire.WireError, match="some groups' samples have teacher_logprobs"):
+        wire.encode(wire.Put(worker_id="w", groups=[back, other]))
+    tree = msgpack.unpackb(wire.encode(group), raw=False)
+    bad = np.frombuffer(tree["samples"]["teacher_logprobs"], np.float32).copy()
+    bad[0] = 0.5
+    tree["samples"]["teacher_logprobs"] = bad.tobytes()
+    with pytest.raises(wire.WireError, match=r"samples\[0\].teacher_logprobs: must be a finite"):
+        wire.decode(msgpack.packb(tree, use_bin_type=True))
+    tree["samples"]["teacher_logprobs"] = bad.tobytes()[:-4]
+    with pytest.raises(wire.WireError, match="teacher_logprobs: .* bytes, but completion_len"):
+        wire.decode(msgpack.packb(tree, use_bin_type=True))

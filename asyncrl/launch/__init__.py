@@ -1,8 +1,9 @@
 """`asyncrl run RECIPE [key=value ...]`: the whole system on one machine (docs/design.md §1).
 
 Starts the learner (alone, or under torchrun when ``learner.ranks > 1``), ``rollout.workers``
-rollout workers (each starts its built-in engines) and, with ``rollout.reward_model.path``, the
-reward model's /classify servers (``reward_servers``: healthy before the others start) as child
+rollout workers (each starts its built-in engines) and, with ``rollout.reward_model.path`` or
+``rollout.teacher.path``, the reward model's /classify servers and the distillation teacher's
+/generate servers (``model_servers``: healthy before the others start) as child
 processes, each in its own process group with one thread, waits until the learner's buffer answers,
 shows progress, and stops everything when the learner finishes, on Ctrl-C / SIGTERM, or when a child dies for good (printing its log's tail).
 A child that dies is first restarted, up to ``run.max_restarts`` times: a rollout worker with the same
@@ -16,8 +17,8 @@ the held-out evaluation, ``plots/*.png`` and ``summary.json``, to which the laun
 No orphans: a child gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and every stop signals the
 child's whole process group (torchrun's ranks, a worker's engines), then SIGKILLs what is left.
 
-The parts: ``plan`` (the run folder; which processes, with which arguments), ``reward_servers``
-(the reward model's servers and their urls), ``children``
+The parts: ``plan`` (the run folder; which processes, with which arguments), ``model_servers``
+(the reward model's and the teacher's servers and their urls), ``children``
 (supervising them: start, restart the dead, stop), ``watch`` (the progress display) and
 ``run_summary`` (summary.json at the end).
 """
@@ -36,14 +37,14 @@ from typing import Any
 from asyncrl import recipe as recipe_mod
 from asyncrl import summary as summary_mod
 from asyncrl.launch.children import CHILD_ENV, STOP_GRACE_S, USAGE_EXIT, child_env, supervise
-from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
-from asyncrl.launch.reward_servers import (
+from asyncrl.launch.model_servers import (
     check_reward_model,
     reward_model_summary,
-    reward_server_children,
-    start_reward_servers,
+    server_children,
+    start_servers,
     url_overrides,
 )
+from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
 from asyncrl.launch.run_summary import write_run_summary
 from asyncrl.launch.watch import RunWatch
 
@@ -70,14 +71,14 @@ def run(
     sock_dir = Path(tempfile.mkdtemp(prefix="asyncrl-"))  # short path: ipc socket names are <108 B
     env = child_env(r)
     try:
-        # the reward model's servers first: healthy before anything scores with them
-        reward_servers = reward_server_children(r, run_dir, sock_dir)
-        urls = start_reward_servers(reward_servers, env, timeout_s=r.generator.startup_timeout_s)
+        # the reward model's and the teacher's servers first: healthy before anything asks them
+        model_servers = server_children(r, run_dir, sock_dir)
+        urls = start_servers(model_servers, env, timeout_s=r.generator.startup_timeout_s)
     except BaseException:
         shutil.rmtree(sock_dir, ignore_errors=True)
         raise
-    plan = make_plan(r, recipe_path, [*overrides, *url_overrides(urls)], sock_dir)
-    plan.children.extend(reward_servers)  # after the learner: children[0] ends the run
+    plan = make_plan(r, recipe_path, [*overrides, *url_overrides(model_servers, urls)], sock_dir)
+    plan.children.extend(model_servers)  # after the learner: children[0] ends the run
     enabled = r.logging.progress if progress is None else progress
     watch = RunWatch(r, plan.buffer_address, run_dir, t0=t0, enabled=enabled)
     try:
@@ -108,7 +109,9 @@ def run(
         status=watch.status,
         children=plan.children,
     )
-    if reward_servers:  # the learner saw only urls: the model, its accuracy and plot, here
+    if (
+        r.rollout.reward_model.path and model_servers
+    ):  # the learner saw only urls: the model, its accuracy and plot, here
         summary["reward_model"] = rm = reward_model_summary(r, run_dir)
         if rm.get("plot"):
             summary.setdefault("plots", []).append(rm["plot"])

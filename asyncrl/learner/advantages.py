@@ -25,6 +25,11 @@ greedy-completion reward, which the rollout worker scores alongside the group
 (``wire.Group.baseline_reward``). Its advantages are r_i − b_g, so an all-equal group still has a
 signal when the greedy completion scored differently, and a group of one has a baseline.
 
+On-policy distillation (:func:`distill`, ``algorithm.advantage: distill``) is per token with no
+critic: each sampled token's advantage is the negative reverse-KL sample log π_teacher − log μ
+(the Thinking Machines write-up and the tinker-cookbook's ``incorporate_kl_penalty``), plus, when
+the outcome reward is mixed in, the sample's group advantage.
+
 Per-turn samples (``rollout.turn_samples``, :mod:`asyncrl.rollout.turns`): a group's members are its
 episodes, not its samples. :func:`compute_advantages` runs the estimator over one reward per
 episode, its undiscounted R (its last turn's reward; the earlier turns' rewards, discounted by the
@@ -366,6 +371,33 @@ def vtrace(
         next_vs = torch.where(mt, vs_t, next_vs)
         next_v = torch.where(mt, v[:, t], next_v)
     return TokenAdvantages(adv.to(values.dtype), vs.to(values.dtype))
+
+
+def distill(
+    log_mu: Tensor,
+    log_teacher: Tensor,
+    mask: Tensor,
+    *,
+    outcome: Tensor | float = 0.0,
+    coef: float = 0.0,
+) -> Tensor:
+    """On-policy distillation (Agarwal et al. 2024; Thinking Machines' "On-Policy Distillation"):
+    per token A_t = −(log μ_t − log π_teacher,t) + coef·outcome, 0 where the mask is 0.
+
+    log μ_t − log π_teacher,t is the one-sample estimate of the reverse KL(μ ‖ π_teacher) at
+    token t (its expectation under μ, which sampled it), so a policy gradient with A_t lowers the
+    reverse KL, per token and with no discount: the tinker-cookbook's on-policy distillation
+    (``kl_penalty_coef`` 1, ``kl_discount_factor`` 0). μ, not the learner's π_prox: it is the
+    policy that sampled the tokens, the one whose KL the estimate is unbiased for; the loss's
+    importance weight π_θ/μ then corrects for μ's staleness as it does for any advantage
+    (docs/off-policy.md). ``outcome`` is the sample's outcome advantage (a GRPO advantage:
+    broadcastable to ``mask``, e.g. ``[B, 1]``), weighted by ``coef`` (``algorithm.distill_coef``;
+    0: the teacher alone). No whitening: the KL's scale is the signal. ``[B, T]`` tensors as
+    :func:`gae`'s (mask-0 inputs may be NaN); float64 inside, returned in ``log_mu``'s dtype."""
+    m, x = _rows(mask, log_mu=log_mu, log_teacher=log_teacher)
+    out = torch.as_tensor(outcome, dtype=torch.float64)
+    a = x["log_teacher"] - x["log_mu"] + coef * out
+    return torch.where(m, a, 0.0).to(log_mu.dtype)
 
 
 def remax(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:

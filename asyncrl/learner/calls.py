@@ -5,6 +5,7 @@ exchange that brings another role's outputs to every rank before a call that nee
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,13 +15,14 @@ import torch.distributed as dist
 
 from asyncrl import metric_names as names
 from asyncrl.learner import passes
-from asyncrl.learner.advantages import compute_advantages
+from asyncrl.learner.advantages import compute_advantages, distill
 from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import assign_targets
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import Sequence, split_minibatches
 from asyncrl.learner.passes import StepTotals
 from asyncrl.learner.source import Batch
+from asyncrl.recipe import AlgorithmConfig
 from asyncrl.rollout.turns import turn_of
 
 
@@ -79,6 +81,42 @@ def group_advantages(config: TrainerConfig, batch: Batch, seqs: list[Sequence]) 
         return {}
     # groups whose greedy episode failed: their baseline is their own mean reward
     return {names.REMAX_MEAN_BASELINES: float(baselines.count(None))}
+
+
+def distill_advantages(
+    config: TrainerConfig, batch: Batch, seqs: list[Sequence]
+) -> dict[str, float]:
+    """``algorithm.advantage: distill``: each sequence's per-token advantage from its teacher and
+    behaviour logprobs (:func:`asyncrl.learner.advantages.distill`), plus ``distill_coef`` times
+    its GRPO advantage when the outcome reward is mixed in. Returns the batch's reverse KL: the
+    mean of log μ − log π_teacher over its trained tokens."""
+    alg = config.algorithm
+    if alg.distill_coef > 0:
+        group_advantages(dataclasses.replace(config, algorithm=_grpo(alg)), batch, seqs)
+    kl_sum, tokens = 0.0, 0
+    for s in seqs:
+        m = s.mask > 0
+        if s.teacher_logp is None:
+            if m.any():  # learner/step.py refuses such a sample before: a bug if it comes here
+                raise ValueError(f"sequence {s.index} has trained tokens and no teacher logprobs")
+            s.token_advantages = np.zeros(len(s), np.float32)
+            continue
+        a = distill(
+            torch.from_numpy(s.behavior_logp)[None],
+            torch.from_numpy(s.teacher_logp)[None],
+            torch.from_numpy(m)[None],
+            outcome=s.advantage,
+            coef=alg.distill_coef,
+        )
+        s.token_advantages = a[0].numpy().astype(np.float32)
+        kl_sum += float((s.behavior_logp[m].astype(np.float64) - s.teacher_logp[m]).sum())
+        tokens += int(m.sum())
+    return {names.DISTILL_REVERSE_KL: kl_sum / tokens} if tokens else {}
+
+
+def _grpo(alg: AlgorithmConfig) -> AlgorithmConfig:
+    """The algorithm with GRPO's group advantage: the outcome part of a mixed distillation."""
+    return dataclasses.replace(alg, advantage="grpo")
 
 
 def exchange(models: Models, run: Step, keys: tuple[str, ...]) -> None:
@@ -140,8 +178,9 @@ def call_values(models: Models, run: Step) -> None:
 
 
 def call_advantages(models: Models, run: Step) -> None:
-    """``advantages``: per token from the critic's values (whitened over the batch), or per
-    sample from the group rewards of the whole batch (each rank computes them all alike).
+    """``advantages``: per token from the critic's values (whitened over the batch), per token
+    from the teacher's logprobs (distill), or per sample from the group rewards of the whole batch
+    (each rank computes the last two for all sequences alike).
     Roles on every rank: each rank its share, the whitening's sums reduced over them; roles on
     their own ranks: every rank all sequences (their values exchanged), no collective."""
     alg, colocated = models.config.algorithm, models.colocated
@@ -149,6 +188,8 @@ def call_advantages(models: Models, run: Step) -> None:
         seqs = run.mine if colocated else run.seqs
         group = models.meshes["actor"].dp_group if colocated else None
         run.info |= assign_targets(seqs, alg, reduce=colocated, group=group)
+    elif alg.advantage == "distill":
+        run.info |= distill_advantages(models.config, run.batch, run.seqs)
     else:
         run.info |= group_advantages(models.config, run.batch, run.seqs)
 
@@ -194,6 +235,7 @@ CALL_RUNNERS: dict[str, CallRunner | None] = {
     "reward_fn_greedy": None,
     "reward": None,
     "reward_greedy": None,
+    "teacher": None,
     "prox": call_prox,
     "ref": call_ref,
     "values": call_values,

@@ -39,6 +39,7 @@ class Sequence:
     token_advantages: np.ndarray | None = None  # A_t, replaces ``advantage``
     returns: np.ndarray | None = None  # R_t, the value targets
     ref_logp: np.ndarray | None = None  # log π_ref: a KL loss or reward (the ``ref`` call)
+    teacher_logp: np.ndarray | None = None  # float32 [n], log π_teacher (distill), from the worker
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -55,8 +56,10 @@ def make_sequence(
     advantage: float = 0.0,
     reward: float = 0.0,
     max_len: int = 0,
+    teacher_logprobs: np.ndarray | None = None,
 ) -> Sequence:
     """Lay one sample out for packing; ``max_len`` > 0 cuts the completion so the row fits the model.
+    ``teacher_logprobs`` (one per completion token; None or empty: none) become ``teacher_logp``.
 
     A completion token with no prompt before it (empty prompt) cannot be predicted and is not trained.
     """
@@ -73,6 +76,8 @@ def make_sequence(
         ),
         "versions": (np.zeros(c, np.int64) if versions is None else versions, np.int64),
     }
+    if teacher_logprobs is not None and len(teacher_logprobs):
+        per_token["teacher_logp"] = (teacher_logprobs, np.float32)
     out = {}
     start = p - 1  # row position predicting completion token 0
     for name, (arr, dtype) in per_token.items():

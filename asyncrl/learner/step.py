@@ -60,6 +60,7 @@ def sequences(
     reward and length means); refuses a token outside the staleness bound at ``version``."""
     c = models.config
     is_sft = c.loss == "sft"
+    distill = c.algorithm.advantage == "distill" and not is_sft
     groups = [g for g in batch.groups if g.samples]
     rewards = [g.rewards for g in groups]
     seqs, i = [], 0
@@ -80,6 +81,12 @@ def sequences(
                         f" at version {version}, outside [0, buffer.max_staleness={eta}]"
                     )
                 staleness.append(k)
+                if distill and len(s.teacher_logprobs) != len(s.completion_ids):
+                    raise LearnerError(
+                        f"sample {s.id!r} has {len(s.teacher_logprobs)} teacher logprobs for "
+                        f"{len(s.completion_ids)} tokens: algorithm.advantage distill trains on "
+                        "the teacher's (a worker without rollout.teacher made it?)"
+                    )
             if len(s.prompt_ids) + len(s.completion_ids) - 1 > models.max_seq_len:
                 info["learner/truncated_samples"] += 1
             seqs.append(
@@ -92,6 +99,7 @@ def sequences(
                     versions=s.versions,
                     reward=float(rewards[gi][si]),
                     max_len=models.max_seq_len,
+                    teacher_logprobs=s.teacher_logprobs,
                 )
             )
             i += 1

@@ -16,7 +16,12 @@ would enter the group's baseline and the critic's targets as if it were one. So 
 (counted in ``reward_failures``, logged at most once a minute): the group is sent with the others,
 whose advantages are then computed over them alone. A group left with fewer than
 :func:`min_scored` episodes (2, or 1 with a greedy baseline) has nothing to compare them with and
-is dropped (:class:`RewardsFailed`; the worker counts and logs it, and counts its prompt as used)."""
+is dropped (:class:`RewardsFailed`; the worker counts and logs it, and counts its prompt as used).
+
+With a teacher (``rollout.teacher``, :mod:`asyncrl.rollout.teacher`) each scored episode also gets
+the teacher's logprobs of its completion tokens (``Sample.teacher_logprobs``), asked beside its
+reward. An episode whose teacher logprobs could not be had is a failure of its scoring, left out of
+its group as a failed reward is (its failure says ``teacher: ...``)."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
+from asyncrl.rollout.teacher import TeacherLogprobs
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.turns import split_turns
@@ -96,8 +102,10 @@ class GroupMaker:
         max_turns: int,
         stats: WorkerStats,
         tool_set: ToolSet | None = None,
+        teacher: TeacherLogprobs | None = None,
     ) -> None:
         self.cfg = config
+        self.teacher = teacher
         self.pool = pool
         self.source = source
         self.tokenizer = tokenizer
@@ -249,7 +257,22 @@ class GroupMaker:
                 c["tool_calls"] += 1
                 c["tool_errors"] += not call.get("ok", True)
                 c["tool_timeouts"] += bool(call.get("timed_out", False))
-        r = await self.reward.score_episode(ctx, ep)
+        prompt_ids = prompt.ids if ep.prompt_ids is None else ep.prompt_ids
+        teacher_lp, teacher_failure = np.zeros(0, np.float32), ""
+
+        async def ask_teacher() -> None:
+            nonlocal teacher_lp, teacher_failure
+            assert self.teacher is not None
+            teacher_lp, teacher_failure = await self.teacher.logprobs(
+                list(prompt_ids), list(ep.completion_ids)
+            )
+
+        async with trio.open_nursery() as nursery:
+            if self.teacher is not None:
+                nursery.start_soon(ask_teacher)
+            r = await self.reward.score_episode(ctx, ep)
+        if teacher_failure and not r.failure:
+            r = dataclasses.replace(r, failure=teacher_failure)
         self.stats.lengths.append(len(ep.completion_ids))
         if r.failure:  # no reward: the sample leaves its group (module docstring)
             c["reward_failures"] += 1
@@ -263,7 +286,6 @@ class GroupMaker:
             return
         self.stats.rewards.append(r.value)
         meta = dict(ep.metadata)
-        prompt_ids = prompt.ids if ep.prompt_ids is None else ep.prompt_ids
         sample = wire.Sample(
             id=f"{group_id}/{i}",
             group_id=group_id,
@@ -275,5 +297,6 @@ class GroupMaker:
             reward=r.value,
             finish_reason=ep.finish_reason,
             metadata=meta,
+            teacher_logprobs=teacher_lp,
         )
         out[i] = split_turns(sample, self.cfg.turn_discount) if self.cfg.turn_samples else [sample]

@@ -48,6 +48,7 @@ from asyncrl.rollout.data import PromptDataError, PromptSource
 from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.sglang_protocol import SamplingParams
+from asyncrl.rollout.teacher import build_teacher
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.worker import GeneratorUnreachable, RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig
@@ -256,6 +257,7 @@ async def run_worker(
     ro = r.rollout
     tls = TLS.from_config(r.buffer)
     reward = build_reward(r)
+    teacher = build_teacher(r)
     workflow = load_workflow(ro.workflow)
     tools = ToolSet.from_specs(ro.tools, timeout_s=ro.tool_timeout_s)
     cfg = WorkerConfig.from_recipe(
@@ -284,6 +286,7 @@ async def run_worker(
                 subscriber=sub,
                 generators=[wire.GeneratorInfo(url=u, kind=kind) for u in urls],
                 metrics=metrics,
+                teacher=teacher,
             )
             if resume_data_state:
                 await load_data_state(buffer, source, worker_id, r.run.timeout_s)
@@ -470,6 +473,7 @@ def main(argv: list[str]) -> int:
                 raise UsageError(f"--data-state {a.data_state}: {e}") from None
         load_workflow(r.rollout.workflow)  # report plug-in mistakes before starting engines
         build_reward(r)
+        build_teacher(r)
         ToolSet.from_specs(r.rollout.tools)
         if r.generator.kind == "builtin":  # they load while the tokenizer and W&B start here
             engines = spawn_engines(r, r.run_dir, worker_id, engine_weights(r, learner_version(r)))

@@ -1,12 +1,12 @@
 """A learned reward model as a reward: completions scored by ``/classify`` servers (SGLang, or the
 built-in engine on a sequence-classification folder), in batches, added to the rule reward.
 
-``rollout.reward_model`` (docs/reward-models.md) names the servers. Samples that finish within
-:data:`LINGER_S` of each other travel in one request of up to ``batch_size`` completions (as
-``input_ids``: prompt + completion, the same tokens the policy produced; or as text for a reward
-model with another tokenizer). A request is bounded by ``timeout_s``; one that a server cannot take
-(connection, HTTP error, an answer without a finite score) goes to the next server. A batch that no
-server scored within the bound fails each of its samples as any reward does
+``rollout.reward_model`` (docs/reward-models.md) names the servers. Samples travel in batches of up
+to ``batch_size`` completions (:mod:`asyncrl.rollout.server_batches`: as ``input_ids``, prompt +
+completion, the same tokens the policy produced; or as text for a reward model with another
+tokenizer). A request is bounded by ``timeout_s``; one that a server cannot take (connection, HTTP
+error, an answer without a finite score) goes to the next server. A batch that no server scored
+within the bound fails each of its samples as any reward does
 (:mod:`asyncrl.rollout.rewards`): a recorded ``failure``, and a rollout leaves the sample out of its
 group (:mod:`asyncrl.rollout.groups`).
 
@@ -17,22 +17,16 @@ std`` over the scores this worker has seen (before the first batch: unnormalised
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import trio
 
-from asyncrl.generator_http import GeneratorError, acall, async_client
 from asyncrl.recipe import Recipe, RecipeError, RewardModelConfig
 from asyncrl.rollout.rewards import RewardResult, RewardRunner, ScoresEpisodes, load_reward
-
-LINGER_S = 0.01
-"""How long the first sample of a batch waits for others (unless the batch fills first)."""
-
+from asyncrl.rollout.server_batches import BatchedServers
 
 # --------------------------------------------------------------------------------------------------
 # Normalisation (pure)
@@ -94,104 +88,28 @@ def parse_scores(body: Any, n: int) -> list[float]:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
-class _Item:
-    payload: Any  # token ids or text
-    done: trio.Event = field(default_factory=trio.Event)
-    score: float = 0.0
-    failure: str = ""
-
-
-@dataclass(eq=False)
-class _Batch:
-    items: list[_Item] = field(default_factory=list)
-    full: trio.Event = field(default_factory=trio.Event)
-
-
-class ModelReward:
+class ModelReward(BatchedServers[float]):
     """Scores completions on the ``/classify`` servers of ``rollout.reward_model``."""
 
     def __init__(self, cfg: RewardModelConfig) -> None:
+        super().__init__(cfg.urls, timeout_s=cfg.timeout_s, batch_size=cfg.batch_size)
         self.cfg = cfg
         self.norm = ScoreNorm(cfg.normalize, cfg.shift, cfg.scale)
-        self.stats = {"calls": 0, "failures": 0, "timeouts": 0, "requests": 0}
-        self._turn = itertools.count()  # which server a batch tries first, in turn
-        self._http: httpx.AsyncClient | None = None
-        self._loop: trio.lowlevel.TrioToken | None = None
-        self._open: _Batch | None = None  # the batch new samples join
 
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """A client of the running event loop: its connections cannot outlive it, and the held-out
-        evaluation runs one loop per evaluation (the worker one for its life)."""
-        token = trio.lowlevel.current_trio_token()
-        if self._http is None or self._loop is not token:
-            self._http = async_client(self.cfg.timeout_s)
-            self._loop = token
-        return self._http
+    def request(self, payloads: list) -> tuple[str, dict]:
+        return "/classify", {"input_ids" if self.cfg.input == "ids" else "text": payloads}
+
+    def parse(self, answer, payloads: list) -> list[float]:
+        return parse_scores(answer, len(payloads))
+
+    def accept(self, results: list[float]) -> list[float]:
+        self.norm.update(results)
+        return [self.norm(s) for s in results]
 
     async def score(self, payload: list[int] | str) -> tuple[float, str]:
-        """(normalised score, failure); never raises but for cancellation.
-
-        The first sample of a batch leads it: it waits :data:`LINGER_S` (or until the batch is full)
-        and sends it, shielded so that the others' scores arrive even if the leader is cancelled."""
-        self.stats["calls"] += 1
-        item = _Item(payload)
-        batch = self._open
-        lead = batch is None
-        if batch is None:
-            batch = self._open = _Batch()
-        batch.items.append(item)
-        if len(batch.items) >= self.cfg.batch_size:  # full: the next sample starts another
-            batch.full.set()
-            self._open = None
-        if lead:
-            with trio.move_on_after(LINGER_S):
-                await batch.full.wait()
-            if self._open is batch:
-                self._open = None
-            with trio.CancelScope(shield=True):
-                await self._send(batch.items)
-        await item.done.wait()
-        if item.failure:
-            self.stats["failures"] += 1
-        return item.score, item.failure
-
-    async def _send(self, batch: list[_Item]) -> None:
-        """Score ``batch`` within ``timeout_s``: a server that cannot be reached or answers an error
-        passes the batch to the next one (each server once); the last failure fails the batch."""
-        key = "input_ids" if self.cfg.input == "ids" else "text"
-        body = {key: [it.payload for it in batch]}
-        self.stats["requests"] += 1
-        failure = ""
-        scores: list[float] = []
-        with trio.move_on_after(self.cfg.timeout_s) as scope:
-            urls = self.cfg.urls
-            first = next(self._turn) % len(urls)
-            for url in urls[first:] + urls[:first]:
-                try:
-                    answer = await acall(self.http, url, "POST", "/classify", body)
-                    scores = parse_scores(answer, len(batch))
-                    failure = ""
-                    break
-                except GeneratorError as e:
-                    if e.timed_out:  # the bound is spent: no time for another server
-                        scope.cancel()
-                    failure = str(e)[:500]
-                except ValueError as e:
-                    failure = f"{url}/classify: {e}"[:500]
-        if scope.cancelled_caught:
-            self.stats["timeouts"] += 1
-            failure = f"/classify timed out after {self.cfg.timeout_s:g}s"
-        if failure:
-            for it in batch:
-                it.failure = failure
-        else:
-            self.norm.update(scores)
-            for it, s in zip(batch, scores, strict=True):
-                it.score = self.norm(s)
-        for it in batch:
-            it.done.set()
+        """(normalised score, failure); never raises but for cancellation."""
+        value, failure = await self.call(payload)
+        return (0.0 if value is None else value), failure
 
 
 # --------------------------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ def split_turns(sample: wire.Sample, discount: float = 1.0) -> list[wire.Sample]
                 behavior_logprobs=sample.behavior_logprobs[a:b],
                 versions=sample.versions[a:b],
                 loss_mask=sample.loss_mask[a:b],
+                teacher_logprobs=sample.teacher_logprobs[a:b]
+                if sample.teacher_logprobs.size
+                else sample.teacher_logprobs,
                 reward=sample.reward * discount ** (turns - 1 - t),
                 finish_reason=sample.finish_reason,  # the trajectory's, as its reward (docstring)
                 metadata={

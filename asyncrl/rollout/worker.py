@@ -59,6 +59,7 @@ from asyncrl.rollout.leases import LeaseBook, Start
 from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
+from asyncrl.rollout.teacher import TeacherLogprobs
 from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.worker_config import WorkerConfig
@@ -113,6 +114,7 @@ class RolloutWorker:
         subscriber: Subscriber | None = None,
         generators: list[wire.GeneratorInfo] | None = None,
         metrics: Any = None,  # asyncrl.metrics.MetricsSink
+        teacher: TeacherLogprobs | None = None,
     ) -> None:
         self.cfg = config
         self.buffer = buffer
@@ -145,6 +147,7 @@ class RolloutWorker:
             tool_set=tools if isinstance(tools, ToolSet) else None,
             max_turns=max_turns,
             stats=self.stats,
+            teacher=teacher,
         )
         self.sender = Sender(
             buffer=buffer,

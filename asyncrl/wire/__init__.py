@@ -11,7 +11,7 @@ Callers use this package's names (``wire.Put``, ``wire.encode``...).
 """
 
 from asyncrl.wire.codec import decode, encode
-from asyncrl.wire.columns import TOKEN_ARRAYS, SampleList, group_tokens
+from asyncrl.wire.columns import OPTIONAL_ARRAYS, TOKEN_ARRAYS, SampleList, group_tokens
 from asyncrl.wire.messages import (
     FINISH_REASONS,
     MAX_ITEMS,
@@ -47,6 +47,7 @@ __all__ = [
     "MAX_TOKENS",
     "MESSAGES",
     "SCHEMA_VERSION",
+    "OPTIONAL_ARRAYS",
     "TOKEN_ARRAYS",
     "Ack",
     "Acquire",

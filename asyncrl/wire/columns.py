@@ -4,13 +4,16 @@ The codec's Python work is per message, not per sample: a message's ``groups`` h
 own fields and its sample count ``n``; ``samples`` holds the per-sample columns (ids, finish reasons
 and metadata as lists; rewards and prompt/completion lengths as raw little-endian ``bin``); and
 ``tokens`` is every sample's per-token arrays (:data:`TOKEN_ARRAYS`), array by array, each in sample
-order. A decoded group's arrays are views into the received message, and its :class:`Sample`
+order. An optional per-token array (:data:`OPTIONAL_ARRAYS`, e.g. a teacher's logprobs) travels in
+``samples`` under its name, all samples' entries joined, when the message's samples have it: all
+of them or none (an entry a message has no key for is absent: messages from before it decode). A decoded group's arrays are views into the received message, and its :class:`Sample`
 objects are built only when someone looks at them (:class:`SampleList`).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import itertools
 import math
@@ -44,9 +47,12 @@ def _token_arrays() -> dict[str, TokenArray]:
     return out
 
 
-_MARKED = _token_arrays()
+_ALL_MARKED = _token_arrays()
+_MARKED = {k: t for k, t in _ALL_MARKED.items() if not t.optional}
 TOKEN_ARRAYS: dict[str, np.dtype] = {k: t.dtype for k, t in _MARKED.items()}
 """A sample's per-token arrays and their dtypes, in the order they sit in ``tokens``."""
+OPTIONAL_ARRAYS: dict[str, np.dtype] = {k: t.dtype for k, t in _ALL_MARKED.items() if t.optional}
+"""A sample's optional per-token arrays (over its completion) and their dtypes."""
 _OVER_PROMPT = frozenset(k for k, t in _MARKED.items() if t.over == "prompt")
 _PER_TOKEN = tuple(  # the arrays that must have one entry per completion token
     k for k, t in _MARKED.items() if t.over == "completion" and k != "completion_ids"
@@ -89,6 +95,7 @@ class SampleList(Sequence):
                     reward=c.rewards[i],
                     finish_reason=c.finish[i],
                     metadata=c.metadata[i],
+                    **{k: v[q[i] : q[i + 1]] for k, v in c.optional.items()},
                 )
                 for i in range(self._lo, self._hi)
             ]
@@ -149,6 +156,7 @@ class _Columns:
     prompt_lens: list[int]
     completion_lens: list[int]
     arrays: dict[str, Any]  # name -> one array (decoded), or a list of pieces to join (encoding)
+    optional: dict[str, Any] = dataclasses.field(default_factory=dict)  # those present, as arrays
 
     @functools.cached_property
     def prompt_ends(self) -> list[int]:  # n + 1 offsets into prompt_ids
@@ -178,6 +186,7 @@ def _decoded_columns(ss: SampleList) -> _Columns:
         prompt_lens=c.prompt_lens[lo:hi],
         completion_lens=c.completion_lens[lo:hi],
         arrays={k: [v[p0:p1] if k in _OVER_PROMPT else v[q0:q1]] for k, v in c.arrays.items()},
+        optional={k: [v[q0:q1]] for k, v in c.optional.items()},
     )
 
 
@@ -217,14 +226,46 @@ def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
         prompt_lens=sizes["prompt_ids"],
         completion_lens=done,
         arrays=arrays,
+        optional=_optional_columns(ss, done, at),
     )
 
 
-def _concat(cols: list[_Columns]) -> _Columns:
+def _optional_columns(
+    ss: list[Sample], done: list[int], at: Callable[[int], str]
+) -> dict[str, list[np.ndarray]]:
+    """The optional arrays the samples have (all of them: one entry per completion token), as
+    pieces to join; WireError naming a sample that has one while another has none, or whose
+    length is not its completion's."""
+    out = {}
+    for k, dt in OPTIONAL_ARRAYS.items():
+        parts = []
+        for i, s in enumerate(ss):
+            try:
+                parts.append(np.asarray(getattr(s, k), dtype=dt).reshape(-1))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise WireError(f"{at(i)}.{k}: not convertible to {dt.name}: {e}") from None
+        have = [p.size > 0 for p in parts]
+        if not any(have):
+            continue
+        for i, (p, n) in enumerate(zip(parts, done, strict=True)):
+            if p.size != n and (n or have[i]):
+                raise WireError(
+                    f"{at(i)}.{k}: {p.size} entries, but completion_ids has {n} (one per token, "
+                    "on every sample of the message when one has them)"
+                )
+        out[k] = parts
+    return out
+
+
+def _concat(cols: list[_Columns], kind: str) -> _Columns:
     """One set of columns from several (a message mixing built and decoded groups); most
     messages have one, which is returned as it is."""
     if len(cols) == 1:
         return cols[0]
+    for k in OPTIONAL_ARRAYS:
+        have = [k in c.optional or not sum(c.completion_lens) for c in cols]
+        if any(k in c.optional for c in cols) and not all(have):
+            raise WireError(f"{kind}: some groups' samples have {k} and others' do not")
     return _Columns(
         ids=[x for c in cols for x in c.ids],
         rewards=[x for c in cols for x in c.rewards],
@@ -233,6 +274,11 @@ def _concat(cols: list[_Columns]) -> _Columns:
         prompt_lens=[x for c in cols for x in c.prompt_lens],
         completion_lens=[x for c in cols for x in c.completion_lens],
         arrays={k: [p for c in cols for p in c.arrays[k]] for k in TOKEN_ARRAYS},
+        optional={
+            k: [p for c in cols for p in c.optional.get(k, [np.zeros(0, OPTIONAL_ARRAYS[k])])]
+            for k in OPTIONAL_ARRAYS
+            if any(k in c.optional for c in cols)
+        },
     )
 
 
@@ -284,7 +330,7 @@ def to_columns(kind: str, groups: Sequence[Group]) -> Encoded:
             run.extend(ss)
         heads.append(dict(zip(_GROUP_OWN.names, _HEAD(g), strict=True), n=len(ss)))
     flush()
-    c = _concat(cols)
+    c = _concat(cols, kind)
     return Encoded(
         heads=heads,
         samples={
@@ -294,6 +340,10 @@ def to_columns(kind: str, groups: Sequence[Group]) -> Encoded:
             "metadata": c.metadata,
             "prompt_len": np.array(c.prompt_lens, dtype=_I32).tobytes(),
             "completion_len": np.array(c.completion_lens, dtype=_I32).tobytes(),
+            **{
+                k: np.concatenate(parts).astype(OPTIONAL_ARRAYS[k], copy=False).tobytes()
+                for k, parts in c.optional.items()
+            },
         },
         tokens=list(itertools.chain.from_iterable(c.arrays[k] for k in TOKEN_ARRAYS)),
         tokens_bytes=_PROMPT_ITEM_BYTES * sum(c.prompt_lens)
@@ -391,6 +441,16 @@ def from_columns(d: dict, tokens: Any, where: str) -> list[Group]:
         arrays[k] = np.frombuffer(tokens, dtype=dt, count=count, offset=pos)
         pos += count * dt.itemsize
     lp, ver, mask = arrays["behavior_logprobs"], arrays["versions"], arrays["loss_mask"]
+    optional = {}
+    for k, dt in OPTIONAL_ARRAYS.items():
+        if k not in cols:
+            continue
+        raw = validate.required(cols, k, bytes, w)
+        if len(raw) != total * dt.itemsize:
+            raise WireError(
+                f"{w}.{k}: {len(raw)} bytes, but completion_len calls for {total} {dt.name}"
+            )
+        optional[k] = np.frombuffer(raw, dtype=dt)
     c = _Columns(
         ids=ids,
         rewards=rewards,
@@ -399,7 +459,13 @@ def from_columns(d: dict, tokens: Any, where: str) -> list[Group]:
         prompt_lens=lens["prompt_len"],
         completion_lens=lens["completion_len"],
         arrays=arrays,
+        optional=optional,
     )
+    for k, arr in optional.items():  # log-probabilities, as the behaviour's
+        bad = ~np.isfinite(arr) | (arr > 1e-3)
+        if bad.any():
+            i = int(np.searchsorted(c.completion_ends[1:], int(np.argmax(bad)), side="right"))
+            raise WireError(f"{at(i)}.{k}: must be a finite log-probability (<= 0)")
     if total and not _values_ok(lp, ver, mask):  # reductions only; on failure, name the sample
         for bad, k, why in (
             (~np.isfinite(lp), "behavior_logprobs", "must be finite"),

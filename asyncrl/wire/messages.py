@@ -39,11 +39,13 @@ class Bounds:
 
 @dataclass(frozen=True)
 class TokenArray:
-    """Marks a :class:`Sample` field as a per-token array: its little-endian dtype on the wire, and
-    whether it runs over the prompt's tokens or the completion's."""
+    """Marks a :class:`Sample` field as a per-token array: its little-endian dtype on the wire,
+    whether it runs over the prompt's tokens or the completion's, and whether it may be absent
+    (``optional``: empty, or one entry per token; a message's samples have it all or none)."""
 
     dtype: np.dtype
     over: Literal["prompt", "completion"]
+    optional: bool = False
 
 
 Count = Annotated[int, Bounds(0, MAX_ITEMS)]
@@ -54,11 +56,17 @@ FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 _PromptIds = Annotated[np.ndarray, TokenArray(np.dtype("<i4"), "prompt")]
 _PerTokenInt32 = Annotated[np.ndarray, TokenArray(np.dtype("<i4"), "completion")]
 _PerTokenFloat32 = Annotated[np.ndarray, TokenArray(np.dtype("<f4"), "completion")]
+_OptionalFloat32 = Annotated[np.ndarray, TokenArray(np.dtype("<f4"), "completion", optional=True)]
+
+
+def _no_tokens() -> np.ndarray:
+    return np.zeros(0, np.float32)
 
 
 @dataclass(kw_only=True)
 class Sample:
-    """One completion of one prompt. Per-token arrays all have ``len(completion_ids)`` entries."""
+    """One completion of one prompt. Per-token arrays all have ``len(completion_ids)`` entries
+    (an optional one none, when it was not asked for)."""
 
     id: str
     group_id: str
@@ -70,6 +78,9 @@ class Sample:
     reward: float = 0.0
     finish_reason: FinishReason = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
+    # on-policy distillation: the teacher's log-probability of each completion token given the
+    # prompt and the tokens before it (rollout.teacher; empty without one)
+    teacher_logprobs: _OptionalFloat32 = field(default_factory=_no_tokens)
 
     @property
     def behavior_version(self) -> int:

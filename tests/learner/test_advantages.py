@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from asyncrl.learner.advantages import (
     ESTIMATORS,
     compute_advantages,
+    distill,
     gae,
     kl_shaped_rewards,
     last_token_rewards,
@@ -135,8 +136,9 @@ def test_reinforce_pp_is_batch_whitened(groups):
 
 
 def test_every_recipe_advantage_is_a_group_estimator_or_a_token_level_one():
-    assert set(ESTIMATORS) | set(TOKEN_ADVANTAGES) == set(typing.get_args(Advantage))
-    assert not set(ESTIMATORS) & set(TOKEN_ADVANTAGES)
+    # distill is per token with no critic: the teacher's logprobs (test_distill_* below)
+    assert set(ESTIMATORS) | set(TOKEN_ADVANTAGES) | {"distill"} == set(typing.get_args(Advantage))
+    assert not set(ESTIMATORS) & (set(TOKEN_ADVANTAGES) | {"distill"})
     for kind in TOKEN_ADVANTAGES:  # per token, from a critic: not from rewards alone
         with pytest.raises(ValueError, match=f"{kind!r} is not a per-sample estimator"):
             adv([[1.0, 0.0]], kind)
@@ -420,3 +422,21 @@ def test_turns_that_do_not_make_whole_episodes_are_refused():
         compute_advantages(rewards, kind="rloo", turns=[[("a", 0, 2), ("a", 2, 2), None]])
     with pytest.raises(ValueError, match="episode 'a': turn 1 of 3, an earlier turn said 2"):
         compute_advantages(rewards, kind="rloo", turns=[[("a", 0, 2), ("a", 1, 3), None]])
+
+
+def test_distill_advantage_is_the_negative_reverse_kl_sample_per_token_by_hand():
+    """A_t = −(log μ_t − log π_teacher,t): the teacher likes a token more than the sampler did ->
+    positive; mask-0 tokens (padding, a tool's output; may hold NaN) get 0."""
+    nan = float("nan")
+    log_mu = torch.tensor([[-1.0, -2.0, -0.5, nan], [-3.0, -0.1, -0.2, -0.7]], dtype=torch.float64)
+    log_t = torch.tensor([[-0.5, -2.5, -0.5, nan], [-1.0, nan, -0.4, -0.7]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]])
+    want = torch.tensor([[0.5, -0.5, 0.0, 0.0], [2.0, 0.0, -0.2, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(distill(log_mu, log_t, mask), want)
+    # mixed with the outcome: + coef · the sample's (GRPO) advantage, on its trained tokens only
+    outcome = torch.tensor([[1.0], [-2.0]], dtype=torch.float64)
+    mixed = distill(log_mu, log_t, mask, outcome=outcome, coef=0.5)
+    torch.testing.assert_close(mixed, want + torch.where(mask.bool(), 0.5 * outcome, 0.0))
+    assert distill(log_mu.float(), log_t.float(), mask).dtype == torch.float32
+    with pytest.raises(ValueError, match="log_teacher: non-finite value at a mask-1 token"):
+        distill(log_mu, torch.full_like(log_t, nan), mask)

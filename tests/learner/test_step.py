@@ -12,7 +12,7 @@ import torch
 from asyncrl import metric_names as names
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
-from asyncrl.learner.calls import group_advantages
+from asyncrl.learner.calls import distill_advantages, group_advantages
 from asyncrl.learner.policy_losses import LOSSES
 from tests.learner.test_model import make_trainer
 from tests.numerics import (
@@ -381,3 +381,49 @@ def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_
     group_advantages(tr.config, batch, seqs)
     assert [s.advantage for s in seqs] == pytest.approx([0.25, 0.5, 1.0, -1.0])
     assert [bool(s.mask.any()) for s in seqs] == [False, False, False, True]
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_distill_trains_on_the_teachers_per_token_advantages(tiny_qwen3, tmp_path, coef):
+    """``algorithm.advantage: distill``: the teacher logprobs that arrive with the samples (decoded
+    from the wire) give each trained token A_t = log π_teacher,t − log μ_t (+ coef × the sample's
+    GRPO advantage), at the positions predicting it; the batch's reverse KL is the mean of
+    log μ − log π_teacher over those tokens; the step trains on them. A sample without teacher
+    logprobs is refused by name."""
+    from asyncrl.learner.models import LearnerError
+
+    teacher = {"teacher": {"urls": ["http://127.0.0.1:9"]}}
+    alg = {"advantage": "distill", "distill_coef": coef}
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm=alg, rollout=teacher, **RL)
+    batch = rl_batch(tr.spec.model.vocab_size)
+    rng = np.random.default_rng(1)
+    for g in batch.groups:
+        for s in g.samples:
+            s.teacher_logprobs = s.behavior_logprobs + rng.normal(0, 0.5, len(s.completion_ids))
+            s.teacher_logprobs = np.minimum(s.teacher_logprobs, 0).astype(np.float32)
+    batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
+    seqs = tr.sequences(batch)
+    info = distill_advantages(tr.config, batch, seqs)
+    samples = [s for g in batch.groups for s in g.samples]
+    grpo = torch.cat(compute_grpo([g.rewards for g in batch.groups])).tolist()
+    kl, n = 0.0, 0
+    for seq, s, a in zip(seqs, samples, grpo, strict=True):
+        at = len(s.prompt_ids) - 1 + np.arange(len(s.completion_ids))
+        want = s.teacher_logprobs.astype(np.float64) - s.behavior_logprobs + coef * a
+        np.testing.assert_allclose(seq.token_advantages[at], want, rtol=1e-5, atol=1e-5)
+        assert not np.delete(seq.token_advantages, at).any()
+        kl += float((s.behavior_logprobs.astype(np.float64) - s.teacher_logprobs).sum())
+        n += len(s.completion_ids)
+    assert info[names.DISTILL_REVERSE_KL] == pytest.approx(kl / n, rel=1e-6)
+    res = tr.step(batch)
+    assert np.isfinite(res.loss) and res.loss != 0.0
+    assert res.metrics[names.DISTILL_REVERSE_KL] == pytest.approx(kl / n, rel=1e-6)
+    bare = rl_batch(tr.spec.model.vocab_size, seed=3)  # as a worker without a teacher sends them
+    with pytest.raises(LearnerError, match="sample '0-0' has 0 teacher logprobs"):
+        tr.sequences(bare)
+
+
+def compute_grpo(rewards):
+    from asyncrl.learner.advantages import compute_advantages
+
+    return compute_advantages(rewards, kind="grpo", eps=1e-6)

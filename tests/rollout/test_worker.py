@@ -84,6 +84,7 @@ async def make_worker(
     workflow=None,
     max_new_tokens=12,
     reward_runner=None,
+    teacher=None,
     **cfg,
 ):
     cfg = {
@@ -111,6 +112,7 @@ async def make_worker(
                 params=SamplingParams(max_new_tokens=max_new_tokens),
                 subscriber=sub,
                 generators=[wire.GeneratorInfo(url=engine.url, kind="builtin")],
+                teacher=teacher,
             )
     finally:
         if sub is not None:

@@ -275,7 +275,7 @@ class Scheduler:
                     r.generator = torch.Generator(self.lm.device).manual_seed(
                         r.params.sampling_seed
                     )
-                if r.params.max_new_tokens == 0:
+                if r.params.max_new_tokens == 0 and not self._scores_prompt(r):
                     self._finish(r, {"type": "length", "length": 0})
                 else:
                     self.waiting.append(r)
@@ -361,7 +361,22 @@ class Scheduler:
             ):
                 self._input_logprobs(r, full[i, : len(r.prompt_ids)])
         self.running.extend(batch)
-        self._append(batch, logits, rows=range(first, first + len(batch)))
+        # a request for no new tokens wanted its prompt's logprobs (a teacher's scoring): done
+        scored = [i for i, r in enumerate(batch) if r.params.max_new_tokens == 0]
+        for i in scored:
+            self._finish(batch[i], {"type": "length", "length": 0})
+        if scored:
+            self._drop({id(batch[i]) for i in scored})
+            keep = [i for i in range(len(batch)) if batch[i].params.max_new_tokens > 0]
+            batch, logits = [batch[i] for i in keep], logits[keep]
+        if batch:
+            self._append(batch, logits, rows=range(first, first + len(batch)))
+
+    @staticmethod
+    def _scores_prompt(r: Request) -> bool:
+        """Whether the request asks for its prompt's logprobs (SGLang's ``return_logprob`` with a
+        ``logprob_start_len``), which a prefill computes even when no token is to be generated."""
+        return r.return_logprob and r.logprob_start_len >= 0
 
     def _input_logprobs(self, r: Request, logits: torch.Tensor) -> None:
         """Logprob of each prompt token given its prefix, from ``logprob_start_len`` on."""

@@ -1,13 +1,16 @@
-"""The reward model's /classify servers that `asyncrl run` starts: ``rollout.reward_model.servers``
-built-in engines (`asyncrl engine`) on ``rollout.reward_model.path``, supervised like the other
-children, healthy before the learner and the workers start, their urls given to both (the workers
-score rollouts with them; the learner's held-out evaluation does too unless ``rollout.eval_reward``
-names a rule).
+"""The model servers that `asyncrl run` starts beside the policy's generators, each a section of
+``rollout`` with ``path``, ``servers`` and ``batch_size`` (:data:`SERVED`): the reward model's
+/classify servers (``rollout.reward_model``) and the distillation teacher's /generate servers
+(``rollout.teacher``). Each is ``servers`` built-in engines (`asyncrl engine`) on the section's
+``path``, supervised like the other children, healthy before the learner and the workers start,
+their urls given to both in place of the path (the workers score rollouts with the reward model and
+ask the teacher for logprobs; the learner's held-out evaluation scores with the reward model too
+unless ``rollout.eval_reward`` names a rule).
 
 Ports: each server binds port 0 and writes the port it got to a file (no port race); once it is
 known, the child's argv names it, so a restarted server binds the same port and the urls the workers
 hold stay right. While one restarts, its batches go to the next server, or fail as any reward does
-(score 0, a recorded failure; :mod:`asyncrl.rollout.model_reward`).
+(a recorded failure: :mod:`asyncrl.rollout.server_batches`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from asyncrl.launch.plan import LaunchError
 from asyncrl.recipe import Recipe, RecipeError
 
 HOST = "127.0.0.1"
+
+SERVED = ("reward_model", "teacher")
+"""The ``rollout`` sections whose ``path`` `asyncrl run` serves; a server child is named after its
+section and index (``teacher0``)."""
 
 
 def check_reward_model(r: Recipe) -> None:
@@ -42,30 +49,36 @@ def check_reward_model(r: Recipe) -> None:
         )
 
 
-def reward_server_children(r: Recipe, run_dir: Path, sock_dir: Path) -> list[Child]:
-    """One child per server, port 0 with a port file in ``sock_dir`` ([] when the recipe has no
-    reward model path, or trains offline)."""
-    rm = r.rollout.reward_model
-    if not rm.path or not r.algorithm.uses_rollouts:
+def server_children(r: Recipe, run_dir: Path, sock_dir: Path) -> list[Child]:
+    """One child per server of each served section with a path (:data:`SERVED`), port 0 with a
+    port file in ``sock_dir`` ([] when no section has a path, or the recipe trains offline)."""
+    if not r.algorithm.uses_rollouts:
         return []
-    model = str(r.resolve(rm.path).resolve())
     out = []
-    for i in range(rm.servers):
-        argv = [sys.executable, "-m", "asyncrl.cli", "engine", "--model", model, "--host", HOST]
-        argv += ["--port", "0", "--port-file", str(sock_dir / f"reward_model{i}.port")]
-        argv += ["--max-batch-size", str(rm.batch_size)]
-        name = f"reward_model{i}"
-        out.append(Child(name=name, argv=argv, log=run_dir / "logs" / f"{name}.log"))
+    for section in SERVED:
+        cfg = getattr(r.rollout, section)
+        if not cfg.path:
+            continue
+        model = str(r.resolve(cfg.path).resolve())
+        for i in range(cfg.servers):
+            name = f"{section}{i}"
+            argv = [sys.executable, "-m", "asyncrl.cli", "engine", "--model", model]
+            argv += ["--host", HOST, "--port", "0", "--port-file", str(sock_dir / f"{name}.port")]
+            argv += ["--max-batch-size", str(cfg.batch_size)]
+            out.append(Child(name=name, argv=argv, log=run_dir / "logs" / f"{name}.log"))
     return out
+
+
+def section_of(child: Child) -> str:
+    """The ``rollout`` section a server child serves (its name less its index)."""
+    return child.name.rstrip("0123456789")
 
 
 def port_file(child: Child) -> Path:
     return Path(child.argv[child.argv.index("--port-file") + 1])
 
 
-def start_reward_servers(
-    children: Sequence[Child], env: dict[str, str], *, timeout_s: float
-) -> list[str]:
+def start_servers(children: Sequence[Child], env: dict[str, str], *, timeout_s: float) -> list[str]:
     """Start the servers, wait until each answers /health, pin each one's port in its argv (for
     restarts); returns their urls. LaunchError naming the server and its log's tail if one exits
     or is not healthy within ``timeout_s`` (all of them stopped)."""
@@ -85,7 +98,7 @@ def start_reward_servers(
                 code = c.poll()
                 if code is not None:
                     raise LaunchError(
-                        f"reward model server {c.name} (rollout.reward_model.path) exited with "
+                        f"model server {c.name} (rollout.{section_of(c)}.path) exited with "
                         f"code {code}; last lines of {c.log}:\n{c.tail()}"
                     )
                 f = port_file(c)
@@ -97,7 +110,7 @@ def start_reward_servers(
             if time.monotonic() > deadline:
                 waiting = [c.name for c in children if c.name not in urls]
                 raise LaunchError(
-                    f"reward model server(s) {', '.join(waiting)} not healthy within "
+                    f"model server(s) {', '.join(waiting)} not healthy within "
                     f"{timeout_s:g} s (generator.startup_timeout_s); logs in "
                     f"{children[0].log.parent}"
                 )
@@ -110,13 +123,17 @@ def start_reward_servers(
     return [urls[c.name] for c in children]
 
 
-def url_overrides(urls: Sequence[str]) -> list[str]:
-    """The overrides that hand the started servers to the learner and the workers: their urls, and
-    no path (the two are exclusive in a recipe)."""
-    if not urls:
-        return []
-    quoted = ", ".join(f'"{u}"' for u in urls)
-    return [f"rollout.reward_model.urls=[{quoted}]", "rollout.reward_model.path="]
+def url_overrides(children: Sequence[Child], urls: Sequence[str]) -> list[str]:
+    """The overrides that hand the started servers (``urls``, in ``children``'s order) to the
+    learner and the workers: each section's urls, and no path (the two are exclusive in a
+    recipe)."""
+    out = []
+    for section in SERVED:
+        mine = [u for c, u in zip(children, urls, strict=True) if section_of(c) == section]
+        if mine:
+            quoted = ", ".join(f'"{u}"' for u in mine)
+            out += [f"rollout.{section}.urls=[{quoted}]", f"rollout.{section}.path="]
+    return out
 
 
 def reward_model_summary(r: Recipe, run_dir: Path) -> dict[str, Any]:
