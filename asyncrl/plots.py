@@ -334,8 +334,10 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_learning(records, out: Path) -> Path | None:
-    """Loss, entropy and grad norm, one small panel each (the response length is reward.png's)."""
+    """Loss, entropy and grad norm, one small panel each (the response length is reward.png's);
+    a distillation run's per-token reverse KL to its teacher below them."""
     panels = [("loss", names.LOSS), ("entropy", names.ENTROPY), ("grad norm", names.GRAD_NORM)]
+    panels.append(("reverse KL to teacher", names.DISTILL_REVERSE_KL))
     present = [(t, key) for t, key in panels if series(records, key)[1]]
     return _panels(records, present, "Learning", out / "learning.png") if present else None
 

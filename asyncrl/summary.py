@@ -219,10 +219,32 @@ def summarize(
     }
     if r.algorithm.loss == "reward_model":  # held-out pairs ranked right, at the last evaluation
         summary["rm_eval_accuracy"] = rm_acc[-1] if rm_acc else None
+    if r.algorithm.advantage == "distill" and r.algorithm.uses_rollouts:
+        summary |= distill_summary(learner)
     rates = (tool_call_rate_start, tool_call_rate_end)
     if r.rollout.tools or any(x is not None for x in rates):
         summary["tool_call_rate_start"], summary["tool_call_rate_end"] = rates
     return amend(summary, wall_seconds=wall_seconds, restarts=restarts or {})
+
+
+KL_WINDOW = 5
+"""Versions averaged for the reverse KL at a distillation run's start and end (one batch's is
+noisy: a few hundred tokens)."""
+
+
+def distill_summary(learner: list[dict]) -> dict[str, float | None]:
+    """A distillation run's per-token reverse KL to its teacher (log μ − log π_teacher over the
+    trained tokens), averaged over its first and its last :data:`KL_WINDOW` versions."""
+    from asyncrl import plots
+
+    _, kl = plots.per_version(*plots.series(learner, names.DISTILL_REVERSE_KL))
+    if not kl:
+        return {"distill_reverse_kl_start": None, "distill_reverse_kl_end": None}
+    n = min(KL_WINDOW, len(kl))
+    return {
+        "distill_reverse_kl_start": sum(kl[:n]) / n,
+        "distill_reverse_kl_end": sum(kl[-n:]) / n,
+    }
 
 
 def amend(

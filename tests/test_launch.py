@@ -371,3 +371,50 @@ def test_a_causal_lm_as_reward_model_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert "rollout.reward_model.path" in err and "not a sequence-classification" in err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_the_teachers_servers_are_children_beside_the_reward_models_and_get_their_own_urls(
+    tmp_path, tiny_qwen3, tiny_reward_model
+):
+    """rollout.teacher.path is served as rollout.reward_model.path is: `servers` engines on it,
+    named after their section; each section's urls replace its path in the children's recipe,
+    which the learner and the workers then load (the teacher client built, no "needs urls")."""
+    from asyncrl.launch.model_servers import server_children, url_overrides
+    from asyncrl.rollout.teacher import build_teacher
+
+    r = _recipe(
+        tmp_path,
+        tiny_qwen3,
+        f"run.output_dir={tmp_path}",
+        "buffer.dynamic_sampling=false",
+        "algorithm.advantage=distill",
+        f"rollout.teacher.path={tiny_qwen3}",
+        "rollout.teacher.servers=2",
+        "rollout.teacher.batch_size=7",
+        f"rollout.reward_model.path={tiny_reward_model}",
+    )
+    children = server_children(r, prepare_run_dir(r, overwrite=False), tmp_path)
+    assert [c.name for c in children] == ["reward_model0", "teacher0", "teacher1"]
+    teacher = children[1].argv
+    assert teacher[teacher.index("--model") + 1] == str(tiny_qwen3.resolve())
+    assert teacher[teacher.index("--max-batch-size") + 1] == "7"
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+    given = url_overrides(children, urls)
+    assert given == [
+        'rollout.reward_model.urls=["http://127.0.0.1:1"]',
+        "rollout.reward_model.path=",
+        'rollout.teacher.urls=["http://127.0.0.1:2", "http://127.0.0.1:3"]',
+        "rollout.teacher.path=",
+    ]
+    with pytest.raises(recipe.RecipeError, match="needs their urls"):
+        build_teacher(r)  # the path alone: a process started without `asyncrl run`
+    seen = _recipe(
+        tmp_path,
+        tiny_qwen3,
+        "buffer.dynamic_sampling=false",
+        "algorithm.advantage=distill",
+        f"rollout.teacher.path={tiny_qwen3}",
+        *given,
+    )
+    client = build_teacher(seen)
+    assert client is not None and client.urls == urls[1:]

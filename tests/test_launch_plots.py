@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from PIL import Image
+
 from asyncrl import metric_names as names
 from asyncrl import plots
 
@@ -178,3 +181,35 @@ def test_the_reward_curve_has_every_step_and_evaluations_are_points_never_joined
     assert (tmp_path / "plots/reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rm = plots.plot_reward_model(records, tmp_path / "plots")
     assert rm is not None and rm.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_distillation_run_plots_its_reverse_kl_under_the_learning_curves(tmp_path):
+    """learning.png gets one more panel, the per-token reverse KL to the teacher, when the run
+    logged it (algorithm.advantage: distill), and none otherwise (each panel is as tall)."""
+    recs = _full_records()
+    plain = plots.make_plots(_write(tmp_path / "a.jsonl", recs), tmp_path / "a")
+    for r in recs:
+        if r["process"] == "learner":
+            r[names.DISTILL_REVERSE_KL] = 1.5 / (r["step"] + 1)
+    distilled = plots.make_plots(_write(tmp_path / "b.jsonl", recs), tmp_path / "b")
+    (a,) = [p for p in plain if p.name == "learning.png"]
+    (b,) = [p for p in distilled if p.name == "learning.png"]
+    with Image.open(a) as ia, Image.open(b) as ib:
+        learner = next(r for r in recs if r["process"] == "learner")
+        n = len([k for k in (names.LOSS, names.ENTROPY, names.GRAD_NORM) if k in learner])
+        assert ia.width == ib.width and ib.height == pytest.approx(
+            ia.height * (n + 1) / n, rel=0.02
+        )
+
+
+def test_a_distillation_summary_has_the_reverse_kl_of_its_first_and_last_versions():
+    """summary.json's distill_reverse_kl_start/_end: the means over the first and the last 5
+    versions, one value per version (a resumed learner's second record of a version wins)."""
+    from asyncrl.summary import distill_summary
+
+    recs = [{"step": v, names.DISTILL_REVERSE_KL: 2.0 - 0.2 * v} for v in range(1, 9)]
+    recs.append({"step": 8, names.DISTILL_REVERSE_KL: 0.0})  # version 8 again, after a restart
+    got = distill_summary(recs)
+    assert got["distill_reverse_kl_start"] == pytest.approx((1.8 + 1.6 + 1.4 + 1.2 + 1.0) / 5)
+    assert got["distill_reverse_kl_end"] == pytest.approx((1.2 + 1.0 + 0.8 + 0.6 + 0.0) / 5)
+    assert distill_summary([]) == {"distill_reverse_kl_start": None, "distill_reverse_kl_end": None}
