@@ -42,23 +42,28 @@ def tokenizer(tiny_qwen3):
     return AutoTokenizer.from_pretrained(tiny_qwen3)
 
 
-def hf_logprobs(model, prompt, completion, temperature: float = 1.0) -> torch.Tensor:
-    """transformers' log_softmax(logits / T) of each completion token given what precedes it."""
+def hf_logprobs(model, prompt, completion) -> torch.Tensor:
+    """transformers' log_softmax(logits) of each completion token given what precedes it."""
     ids = torch.tensor([list(prompt) + list(completion)])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(1, torch.tensor(list(completion))[:, None])[:, 0]
 
 
-def test_generate_with_no_new_tokens_answers_the_given_tokens_logprobs(rollout_engine, hf_model):
-    """SGLang's shape: no output token, one [logprob, id, text] per input token from
-    logprob_start_len on; per item in a batch of several."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_generate_with_no_new_tokens_answers_the_given_tokens_logprobs(
+    rollout_engine, hf_model, temperature
+):
+    """SGLang's shape (tests/sglang/test_teacher.py checks SGLang's own): no output token, one
+    [logprob, id, text] per input token from logprob_start_len on, the first with no logprob;
+    per item in a batch of several; the model's own log_softmax(logits), whatever the request's
+    temperature (SGLang scales only the sampled tokens' logprobs)."""
     body = {
         "input_ids": [p + c for p, c in PAIRS[:2]],
-        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
         "return_logprob": True,
-        "logprob_start_len": [len(p) for p, _ in PAIRS[:2]],
+        "logprob_start_len": [len(p) - 1 for p, _ in PAIRS[:2]],
     }
     answer = httpx.post(f"{rollout_engine.url}/generate", json=body, timeout=60).json()
     for (p, c), item in zip(PAIRS[:2], answer, strict=True):
@@ -66,17 +71,14 @@ def test_generate_with_no_new_tokens_answers_the_given_tokens_logprobs(rollout_e
         assert item["output_ids"] == [] and m["completion_tokens"] == 0
         assert m["finish_reason"]["type"] == "length"
         got = m["input_token_logprobs"]
-        assert [t[1] for t in got] == c and all(t[2] is None for t in got)
-        assert_logits_close([t[0] for t in got], hf_logprobs(hf_model, p, c))
+        # SGLang computes no logprob for the token at logprob_start_len: the first entry is None
+        assert got[0] == [None, p[-1], None]
+        assert [t[1] for t in got[1:]] == c and all(t[2] is None for t in got)
+        assert_logits_close([t[0] for t in got[1:]], hf_logprobs(hf_model, p, c))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_teacher_logprobs_equal_transformers_on_the_same_tokens(
-    rollout_engine, hf_model, temperature
-):
-    teacher = TeacherLogprobs(
-        TeacherConfig(urls=[rollout_engine.url], batch_size=3), temperature=temperature
-    )
+def test_teacher_logprobs_equal_transformers_on_the_same_tokens(rollout_engine, hf_model):
+    teacher = TeacherLogprobs(TeacherConfig(urls=[rollout_engine.url], batch_size=3))
     got: dict[int, tuple[np.ndarray, str]] = {}
 
     async def main() -> None:
@@ -92,29 +94,29 @@ def test_teacher_logprobs_equal_transformers_on_the_same_tokens(
     for i, (p, c) in enumerate(PAIRS):
         lp, failure = got[i]
         assert failure == "" and lp.dtype == np.float32 and len(lp) == len(c)
-        assert_logits_close(torch.from_numpy(lp), hf_logprobs(hf_model, p, c, temperature))
+        assert_logits_close(torch.from_numpy(lp), hf_logprobs(hf_model, p, c))
 
 
 def test_parse_refuses_answers_that_are_not_the_completions_logprobs():
     pairs = [([1, 2], [3, 4])]
-    ok = [{"meta_info": {"input_token_logprobs": [[-0.5, 3, None], [-1.0, 4, None]]}}]
+
+    def answer(*triples):
+        return [{"meta_info": {"input_token_logprobs": [[None, 2, None], *triples]}}]
+
+    ok = answer([-0.5, 3, None], [-1.0, 4, None])
     np.testing.assert_array_equal(parse_logprobs(ok, pairs)[0], np.float32([-0.5, -1.0]))
     for bad, needle in [
         ([], "0 results for 1 inputs"),
         ([{"meta_info": {}}], "no meta_info.input_token_logprobs"),
-        ([{"meta_info": {"input_token_logprobs": [[-0.5, 3, None]]}}], "1 input logprobs for 2"),
+        (answer([-0.5, 3, None]), "2 input logprobs for the prompt's last token and 2 completion"),
+        (answer([-0.5, 3, None], [-1.0, 4, None], [-1.0, 4, None]), "4 input logprobs"),
         (
-            [{"meta_info": {"input_token_logprobs": [[-0.5, 3, None], [-1.0, 5, None]]}}],
-            "entry 1 is not",
+            [{"meta_info": {"input_token_logprobs": [[None, 1, None], [-0.5, 3], [-1.0, 4]]}}],
+            "entry 0 is not the prompt's last token",
         ),
-        (
-            [{"meta_info": {"input_token_logprobs": [[-0.5, 3, None], [0.5, 4, None]]}}],
-            "not a log-probability",
-        ),
-        (
-            [{"meta_info": {"input_token_logprobs": [[-0.5, 3, None], [None, 4, None]]}}],
-            "not a log-probability",
-        ),
+        (answer([-0.5, 3, None], [-1.0, 5, None]), "entry 2 is not"),
+        (answer([-0.5, 3, None], [0.5, 4, None]), "not a log-probability"),
+        (answer([-0.5, 3, None], [None, 4, None]), "not a log-probability"),
     ]:
         with pytest.raises(ValueError, match=needle):
             parse_logprobs(bad, pairs)
@@ -149,7 +151,7 @@ def test_worker_samples_carry_the_teachers_logprobs_and_leave_its_failures_out(
         return w.stats.counters, svc.stats()
 
     set_label(rollout_engine.url, "default")
-    teacher = TeacherLogprobs(TeacherConfig(urls=[rollout_engine.url]), temperature=1.0)
+    teacher = TeacherLogprobs(TeacherConfig(urls=[rollout_engine.url]))
     with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
         groups = trio.run(run, svc, teacher)
     samples = [s for g in groups for s in g.samples]

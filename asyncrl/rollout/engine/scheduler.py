@@ -379,13 +379,15 @@ class Scheduler:
         return r.return_logprob and r.logprob_start_len >= 0
 
     def _input_logprobs(self, r: Request, logits: torch.Tensor) -> None:
-        """Logprob of each prompt token given its prefix, from ``logprob_start_len`` on."""
-        t = r.params.temperature if r.params.temperature > 0 else 1.0
-        logp = torch.log_softmax(logits.float() / t, dim=-1)
+        """Logprob of each prompt token given its prefix, from ``logprob_start_len`` on, as SGLang
+        answers them: the first None (it computes none for the token at the start), and the
+        model's own log_softmax(logits), not scaled by the request's temperature (SGLang scales
+        only the sampled tokens'; tests/sglang/test_teacher.py)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
         ids = torch.tensor(r.prompt_ids, device=logp.device)
         lps: list[float | None] = [None] + logp[:-1].gather(1, ids[1:, None])[:, 0].tolist()
         start = r.logprob_start_len
-        r.input_logprobs = lps[start:]
+        r.input_logprobs = [None] + lps[start + 1 :]
         if r.top_logprobs_num:
             vals, idx = logp[:-1].topk(min(r.top_logprobs_num, logp.shape[1]), dim=-1)
             tops = [None] + [
