@@ -109,7 +109,7 @@ def test_the_distillation_demo_chains_its_stages_and_trains_on_no_task_reward():
         "run": ("steps",),
         "rollout": ("group_size", "max_new_tokens", "temperature"),
         "buffer": ("groups_per_batch", "max_staleness", "max_batches_ahead"),
-        "learner": ("lr", "minibatches", "epochs"),
+        "learner": ("minibatches", "epochs"),  # the lr is the advantage's own (the recipe)
         "algorithm": ("loss",),
     }.items():
         for k in keys:
