@@ -25,10 +25,8 @@ greedy-completion reward, which the rollout worker scores alongside the group
 (``wire.Group.baseline_reward``). Its advantages are r_i − b_g, so an all-equal group still has a
 signal when the greedy completion scored differently, and a group of one has a baseline.
 
-On-policy distillation (:func:`distill`, ``algorithm.advantage: distill``) is per token with no
-critic: each sampled token's advantage is the negative reverse-KL sample log π_teacher − log μ
-(the Thinking Machines write-up and the tinker-cookbook's ``incorporate_kl_penalty``), plus, when
-the outcome reward is mixed in, the sample's group advantage.
+On-policy distillation's per-token advantage (``algorithm.advantage: distill``) is in
+:mod:`asyncrl.learner.distill`.
 
 Per-turn samples (``rollout.turn_samples``, :mod:`asyncrl.rollout.turns`): a group's members are its
 episodes, not its samples. :func:`compute_advantages` runs the estimator over one reward per
@@ -255,7 +253,7 @@ class TokenAdvantages(NamedTuple):
     returns: Tensor
 
 
-def _rows(mask: Tensor, **xs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def masked_rows(mask: Tensor, **xs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """The mask as bool and each input as float64 with 0 at mask-0 positions (which may be NaN)."""
     if mask.dim() != 2:
         raise ValueError(f"mask: expected [batch, tokens], got {tuple(mask.shape)}")
@@ -293,7 +291,7 @@ def kl_shaped_rewards(
     π_ref,t of the sampled token (its expectation under π is KL(π ‖ π_ref)). The penalty then
     reaches the policy through the advantages, per token, instead of through the loss
     (``algorithm.kl_coef``); ``log_pi`` is the policy that sampled (μ in asyncrl). 0 where mask is 0."""
-    _, x = _rows(mask, rewards=rewards, log_pi=log_pi, log_ref=log_ref)
+    _, x = masked_rows(mask, rewards=rewards, log_pi=log_pi, log_ref=log_ref)
     return (x["rewards"] - beta * (x["log_pi"] - x["log_ref"])).to(rewards.dtype)
 
 
@@ -308,7 +306,7 @@ def gae(
     λ = 1 makes R_t the discounted return Σ_k γ^k r_{t+k} (unbiased, high variance); λ = 0 the
     one-step TD target r_t + γ·V(x_next(t)). No whitening: a caller wanting whitened advantages
     whitens A after (R stays the value target)."""
-    m, x = _rows(mask, rewards=rewards, values=values)
+    m, x = masked_rows(mask, rewards=rewards, values=values)
     r, v = x["rewards"], x["values"]
     adv = torch.zeros_like(v)
     next_v = torch.zeros_like(v[:, 0])
@@ -352,7 +350,7 @@ def vtrace(
     ppo's ratio, ...), so A_t leaves ρ_t out: the loss's weight is the one ρ (docs/off-policy.md)."""
     if rho_bar <= 0 or c_bar <= 0:
         raise ValueError(f"rho_bar and c_bar must be > 0, got {rho_bar}, {c_bar}")
-    m, x = _rows(mask, rewards=rewards, values=values, log_pi=log_pi, log_mu=log_mu)
+    m, x = masked_rows(mask, rewards=rewards, values=values, log_pi=log_pi, log_mu=log_mu)
     r, v = x["rewards"], x["values"]
     log_ratio = x["log_pi"] - x["log_mu"]
     rho = torch.exp(log_ratio.clamp(max=math.log(rho_bar)))
@@ -371,33 +369,6 @@ def vtrace(
         next_vs = torch.where(mt, vs_t, next_vs)
         next_v = torch.where(mt, v[:, t], next_v)
     return TokenAdvantages(adv.to(values.dtype), vs.to(values.dtype))
-
-
-def distill(
-    log_mu: Tensor,
-    log_teacher: Tensor,
-    mask: Tensor,
-    *,
-    outcome: Tensor | float = 0.0,
-    coef: float = 0.0,
-) -> Tensor:
-    """On-policy distillation (Agarwal et al. 2024; Thinking Machines' "On-Policy Distillation"):
-    per token A_t = −(log μ_t − log π_teacher,t) + coef·outcome, 0 where the mask is 0.
-
-    log μ_t − log π_teacher,t is the one-sample estimate of the reverse KL(μ ‖ π_teacher) at
-    token t (its expectation under μ, which sampled it), so a policy gradient with A_t lowers the
-    reverse KL, per token and with no discount: the tinker-cookbook's on-policy distillation
-    (``kl_penalty_coef`` 1, ``kl_discount_factor`` 0). μ, not the learner's π_prox: it is the
-    policy that sampled the tokens, the one whose KL the estimate is unbiased for; the loss's
-    importance weight π_θ/μ then corrects for μ's staleness as it does for any advantage
-    (docs/off-policy.md). ``outcome`` is the sample's outcome advantage (a GRPO advantage:
-    broadcastable to ``mask``, e.g. ``[B, 1]``), weighted by ``coef`` (``algorithm.distill_coef``;
-    0: the teacher alone). No whitening: the KL's scale is the signal. ``[B, T]`` tensors as
-    :func:`gae`'s (mask-0 inputs may be NaN); float64 inside, returned in ``log_mu``'s dtype."""
-    m, x = _rows(mask, log_mu=log_mu, log_teacher=log_teacher)
-    out = torch.as_tensor(outcome, dtype=torch.float64)
-    a = x["log_teacher"] - x["log_mu"] + coef * out
-    return torch.where(m, a, 0.0).to(log_mu.dtype)
 
 
 def remax(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:

@@ -14,15 +14,14 @@ import torch
 import torch.distributed as dist
 
 from asyncrl import metric_names as names
-from asyncrl.learner import passes
-from asyncrl.learner.advantages import compute_advantages, distill
+from asyncrl.learner import distill, passes
+from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import assign_targets
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import Sequence, split_minibatches
 from asyncrl.learner.passes import StepTotals
 from asyncrl.learner.source import Batch
-from asyncrl.recipe import AlgorithmConfig
 from asyncrl.rollout.turns import turn_of
 
 
@@ -86,37 +85,14 @@ def group_advantages(config: TrainerConfig, batch: Batch, seqs: list[Sequence]) 
 def distill_advantages(
     config: TrainerConfig, batch: Batch, seqs: list[Sequence]
 ) -> dict[str, float]:
-    """``algorithm.advantage: distill``: each sequence's per-token advantage from its teacher and
-    behaviour logprobs (:func:`asyncrl.learner.advantages.distill`), plus ``distill_coef`` times
-    its GRPO advantage when the outcome reward is mixed in. Returns the batch's reverse KL: the
-    mean of log μ − log π_teacher over its trained tokens."""
+    """``algorithm.advantage: distill``: each sequence's per-token advantage from the teacher's
+    logprobs (:func:`asyncrl.learner.distill.assign_targets`), with ``distill_coef`` > 0 plus its
+    GRPO advantage of the group rewards. Returns the batch's reverse KL to the teacher."""
     alg = config.algorithm
     if alg.distill_coef > 0:
-        group_advantages(dataclasses.replace(config, algorithm=_grpo(alg)), batch, seqs)
-    kl_sum, tokens = 0.0, 0
-    for s in seqs:
-        m = s.mask > 0
-        if s.teacher_logp is None:
-            if m.any():  # learner/step.py refuses such a sample before: a bug if it comes here
-                raise ValueError(f"sequence {s.index} has trained tokens and no teacher logprobs")
-            s.token_advantages = np.zeros(len(s), np.float32)
-            continue
-        a = distill(
-            torch.from_numpy(s.behavior_logp)[None],
-            torch.from_numpy(s.teacher_logp)[None],
-            torch.from_numpy(m)[None],
-            outcome=s.advantage,
-            coef=alg.distill_coef,
-        )
-        s.token_advantages = a[0].numpy().astype(np.float32)
-        kl_sum += float((s.behavior_logp[m].astype(np.float64) - s.teacher_logp[m]).sum())
-        tokens += int(m.sum())
-    return {names.DISTILL_REVERSE_KL: kl_sum / tokens} if tokens else {}
-
-
-def _grpo(alg: AlgorithmConfig) -> AlgorithmConfig:
-    """The algorithm with GRPO's group advantage: the outcome part of a mixed distillation."""
-    return dataclasses.replace(alg, advantage="grpo")
+        grpo = dataclasses.replace(alg, advantage="grpo")
+        group_advantages(dataclasses.replace(config, algorithm=grpo), batch, seqs)
+    return distill.assign_targets(seqs, alg)
 
 
 def exchange(models: Models, run: Step, keys: tuple[str, ...]) -> None:

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from asyncrl.learner.advantages import (
     ESTIMATORS,
     compute_advantages,
-    distill,
     gae,
     kl_shaped_rewards,
     last_token_rewards,
     remax,
     vtrace,
 )
+from asyncrl.learner.distill import distill
 from asyncrl.recipe import TOKEN_ADVANTAGES, Advantage
 
 KINDS = ["grpo", "dr_grpo", "rloo", "reinforce_pp"]
