@@ -22,7 +22,7 @@ from torchtitan.config.configs import CompileConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 
-from asyncrl.learner import cpu_shims
+from asyncrl.learner import cpu_shims, lora
 from asyncrl.learner.config import BuildConfig
 from asyncrl.learner.placement import RoleMesh
 
@@ -41,8 +41,9 @@ class Builder:
 
     def model(self, spec: ModelSpec, role: str) -> torch.nn.Module:
         """TorchTitan's build order: meta build → parallelize_fn (FSDP2, and tensor parallelism
-        when the role's placement asks for it) → to_empty → init_weights. Collective over the
-        role's ranks."""
+        when the role's placement asks for it) → to_empty → init_weights. With ``learner.lora`` the
+        actor gets its adapters on the meta model (so FSDP2 shards them with their block) and its
+        base is frozen (:mod:`.lora`). Collective over the role's ranks."""
         mesh = self.meshes[role]
         assert mesh.holds, (role, mesh.ranks)
         # update_from_config reads only .parallelism from a non-Trainer config
@@ -50,6 +51,9 @@ class Builder:
         with torch.device("meta"):
             model = spec.model.build()
         c = self.config
+        with_lora = role == "actor" and c.lora.enabled
+        if with_lora:
+            lora.attach(model, c.lora, spec.name)
         model = spec.parallelize_fn(
             model,
             parallel_dims=mesh.parallel_dims,
@@ -64,6 +68,8 @@ class Builder:
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_weights(buffer_device=None)
+        if with_lora:
+            lora.init_adapters(model, c.seed)
         return model
 
     @staticmethod

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint import MODEL, CheckpointManager, ModelWrapper
 
 from asyncrl.learner.config import CheckpointPolicy
+from asyncrl.learner.lora import is_adapter
 
 
 class _Absent(Stateful):
@@ -46,11 +47,20 @@ class _LearnerState(Stateful):
         self.text = state_dict["json"]
 
 
+class _Adapters(ModelWrapper):
+    """The actor's part of a LoRA run's checkpoint: its adapters only. The frozen base is not
+    saved; a resume reads it from ``model.path`` again."""
+
+    def _get_state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super()._get_state_dict().items() if is_adapter(k)}
+
+
 class Checkpoints:
     """One run's checkpoint folder (``run_dir/checkpoints/step-N``). ``None`` for a model, optimizer,
     schedule or extra state this rank does not hold. ``hf_folder``: the HF weights a fresh start
     loads through the manager (None: the caller loads them itself, on the actor's ranks, as the
-    adapter wants every key). With ``enabled`` False nothing is written (the HF load still runs)."""
+    adapter wants every key). With ``enabled`` False nothing is written (the HF load still runs).
+    ``adapters_only``: the model's state is its LoRA adapters (:class:`_Adapters`)."""
 
     def __init__(
         self,
@@ -64,6 +74,7 @@ class Checkpoints:
         run_dir: Path,
         hf_folder: Path | None,
         enabled: bool,
+        adapters_only: bool = False,
     ) -> None:
         self.enabled = enabled
         self._state = _LearnerState()
@@ -89,6 +100,8 @@ class Checkpoints:
             sd_adapter=adapter,
             base_folder=str(run_dir) if enabled else str(run_dir / ".no-ckpt"),
         )
+        if adapters_only:
+            self.manager.states[MODEL] = _Adapters([model] if model is not None else [])
 
     @property
     def folder(self) -> Path:

@@ -25,6 +25,7 @@ from asyncrl.recipe import (
     Checkpointing,
     DataConfig,
     Dtype,
+    LoraConfig,
     PlacementConfig,
     Recipe,
     learner_roles,
@@ -45,6 +46,8 @@ class BuildConfig:
     lr_schedule: str
     updates_per_version: int  # learner.minibatches × learner.epochs: the schedule counts updates
     versions: int  # run.steps
+    lora: LoraConfig  # learner.lora: adapters on the actor (rank 0: none)
+    seed: int  # run.seed: the adapters' initial A
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +147,8 @@ class TrainerConfig:
                 lr_schedule=lc.lr_schedule,
                 updates_per_version=lc.minibatches * lc.epochs,
                 versions=r.run.steps,
+                lora=lc.lora,
+                seed=r.run.seed,
             ),
             checkpoints=CheckpointPolicy(
                 every=lc.checkpoint_every,

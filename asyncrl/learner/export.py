@@ -1,6 +1,7 @@
 """The actor's weights out of the learner: as full tensors under HF names (what the weight
 broadcaster sends), and as an HF folder that transformers and SGLang load (safetensors, config and
-tokenizer files).
+tokenizer files). With ``learner.lora``: a PEFT adapter folder, or an HF folder with the adapters
+merged into the weights (:func:`export_adapter`, ``merge`` of :func:`export_hf`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from asyncrl.learner import lora as adapters
+from asyncrl.recipe import LoraConfig
+from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, VERSION_FILE
+
 HF_FILES = (
     "config.json",
     "generation_config.json",
@@ -26,6 +31,9 @@ HF_FILES = (
     "tokenizer.model",
 )
 """Files copied from the source HF folder into every export, next to the weights."""
+TOKENIZER_FILES = tuple(f for f in HF_FILES if f not in ("config.json", "generation_config.json"))
+"""What an adapter export copies: a config.json would make transformers read the folder as a whole
+model instead of loading ``base_model_name_or_path`` and the adapter on it."""
 
 
 def hf_state_dict(
@@ -44,7 +52,8 @@ def hf_state_dict(
     out: dict[str, torch.Tensor] = {}
     if model is None:
         return out
-    for k, p in adapter.to_hf(model.state_dict()).items():
+    base = {k: v for k, v in model.state_dict().items() if not adapters.is_adapter(k)}
+    for k, p in adapter.to_hf(base).items():
         v = p.detach()
         if dtype is not None and v.is_floating_point() and v.dtype != dtype:
             v = v.to(dtype)
@@ -64,12 +73,20 @@ def export_hf(
     dtype: str,
     source: Path,
     rank: int,
+    lora: LoraConfig | None = None,
+    version: int = 0,
 ) -> Path:
     """Write an HF folder (safetensors, config.json, tokenizer files) loadable by transformers.
 
     Collective. Weights go through DCP's HuggingFace writer and the state-dict adapter (TorchTitan's
     ``checkpointer``), so no rank holds the whole model; rank 0 then adds config and tokenizer files
-    from the ``source`` HF folder."""
+    from the ``source`` HF folder. With ``lora`` on (the model has adapters), as its ``export``
+    says: a PEFT folder (:func:`export_adapter`, which takes ``version``), or each target's weight
+    written as ``W + scaling · B A`` (in the parameters' dtype, then cast) without the adapters."""
+    if lora is not None and lora.enabled and lora.export == "adapter":
+        return export_adapter(
+            model, path, cfg=lora, dtype=dtype, source=source, rank=rank, version=version
+        )
     from torchtitan.components.checkpoint import AsyncMode, ModelWrapper
     from torchtitan.config import TORCH_DTYPE_MAP
 
@@ -80,9 +97,12 @@ def export_hf(
             shutil.rmtree(path)
         path.mkdir(parents=True)
     dist.barrier()
+    states = ModelWrapper([model] if model is not None else []).state_dict()
+    if lora is not None and lora.enabled:
+        states = adapters.merge(states, adapters.adapter_state_dict(model), lora.scaling)
     states = {
         k: v.to(tdtype) if v.is_floating_point() and v.dtype != tdtype else v
-        for k, v in ModelWrapper([model] if model is not None else []).state_dict().items()
+        for k, v in states.items()
     }
     checkpointer.dcp_save(
         states, checkpoint_id=str(path), async_mode=AsyncMode.DISABLED, to_hf=True
@@ -95,5 +115,54 @@ def export_hf(
         cfg["dtype"] = cfg["torch_dtype"] = dtype
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
         shutil.rmtree(path / "sharded", ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def export_adapter(
+    model: torch.nn.Module | None,
+    path: str | Path,
+    *,
+    cfg: LoraConfig,
+    dtype: str,
+    source: Path,
+    rank: int,
+    version: int,
+) -> Path:
+    """Write a PEFT adapter folder: ``adapter_config.json``, ``adapter_model.safetensors`` (PEFT's
+    ``save_pretrained`` names), the tokenizer files and :data:`VERSION_FILE`. transformers + PEFT
+    load it onto ``source``, the base (``base_model_name_or_path``). Collective: the adapters are
+    gathered over the actor's ranks, rank 0 writes."""
+    from safetensors.torch import save_file
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    path = Path(path).resolve()
+    tensors = adapters.adapter_state_dict(model, TORCH_DTYPE_MAP[dtype], keep=rank == 0)
+    if rank == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        named = {adapters.PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()}
+        save_file(named, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(source.resolve()),
+            "r": cfg.rank,
+            "lora_alpha": cfg.alpha,
+            "lora_dropout": cfg.dropout,
+            "target_modules": list(cfg.targets),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
+        }
+        (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, path / name)
+        (path / VERSION_FILE).write_text(json.dumps({"version": version}))
     dist.barrier()
     return path

@@ -29,7 +29,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl import malloc
 from asyncrl.dataflow import Dataflow
-from asyncrl.learner import cpu_shims, export, passes
+from asyncrl.learner import cpu_shims, export, lora, passes
 from asyncrl.learner.build import Builder
 from asyncrl.learner.calls import CALL_RUNNERS
 from asyncrl.learner.checkpoint import Checkpoints
@@ -153,8 +153,10 @@ class Trainer:
             extra_states=critic_states or {},
             adapter=self.adapter,
             run_dir=self.run_dir,
-            hf_folder=self.model_dir if actor.whole_world else None,
+            # with LoRA the checkpoint holds the adapters: the base is always read by _load
+            hf_folder=self.model_dir if actor.whole_world and not self.lora else None,
             enabled=checkpointing,
+            adapters_only=self.lora,
         )
         self._load()
         # a reward model: the scalar-head model trained on preference pairs by its own executor
@@ -174,6 +176,11 @@ class Trainer:
         self.realloc = reallocation(m)
 
     # -- what the step runs on (self.models), by the names the learner's users know -------------
+
+    @property
+    def lora(self) -> bool:
+        """Whether the actor trains LoRA adapters on a frozen base (``learner.lora``)."""
+        return self.config.build.lora.enabled
 
     @property
     def model(self) -> torch.nn.Module:
@@ -226,7 +233,8 @@ class Trainer:
         HF folder); after a resume the actor holds trained weights, and on other ranks there is no
         actor to copy from: read from the HF folder. Collective over the ref's ranks."""
         assert self.ref_model is not None
-        if not self.resumed and ref_mesh.ranks == self.meshes["actor"].ranks:
+        same = not self.lora  # a LoRA actor's parameters are the base's and its adapters'
+        if same and not self.resumed and ref_mesh.ranks == self.meshes["actor"].ranks:
             moved = reshard(self.model, self.ref_model)
             self.ref_source = "reshard"
             log.info(
@@ -240,6 +248,7 @@ class Trainer:
         self.build.load_hf(self.ref_model, self.adapter, self.model_dir, group=ref_mesh.group)
         self.ref_source = "hf"
         why = "the actor holds trained weights" if self.resumed else "not on the actor's ranks"
+        why = why if same else "the actor has LoRA adapters"
         log.info("π_ref: loaded from %s (%s)", self.model_dir, why)
 
     def model_spec(self) -> ModelSpec:
@@ -270,7 +279,8 @@ class Trainer:
         return self.checkpoints.latest_step()
 
     def _load(self) -> None:
-        """The latest checkpoint (with ``run.resume``), else the HF weights of ``model.path``."""
+        """The latest checkpoint (with ``run.resume``), else the HF weights of ``model.path``. With
+        LoRA the base always comes from ``model.path`` and a checkpoint holds the adapters."""
         step = self.latest_checkpoint_step()
         if step >= 0 and not self.config.resume:
             raise LearnerError(
@@ -280,7 +290,7 @@ class Trainer:
         self.resumed = step >= 0  # the actor holds a checkpoint's weights, not model.path's
         state = self.checkpoints.load()
         actor = self.meshes["actor"]
-        if step < 0 and not actor.whole_world and actor.holds:
+        if actor.holds and (self.lora or (step < 0 and not actor.whole_world)):
             self.build.load_hf(self.model, self.adapter, self.model_dir, group=actor.group)
         if state is not None:
             self.version = int(state.get("version", step))
@@ -326,14 +336,17 @@ class Trainer:
         self, dtype: torch.dtype | None = None, *, all_ranks: bool = True
     ) -> dict[str, torch.Tensor]:
         """The actor's full tensors under HF names (:func:`export.hf_state_dict`; collective over the
-        actor's ranks). With ``all_ranks=False`` only rank 0 keeps them."""
-        return export.hf_state_dict(
-            self.model, self.adapter, dtype, keep=all_ranks or self.rank == 0
-        )
+        actor's ranks); with LoRA its adapters alone (:func:`lora.adapter_state_dict`: the
+        generators hold the base). With ``all_ranks=False`` only rank 0 keeps them."""
+        keep = all_ranks or self.rank == 0
+        if self.lora:
+            return lora.adapter_state_dict(self.model, dtype, keep=keep)
+        return export.hf_state_dict(self.model, self.adapter, dtype, keep=keep)
 
     def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
         """The actor as an HF folder at ``path`` (:func:`export.export_hf`; collective); a reward
-        model as a sequence-classification folder (``score.weight``, one label)."""
+        model as a sequence-classification folder (``score.weight``, one label). With LoRA, as
+        ``learner.lora.export`` says: a PEFT adapter folder, or the HF folder with B A merged."""
         self.free_gradients()
         out = export.export_hf(
             self.model,
@@ -342,6 +355,8 @@ class Trainer:
             dtype=dtype or self.config.build.dtype,
             source=self.model_dir,
             rank=self.rank,
+            lora=self.config.build.lora,
+            version=self.version,
         )
         if self.reward_model is not None:
             if self.rank == 0:

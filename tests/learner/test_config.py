@@ -7,6 +7,7 @@ from pathlib import Path
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.learner.config import BuildConfig, CheckpointPolicy, HeldOutPairs, TrainerConfig
+from asyncrl.recipe import LoraConfig
 
 # every value differs from the recipe's default, so a field read from the wrong place (or left at
 # a default) differs from what the recipe says
@@ -48,6 +49,7 @@ SPEC = {
         "checkpoint_async": False,
         "keep_checkpoints": 5,
         "export_every": 6,
+        "lora": {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "down_proj"]},
     },
     "critic": {"path": "v", "lr": 3e-3},
     "placement": {"ref": {"offload": True}},
@@ -98,6 +100,8 @@ def test_from_recipe_carries_what_a_step_with_a_critic_and_a_reference_reads(tmp
             lr_schedule="cosine",
             updates_per_version=6,
             versions=11,
+            lora=LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "down_proj"]),
+            seed=7,
         ),
         "checkpoints": CheckpointPolicy(every=4, asynchronous=False, keep=5, export_every=6),
         "held_out": HeldOutPairs(path=base / "pairs.jsonl", limit=5, every=3, data=r.data),
