@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from asyncrl import recipe as recipe_mod
@@ -26,12 +27,21 @@ def evaluate_model(
     r: Recipe, model_dir: str | Path, *, log_path: str | Path | None = None
 ) -> EvalReport | None:
     """Greedy held-out score of ``model_dir`` (None when the recipe has no held-out prompts).
+    A LoRA adapter export (``learner.lora.export: adapter``) is evaluated as its base with the
+    adapters merged (:func:`asyncrl.learner.lora.merge_peft_folder`, in a temporary folder).
     Raises RuntimeError if the engine does not start."""
     from asyncrl.rollout.engine import start_engine_process
+    from asyncrl.weights.exports import is_adapter_export
 
     evaluation = Evaluation.from_recipe(r)
     if evaluation is None:
         return None
+    if is_adapter_export(model_dir):
+        from asyncrl.learner.lora import merge_peft_folder
+
+        with tempfile.TemporaryDirectory(prefix="asyncrl-merged-") as tmp:
+            merged = merge_peft_folder(Path(model_dir), Path(tmp))
+            return evaluate_model(r, merged, log_path=log_path)
     with start_engine_process(
         str(model_dir),
         host="127.0.0.1",

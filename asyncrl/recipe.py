@@ -821,6 +821,34 @@ def check_critic_placement(
         )
 
 
+def check_lora(r: Recipe, *, file: str | None = None) -> None:
+    """What LoRA (``learner.lora``, docs/lora.md) cannot train right: adapters under tensor
+    parallelism (the fused wqkv's rows are sharded there and the adapters' deltas are laid out for
+    the whole of it), a reward model (its score head and backbone train), repeated targets."""
+    lo = r.learner.lora
+    if not lo.enabled:
+        return
+    if r.placement.actor.tensor_parallel > 1:
+        raise RecipeError(
+            f"adapters are not supported with placement.actor.tensor_parallel "
+            f"{r.placement.actor.tensor_parallel}: set it 1 (FSDP alone) or learner.lora.rank 0",
+            file=file,
+            key="learner.lora",
+        )
+    if r.algorithm.loss == "reward_model":
+        raise RecipeError(
+            "a reward model trains its backbone and score head, not adapters: set rank 0",
+            file=file,
+            key="learner.lora",
+        )
+    if not lo.targets or len(set(lo.targets)) != len(lo.targets):
+        raise RecipeError(
+            f"must name each HF linear layer once, got {lo.targets}",
+            file=file,
+            key="learner.lora.targets",
+        )
+
+
 def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = True) -> None:
     """Checks across fields and on the file system (unless ``check_files`` is false)."""
     r = recipe
@@ -955,6 +983,7 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
                 file=file,
                 key="algorithm.kl_coef",
             )
+    check_lora(r, file=file)
     rm = r.rollout.reward_model
     if r.rollout.reward == "model" and not rm.enabled:
         raise RecipeError(

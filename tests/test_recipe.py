@@ -461,3 +461,19 @@ def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused(tmp_path, tiny
     with pytest.raises(RecipeError, match="tokenizer.json in one folder only"):
         recipe.load(path)
     assert recipe.load(path, check_files=False).rollout.teacher.path == str(teacher)
+
+
+def test_lora_combinations_that_cannot_train_are_one_line_errors():
+    on = {"learner": {"lora": {"rank": 8}}}
+    assert recipe.from_dict(on).learner.lora.scaling == 2.0
+    tp = on | {"placement": {"actor": {"tensor_parallel": 2}}}
+    with pytest.raises(RecipeError, match=r"^learner\.lora: adapters are not supported with "):
+        recipe.from_dict(tp)
+    rm = on | {"algorithm": {"loss": "reward_model"}}
+    with pytest.raises(RecipeError, match=r"^learner\.lora: a reward model trains"):
+        recipe.from_dict(rm, check_files=False)
+    twice = {"learner": {"lora": {"rank": 8, "targets": ["q_proj", "q_proj"]}}}
+    with pytest.raises(RecipeError, match=r"^learner\.lora\.targets: must name each"):
+        recipe.from_dict(twice)
+    # without adapters the same placement is fine
+    recipe.from_dict({"placement": {"actor": {"tensor_parallel": 2}}})

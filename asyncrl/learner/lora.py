@@ -16,9 +16,12 @@ base model).
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -27,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from asyncrl.learner.model import ModelConfigError
 from asyncrl.recipe import LoraConfig
+from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, VERSION_FILE
 
 HF_TARGETS: dict[str, tuple[str, str, str]] = {
     # HF target: (its HF parent module in a decoder layer, the TorchTitan Linear in a block,
@@ -213,11 +217,50 @@ def merge(
         layer, target = re.match(r"model\.layers\.(\d+)\.\w+\.(\w+)\.lora_A", name).groups()
         key = f"layers.{layer}.{HF_TARGETS[target][2]}"
         w = out[key]
-        delta = (b.to(torch.float32) @ a.to(torch.float32)) * scaling
-        delta = delta.to(w.dtype)
+        delta = delta_weight(a, b, scaling, w.dtype)
         if isinstance(w, DTensor):
             delta = distribute_tensor(
                 delta.to(w.device), w.device_mesh, w.placements, src_data_rank=None
             )
         out[key] = w + delta
+    return out
+
+
+def delta_weight(
+    a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """What an adapter adds to its target's weight, PEFT's ``(B @ A) · scaling`` (in float32)."""
+    return ((b.to(torch.float32) @ a.to(torch.float32)) * scaling).to(dtype)
+
+
+def merge_peft_folder(adapter: Path, out: Path) -> Path:
+    """An HF folder at ``out``: the adapter export's base (``base_model_name_or_path``) with each
+    target's ``scaling · B A`` added, for a consumer that loads whole models only (the built-in
+    engine of :func:`asyncrl.evaluate.evaluate_model`). Reads and writes one safetensors file of
+    the base at a time."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    base = Path(cfg["base_model_name_or_path"])
+    scaling = cfg["lora_alpha"] / cfg["r"]
+    pairs = {
+        k.removeprefix(PEFT_PREFIX): v for k, v in load_file(adapter / ADAPTER_WEIGHTS).items()
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy2(f, out / f.name)
+    for f in [*adapter.iterdir()]:  # its tokenizer files and version
+        if f.name not in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) and f.is_file():
+            shutil.copy2(f, out / f.name)
+    for f in sorted(base.glob("*.safetensors")):
+        tensors = load_file(f)
+        for k, w in tensors.items():
+            a = pairs.get(k.removesuffix(".weight") + ".lora_A.weight")
+            if a is not None:
+                b = pairs[k.removesuffix(".weight") + ".lora_B.weight"]
+                tensors[k] = w + delta_weight(a, b, scaling, w.dtype)
+        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
+    if not (out / VERSION_FILE).exists() and (adapter / VERSION_FILE).exists():
+        shutil.copy2(adapter / VERSION_FILE, out / VERSION_FILE)
     return out

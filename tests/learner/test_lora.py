@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asyncrl import recipe as recipe_mod
+from asyncrl.learner.lora import merge_peft_folder
 from asyncrl.learner.packing import make_sequence, pack
 from asyncrl.weights.exports import VERSION_FILE, is_adapter_export, latest_export
 from tests.learner.test_model import hf_logprobs, make_trainer, random_sequences
@@ -70,8 +71,9 @@ def peft_logprobs(model, seqs) -> list[torch.Tensor]:
     return out
 
 
-def test_step_zero_is_the_base_and_only_adapters_train(tiny_qwen3, tmp_path):
-    tr = lora_trainer(tiny_qwen3, tmp_path)
+@pytest.mark.parametrize("loss", ["ppo", "sft"])
+def test_step_zero_is_the_base_and_only_adapters_train(tiny_qwen3, tmp_path, loss):
+    tr = lora_trainer(tiny_qwen3, tmp_path, algorithm={"loss": loss})
     seqs = random_sequences(3, tr.spec.model.vocab_size)
     # B = 0: the adapted model is the base model
     for got, ref in zip(learner_logprobs(tr, seqs), hf_logprobs(tiny_qwen3, seqs), strict=True):
@@ -146,6 +148,12 @@ def test_adapter_and_merged_exports_load_in_transformers_to_the_learners_logprob
     for model in (peft, auto):
         for got, ref in zip(peft_logprobs(model, seqs), want, strict=True):
             assert_logits_close(got, ref)
+
+    # what the launcher's held-out evaluation loads for an adapter export (asyncrl/evaluate.py)
+    folded_folder = merge_peft_folder(folder, tmp_path / "folded")
+    assert (folded_folder / "config.json").is_file()
+    for got, ref in zip(hf_logprobs(folded_folder, seqs), want, strict=True):
+        assert_logits_close(got, ref)
 
     tr.config.build.lora.export = "merged"  # the same trainer, the other export
     merged = tr.export_hf(tmp_path / "merged", dtype="float32")
