@@ -389,6 +389,7 @@ class Doctor:
             weights_overlap=r.weights.overlap,
             samples_per_update=self.samples_per_update(),
             checkpoint_async=lc.checkpoint_async,
+            lora_params=self.lora_params(lc),
         )
         rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.uses_rollouts, **kw)
         return rank0, memory.learner_plan(self.dims, rank0=False, **kw)
@@ -446,7 +447,13 @@ class Doctor:
             checkpointing=lc.activation_checkpointing,
             chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
             samples_per_update=self.samples_per_update(),
+            lora_params=self.lora_params(lc),
         )
+
+    def lora_params(self, lc: recipe_mod.LearnerConfig) -> int:
+        """The actor's LoRA adapter parameters (0: no ``learner.lora``, the whole model trains)."""
+        assert self.dims is not None
+        return self.dims.lora_params(lc.lora.rank, lc.lora.targets) if lc.lora.enabled else 0
 
     def samples_per_update(self) -> int:
         """Sequences one optimizer update trains on: sft's batch, or an RL batch's minibatch."""
@@ -527,6 +534,11 @@ class Doctor:
             parts += f" (+ async checkpoint staging {gib(rank0.checkpoint_staging)} on the host)"
         ac = r.learner.activation_checkpointing
         what = f"(activations: {rank0.tokens:,} tokens, checkpointing {ac})"
+        if r.learner.lora.enabled:
+            adapters = self.lora_params(r.learner)
+            what += (
+                f" (LoRA rank {r.learner.lora.rank}: {adapters / 1e6:.1f} M adapter params train)"
+            )
         need, have = self.learner_need()
         if self.device.cuda:
             where = f"{gib(have)} GiB free on the smallest GPU"

@@ -103,6 +103,20 @@ class ModelDims:
             return max(self.block_params, self.embedding_params + head)
         return max(self.block_params, self.embedding_params, head)
 
+    def lora_params(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
+        """LoRA adapter parameters (``learner.lora``): ``rank · (in + out)`` per target and layer."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        shape = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        return self.layers * sum(rank * sum(shape[t]) for t in targets)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token."""
         return 2 * self.layers * self.kv_dim * dtype_bytes
@@ -219,6 +233,7 @@ def learner_plan(
     samples_per_update: int = 0,
     checkpoint_async: bool = False,
     tensor_parallel: int = 1,
+    lora_params: int = 0,
 ) -> LearnerPlan:
     """Bytes on one learner rank at the peak of a step, FSDP2 over ``ranks``.
 
@@ -252,30 +267,45 @@ def learner_plan(
       dtype, twice when it overlaps (version v still sending while v+1 is gathered).
     - checkpoint staging (host memory, not in ``total``): an asynchronous DCP save copies this
       rank's float32 parameter and AdamW shards to the host, ``12·P/N``.
+
+    With LoRA (``lora_params`` A > 0, :meth:`ModelDims.lora_params`) the frozen base keeps its
+    float32 shards, ``4·P/N``, and the adapters add theirs; gradients and AdamW exist for the
+    adapters alone (``4·A/N``, ``8·A/N``), as do the FSDP gather's gradient buffers (a block's
+    adapters), the weight snapshot (the adapters in the wire dtype) and the checkpoint (adapters
+    and their AdamW). The activations are priced as without: the backward still runs through every
+    block to reach the adapters, and each target's input is saved for its A's gradient.
     """
     compute = DTYPE_BYTES[compute_dtype]
     p = dims.params
     shard = math.ceil(p / ranks)
+    # what trains: the whole model, or its adapters (the base frozen)
+    adapter_shard = math.ceil(lora_params / ranks)
+    trained = adapter_shard if lora_params else shard
+    gathered, graded = dims.largest_fsdp_unit, dims.largest_fsdp_unit
+    if lora_params:
+        per_block = lora_params // dims.layers
+        gathered = max(gathered, dims.block_params + per_block)
+        graded = per_block
     tokens = max(micro_batch_tokens, max_seq_len)
     if samples_per_update:
         tokens = min(tokens, math.ceil(samples_per_update * tensor_parallel / ranks) * max_seq_len)
     per_token = activation_bytes_per_token(dims, checkpointing, compute, tensor_parallel)
     snapshots = (2 if weights_overlap else 1) if rank0 else 0
     return LearnerPlan(
-        params=MASTER_BYTES * shard,
-        grads=MASTER_BYTES * shard,
-        optimizer=2 * MASTER_BYTES * shard,
+        params=MASTER_BYTES * (shard + adapter_shard),
+        grads=MASTER_BYTES * trained,
+        optimizer=2 * MASTER_BYTES * trained,
         reference=MASTER_BYTES * shard if reference_model else 0,
         critic=4 * MASTER_BYTES * shard if critic_model else 0,
         fsdp_gather=math.ceil(
-            (3 * compute + REDUCE_BYTES) * dims.largest_fsdp_unit / tensor_parallel
+            (2 * compute * gathered + (compute + REDUCE_BYTES) * graded) / tensor_parallel
         ),
         activations=tokens * per_token,
         logits=logits_chunk_bytes(dims.vocab, min(chunk_tokens, tokens)),
-        weight_snapshot=snapshots * p * DTYPE_BYTES[weights_dtype],
+        weight_snapshot=snapshots * (lora_params or p) * DTYPE_BYTES[weights_dtype],
         tokens=tokens,
         activation_bytes_per_token=per_token,
-        checkpoint_staging=(6 if critic_model else 3) * MASTER_BYTES * shard
+        checkpoint_staging=3 * MASTER_BYTES * (trained + (shard if critic_model else 0))
         if checkpoint_async
         else 0,
     )
@@ -350,6 +380,7 @@ def rank_plans(
     publisher: int | None = 0,
     weights_dtype: str = "bfloat16",
     weights_overlap: bool = True,
+    lora_params: int = 0,
     **kw: Any,
 ) -> list[RankPlan]:
     """Each learner rank's peak with placement and reallocation.
@@ -360,15 +391,27 @@ def rank_plans(
     role there that is resident (not offloaded) or called by the phase, plus the largest working
     set of the roles it calls there (their calls run one after another): FSDP gather and logits
     chunk, and the activations of a role it trains. ``publisher`` (the actor's first rank, when
-    the run publishes weights) also holds the weight snapshot(s) throughout. ``kw``: the other
-    :func:`learner_plan` arguments."""
+    the run publishes weights) also holds the weight snapshot(s) throughout. ``lora_params``: the
+    actor's adapters (:func:`learner_plan`): its base keeps ``4·P/k``, its adapters ``16·A/k``, and
+    the snapshot is theirs. ``kw``: the other :func:`learner_plan` arguments."""
     plans = {
         lay.role: learner_plan(
-            dims, ranks=len(lay.ranks), tensor_parallel=lay.tensor_parallel, rank0=False, **kw
+            dims,
+            ranks=len(lay.ranks),
+            tensor_parallel=lay.tensor_parallel,
+            rank0=False,
+            lora_params=lora_params if lay.role == "actor" else 0,
+            **kw,
         )
         for lay in layouts
     }
-    snapshot = (2 if weights_overlap else 1) * dims.params * DTYPE_BYTES[weights_dtype]
+    published = lora_params or dims.params
+    snapshot = (2 if weights_overlap else 1) * published * DTYPE_BYTES[weights_dtype]
+
+    def state_bytes(role: str, k: int) -> int:
+        if role == "actor" and lora_params:
+            return math.ceil((MASTER_BYTES * dims.params + 4 * MASTER_BYTES * lora_params) / k)
+        return math.ceil(STATE_BYTES[role] * dims.params / k)
 
     def working(role: str, trains: bool) -> int:
         lp = plans[role]
@@ -378,10 +421,7 @@ def rank_plans(
     out = []
     for rank in range(world):
         here = [lay for lay in layouts if rank in lay.ranks]
-        states = {
-            lay.role: math.ceil(STATE_BYTES[lay.role] * dims.params / len(lay.ranks))
-            for lay in here
-        }
+        states = {lay.role: state_bytes(lay.role, len(lay.ranks)) for lay in here}
         snap = snapshot if rank == publisher else 0
         by_phase, without = {}, 0
         for ph in phases:

@@ -380,3 +380,63 @@ def test_reallocation_counts_an_offloaded_roles_states_only_while_it_runs():
     )
     assert rank1.peak == rank1.phases["train_actor, train_critic"]
     assert rank1.peak_without_offload - rank1.peak == 4 * shard  # the ref's 4.1 GB
+
+
+def test_lora_prices_the_adapters_and_their_training_state_only():
+    """``learner.lora`` rank 16 on every target (PEFT's count for these models): the frozen base
+    keeps its float32 shards; gradients, AdamW, the gradient buffers, the snapshot and the
+    checkpoint are the adapters'."""
+    small, big = ModelDims.from_hf_config(QWEN3_0_6B), ModelDims.from_hf_config(QWEN3_8B)
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # r · (in + out) per target: q 1024+2048, k and v 1024+1024, o 2048+1024, FFN 3 × (1024+3072)
+    assert small.lora_params(16, every) == 28 * 16 * (3072 + 2 * 2048 + 3072 + 3 * 4096)
+    assert small.lora_params(16, every) == 10_092_544
+    # q 4096+4096, k and v 4096+1024, o 4096+4096, FFN 3 × (4096+12288)
+    adapters = big.lora_params(16, every)
+    assert adapters == 36 * 16 * (8192 + 2 * 5120 + 8192 + 3 * 16384) == 43_646_976
+    assert big.lora_params(16, ["q_proj", "v_proj"]) == 36 * 16 * (8192 + 5120)
+    full = _plan_8b("full")
+    plan = learner_plan(
+        big,
+        ranks=16,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=65_536,
+        max_seq_len=8192,
+        checkpointing="full",
+        chunk_tokens=chunk_tokens(151_936, 256.0),
+        weights_dtype="bfloat16",
+        checkpoint_async=True,
+        lora_params=adapters,
+    )
+    a_shard = math.ceil(adapters / 16)  # 2,727,936
+    assert plan.params == 4 * (8_190_735_360 // 16 + a_shard)
+    assert plan.grads == 4 * a_shard and plan.optimizer == 8 * a_shard
+    # two bfloat16 copies of the largest unit (the output projection: a block with its adapters
+    # is smaller); a block's adapters' gradient, unsharded and in the float32 reduce-scatter input
+    assert plan.fsdp_gather == 2 * 2 * 622_333_952 + (2 + 4) * adapters // 36
+    assert plan.activations == full.activations and plan.logits == full.logits
+    assert plan.weight_snapshot == 2 * adapters * 2  # overlap: two bfloat16 copies
+    assert plan.checkpoint_staging == 3 * 4 * a_shard  # adapters and both moments
+    # 8.2B on 16 ranks: 33.6 GiB a rank against 73.1 GiB for the whole model, the activations
+    # (28.9 GiB) most of it; the snapshot alone was 30.5 GiB of the difference
+    assert plan.total == sum(
+        [2_058_595_584, 10_911_744, 21_823_488, 2_496_610_304, 31_004_295_168, 267_407_360]
+        + [174_587_904]
+    )
+    assert full.total - plan.total > 39 * 2**30
+
+    # with placement: the actor's states between calls are its base and 16 B per adapter parameter
+    ranks = rank_plans(
+        small,
+        [RoleLayout(role="actor", ranks=(0, 1))],
+        [Phase(label="train_actor", roles=frozenset({"actor"}), trains=frozenset({"actor"}))],
+        world=2,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=4096,
+        max_seq_len=1024,
+        checkpointing="none",
+        chunk_tokens=110,
+        lora_params=small.lora_params(16, every),
+    )
+    assert ranks[0].states["actor"] == math.ceil((4 * 596_049_920 + 16 * 10_092_544) / 2)
+    assert ranks[0].weight_snapshot == 2 * 10_092_544 * 2 and ranks[1].weight_snapshot == 0
