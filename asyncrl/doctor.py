@@ -383,7 +383,7 @@ class Doctor:
             max_seq_len=r.model.max_seq_len,
             checkpointing=lc.activation_checkpointing,
             chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
-            reference_model=r.algorithm.kl_coef > 0 or r.algorithm.kl_reward_coef > 0,
+            reference_model=memory.uses_reference(r),
             critic_model=r.algorithm.uses_rollouts and r.algorithm.advantage in TOKEN_ADVANTAGES,
             weights_dtype=r.weights.dtype,
             weights_overlap=r.weights.overlap,

@@ -13,7 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.recipe import TOKEN_ADVANTAGES, Checkpointing, GeneratorKind, Recipe
+from asyncrl.recipe import (
+    TOKEN_ADVANTAGES,
+    Checkpointing,
+    GeneratorKind,
+    Recipe,
+    ref_is_lora_base,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -448,16 +454,24 @@ def rank_plans(
     return out
 
 
+def uses_reference(recipe: Recipe) -> bool:
+    """Whether the learner holds a π_ref model of its own: a KL term needs one, unless it is the
+    LoRA actor's frozen base (:func:`asyncrl.recipe.ref_is_lora_base`)."""
+    a, lc = recipe.algorithm, recipe.learner
+    kl = a.kl_coef > 0 or a.kl_reward_coef > 0
+    return kl and not ref_is_lora_base(recipe.placement, lc.lora, lc.ranks)
+
+
 def role_layouts(recipe: Recipe) -> list[RoleLayout]:
     """The learner's model roles in ``recipe`` (the actor; the critic of gae / vtrace; the
-    reference of a KL term) with their ``placement``, as on GPUs (a reference without ranks of
+    reference of a KL term, unless LoRA's base is it) with their ``placement``, as on GPUs (a reference without ranks of
     its own is laid out as the actor, on its ranks). The actor is never offloaded:
     the learner publishes, checkpoints and exports it between steps."""
     a, world = recipe.algorithm, recipe.learner.ranks
     roles = ["actor"]
     if a.uses_rollouts and a.advantage in TOKEN_ADVANTAGES:
         roles.append("critic")
-    if a.kl_coef > 0 or a.kl_reward_coef > 0:
+    if uses_reference(recipe):
         roles.append("ref")
     out = []
     for role in roles:

@@ -821,6 +821,19 @@ def check_critic_placement(
         )
 
 
+def ref_is_lora_base(placement: PlacementConfig, lora: LoraConfig, world: int) -> bool:
+    """Whether π_ref is the LoRA actor's frozen base, its adapters off in the ``ref`` call, with no
+    model of its own: adapters on, and the reference laid out as the actor (its ranks, its tensor
+    parallelism) and not offloaded (docs/lora.md)."""
+    a, ref = placement.actor, placement.ref
+    return (
+        lora.enabled
+        and not ref.offload
+        and ref.tensor_parallel == a.tensor_parallel
+        and placement.ranks_of("ref", world) == placement.ranks_of("actor", world)
+    )
+
+
 def check_lora(r: Recipe, *, file: str | None = None) -> None:
     """What LoRA (``learner.lora``, docs/lora.md) cannot train right: adapters under tensor
     parallelism (the fused wqkv's rows are sharded there and the adapters' deltas are laid out for

@@ -25,6 +25,7 @@ from asyncrl.memory import (
     in_flight_sequences,
     learner_plan,
     rank_plans,
+    role_layouts,
     saved_per_layer,
 )
 
@@ -440,3 +441,16 @@ def test_lora_prices_the_adapters_and_their_training_state_only():
     )
     assert ranks[0].states["actor"] == math.ceil((4 * 596_049_920 + 16 * 10_092_544) / 2)
     assert ranks[0].weight_snapshot == 2 * 10_092_544 * 2 and ranks[1].weight_snapshot == 0
+
+
+def test_a_lora_actor_is_its_own_reference():
+    """With adapters, a KL term's π_ref is the actor's frozen base: no model, no states of its own,
+    unless it is placed apart from the actor (offloaded, other ranks)."""
+    from asyncrl import recipe
+
+    kl = {"algorithm": {"kl_coef": 0.1}, "learner": {"lora": {"rank": 8}}}
+    assert [lay.role for lay in role_layouts(recipe.from_dict(kl))] == ["actor"]
+    apart = kl | {"placement": {"ref": {"offload": True}}}
+    assert [lay.role for lay in role_layouts(recipe.from_dict(apart))] == ["actor", "ref"]
+    full = {"algorithm": {"kl_coef": 0.1}}
+    assert [lay.role for lay in role_layouts(recipe.from_dict(full))] == ["actor", "ref"]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl import metric_names as names
-from asyncrl.learner import distill, passes
+from asyncrl.learner import distill, lora, passes
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import assign_targets
@@ -135,14 +135,17 @@ def call_prox(models: Models, run: Step) -> None:
 
 
 def call_ref(models: Models, run: Step) -> None:
-    """``ref``: the frozen reference's logprobs (a KL term in the loss, or a KL reward)."""
+    """``ref``: the frozen reference's logprobs (a KL term in the loss, or a KL reward). With
+    LoRA π_ref may be the actor itself: its adapters are off here (:func:`lora.disabled`)."""
     ref = models.ref
-    passes.per_token(
-        models,
-        run.share("ref"),
-        lambda mb: {"ref_logp": passes.token_logprobs(models, mb, ref)[0]},
-        models.meshes["ref"].group,
-    )
+    assert ref is not None
+    with lora.disabled(ref):
+        passes.per_token(
+            models,
+            run.share("ref"),
+            lambda mb: {"ref_logp": passes.token_logprobs(models, mb, ref)[0]},
+            models.meshes["ref"].group,
+        )
 
 
 def call_values(models: Models, run: Step) -> None:

@@ -16,6 +16,7 @@ base model).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -77,6 +78,7 @@ class Adapters(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.scaling = scaling
         self.qkv = qkv
+        self.enabled = True  # off: the base model (:func:`disabled`)
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor:
         p = self.pairs[name]
@@ -98,8 +100,23 @@ class Adapters(nn.Module):
         return torch.cat(parts, dim=-2).reshape(*lead, -1) * self.scaling
 
 
-def _add_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+def _add_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    if not module.lora.enabled:
+        return None  # the base Linear's output as it is
     return out + module.lora(args[0])
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[None]:
+    """The model without its adapters (its frozen base: π_ref of a LoRA run); no-op without any."""
+    found = [m for m in model.modules() if isinstance(m, Adapters)]
+    for m in found:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in found:
+            m.enabled = True
 
 
 def attach(model: nn.Module, cfg: LoraConfig, model_name: str) -> int:

@@ -46,7 +46,7 @@ from asyncrl.learner.reward_model import RewardModelSteps
 from asyncrl.learner.scalar_model import scalar_spec, write_seq_cls_config
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.learner.step import StepResult, sequences, train_step
-from asyncrl.recipe import RecipeError, check_critic_placement, check_placement
+from asyncrl.recipe import RecipeError, check_critic_placement, check_placement, ref_is_lora_base
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -82,6 +82,7 @@ class Trainer:
         self.version = 0
         self.source_state: dict | None = None
         self.last_export = ""
+        self.lora = c.build.lora.enabled  # the actor trains adapters on a frozen base
 
         # Each role's ranks and parallel dims (asyncrl/learner/placement.py), checked first.
         flow, roles = c.flow, c.roles
@@ -153,7 +154,6 @@ class Trainer:
             extra_states=critic_states or {},
             adapter=self.adapter,
             run_dir=self.run_dir,
-            # with LoRA the checkpoint holds the adapters: the base is always read by _load
             hf_folder=self.model_dir if actor.whole_world and not self.lora else None,
             enabled=checkpointing,
             adapters_only=self.lora,
@@ -167,20 +167,12 @@ class Trainer:
             )
             self.reward_model.start(self.adapter, fresh=self.version == 0)
         ref_mesh = meshes.get("ref")
-        self.ref_source = ""  # how π_ref was filled on this rank: "reshard" or "hf"
+        self.ref_source = ""  # how π_ref was filled on this rank: "reshard", "hf" or "actor"
         if ref_mesh is not None and ref_mesh.holds:
-            # π_ref: the initial HF weights, frozen, sharded by its own placement (forward only)
-            m.ref = self.build.model(spec, "ref")
-            self._fill_ref(ref_mesh)
-            m.ref.eval().requires_grad_(False)
+            m.ref = self._make_ref(spec, ref_mesh)
         self.realloc = reallocation(m)
 
     # -- what the step runs on (self.models), by the names the learner's users know -------------
-
-    @property
-    def lora(self) -> bool:
-        """Whether the actor trains LoRA adapters on a frozen base (``learner.lora``)."""
-        return self.config.build.lora.enabled
 
     @property
     def model(self) -> torch.nn.Module:
@@ -227,29 +219,35 @@ class Trainer:
     def max_seq_len(self) -> int:
         return self.models.max_seq_len
 
-    def _fill_ref(self, ref_mesh: RoleMesh) -> None:
-        """π_ref's initial weights: at a fresh start on the actor's ranks they are the actor's
-        just-loaded ones, resharded into the ref's layout (:func:`reshard`: no second read of the
-        HF folder); after a resume the actor holds trained weights, and on other ranks there is no
-        actor to copy from: read from the HF folder. Collective over the ref's ranks."""
-        assert self.ref_model is not None
+    def _make_ref(self, spec: ModelSpec, ref_mesh: RoleMesh) -> torch.nn.Module:
+        """π_ref, frozen, forward only, sharded by its own placement. At a fresh start on the actor's
+        ranks it is resharded from the actor's just-loaded weights (:func:`reshard`: no second HF
+        read); after a resume, on other ranks or beside a LoRA actor, read from the HF folder. With
+        LoRA and laid out as the actor, it is the actor, whose frozen base it is (``call_ref`` turns
+        the adapters off). Collective over the ref's ranks."""
+        c = self.config
+        if ref_is_lora_base(c.placement, c.build.lora, self.world):
+            self.ref_source = "actor"
+            return self.model
+        ref = self.build.model(spec, "ref")
         same = not self.lora  # a LoRA actor's parameters are the base's and its adapters'
         if same and not self.resumed and ref_mesh.ranks == self.meshes["actor"].ranks:
-            moved = reshard(self.model, self.ref_model)
+            moved = reshard(self.model, ref)
             self.ref_source = "reshard"
             log.info(
                 "π_ref: resharded from the actor's initial weights (tensor_parallel %d -> %d, "
                 "%.1f MiB gathered)",
-                self.config.placement.actor.tensor_parallel,
-                self.config.placement.ref.tensor_parallel,
+                c.placement.actor.tensor_parallel,
+                c.placement.ref.tensor_parallel,
                 moved / 2**20,
             )
-            return
-        self.build.load_hf(self.ref_model, self.adapter, self.model_dir, group=ref_mesh.group)
-        self.ref_source = "hf"
-        why = "the actor holds trained weights" if self.resumed else "not on the actor's ranks"
-        why = why if same else "the actor has LoRA adapters"
-        log.info("π_ref: loaded from %s (%s)", self.model_dir, why)
+        else:
+            self.build.load_hf(ref, self.adapter, self.model_dir, group=ref_mesh.group)
+            self.ref_source = "hf"
+            why = "the actor holds trained weights" if self.resumed else "not on the actor's ranks"
+            why = why if same else "the actor has LoRA adapters"
+            log.info("π_ref: loaded from %s (%s)", self.model_dir, why)
+        return ref.eval().requires_grad_(False)
 
     def model_spec(self) -> ModelSpec:
         """The TorchTitan spec of ``model.path``: a causal LM, or a reward model's backbone with its
@@ -279,8 +277,8 @@ class Trainer:
         return self.checkpoints.latest_step()
 
     def _load(self) -> None:
-        """The latest checkpoint (with ``run.resume``), else the HF weights of ``model.path``. With
-        LoRA the base always comes from ``model.path`` and a checkpoint holds the adapters."""
+        """The latest checkpoint (with ``run.resume``), else the HF weights of ``model.path`` (with
+        LoRA the base always is, the adapters from the checkpoint)."""
         step = self.latest_checkpoint_step()
         if step >= 0 and not self.config.resume:
             raise LearnerError(

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asyncrl import recipe as recipe_mod
+from asyncrl.learner import lora as lora_mod
 from asyncrl.learner.lora import merge_peft_folder
 from asyncrl.learner.packing import make_sequence, pack
 from asyncrl.weights.exports import VERSION_FILE, is_adapter_export, latest_export
@@ -260,3 +261,27 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(tiny_qwen3, tmp
         # Adam's g/√v turns the reductions' rounding into up to ~1e-3 of a step (lr 1e-2)
         torch.testing.assert_close(two[k], v, rtol=1e-4, atol=2e-5)
         assert torch.equal(exported["base_model.model." + k], two[k])
+
+
+def test_reference_is_the_actors_base_with_its_adapters_off(tiny_qwen3, tmp_path):
+    """A KL term's π_ref is the LoRA actor itself (no second model) with the adapters off in the
+    ref call: the steps equal those of a run with a π_ref model of its own (an offloaded reference
+    is one: on CPU nothing is freed) bitwise, from the second step on, when B ≠ 0."""
+    kl = {"loss": "ppo", "kl_coef": 0.5}
+    runs = []
+    for placement in ({}, {"ref": {"offload": True}}):
+        tr = lora_trainer(tiny_qwen3, tmp_path, algorithm=kl, placement=placement)
+        losses = [tr.step(rl_batch(99, seed=s)).loss for s in range(3)]
+        runs.append((tr, losses, adapters(tr.model)))
+    (shared, l1, a1), (own, l2, a2) = runs
+    assert shared.ref_model is shared.model and shared.ref_source == "actor"
+    assert own.ref_model is not own.model and own.ref_source == "hf"
+    assert l1 == l2 and all(torch.equal(a1[k], a2[k]) for k in a1)
+    # the reference really is the base: with the adapters on, the same pass gives other logprobs
+    seqs = random_sequences(2, 99)
+    with lora_mod.disabled(shared.model):
+        base = learner_logprobs(shared, seqs)
+    for got, ref in zip(base, hf_logprobs(tiny_qwen3, seqs), strict=True):
+        assert_logits_close(got, ref)
+    on = learner_logprobs(shared, seqs)
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(base, on, strict=True))
