@@ -82,7 +82,11 @@ class Adapters(nn.Module):
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor:
         p = self.pairs[name]
-        return F.linear(F.linear(self.dropout(x), p.A), p.B)  # PEFT: lora_B(lora_A(dropout(x)))
+        # dropout in the training forward only: the forward-only passes (π_prox, drift) must be
+        # the policy's own logprobs, deterministic (the actor stays in train mode between steps)
+        if torch.is_grad_enabled():
+            x = self.dropout(x)
+        return F.linear(F.linear(x, p.A), p.B)  # PEFT: lora_B(lora_A(dropout(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv is None:

@@ -15,6 +15,7 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.learner import lora as lora_mod
 from asyncrl.learner.lora import merge_peft_folder
 from asyncrl.learner.packing import make_sequence, pack
+from asyncrl.learner.passes import hidden
 from asyncrl.weights.exports import VERSION_FILE, is_adapter_export, latest_export
 from tests.learner.test_model import hf_logprobs, make_trainer, random_sequences
 from tests.learner.test_step import rl_batch
@@ -285,3 +286,19 @@ def test_reference_is_the_actors_base_with_its_adapters_off(tiny_qwen3, tmp_path
         assert_logits_close(got, ref)
     on = learner_logprobs(shared, seqs)
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(base, on, strict=True))
+
+
+def test_dropout_acts_in_the_training_forward_only(tiny_qwen3, tmp_path):
+    """``learner.lora.dropout`` is a training regulariser: the forward-only passes (π_prox, π_ref,
+    the logprobs that measure drift) are deterministic, the adapters' inputs whole."""
+    tr = lora_trainer(
+        tiny_qwen3, tmp_path, learner=RL["learner"] | {"lora": LORA | {"dropout": 0.5}}
+    )
+    tr.step(rl_batch(99))  # B ≠ 0: the adapters' inputs matter
+    seqs = random_sequences(3, 99)
+    first, second = learner_logprobs(tr, seqs), learner_logprobs(tr, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    # and the training forward drops: two forwards with gradients differ
+    items = [make_sequence(0, seqs[0][:1], seqs[0][1:])]
+    h1, h2 = (hidden(tr.models, pack(items), tr.model) for _ in range(2))
+    assert not torch.equal(h1, h2)
