@@ -151,7 +151,11 @@ class Doctor:
         try:
             cfg = read_hf_config(path)
             self.dims = ModelDims.from_hf_config(cfg)
-            build_spec(path, attention="auto", max_seq_len=1)  # the structure; attention below
+            spec = build_spec(path, attention="auto", max_seq_len=1)  # attention below
+            if self.recipe.learner.lora.enabled:
+                from asyncrl.learner.lora import check_supported
+
+                check_supported(spec.name)
         except (ModelConfigError, memory.PlanError) as e:
             return [Check(name="model", ok=False, detail=str(e))]
         d = self.dims

@@ -601,3 +601,18 @@ def test_tls_files_readable_and_the_key_is_the_certificates(tmp_path, tiny_qwen3
     assert not c.ok and "fix buffer.tls" in c.detail
     c = _tls(tmp_path, tiny_qwen3, "gone.key")
     assert not c.ok and "gone.key" in c.detail
+
+
+def test_lora_on_a_llama_model_fails_the_model_check_in_one_line(tmp_path):
+    """The learner's refusal (asyncrl/learner/lora.py:check_supported), said before a run."""
+    llama = QWEN3_0_6B | {"model_type": "llama", "rope_theta": 10000.0}
+    model = _config_only_model(tmp_path / "llama", llama)
+    for lora, ok in (("0", True), ("8", False)):
+        r = recipe_mod.load(
+            ROOT / "recipes/qwen3_0.6b_gsm8k.yaml",
+            [f"model.path={model}", f"learner.lora.rank={lora}"],
+            check_files=False,
+        )
+        (check,) = Doctor(recipe=r).check_model()
+        assert check.ok is ok, check.detail
+    assert check.detail.startswith("learner.lora: only Qwen3 models") and "\n" not in check.detail

@@ -123,15 +123,20 @@ def disabled(model: nn.Module) -> Iterator[None]:
             m.enabled = True
 
 
-def attach(model: nn.Module, cfg: LoraConfig, model_name: str) -> int:
-    """Put ``cfg``'s adapters on every block of a meta-built TorchTitan model and freeze the rest;
-    returns the adapter parameter count. ``model_name``: the spec's (only qwen3 is supported)."""
+def check_supported(model_name: str) -> None:
+    """Refuse a model adapters cannot be put on (its TorchTitan spec's name): only Qwen3."""
     if model_name != "qwen3":
         raise ModelConfigError(
             f"learner.lora: only Qwen3 models (model_type qwen3) take adapters, not {model_name}: "
             "TorchTitan's Llama permutes the q/k rows from HF's, so the adapters' rows would not "
             "be PEFT's"
         )
+
+
+def attach(model: nn.Module, cfg: LoraConfig, model_name: str) -> int:
+    """Put ``cfg``'s adapters on every block of a meta-built TorchTitan model and freeze the rest;
+    returns the adapter parameter count. ``model_name``: the spec's (:func:`check_supported`)."""
+    check_supported(model_name)
     count = 0
     for block in model.layers.values():
         by_linear: dict[str, list[str]] = {}
