@@ -6,6 +6,7 @@ another's owner for it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +26,8 @@ from torchtitan.protocols.model_spec import ModelSpec
 from asyncrl.learner import cpu_shims, lora
 from asyncrl.learner.config import BuildConfig
 from asyncrl.learner.placement import RoleMesh
+
+log = logging.getLogger("asyncrl.learner")
 
 AC_CONFIGS = {"none": lambda: None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 
@@ -53,7 +56,13 @@ class Builder:
         c = self.config
         with_lora = role == "actor" and c.lora.enabled
         if with_lora:
-            lora.attach(model, c.lora, spec.name)
+            n = lora.attach(model, c.lora, spec.name)
+            log.info(
+                "learner.lora: %.1f M adapter parameters train (rank %d on %s), the base is frozen",
+                n / 1e6,
+                c.lora.rank,
+                ", ".join(c.lora.targets),
+            )
         model = spec.parallelize_fn(
             model,
             parallel_dims=mesh.parallel_dims,

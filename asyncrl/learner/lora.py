@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from asyncrl.learner.model import ModelConfigError
 from asyncrl.recipe import LoraConfig
-from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, VERSION_FILE
+from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 HF_TARGETS: dict[str, tuple[str, str, str]] = {
     # HF target: (its HF parent module in a decoder layer, the TorchTitan Linear in a block,
@@ -137,11 +137,11 @@ def attach(model: nn.Module, cfg: LoraConfig, model_name: str) -> int:
     """Put ``cfg``'s adapters on every block of a meta-built TorchTitan model and freeze the rest;
     returns the adapter parameter count. ``model_name``: the spec's (:func:`check_supported`)."""
     check_supported(model_name)
+    by_linear: dict[str, list[str]] = {}  # q, k and v share wqkv
+    for t in cfg.targets:
+        by_linear.setdefault(HF_TARGETS[t][1], []).append(t)
     count = 0
     for block in model.layers.values():
-        by_linear: dict[str, list[str]] = {}
-        for t in cfg.targets:
-            by_linear.setdefault(HF_TARGETS[t][1], []).append(t)
         for path, targets in by_linear.items():
             linear = block.get_submodule(path)
             qkv = None
@@ -276,7 +276,7 @@ def merge_peft_folder(adapter: Path, out: Path) -> Path:
     for f in base.iterdir():
         if f.suffix != ".safetensors" and f.is_file():
             shutil.copy2(f, out / f.name)
-    for f in [*adapter.iterdir()]:  # its tokenizer files and version
+    for f in adapter.iterdir():  # its tokenizer files and VERSION_FILE
         if f.name not in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) and f.is_file():
             shutil.copy2(f, out / f.name)
     for f in sorted(base.glob("*.safetensors")):
@@ -287,6 +287,4 @@ def merge_peft_folder(adapter: Path, out: Path) -> Path:
                 b = pairs[k.removesuffix(".weight") + ".lora_B.weight"]
                 tensors[k] = w + delta_weight(a, b, scaling, w.dtype)
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
-    if not (out / VERSION_FILE).exists() and (adapter / VERSION_FILE).exists():
-        shutil.copy2(adapter / VERSION_FILE, out / VERSION_FILE)
     return out
