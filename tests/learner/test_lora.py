@@ -302,3 +302,36 @@ def test_dropout_acts_in_the_training_forward_only(tiny_qwen3, tmp_path):
     items = [make_sequence(0, seqs[0][:1], seqs[0][1:])]
     h1, h2 = (hidden(tr.models, pack(items), tr.model) for _ in range(2))
     assert not torch.equal(h1, h2)
+
+
+def test_an_sft_run_with_adapters_exports_peft_folders_the_run_finds(tiny_qwen3, tmp_path):
+    """`asyncrl learner` (SFT, one rank, in this process) with adapters: its exports are adapter
+    folders, the newest one is the run's ``hf/latest``, and the loss goes down."""
+    import yaml
+
+    from asyncrl import tasks
+    from asyncrl.learner.main import main
+    from asyncrl.metrics import read_metrics
+
+    train, _ = tasks.write_task("reverse", tmp_path / "data", train=256, eval=8)
+    recipe = tmp_path / "sft.yaml"
+    learner = {"lr": 3e-3, "batch_size": 16, "checkpoint_every": 2, "export_every": 2}
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "sft", "output_dir": str(tmp_path / "runs"), "steps": 4},
+                "model": {"path": str(tiny_qwen3), "max_seq_len": 32},
+                "data": {"path": str(train)},
+                "algorithm": {"loss": "sft"},
+                "learner": learner | {"lora": LORA},
+                "logging": {"wandb": False},
+            }
+        )
+    )
+    assert main([str(recipe)]) == 0
+    hf = tmp_path / "runs" / "sft" / "hf"
+    assert all(is_adapter_export(hf / f"v{v}") for v in (2, 4))
+    assert (hf / "latest").resolve() == (hf / "v4").resolve()
+    assert latest_export(hf, at_most=3) == (hf / "v2", 2)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "runs" / "sft")]
+    assert len(losses) == 4 and losses[-1] < losses[0]
