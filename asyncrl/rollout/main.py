@@ -163,6 +163,12 @@ def spawn_engines(
     model_dir, version = weights or (Path(r.resolve(r.model.path)), 0)
     if version:
         log.info("starting the engines from %s (version %d)", model_dir, version)
+    lora = r.learner.lora
+    start: Path | None = None
+    if lora.enabled and version:
+        # with LoRA the engines keep model.path's weights as the base and serve the export (a PEFT
+        # adapter folder, or a merged one) over it: the next versions' adapters apply to that base
+        model_dir, start = Path(r.resolve(r.model.path)), model_dir
     host = listen_host(r)
     return [
         spawn_engine_process(
@@ -176,6 +182,9 @@ def spawn_engines(
             device=r.generator.device,
             dtype=r.model.dtype,
             env=engine_env(r, os.environ),
+            lora_rank=lora.rank,
+            lora_alpha=lora.alpha,
+            weights=start,
         )
         for i in range(r.generator.engines_per_worker)
     ]

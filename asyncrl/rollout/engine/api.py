@@ -17,6 +17,7 @@ import torch
 from asyncrl import malloc
 from asyncrl.gpu import cuda_uuid, engine_device
 from asyncrl.recipe import Dtype
+from asyncrl.rollout.engine.lora import LoraSpec
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.replies import BadRequest
 from asyncrl.rollout.engine.sampling import original_logprob
@@ -35,6 +36,14 @@ class EngineConfig:
     original_logprob: bool = field(default_factory=original_logprob)
     device: str = "cpu"  # auto | cpu | cuda (asyncrl.gpu.engine_device)
     dtype: str = "float32"  # the weights' and KV cache's dtype on CUDA (the recipe's model.dtype)
+    # LoRA (the recipe's learner.lora): updates carry adapters, served over the model's weights
+    lora_rank: int = 0  # 0: no LoRA, updates carry whole weights
+    lora_alpha: float = 16.0
+    weights: str | None = None  # served from the start, loaded as /update_weights_from_disk does
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        return LoraSpec(self.lora_rank, self.lora_alpha) if self.lora_rank else None
 
 
 def placement(device: str, dtype: str, *, cuda: bool) -> tuple[str, torch.dtype]:
@@ -76,7 +85,7 @@ class Engine:
         lm = BatchedLM(model)
         eos = _eos_ids(model, tok)
         eng = cls(config=config, tokenizer=tok, hf_model=model)
-        eng.store = WeightStore(model, eng, receive_buffers=lm.receive_buffers)
+        eng.store = WeightStore(model, eng, receive_buffers=lm.receive_buffers, lora=config.lora)
         eng.scheduler = Scheduler(
             lm,
             eos_ids=eos,
@@ -87,6 +96,12 @@ class Engine:
             original_logprob=config.original_logprob,
         )
         eng.scheduler.start()
+        if config.weights:  # e.g. a restarted worker's engines: the latest export (a PEFT folder)
+            try:
+                eng.store.load_from_disk(config.weights, version=None, abort_all=False)
+            except Exception:
+                eng.close()
+                raise
         return eng
 
     def close(self) -> None:

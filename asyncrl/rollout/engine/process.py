@@ -103,11 +103,16 @@ def spawn_engine_process(
     env: dict[str, str] | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    lora_rank: int = 0,
+    lora_alpha: float = 16.0,
+    weights: str | os.PathLike | None = None,
 ) -> EngineProcess:
     """Launch ``python -m asyncrl.rollout.engine.server`` and return at once: the caller does its
     own start-up work while the engine loads, then calls :meth:`EngineProcess.wait_healthy`.
     stdout and stderr go to ``log_path`` (a temporary file when None). ``device``: auto, cpu or
-    cuda (the recipe's ``generator.device``); ``dtype``: its dtype on CUDA (``model.dtype``)."""
+    cuda (the recipe's ``generator.device``); ``dtype``: its dtype on CUDA (``model.dtype``).
+    ``lora_rank`` > 0: it serves LoRA adapters (the recipe's ``learner.lora``) over the model's
+    weights; ``weights``: what it serves from the start (a PEFT adapter folder with LoRA)."""
     tmp = tempfile.TemporaryDirectory(prefix="asyncrl-engine-")
     port_file = Path(tmp.name) / "port"
     log = Path(log_path) if log_path is not None else Path(tmp.name) / "engine.log"
@@ -136,6 +141,10 @@ def spawn_engine_process(
         "--parent-pid",
         str(os.getpid()),
     ]
+    if lora_rank:
+        cmd += ["--lora-rank", str(lora_rank), "--lora-alpha", repr(float(lora_alpha))]
+    if weights is not None:
+        cmd += ["--weights", str(weights)]
     child_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -3,6 +3,7 @@ model (a reward model) over SGLang's ``/classify`` (:mod:`asyncrl.rollout.engine
 
     asyncrl engine --model HF_DIR [--host 127.0.0.1] [--port P] [--port-file F] [--max-batch-size N]
                    [--weight-version default] [--seed S] [--device auto|cpu|cuda] [--dtype D]
+                   [--lora-rank R --lora-alpha A] [--weights DIR]
 
 Stdlib ``ThreadingHTTPServer``: HTTP threads parse JSON and wait on events; all torch work runs in
 the scheduler's one decode thread (and weight receives in the weight store's receiver thread).
@@ -265,6 +266,20 @@ def main(argv: list[str]) -> int:
         help="the weights' and KV cache's dtype on CUDA (on CPU the engine runs float32)",
     )
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="serve LoRA adapters of this rank (the recipe's learner.lora.rank): weight updates "
+        "carry adapters only, applied over --model's weights; 0: updates carry whole weights",
+    )
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="the adapters' alpha")
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="serve these weights from the start, as /update_weights_from_disk loads them (an HF "
+        "folder, or with --lora-rank a PEFT adapter folder); --model's stay the base",
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         default=0,
@@ -279,6 +294,9 @@ def main(argv: list[str]) -> int:
         return 2
     if a.max_batch_size < 1:
         print("asyncrl engine: --max-batch-size must be >= 1", file=sys.stderr)
+        return 2
+    if a.lora_rank < 0 or (a.lora_rank and not a.lora_alpha > 0):
+        print("asyncrl engine: --lora-rank must be >= 0 and --lora-alpha > 0", file=sys.stderr)
         return 2
     import torch
 
@@ -296,6 +314,9 @@ def main(argv: list[str]) -> int:
         served_model_name=a.served_model_name,
         device=a.device,
         dtype=a.dtype,
+        lora_rank=a.lora_rank,
+        lora_alpha=a.lora_alpha,
+        weights=a.weights,
     )
     try:
         srv = serve(cfg, host=a.host, port=a.port)

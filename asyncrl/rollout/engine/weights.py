@@ -23,6 +23,13 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.rollout.engine.fused import ReceiveBuffers
+from asyncrl.rollout.engine.lora import (
+    Adapters,
+    LoraSpec,
+    adapter_target,
+    is_peft_folder,
+    read_peft_folder,
+)
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.threads import BACKGROUND_NICE, lower_priority
 
@@ -96,9 +103,12 @@ class WeightStore:
         model: torch.nn.Module,
         loop: DecodeLoop,
         receive_buffers: Callable[[], ReceiveBuffers] | None = None,
+        lora: LoraSpec | None = None,
     ):
         """``receive_buffers``: a session's buffers for the fused members (the engine's model
-        gives them, ``BatchedLM.receive_buffers``); None: every tensor is received on its own."""
+        gives them, ``BatchedLM.receive_buffers``); None: every tensor is received on its own.
+        ``lora``: the engine serves adapters (``lora.py``): updates hold adapter tensors only, and
+        the model's weights as loaded stay the base."""
         self.model = model
         self.loop = loop
         self.device = next(model.parameters()).device
@@ -117,6 +127,9 @@ class WeightStore:
         self._pending_version: str | None = None  # the label of the staged weights, at their swap
         self._lock = threading.Lock()  # one weight operation at a time (HTTP threads)
         self.receiver = Receiver()
+        self.lora = Adapters(lora, self.params) if lora is not None else None
+        self._staged_adapter: dict[str, torch.Tensor] = {}  # the session's (LoRA)
+        self._next_adapter: dict[str, torch.Tensor] | None = None  # served from the next apply()
 
     def resolve(self, name: str) -> str | None:
         name = self.aliases.get(name, name)
@@ -233,36 +246,84 @@ class WeightStore:
                     "no weight-update session is open (call begin_weight_update first)"
                 )
             staged, version = self._staged, self._pending_version
+            adapter, bufs = self._staged_adapter, self._buffers
             self._close_session()
+            if adapter:
+                staged, served = self._merge(adapter, replace=False, bufs=bufs)
+                return self._swap(staged, version, adapter=served)
             return self._swap(staged, version)
 
     def relabel(self, version: str) -> None:
         """Label the staged weights if a session holds some (at their swap), else the served ones."""
         with self._lock:
-            if self._session_open and self._staged:
+            if self._session_open and (self._staged or self._staged_adapter):
                 self._pending_version = version
             else:
                 self.loop.set_version(version)
 
     def load_from_disk(self, model_path: str, *, version: str | None, abort_all: bool) -> float:
-        """Serve an HF folder's weights now, outside any session; the pause it caused (s)."""
+        """Serve an HF folder's weights now, outside any session; the pause it caused (s).
+
+        With LoRA on, a PEFT adapter folder (the learner's ``export: adapter``) is served over the
+        base weights, replacing the adapter served now; a whole HF folder (``export: merged``) is
+        served as it is, the base kept for the next adapter."""
         with self._lock:
+            adapter = None
             try:
-                staged = self._checked(self.load_disk(model_path))
+                if is_peft_folder(model_path):
+                    if self.lora is None:
+                        raise ValueError(
+                            f"{model_path} is a LoRA adapter folder, but this engine was started "
+                            "without --lora-rank (recipe learner.lora)"
+                        )
+                    named = self.lora.checked(read_peft_folder(model_path, self.lora.spec))
+                    staged, adapter = self._merge(named, replace=True, bufs=None)
+                else:
+                    staged = self._checked(self.load_disk(model_path))
+                    adapter = {} if self.lora is not None else None
             except Exception as e:
                 raise WeightError(f"Failed to update model weights: {e}.") from e
             if abort_all:
                 self.loop.abort_all()
-            return self._swap(staged, version)
+            return self._swap(staged, version, adapter=adapter)
 
-    def _swap(self, staged: dict[str, torch.Tensor], version: str | None) -> float:
-        if not staged and version is None:
+    def _merge(
+        self, adapter: dict[str, torch.Tensor], *, replace: bool, bufs: ReceiveBuffers | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Base + scaling · B A for every layer ``adapter`` touches (``Adapters.merged``), in the
+        receiver thread (below the decode thread's priority), into the fused groups' buffers."""
+        assert self.lora is not None
+        lora = self.lora
+
+        def dest(name: str, w: torch.Tensor) -> torch.Tensor | None:
+            return bufs.get(name, w.dtype, list(w.shape), w.device) if bufs is not None else None
+
+        try:
+            return self.receiver.run(lambda: lora.merged(adapter, replace=replace, dest=dest))
+        except ValueError as e:
+            raise WeightError(
+                f"Failed to apply the LoRA adapter: {e}. Still serving version {self.loop.version}."
+            ) from e
+
+    def _swap(
+        self,
+        staged: dict[str, torch.Tensor],
+        version: str | None,
+        adapter: dict[str, torch.Tensor] | None = None,
+    ) -> float:
+        """``adapter``: the LoRA adapter served once ``staged`` is (swapped in with it)."""
+        if not staged and version is None and adapter is None:
             return 0.0
-        return self.loop.swap(staged, version)
+        self._next_adapter = adapter
+        try:
+            return self.loop.swap(staged, version)
+        finally:
+            self._next_adapter = None
 
     def _close_session(self) -> None:
         self._session_open = False
         self._staged = {}
+        self._staged_adapter = {}
         self._buffers = None
         self._pending_version = None
 
@@ -324,8 +385,12 @@ class WeightStore:
         return t if t is not None else torch.empty(shape, dtype=dtype, device=device)
 
     def stage(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Keep checked tensors for the session's swap."""
-        self._staged.update(self._checked(named))
+        """Keep checked tensors for the session's swap (with LoRA on: adapter tensors, merged at
+        the session's end)."""
+        if self.lora is not None:
+            self._staged_adapter.update(self.lora.checked(named))
+        else:
+            self._staged.update(self._checked(named))
 
     def _checked(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Resolve names, check shapes, convert dtypes and move to the model's device: parameter
@@ -334,6 +399,12 @@ class WeightStore:
         ready = {}
         for name, t in named:
             key = self.resolve(name)
+            if key is None and adapter_target(name) is not None:
+                bad.append(
+                    f"{name}: a LoRA adapter tensor, but this engine was started without "
+                    "--lora-rank (recipe learner.lora)"
+                )
+                continue
             if key is None:
                 bad.append(f"{name}: no such parameter")
                 continue
@@ -365,13 +436,20 @@ class WeightStore:
         """Re-point parameters at staged tensors. Decode thread only, between two steps."""
         for key, t in staged.items():
             self.params[key].data = t
+        if self.lora is not None and self._next_adapter is not None:
+            self.lora.served = self._next_adapter
 
     # ---- reading ---------------------------------------------------------------------------------
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
+        """What the engine's checksum covers: what the learner sends (with LoRA on, the adapter)."""
+        if self.lora is not None:
+            return list(self.lora.served.items())
         return [(n, p.data) for n, p in self.params.items()]
 
     def get(self, name: str, truncate_size: int) -> list:
+        if self.lora is not None and name in self.lora.served:
+            return self.lora.served[name][:truncate_size].tolist()
         key = self.resolve(name)
         if key is None:
             raise WeightError(f"no parameter named {name!r}")
