@@ -297,3 +297,38 @@ def test_a_worker_whose_engine_the_learner_cannot_reach_stops_with_one_line(tmp_
     said = err.strip().splitlines()[-1]  # the last line, after the progress bar's
     assert said.startswith("asyncrl rollout: the learner cannot reach generator http://127.0.0.1:")
     assert "(ConnectError:" in said and "generator.host" in said
+
+
+def test_a_lora_workers_engines_start_from_the_base_and_the_adapter_export(tmp_path, tiny_qwen3):
+    """With learner.lora on, the newest export is a PEFT adapter folder: the worker's engines load
+    model.path as the base, serve the adapter over it under the export's version, and take the
+    next versions' adapters (they are started with the recipe's rank and alpha)."""
+    import httpx
+
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.weights.exports import VERSION_FILE
+    from tests.rollout.engine.test_lora import ALPHA, RANK, assert_serves, peft_model
+
+    r = recipe_mod.from_dict(
+        {
+            "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
+            "model": {"path": str(tiny_qwen3)},
+            "learner": {"lora": {"rank": RANK, "alpha": ALPHA}},
+            "generator": {"kind": "builtin", "engines_per_worker": 1},
+        }
+    )
+    pm, _ = peft_model(tiny_qwen3, seed=7)
+    export = r.run_dir / "hf" / "v2"
+    pm.save_pretrained(export)
+    (export / VERSION_FILE).write_text(json.dumps({"version": 2}))
+    weights = rollout_main.engine_weights(r, learner_version=2)
+    assert weights == (export, 2)
+    (engine,) = rollout_main.spawn_engines(r, tmp_path, "w0", weights)
+    try:
+        rollout_main.wait_engines([engine], 120)
+        info = httpx.get(engine.url + "/server_info", timeout=30).json()
+        assert info["model_path"] == str(tiny_qwen3) and info["max_lora_rank"] == RANK
+        assert httpx.get(engine.url + "/model_info", timeout=30).json()["weight_version"] == "2"
+        assert_serves(engine.url, pm)
+    finally:
+        engine.stop()
