@@ -118,7 +118,7 @@ def _answer(url: str, path: str, r: httpx.Response, ok_404: bool) -> Any:
         text = f"HTTP {r.status_code}: {msg or r.text[:_ERROR_TEXT]}"
         raise GeneratorError(text, url=url, path=path, status=r.status_code)
     if isinstance(data, dict) and data.get("success") is False:
-        msg = str(data.get("message", "success: false"))
+        msg = str(data.get("message") or data.get("error_message") or "success: false")
         raise GeneratorError(msg, url=url, path=path, status=r.status_code)
     return data
 
@@ -345,6 +345,19 @@ class WeightsClient:
             "flush_cache": False,
         }
         await self._call("POST", "/update_weights_from_disk", body)
+
+    async def relabel(self, version: str) -> None:
+        """Label what the server holds with ``version``; running requests go on."""
+        body = {"new_version": version, "abort_all_requests": False}
+        await self._call("POST", "/update_weight_version", body)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """SGLang (``--enable-lora``): load the PEFT adapter folder ``path`` as ``name``."""
+        await self._call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """SGLang: unload adapter ``name`` (it answers once the requests that use it are done)."""
+        await self._call("POST", "/unload_lora_adapter", {"lora_name": name})
 
     async def checksum(self, *, sample: int = 0) -> str | None:
         """The server's weights checksum (:func:`asyncrl.weights.buckets.checksum`, ``sample`` values

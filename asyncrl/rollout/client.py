@@ -43,6 +43,7 @@ from asyncrl.rollout.sglang_protocol import (
     parse_generate_response,
     parse_version_label,
     version_at_join,
+    with_adapter,
 )
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class GeneratorPool:
         max_retry_s: float = 15.0,
         max_resumes: int = 1000,
         version_poll_s: float = 0.1,
+        lora: bool = False,
     ):
         if not urls:
             raise ValueError("GeneratorPool needs at least one generator URL")
@@ -149,6 +151,7 @@ class GeneratorPool:
         self.max_retry_s = max_retry_s
         self.max_resumes = max_resumes
         self.version_poll_s = version_poll_s
+        self.lora = lora  # SGLang serving LoRA adapters by name: requests name one (adapters.py)
         self.min_version = 0
         self._behind_logged: tuple | None = None  # the last "waiting for weights" state logged
         self._rr = itertools.count()
@@ -335,9 +338,10 @@ class GeneratorPool:
 
     async def _request(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
-    ) -> tuple[Any, GeneratorState]:
+    ) -> tuple[Any, GeneratorState, int | None]:
         """One ``/generate`` call, moved to another generator while transport errors last (and
-        held while no generator is within the version bound): the JSON body and the generator."""
+        held while no generator is within the version bound): the JSON body, the generator and,
+        with ``lora``, the version whose adapter the request named (the generator's latest)."""
         while True:
             g = self._pick(prefer)
             if g is None:
@@ -365,9 +369,11 @@ class GeneratorPool:
                 continue
             g.enter(trio.current_time())
             g.requests += 1
+            adapter = g.version if self.lora else None
             try:
                 http = self._shards[next(self._shard_rr) % _SHARDS]
-                body = await acall(http, g.url, "POST", "/generate", payload)
+                sent = with_adapter(payload, adapter)
+                body = await acall(http, g.url, "POST", "/generate", sent)
             except GeneratorError as e:
                 if not (e.dead or (e.status or 0) >= 500):
                     raise  # refused (4xx) or not JSON: the request or the server is wrong
@@ -377,15 +383,15 @@ class GeneratorPool:
             finally:
                 g.leave(trio.current_time())
             self._mark_up(g)
-            return body, g
+            return body, g, adapter
 
     async def _post(
         self, payload: dict[str, Any], prefer: str | None, deadline: float
     ) -> tuple[Segment, str]:
         """One request on its own: its parsed segment and the generator that served it."""
-        body, g = await self._request(payload, prefer, deadline)
+        body, g, adapter = await self._request(payload, prefer, deadline)
         try:
-            seg = parse_generate_response(body)
+            seg = parse_generate_response(body, adapter=adapter)
         except UnlabelledTokens as e:
             self._refused(g, e)
             raise
@@ -425,7 +431,7 @@ class GeneratorPool:
                 batch.outcomes = [_ALONE]
                 return
             try:
-                body, g = await self._request(batched_payload(ps), prefer, deadline)
+                body, g, adapter = await self._request(batched_payload(ps), prefer, deadline)
             except GeneratorError as e:
                 # refused: find the bad one, each goes again on its own
                 batch.outcomes = [_ALONE if e.refused else e] * len(ps)
@@ -440,7 +446,7 @@ class GeneratorPool:
             outcomes: list[Any] = []
             for b in body:
                 try:
-                    seg = parse_generate_response(b)
+                    seg = parse_generate_response(b, adapter=adapter)
                     self._saw(g, seg)
                     outcomes.append((seg, g.url))
                 except UnlabelledTokens as e:

@@ -135,6 +135,7 @@ class Evaluation:
     chat_template: bool = False
     max_turns: int = 1
     request_timeout_s: float = 600.0
+    lora: bool = False  # SGLang serves LoRA versions as named adapters (GeneratorPool's lora)
 
     @classmethod
     def from_recipe(cls, r: Recipe, *, tokenizer: Any = None) -> Evaluation | None:
@@ -160,6 +161,7 @@ class Evaluation:
             chat_template=r.data.chat_template,
             max_turns=ro.max_turns,
             request_timeout_s=ro.request_timeout_s,
+            lora=r.learner.lora.enabled and r.generator.kind == "sglang",
         )
 
     @property
@@ -187,7 +189,9 @@ class Evaluation:
         scores = [0.0] * len(self.rows)
         rendered = await trio.to_thread.run_sync(self._render_all, await self._schemas())
         with trio.fail_after(timeout_s):
-            async with GeneratorPool(urls, timeout_s=self.request_timeout_s) as pool:
+            async with GeneratorPool(
+                urls, timeout_s=self.request_timeout_s, lora=self.lora
+            ) as pool:
                 pool.min_version = version  # a generator behind it is not asked
                 await pool.refresh_versions()
                 if not pool.any_eligible():  # not waited for: the caller holds the version

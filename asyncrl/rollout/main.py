@@ -278,7 +278,12 @@ async def run_worker(
     with Subscriber(pub_address, tls=tls) as sub:
         async with (
             BufferClient(buffer_address, worker_id=worker_id, tls=tls) as buffer,
-            GeneratorPool(urls, timeout_s=ro.request_timeout_s) as pool,
+            GeneratorPool(
+                urls,
+                timeout_s=ro.request_timeout_s,
+                # SGLang serves LoRA versions as named adapters: requests name theirs
+                lora=r.learner.lora.enabled and r.generator.kind == "sglang",
+            ) as pool,
         ):
             await pool.wait_ready(r.generator.startup_timeout_s)
             worker = RolloutWorker(

@@ -89,6 +89,18 @@ def generate_payload(
     }
 
 
+def adapter_name(version: int) -> str:
+    """The name an SGLang server loads version ``version``'s LoRA adapter under
+    (asyncrl.weights.adapters), and what a request's ``lora_path`` names to be served by it."""
+    return f"v{version}"
+
+
+def with_adapter(payload: dict[str, Any], version: int | None) -> dict[str, Any]:
+    """``payload`` served by version ``version``'s LoRA adapter (SGLang's ``lora_path``); version
+    0 or unknown: the base model, no adapter."""
+    return {**payload, "lora_path": adapter_name(version)} if version else payload
+
+
 def batched_payload(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     """Several requests as one, in SGLang's list form: the per-request fields become lists (the
     rest is the same for all); the response is a list in the same order."""
@@ -239,12 +251,15 @@ def output_token_logprobs(body: Any) -> tuple[list[int], list[float]]:
     return ids, [lp if lp <= 0.0 else 0.0 for lp in lps]
 
 
-def parse_generate_response(body: Any) -> Segment:
+def parse_generate_response(body: Any, *, adapter: int | None = None) -> Segment:
     """Parse one non-streaming ``/generate`` response.
 
     Tokens and logprobs come from ``meta_info.output_token_logprobs``
     (:func:`output_token_logprobs`), checked against ``output_ids``; versions from
-    ``meta_info.weight_versions`` (see :func:`spans_to_versions`).
+    ``meta_info.weight_versions`` (see :func:`spans_to_versions`), or, for a request that named a
+    LoRA adapter (:func:`with_adapter`), ``adapter``, the version of that adapter, for every token:
+    SGLang serves a request with the adapter it named to its end, while its spans follow the
+    server's label, which moves on as soon as the next version's adapter is loaded.
     """
     if isinstance(body, list):
         if len(body) != 1:
@@ -262,7 +277,9 @@ def parse_generate_response(body: Any) -> Segment:
     return Segment(
         output_ids=ids,
         logprobs=lps,
-        versions=spans_to_versions(meta.get("weight_versions"), len(ids)),
+        versions=[adapter] * len(ids)
+        if adapter is not None
+        else spans_to_versions(meta.get("weight_versions"), len(ids)),
         finish_reason=kind,
         matched_stop=matched,
         abort_message=message,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,8 +48,8 @@ from asyncrl import metric_names
 from asyncrl.control import ControlPlane
 from asyncrl.generator_http import WeightsClient, async_client
 from asyncrl.gpu import cuda_uuid
-from asyncrl.recipe import WeightsConfig
-from asyncrl.weights import buckets
+from asyncrl.recipe import LoraConfig, WeightsConfig
+from asyncrl.weights import adapters, buckets
 from asyncrl.weights.fanout import FanOut
 from asyncrl.weights.groups import Groups
 from asyncrl.weights.members import Members
@@ -78,6 +79,7 @@ class WeightBroadcaster:
         api_key: str | None = None,
         after_sync: Callable[[SyncReport], None] | None = None,
         plane: ControlPlane | None = None,
+        lora: LoraConfig | None = None,
     ):
         """``export_dir``: where the learner exports HF checkpoints (rejoining generators load the newest).
         ``on_event(name, fields)``: progress callback ("bucket_sent", "dropped", "synced", ...),
@@ -86,7 +88,10 @@ class WeightBroadcaster:
         goes out, so the generators hold ``report.version`` while it runs (the held-out
         evaluation, asyncrl.learner.evaluator).
         ``plane``: the control plane whose nursery runs the sender task (rank 0); without one the
-        broadcaster runs its own."""
+        broadcaster runs its own.
+        ``lora``: the recipe's ``learner.lora``; when on, SGLang generators load each version's
+        adapter by name from a PEFT folder written next to ``export_dir`` (``adapters``, beside
+        ``hf``; a temporary folder without one) (asyncrl.weights.adapters)."""
         self.cfg = cfg
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -109,6 +114,15 @@ class WeightBroadcaster:
             sender_gpu=cuda_uuid() if rank == 0 else None,
             on_event=self._event,
         )
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        by_name = None
+        if lora is not None and lora.enabled:
+            if export_dir is not None:
+                root = Path(export_dir).parent / "adapters"
+            else:
+                self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-adapters-")
+                root = Path(self._tmp.name)
+            by_name = adapters.ByName(root, lora.alpha, self.fanout, cfg.timeout_s)
         self.sync = Sync(
             cfg,
             self.members,
@@ -117,6 +131,7 @@ class WeightBroadcaster:
             export_dir=Path(export_dir) if export_dir is not None else None,
             verify=verify,
             on_event=self._event,
+            by_name=by_name,
         )
         self.sender = Sender(after_sync, nice=cfg.overlap)
         self._last_forced = -float("inf")
@@ -265,6 +280,8 @@ class WeightBroadcaster:
             self._plane.run(self._close)
         if self._own_plane:
             self._plane.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def __enter__(self) -> WeightBroadcaster:
         return self
@@ -283,6 +300,8 @@ class WeightBroadcaster:
         async with http, trio.open_nursery() as background:
             self._http = http
             self.groups.background = background  # abandoned groups' teardown
+            if self.sync.by_name is not None:
+                self.sync.by_name.background = background  # adapters unloaded
             await self.sender.serve(task_status=task_status)
             background.cancel_scope.cancel()  # a group still being abandoned is left to its thread
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.sglang_protocol import parse_version_label
-from asyncrl.weights import buckets
+from asyncrl.weights import adapters, buckets
 from asyncrl.weights.exports import latest_export
 from asyncrl.weights.fanout import Failed, FanOut
 from asyncrl.weights.groups import Groups, Refused, ask_server, broadcast_bucket
@@ -86,6 +86,7 @@ class Sync:
         export_dir: Path | None,
         verify: bool,
         on_event: Callable[..., None],
+        by_name: adapters.ByName | None = None,
     ):
         self.cfg = cfg
         self.members = members
@@ -94,6 +95,7 @@ class Sync:
         self.export_dir = export_dir
         self.verifies = verify  # may be changed between versions (tools/bench/weights.py)
         self.on_event = on_event
+        self.by_name = by_name  # LoRA: SGLang loads each version's adapter by name (adapters.py)
 
     async def run(self, snap: Snapshot) -> SyncReport:
         """Send ``snap``; never raises (a failure is the report's ``error``)."""
@@ -109,18 +111,26 @@ class Sync:
         await self._preflight(report)
         paused: dict[str, float] = {}
         received: list[Member] = []
+        names = [n for b in snap.buckets for n in b.names]
+        by_name = [m for m in self.members.active() if adapters.ByName.takes(m, names)]
+        if by_name:
+            if self.by_name is None:
+                raise ValueError("LoRA adapters for SGLang need the broadcaster's lora settings")
+            received, bad = await self.by_name.send(snap, by_name)
+            for url, why in bad.items():
+                self._drop(url, why, report)
         try:
             for attempt in range(1, ATTEMPTS + 1):
                 report.attempts = attempt
-                members = self.members.active()
+                members = [m for m in self.members.active() if m not in by_name]
                 if not members:
-                    report.error = "no generators"
+                    report.error = "" if by_name else "no generators"
                     break
                 built = self.groups.built
                 try:
                     await self.groups.build(members)
                     await self._pause(members, paused)
-                    received = await self._send(snap, members, paused, report)
+                    received += await self._send(snap, members, paused, report)
                     break
                 except Failed as e:
                     if not e.culprits or any(
@@ -204,7 +214,10 @@ class Sync:
         if exp is not None:
             path, v = exp
             try:
-                await m.client.update_from_disk(str(path), weight_version=str(v))
+                if adapters.is_peft_folder(path) and m.info.kind != "builtin":
+                    await adapters.load(m, path, v)  # SGLang serves an adapter export by name
+                else:
+                    await m.client.update_from_disk(str(path), weight_version=str(v))
                 m.version = v
                 log.info("weights: %s loaded %s (version %d) from disk", m.url, path, v)
             except GeneratorError as e:

@@ -30,6 +30,7 @@ from asyncrl.transport import free_port  # noqa: E402
 
 BUILD_ENV = HERE / "build_env.sh"
 STUB = HERE / "stub"
+LORA_SHIM = HERE / "lora_shim"
 
 
 class SGLangSetupError(RuntimeError):
@@ -66,6 +67,26 @@ def server_env() -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
     )
     return env
+
+
+def lora_args(rank: int, targets: list[str]) -> list[str]:
+    """Server arguments for runtime LoRA adapters of rank up to ``rank`` on ``targets`` (HF
+    names), with SGLang's torch backend (its Triton ones need a GPU)."""
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(rank),
+        "--lora-target-modules",
+        *targets,
+        "--lora-backend",
+        "torch_native",
+    ]
+
+
+def lora_env() -> dict[str, str]:
+    """What a server started with :func:`lora_args` needs on a CPU-only machine: the shim that
+    makes SGLang's pinned host tensors plain ones (lora_shim/sitecustomize.py says why)."""
+    return {"PYTHONPATH": f"{LORA_SHIM}{os.pathsep}{STUB}"}
 
 
 @dataclass(kw_only=True)
