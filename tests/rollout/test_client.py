@@ -13,10 +13,12 @@ from asyncrl.rollout.sglang_protocol import (
     GeneratorResponseError,
     SamplingParams,
     UnlabelledTokens,
+    generate_payload,
     parse_generate_response,
     parse_version_label,
     spans_to_versions,
     version_at_join,
+    with_adapter,
 )
 from tests.labels import get_label, set_label
 from tests.numerics import assert_logits_close
@@ -64,6 +66,22 @@ def test_parse_last_recorded_stream_chunk_has_spans():
     assert len(seg.output_ids) == len(seg.logprobs) == len(seg.versions) > 0
     assert seg.versions == [4] * len(seg.output_ids)
     assert seg.finish_reason in ("stop", "length")
+
+
+def test_a_request_that_named_a_lora_adapter_takes_the_adapters_version():
+    """SGLang serves a request with the adapter it named to its end; its spans follow the label,
+    which moves to the next version once that adapter is loaded (tests/sglang/test_lora.py)."""
+    body = _labelled(_recorded("generate_logprob.json"), "3")
+    n = len(body["output_ids"])
+    body["meta_info"]["weight_versions"] = [
+        {"version": "3", "start": 0, "end": 2},
+        {"version": "4", "start": 2, "end": n},
+    ]
+    assert parse_generate_response(body).versions == [3, 3] + [4] * (n - 2)
+    assert parse_generate_response(body, adapter=3).versions == [3] * n
+    payload = generate_payload([1, 2], SamplingParams(), max_new_tokens=4, rid="r")
+    assert with_adapter(payload, 3) == {**payload, "lora_path": "v3"}
+    assert with_adapter(payload, 0) == with_adapter(payload, None) == payload  # the base model
 
 
 def test_spans_give_per_token_versions():
