@@ -1185,6 +1185,14 @@ def warnings(recipe: Recipe) -> list[str]:
             "(clip_low/clip_high/dual_clip) never acts; set learner.minibatches > 1 for its trust "
             "region, or loss: tis"
         )
+    lora = recipe.learner.lora
+    if lora.enabled and recipe.generator.kind == "sglang":
+        out.append(
+            f"learner.lora: SGLang servers load each version's adapter by name from the run "
+            f"folder's adapters/ (docs/lora_sync.md): launch them with --enable-lora "
+            f"--max-lora-rank {lora.rank} --lora-target-modules {' '.join(lora.targets)}, where "
+            "they can read that folder"
+        )
     return out
 
 

@@ -477,3 +477,14 @@ def test_lora_combinations_that_cannot_train_are_one_line_errors():
         recipe.from_dict(twice)
     # without adapters the same placement is fine
     recipe.from_dict({"placement": {"actor": {"tensor_parallel": 2}}})
+
+
+def test_check_tells_how_to_launch_sglang_for_lora(tmp_path):
+    """SGLang loads LoRA versions by name (docs/lora_sync.md): its launch must enable LoRA."""
+    path = _write(tmp_path, GOOD)
+    over = ["learner.minibatches=2", "learner.lora.rank=8", "learner.lora.targets=[q_proj,v_proj]"]
+    assert recipe.warnings(recipe.load(path, over)) == []  # the built-in engine: nothing to do
+    sglang = ["generator.kind=sglang", "generator.urls=[http://127.0.0.1:30000]"]
+    (w,) = recipe.warnings(recipe.load(path, [*over, *sglang]))
+    assert w.startswith("learner.lora: SGLang servers load each version's adapter by name")
+    assert "--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj" in w
