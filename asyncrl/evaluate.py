@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from asyncrl import recipe as recipe_mod
@@ -27,21 +26,21 @@ def evaluate_model(
     r: Recipe, model_dir: str | Path, *, log_path: str | Path | None = None
 ) -> EvalReport | None:
     """Greedy held-out score of ``model_dir`` (None when the recipe has no held-out prompts).
-    A LoRA adapter export (``learner.lora.export: adapter``) is evaluated as its base with the
-    adapters merged (:func:`asyncrl.learner.lora.merge_peft_folder`, in a temporary folder).
+    A LoRA adapter export (``learner.lora.export: adapter``) is served over the recipe's
+    ``model.path`` by the engine's own adapter path (``--weights``), as a LoRA run's engines are.
     Raises RuntimeError if the engine does not start."""
     from asyncrl.rollout.engine import start_engine_process
-    from asyncrl.weights.exports import is_adapter_export
+    from asyncrl.weights.exports import ADAPTER_CONFIG, is_adapter_export
 
     evaluation = Evaluation.from_recipe(r)
     if evaluation is None:
         return None
-    if is_adapter_export(model_dir):
-        from asyncrl.learner.lora import merge_peft_folder
-
-        with tempfile.TemporaryDirectory(prefix="asyncrl-merged-") as tmp:
-            merged = merge_peft_folder(Path(model_dir), Path(tmp))
-            return evaluate_model(r, merged, log_path=log_path)
+    evaluation.lora = False  # its own built-in engine, which serves an adapter merged
+    lora: dict = {}
+    if is_adapter_export(model_dir):  # a LoRA run's `export: adapter`: served over model.path
+        cfg = json.loads((Path(model_dir) / ADAPTER_CONFIG).read_text())
+        lora = dict(lora_rank=cfg["r"], lora_alpha=cfg["lora_alpha"], weights=str(model_dir))
+        model_dir = r.resolve(r.model.path)
     with start_engine_process(
         str(model_dir),
         host="127.0.0.1",
@@ -52,6 +51,7 @@ def evaluate_model(
         device=r.generator.device,
         dtype=r.model.dtype,
         timeout_s=r.generator.startup_timeout_s,
+        **lora,
     ) as engine:
         return evaluation.run([engine.url], version=0, timeout_s=r.rollout.request_timeout_s)
 

@@ -25,12 +25,14 @@ PROMPTS = [f"{a}{b}{c}" for a in "abcd" for b in "efg" for c in "hi"]  # 24 dist
 NEW_TOKENS = 8
 
 
-def hf_greedy_texts(model_dir, prompts: list[str]) -> list[str]:
-    """transformers' greedy completions, one prompt at a time (no padding), cut at EOS."""
+def hf_greedy_texts(model_dir, prompts: list[str], model=None) -> list[str]:
+    """transformers' greedy completions, one prompt at a time (no padding), cut at EOS
+    (``model``: another one than ``model_dir``'s, e.g. with a PEFT adapter)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for p in prompts:
@@ -83,6 +85,22 @@ def test_greedy_scores_match_transformers_prompt_by_prompt(tiny_qwen3, tmp_path)
     assert (report.prompts, report.failed, report.other_version) == (24, 0, 0)
     assert report.score == 0.5
     assert report.version == 0 and report.tokens > 0 and report.examples
+
+
+def test_a_lora_adapter_export_is_evaluated_over_the_base(tiny_qwen3, tmp_path):
+    """A LoRA run's `export: adapter` (a PEFT folder) is served over model.path: the score is
+    transformers + PEFT's with that adapter, prompt by prompt."""
+    from tests.rollout.engine.test_lora import peft_model
+
+    pm, _ = peft_model(tiny_qwen3, seed=5)
+    pm.save_pretrained(tmp_path / "adapter")
+    texts = hf_greedy_texts(tiny_qwen3, PROMPTS[:6], model=pm)
+    assert texts != hf_greedy_texts(tiny_qwen3, PROMPTS[:6])  # the adapter changes them
+    answers = [t if i % 2 == 0 else t + "#" for i, t in enumerate(texts)]
+    r, _ = make_recipe(tmp_path, tiny_qwen3, answers, "tests.rollout_plugins:completion_is_answer")
+    report = evaluate_model(r, tmp_path / "adapter")
+    assert report is not None and (report.prompts, report.failed) == (6, 0)
+    assert report.score == 0.5
 
 
 def test_tokens_of_another_version_are_never_scored(engine_at_3, tiny_qwen3, tmp_path):
