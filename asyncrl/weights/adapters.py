@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -142,6 +143,9 @@ class ByName:
             members, lambda m: load(m, folder, snap.version), timeout=self.timeout_s + 5
         )
         loaded = [m for m in members if m.url in ok]
+        # a folder is read again only by SGLang reloading an unloaded adapter a late request
+        # names: kept one version longer than the adapter itself
+        shutil.rmtree(self.root / adapter_name(snap.version - KEEP - 1), ignore_errors=True)
         if self.background is not None:
             for m in loaded:
                 self.background.start_soon(unload_old, m, snap.version)
