@@ -42,6 +42,11 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   old weights computed: logprob errors up to ~1 nat for a repeated prompt, measured when the tier's
   servers kept it). test_doctor.py: the doctor's checks of a live server, its logprobs at T = 0.7
   against the learner's, and a server started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``.
+- LoRA (``learner.lora`` with SGLang: asyncrl/weights/adapters.py): ``/load_lora_adapter``
+  (``lora_name``, ``lora_path``: a PEFT folder; ``success``/``error_message``),
+  ``/unload_lora_adapter``, ``/update_weight_version`` after each load, a ``/generate`` request's
+  ``lora_path`` and the spans of one in flight across a load: test_lora.py, on a server of its own
+  started with ``--enable-lora`` (and tools/sglang_cpu/lora_shim on CPU).
 - ``/flush_cache`` is not called by asyncrl (after a ``retract`` update its last
   ``/update_weights_from_distributed`` asks for the flush), only by the tests.
 - ``/weights_checker`` (WeightsClient.checksum reads ``checksum``): SGLang 0.5.23 answers
