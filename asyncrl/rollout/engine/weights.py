@@ -438,6 +438,7 @@ class WeightStore:
             self.params[key].data = t
         if self.lora is not None and self._next_adapter is not None:
             self.lora.served = self._next_adapter
+            self.lora.installed(staged)
 
     # ---- reading ---------------------------------------------------------------------------------
 
