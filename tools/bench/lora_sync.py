@@ -17,7 +17,8 @@ learner's wall time, snapshot included), best of ``--repeat``.
 Decode: one decode step of the engine's model (batch ``--batch``, 64 cached positions) with the
 merged weights (what the engine serves: the same cost as without LoRA), and the extra time of the
 low-rank path (x A^T B^T · scaling added to each of the 7 projections' outputs), and the merge's
-time per version (``Adapters.merged`` over every target), medians.
+time per version (``Adapters.merged`` over every target, into the memory the swap before last
+freed, as in the engine), medians.
 
     .venv/bin/python tools/bench/lora_sync.py [--sizes tiny qwen3-0.6b] [--rank 8] [--repeat 3]
 
@@ -153,7 +154,13 @@ def decode_rows(d: Path, rank: int, alpha: float, batch: int, n: int) -> dict:
 
     extra = median_s(low_rank, n)
     store = Adapters(LoraSpec(rank, alpha), params)
-    merge = median_s(lambda: store.merged(ad, replace=True, dest=lambda *_: None), max(3, n // 5))
+
+    def merge() -> None:  # as the engine's swaps do: into the weights the swap before last freed
+        out, served = store.merged(ad, replace=False, dest=lambda *_: None)
+        store.served = served
+        store.installed(out)
+
+    merge = median_s(merge, max(5, n // 4))
     return {"decode_step_s": step, "low_rank_extra_s": extra, "merge_s": merge, "batch": batch}
 
 
