@@ -5,10 +5,10 @@ The engine is told the adapters' rank and alpha when it starts (``--lora-rank``,
 as SGLang is told ``--max-lora-rank``), keeps the base weights it loaded from ``--model`` and, at
 each version's swap, sets every adapted layer's weight to base + scaling · B A, computed from the
 base again every time: the served weight of version v never depends on version v-1's, so no
-rounding accumulates across versions. The merge runs off the decode thread before the swap (into
-the session's fused receive buffers, so the swap still only re-points parameters); decoding then
-costs what it costs without LoRA (docs/lora_sync.md has the measurements behind merging rather
-than adding a low-rank product at every decode step).
+rounding accumulates across versions. The merge runs off the decode thread before the swap, into
+the weights the swap before last let go (else the session's fused receive buffers), so the swap
+still only re-points parameters; decoding then costs what it costs without LoRA (docs/lora_sync.md
+has the measurements behind merging rather than adding a low-rank product at every decode step).
 
 Names are the wire contract's: ``model.layers.{i}.self_attn.q_proj.lora_A.weight`` (rank, in) and
 ``...lora_B.weight`` (out, rank), B unscaled; on disk, a PEFT adapter folder (its
@@ -85,8 +85,9 @@ def read_peft_folder(path: str | Path, spec: LoraSpec) -> list[tuple[str, torch.
 
 class Adapters:
     """The base weights of every layer an adapter may target (the tensors loaded from ``--model``,
-    referenced, not copied: a swap re-points parameters and never writes into a tensor) and the
-    adapter served now (its tensors as received, which the engine's checksum hashes)."""
+    referenced, not copied: a swap re-points parameters, and a merge writes only into weights no
+    longer served, never into these) and the adapter served now (its tensors as received, which
+    the engine's checksum hashes)."""
 
     def __init__(self, spec: LoraSpec, params: dict[str, torch.nn.Parameter]):
         if spec.rank < 1 or not spec.alpha > 0:
