@@ -115,14 +115,14 @@ class Sync:
         by_name = [m for m in self.members.active() if adapters.ByName.takes(m, names)]
         if by_name:
             if self.by_name is None:
-                raise ValueError("LoRA adapters for SGLang need the broadcaster's lora settings")
+                raise ValueError("SGLang takes LoRA versions by name: WeightBroadcaster(lora=...)")
             received, bad = await self.by_name.send(snap, by_name)
             for url, why in bad.items():
                 self._drop(url, why, report)
         try:
             for attempt in range(1, ATTEMPTS + 1):
                 report.attempts = attempt
-                members = [m for m in self.members.active() if m not in by_name]
+                members = [m for m in self.members.active() if all(m is not x for x in by_name)]
                 if not members:
                     report.error = "" if by_name else "no generators"
                     break
