@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.learner import lora as adapters
 from asyncrl.recipe import LoraConfig
-from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, VERSION_FILE
+from asyncrl.weights.exports import peft_config, write_adapter_export
 
 HF_FILES = (
     "config.json",
@@ -133,36 +133,17 @@ def export_adapter(
     ``save_pretrained`` names), the tokenizer files and :data:`VERSION_FILE`. transformers + PEFT
     load it onto ``source``, the base (``base_model_name_or_path``). Collective: the adapters are
     gathered over the actor's ranks, rank 0 writes."""
-    from safetensors.torch import save_file
     from torchtitan.config import TORCH_DTYPE_MAP
 
     path = Path(path).resolve()
     tensors = adapters.adapter_state_dict(model, TORCH_DTYPE_MAP[dtype], keep=rank == 0)
     if rank == 0:
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        named = {adapters.PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()}
-        save_file(named, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config = {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": str(source.resolve()),
-            "r": cfg.rank,
-            "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout,
-            "target_modules": list(cfg.targets),
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "use_rslora": False,
-            "use_dora": False,
-            "init_lora_weights": True,
-            "inference_mode": True,
-        }
-        (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, path / name)
-        (path / VERSION_FILE).write_text(json.dumps({"version": version}))
+        write_adapter_export(
+            tensors,
+            path,
+            config=peft_config(cfg, str(source.resolve())),
+            version=version,
+            files=[source / n for n in TOKENIZER_FILES if (source / n).is_file()],
+        )
     dist.barrier()
     return path

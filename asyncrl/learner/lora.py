@@ -17,12 +17,9 @@ base model).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -31,7 +28,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from asyncrl.learner.model import ModelConfigError
 from asyncrl.recipe import LoraConfig
-from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 HF_TARGETS: dict[str, tuple[str, str, str]] = {
     # HF target: (its HF parent module in a decoder layer, the TorchTitan Linear in a block,
@@ -45,8 +41,6 @@ HF_TARGETS: dict[str, tuple[str, str, str]] = {
     "down_proj": ("mlp", "feed_forward.w2", "feed_forward.w2.weight"),
 }
 QKV = ("q_proj", "k_proj", "v_proj")
-PEFT_PREFIX = "base_model.model."
-"""What PEFT's ``save_pretrained`` puts before a LoRA model's module path."""
 
 _KEY = re.compile(r"^layers\.(\d+)\..*\.lora\.pairs\.(\w+)\.(A|B)$")
 
@@ -257,34 +251,3 @@ def delta_weight(
 ) -> torch.Tensor:
     """What an adapter adds to its target's weight, PEFT's ``(B @ A) · scaling`` (in float32)."""
     return ((b.to(torch.float32) @ a.to(torch.float32)) * scaling).to(dtype)
-
-
-def merge_peft_folder(adapter: Path, out: Path) -> Path:
-    """An HF folder at ``out``: the adapter export's base (``base_model_name_or_path``) with each
-    target's ``scaling · B A`` added, for a consumer that loads whole models only (the built-in
-    engine of :func:`asyncrl.evaluate.evaluate_model`). Reads and writes one safetensors file of
-    the base at a time."""
-    from safetensors.torch import load_file, save_file
-
-    cfg = json.loads((adapter / ADAPTER_CONFIG).read_text())
-    base = Path(cfg["base_model_name_or_path"])
-    scaling = cfg["lora_alpha"] / cfg["r"]
-    pairs = {
-        k.removeprefix(PEFT_PREFIX): v for k, v in load_file(adapter / ADAPTER_WEIGHTS).items()
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    for f in base.iterdir():
-        if f.suffix != ".safetensors" and f.is_file():
-            shutil.copy2(f, out / f.name)
-    for f in adapter.iterdir():  # its tokenizer files and VERSION_FILE
-        if f.name not in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) and f.is_file():
-            shutil.copy2(f, out / f.name)
-    for f in sorted(base.glob("*.safetensors")):
-        tensors = load_file(f)
-        for k, w in tensors.items():
-            a = pairs.get(k.removesuffix(".weight") + ".lora_A.weight")
-            if a is not None:
-                b = pairs[k.removesuffix(".weight") + ".lora_B.weight"]
-                tensors[k] = w + delta_weight(a, b, scaling, w.dtype)
-        save_file(tensors, str(out / f.name), metadata={"format": "pt"})
-    return out

@@ -167,6 +167,7 @@ def train(
                 export_dir=trainer.run_dir / "hf",
                 after_sync=evaluator.after_sync if evaluator is not None else None,
                 plane=plane,
+                lora=recipe.learner.lora,
             )
             on_register = getattr(trainer.source, "on_register", None)
             if rank == 0 and on_register is not None:

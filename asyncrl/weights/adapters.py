@@ -20,22 +20,19 @@ new adapter leaves every running request as it is.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
 from asyncrl.generator_http import GeneratorError
+from asyncrl.recipe import LoraConfig
 from asyncrl.rollout.sglang_protocol import adapter_name
-from asyncrl.weights.exports import VERSION_FILE
+from asyncrl.weights.exports import peft_config, write_adapter_export
 from asyncrl.weights.members import Member
 
 log = logging.getLogger("asyncrl.weights")
 
-PEFT_PREFIX = "base_model.model."
 PARTS = (".lora_A.weight", ".lora_B.weight")
 KEEP = 2
 """Adapters an SGLang server keeps loaded: this version's and the one before (requests submitted
@@ -46,47 +43,6 @@ def is_adapter(names: Iterable[str]) -> bool:
     """Whether a snapshot holds LoRA adapter tensors (the learner sends only them with LoRA on)."""
     names = list(names)
     return bool(names) and all(n.endswith(PARTS) for n in names)
-
-
-def write_peft_folder(
-    named: Iterable[tuple[str, torch.Tensor]],
-    folder: Path,
-    *,
-    rank: int,
-    alpha: float,
-    version: int,
-) -> Path:
-    """The adapter as PEFT's ``save_pretrained`` writes it (``adapter_config.json``,
-    ``adapter_model.safetensors`` with PEFT's ``base_model.model.`` prefix), plus the version
-    file :func:`asyncrl.weights.exports.latest_export` reads. Written to a temporary name first,
-    then renamed: a reader never sees half a folder."""
-    from safetensors.torch import save_file
-
-    tensors = {PEFT_PREFIX + n: t.detach().contiguous().cpu() for n, t in named}
-    targets = sorted({n.rsplit(".", 3)[-3] for n in tensors})
-    cfg = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": 0.0,
-        "target_modules": targets,
-        "bias": "none",
-        "use_rslora": False,
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-    }
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-    (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
-    if folder.exists():
-        for f in folder.iterdir():
-            f.unlink()
-        folder.rmdir()
-    tmp.rename(folder)
-    return folder
 
 
 async def load(m: Member, folder: Path, version: int) -> None:
@@ -117,11 +73,10 @@ async def unload_old(m: Member, version: int) -> None:
 
 class ByName:
     """Sends LoRA versions to the SGLang members (the built-in engines take the weight group's
-    path). ``root``: where the versions' folders go; ``alpha``: the adapters' (the recipe's
-    ``learner.lora.alpha``; the rank is read from the tensors)."""
+    path). ``root``: where the versions' folders go; ``lora``: the recipe's ``learner.lora``."""
 
-    def __init__(self, root: Path, alpha: float, fanout, timeout_s: float):
-        self.root, self.alpha, self.fanout, self.timeout_s = root, alpha, fanout, timeout_s
+    def __init__(self, root: Path, lora: LoraConfig, fanout, timeout_s: float):
+        self.root, self.lora, self.fanout, self.timeout_s = root, lora, fanout, timeout_s
         self.background = None  # a nursery for the unloads (the sender task's)
 
     @staticmethod
@@ -131,13 +86,11 @@ class ByName:
     async def send(self, snap, members: list[Member]) -> tuple[list[Member], dict[str, str]]:
         """Write the version's folder, load it on every member: (those that hold it now, url ->
         why each other one failed)."""
-        named = list(snap.named())
-        rank = next(t.shape[0] for n, t in named if n.endswith(PARTS[0]))
+        tensors = dict(snap.named())
         folder = self.root / adapter_name(snap.version)
+        config = peft_config(self.lora)
         await self.fanout.in_thread(
-            lambda: write_peft_folder(
-                named, folder, rank=rank, alpha=self.alpha, version=snap.version
-            )
+            lambda: write_adapter_export(tensors, folder, config=config, version=snap.version)
         )
         ok, bad = await self.fanout.each(
             members, lambda m: load(m, folder, snap.version), timeout=self.timeout_s + 5
@@ -150,7 +103,3 @@ class ByName:
             for m in loaded:
                 self.background.start_soon(unload_old, m, snap.version)
         return loaded, {u: f"load_lora_adapter: {e}" for u, e in bad.items()}
-
-
-def is_peft_folder(path: Path) -> bool:
-    return (Path(path) / "adapter_config.json").is_file()

@@ -122,7 +122,7 @@ class WeightBroadcaster:
             else:
                 self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-adapters-")
                 root = Path(self._tmp.name)
-            by_name = adapters.ByName(root, lora.alpha, self.fanout, cfg.timeout_s)
+            by_name = adapters.ByName(root, lora, self.fanout, cfg.timeout_s)
         self.sync = Sync(
             cfg,
             self.members,

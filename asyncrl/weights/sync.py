@@ -25,7 +25,7 @@ from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.sglang_protocol import parse_version_label
 from asyncrl.weights import adapters, buckets
-from asyncrl.weights.exports import latest_export
+from asyncrl.weights.exports import is_adapter_export, latest_export
 from asyncrl.weights.fanout import Failed, FanOut
 from asyncrl.weights.groups import Groups, Refused, ask_server, broadcast_bucket
 from asyncrl.weights.members import Member, Members
@@ -214,7 +214,7 @@ class Sync:
         if exp is not None:
             path, v = exp
             try:
-                if adapters.is_peft_folder(path) and m.info.kind != "builtin":
+                if is_adapter_export(path) and m.info.kind != "builtin":
                     await adapters.load(m, path, v)  # SGLang serves an adapter export by name
                 else:
                     await m.client.update_from_disk(str(path), weight_version=str(v))

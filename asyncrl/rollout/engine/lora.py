@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-PEFT_PREFIX = "base_model.model."
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
+from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+
 PARTS = ("lora_A", "lora_B")
 
 
@@ -38,11 +37,6 @@ def adapter_target(name: str) -> tuple[str, str] | None:
         if name.endswith(suffix):
             return name[: -len(suffix)] + ".weight", part
     return None
-
-
-def is_peft_folder(path: str | Path) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / PEFT_CONFIG).is_file()
 
 
 @dataclass(frozen=True)
@@ -63,22 +57,22 @@ def read_peft_folder(path: str | Path, spec: LoraSpec) -> list[tuple[str, torch.
     from safetensors.torch import load_file
 
     p = Path(path)
-    cfg = json.loads((p / PEFT_CONFIG).read_text())
+    cfg = json.loads((p / ADAPTER_CONFIG).read_text())
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if r != spec.rank or float(alpha or 0) != spec.alpha:
         raise ValueError(
-            f"{p / PEFT_CONFIG}: r={r} lora_alpha={alpha}, but this engine serves "
+            f"{p / ADAPTER_CONFIG}: r={r} lora_alpha={alpha}, but this engine serves "
             f"--lora-rank {spec.rank} --lora-alpha {spec.alpha:g}"
         )
     if cfg.get("use_rslora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise ValueError(
-            f"{p / PEFT_CONFIG}: use_rslora, rank_pattern and alpha_pattern are not supported "
+            f"{p / ADAPTER_CONFIG}: use_rslora, rank_pattern and alpha_pattern are not supported "
             "(one rank and alpha for every layer)"
         )
-    if not (p / PEFT_WEIGHTS).is_file():
-        raise ValueError(f"{p}: no {PEFT_WEIGHTS}")
+    if not (p / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{p}: no {ADAPTER_WEIGHTS}")
     out = []
-    for name, t in load_file(str(p / PEFT_WEIGHTS)).items():
+    for name, t in load_file(str(p / ADAPTER_WEIGHTS)).items():
         out.append((name.removeprefix(PEFT_PREFIX), t))
     return out
 

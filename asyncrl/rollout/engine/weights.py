@@ -27,10 +27,10 @@ from asyncrl.rollout.engine.lora import (
     Adapters,
     LoraSpec,
     adapter_target,
-    is_peft_folder,
     read_peft_folder,
 )
 from asyncrl.weights import buckets, rendezvous
+from asyncrl.weights.exports import is_adapter_export
 from asyncrl.weights.threads import BACKGROUND_NICE, lower_priority
 
 NO_SESSION = (
@@ -270,7 +270,7 @@ class WeightStore:
         with self._lock:
             adapter = None
             try:
-                if is_peft_folder(model_path):
+                if is_adapter_export(model_path):
                     if self.lora is None:
                         raise ValueError(
                             f"{model_path} is a LoRA adapter folder, but this engine was started "
