@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-kernels test-faults test-sglang lint format demo demo-rlhf demo-distill demo-agent bench clean
+.PHONY: venv test test-kernels test-faults test-sglang lint format demo demo-rlhf demo-distill demo-lora demo-agent bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -88,6 +88,15 @@ demo-distill: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_distill.yaml --overwrite
 	@echo "summary: runs/demo_distill/summary.json (GRPO alone: runs/demo/summary.json)   plots: runs/demo_distill/plots/"
+
+# The LoRA demo (docs/lora.md): the demo's async GRPO with rank-8 adapters on the frozen SFT'd model;
+# only the adapters train and are sent to the engine. 1. model + data, 2. SFT warm start (demo_sft),
+# 3. async GRPO with LoRA (demo_lora); runs/demo_lora/hf/latest is a PEFT adapter folder.
+demo-lora: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_sft.yaml --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_lora.yaml --overwrite
+	@echo "summary: runs/demo_lora/summary.json   plots: runs/demo_lora/plots/   adapter: runs/demo_lora/hf/latest/"
 
 # The agent demo (docs/agents.md): the tiny Qwen3 learns to call a tool, served over MCP (stdio, one
 # `python -m asyncrl.demo_agent` per episode), to answer lookups it cannot know. 1. model + data,

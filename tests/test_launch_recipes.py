@@ -114,3 +114,18 @@ def test_the_distillation_demo_chains_its_stages_and_trains_on_no_task_reward():
     }.items():
         for k in keys:
             assert getattr(getattr(d, section), k) == getattr(getattr(demo, section), k), k
+
+
+def test_the_lora_demo_is_the_demo_with_adapters_and_their_learning_rate():
+    """`make demo-lora`: demo.yaml with rank-8 adapters that export a PEFT folder; every other
+    setting is the demo's (its name and the adapters' learning rate aside), so the runs compare."""
+    import dataclasses
+
+    lora = recipe.load(ROOT / "recipes/demo_lora.yaml", check_files=False)
+    demo = recipe.load(ROOT / "recipes/demo.yaml", check_files=False)
+    assert (lora.learner.lora.rank, lora.learner.lora.export) == (8, "adapter")
+    assert not demo.learner.lora.enabled and lora.learner.lr > demo.learner.lr
+    a, b = dataclasses.asdict(lora), dataclasses.asdict(demo)
+    for d in (a, b):
+        del d["run"]["name"], d["learner"]["lr"], d["learner"]["lora"]
+    assert a == b
