@@ -835,18 +835,19 @@ def ref_is_lora_base(placement: PlacementConfig, lora: LoraConfig, world: int) -
 
 
 def check_lora(r: Recipe, *, file: str | None = None) -> None:
-    """What LoRA (``learner.lora``, docs/lora.md) cannot train right: adapters under tensor
-    parallelism (the fused wqkv's rows are sharded there and the adapters' deltas are laid out for
-    the whole of it), a reward model (its score head and backbone train), repeated targets."""
+    """What LoRA (``learner.lora``, docs/lora.md) cannot train right: adapter dropout under tensor
+    parallelism (each TP rank would draw its own mask of the same replicated input), a reward
+    model (its score head and backbone train), repeated targets."""
     lo = r.learner.lora
     if not lo.enabled:
         return
-    if r.placement.actor.tensor_parallel > 1:
+    if lo.dropout and r.placement.actor.tensor_parallel > 1:
         raise RecipeError(
-            f"adapters are not supported with placement.actor.tensor_parallel "
-            f"{r.placement.actor.tensor_parallel}: set it 1 (FSDP alone) or learner.lora.rank 0",
+            f"{lo.dropout} with placement.actor.tensor_parallel "
+            f"{r.placement.actor.tensor_parallel}: each tensor-parallel rank would draw its own "
+            "dropout mask of the same input; set it 0 or tensor_parallel 1",
             file=file,
-            key="learner.lora",
+            key="learner.lora.dropout",
         )
     if r.algorithm.loss == "reward_model":
         raise RecipeError(

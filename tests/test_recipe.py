@@ -466,17 +466,19 @@ def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused(tmp_path, tiny
 def test_lora_combinations_that_cannot_train_are_one_line_errors():
     on = {"learner": {"lora": {"rank": 8}}}
     assert recipe.from_dict(on).learner.lora.scaling == 2.0
+    # adapters under tensor parallelism train (tests/learner/test_lora.py), their dropout does not
     tp = on | {"placement": {"actor": {"tensor_parallel": 2}}}
-    with pytest.raises(RecipeError, match=r"^learner\.lora: adapters are not supported with "):
-        recipe.from_dict(tp)
+    assert recipe.from_dict(tp).placement.actor.tensor_parallel == 2
+    drop = tp | {"learner": {"lora": {"rank": 8, "dropout": 0.05}}}
+    with pytest.raises(RecipeError, match=r"^learner\.lora\.dropout: 0\.05 with placement\.actor"):
+        recipe.from_dict(drop)
+    assert recipe.from_dict(on | {"learner": {"lora": {"rank": 8, "dropout": 0.05}}})
     rm = on | {"algorithm": {"loss": "reward_model"}}
     with pytest.raises(RecipeError, match=r"^learner\.lora: a reward model trains"):
         recipe.from_dict(rm, check_files=False)
     twice = {"learner": {"lora": {"rank": 8, "targets": ["q_proj", "q_proj"]}}}
     with pytest.raises(RecipeError, match=r"^learner\.lora\.targets: must name each"):
         recipe.from_dict(twice)
-    # without adapters the same placement is fine
-    recipe.from_dict({"placement": {"actor": {"tensor_parallel": 2}}})
 
 
 def test_check_tells_how_to_launch_sglang_for_lora(tmp_path):

@@ -56,7 +56,8 @@ class Builder:
         c = self.config
         with_lora = role == "actor" and c.lora.enabled
         if with_lora:
-            n = lora.attach(model, c.lora, spec.name)
+            tp = mesh.parallel_dims.get_optional_mesh("tp")
+            n = lora.attach(model, c.lora, spec.name, tp)
             log.info(
                 "learner.lora: %.1f M adapter parameters train (rank %d on %s), the base is frozen",
                 n / 1e6,

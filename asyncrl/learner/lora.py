@@ -10,7 +10,9 @@ them TorchTitan's state-dict adapter, stay as they are. TorchTitan fuses q, k an
 q_proj/k_proj/v_proj adapters, and their deltas are laid into that interleaved layout.
 
 Attached to the meta-built model before ``parallelize_fn``, so FSDP2 shards the adapters with the
-rest of their block. Initialised as PEFT's default: A kaiming-uniform(a=√5), B zeros (step 0 is the
+rest of their block. Under tensor parallelism each A and B is a DTensor on the TP mesh that follows
+its base weight's TorchTitan plan (:func:`_tp_placements`), so each rank's delta is its shard of
+the base's output. Initialised as PEFT's default: A kaiming-uniform(a=√5), B zeros (step 0 is the
 base model).
 """
 
@@ -24,7 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from asyncrl.learner.model import ModelConfigError
 from asyncrl.recipe import LoraConfig
@@ -80,22 +83,37 @@ class Adapters(nn.Module):
         # the policy's own logprobs, deterministic (the actor stays in train mode between steps)
         if torch.is_grad_enabled():
             x = self.dropout(x)
-        return F.linear(F.linear(x, p.A), p.B)  # PEFT: lora_B(lora_A(dropout(x)))
+        h = F.linear(x, p.A)  # PEFT: lora_B(lora_A(dropout(x)))
+        if isinstance(h, DTensor) and any(q.is_partial() for q in h.placements):
+            # row-parallel target: each rank's A columns saw its slice of x; sum the rank-r
+            # product over the TP group before B (replicated), as the base's output is summed
+            h = h.redistribute(placements=[Replicate()] * len(h.placements))
+        return F.linear(h, p.B)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qkv is None:
             (name,) = self.pairs.keys()
             return self.delta(name, x) * self.scaling
-        n_kv, hpk, hd = self.qkv
-        lead = x.shape[:-1]
+        deltas = {name: self.delta(name, x) for name in self.pairs}
+        first = next(iter(deltas.values()))
+        mesh = first.device_mesh if isinstance(first, DTensor) else None
+        # column-parallel wqkv: each rank holds whole KV groups, n_kv / tp of them; its B rows are
+        # those groups' q (k, v) rows, so its deltas interleave locally as its base rows do
+        local = {k: v.to_local() if mesh else v for k, v in deltas.items()}
+        _, hpk, hd = self.qkv
+        name, some = next(iter(local.items()))
+        n_kv = some.shape[-1] // (hd * (hpk if name == "q_proj" else 1))  # this rank's groups
+        lead = some.shape[:-1]
         parts = []
         for name, heads in zip(QKV, (hpk, 1, 1), strict=True):
-            if name in self.pairs:
-                d = self.delta(name, x).view(*lead, n_kv, heads, hd)
+            if name in local:
+                parts.append(local[name].view(*lead, n_kv, heads, hd))
             else:
-                d = x.new_zeros(*lead, n_kv, heads, hd)
-            parts.append(d)
-        return torch.cat(parts, dim=-2).reshape(*lead, -1) * self.scaling
+                parts.append(some.new_zeros(*lead, n_kv, heads, hd))
+        out = torch.cat(parts, dim=-2).reshape(*lead, -1) * self.scaling
+        if mesh is not None:
+            out = DTensor.from_local(out, mesh, first.placements, run_check=False)
+        return out
 
 
 def _add_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
@@ -127,9 +145,10 @@ def check_supported(model_name: str) -> None:
         )
 
 
-def attach(model: nn.Module, cfg: LoraConfig, model_name: str) -> int:
+def attach(model: nn.Module, cfg: LoraConfig, model_name: str, tp: DeviceMesh | None = None) -> int:
     """Put ``cfg``'s adapters on every block of a meta-built TorchTitan model and freeze the rest;
-    returns the adapter parameter count. ``model_name``: the spec's (:func:`check_supported`)."""
+    returns the adapter parameter count. ``model_name``: the spec's (:func:`check_supported`);
+    ``tp``: the role's tensor-parallel mesh, None without tensor parallelism."""
     check_supported(model_name)
     by_linear: dict[str, list[str]] = {}  # q, k and v share wqkv
     for t in cfg.targets:
@@ -144,16 +163,37 @@ def attach(model: nn.Module, cfg: LoraConfig, model_name: str) -> int:
                 fused = block.get_submodule(path.rsplit(".", 1)[0])
                 hpk, hd = fused.heads_per_kv, fused.head_dim
                 n_kv = linear.out_features // ((hpk + 2) * hd)
+                if tp is not None and n_kv % tp.size():
+                    raise ModelConfigError(
+                        f"learner.lora: {n_kv} KV heads do not split over tensor_parallel "
+                        f"{tp.size()}: the adapters' q/k/v rows follow wqkv's, whole KV groups"
+                    )
                 qkv = (n_kv, hpk, hd)
                 outs = {t: n_kv * hd * (hpk if t == "q_proj" else 1) for t in targets}
             with torch.device("meta"):
                 pairs = {t: LoraPair(linear.in_features, outs[t], cfg.rank) for t in targets}
+            if tp is not None:
+                a, b = _tp_placements(linear, tp)
+                for pair in pairs.values():
+                    pair.A = nn.Parameter(distribute_tensor(pair.A, tp, [a]))
+                    pair.B = nn.Parameter(distribute_tensor(pair.B, tp, [b]))
             linear.lora = Adapters(pairs, scaling=cfg.scaling, dropout=cfg.dropout, qkv=qkv)
             linear.register_forward_hook(_add_delta)
             count += sum(p.numel() for p in linear.lora.parameters())
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
     return count
+
+
+def _tp_placements(linear: nn.Module, tp: DeviceMesh) -> tuple[Placement, Placement]:
+    """A's and B's placements on the TP mesh, from TorchTitan's plan for the base weight
+    (out, in): A (rank, in) is split as the weight's columns (row-parallel: wo, w2; its partial
+    product is summed in :meth:`Adapters.delta`), B (out, rank) as its rows (column-parallel:
+    wqkv, w1, w3), each replicated otherwise."""
+    from torchtitan.protocols.sharding import resolve_placements
+
+    (w,) = resolve_placements(linear._sharding_config.state_shardings["weight"], tp)
+    return (w if w == Shard(1) else Replicate()), (w if w == Shard(0) else Replicate())
 
 
 def is_adapter(name: str) -> bool:

@@ -25,6 +25,10 @@ pytestmark = pytest.mark.numerics  # compares float32 results across kernels (te
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = {"rank": 4, "alpha": 8.0}
 RL = {"learner": {"lr": 1e-2, "grad_clip": 1.0, "lora": LORA}, "buffer": {"max_staleness": 8}}
+# Two ranks against one: B is zero at step 0, so on the second step some A entries get gradients of
+# a few 1e-8, Adam's default ε, where its g/(√v + ε) turns the reductions' rounding into a third of
+# a step; a larger ε keeps the runs' agreement at the rounding's own size.
+TWO_RANKS = RL | {"learner": RL["learner"] | {"eps": 1e-4}}
 
 
 def lora_trainer(model_dir, tmp_path, **sections):
@@ -215,10 +219,28 @@ def test_llama_with_lora_is_a_one_line_error(tiny_llama, tmp_path):
         lora_trainer(tiny_llama, tmp_path)
 
 
-def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(tiny_qwen3, tmp_path):
-    """2 ranks under torchrun (gloo): FSDP2 shards the adapters with their blocks; each rank's base
-    shards stay bitwise, its adapter shards move and only they hold AdamW moments; the gathered
-    snapshot and the adapter export equal a one-rank run's (up to the order of the reductions)."""
+TIMINGS = ("learner/step_s", "learner/trained_tokens_per_s", "learner/max_rss_gib")
+
+
+@pytest.mark.parametrize(
+    ("tp", "elements"),
+    [
+        # FSDP2 over both ranks: each holds half of every adapter
+        (1, 22_528),
+        # one tensor-parallel group: A split as its base's columns on wo / w2 and replicated on
+        # wqkv / w1 / w3, B split as its base's rows on those and replicated on wo / w2
+        (2, 29_696),
+    ],
+    ids=["fsdp2", "tp2"],
+)
+def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(
+    tiny_qwen3, tmp_path, tp, elements
+):
+    """2 ranks under torchrun (gloo): FSDP2 shards the adapters with their blocks, or tensor
+    parallelism splits them as its plan splits their base Linears; each rank's base shards stay
+    bitwise, its adapter shards move and only they hold AdamW moments, and a checkpoint resumes
+    them bitwise; each step's loss and metrics, the gathered snapshot, the adapter export and the
+    merged export equal a one-rank run's (up to the order of the reductions)."""
     import os
     import subprocess
     import sys
@@ -226,11 +248,13 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(tiny_qwen3, tmp
 
     from safetensors.torch import load_file
 
+    from tests.numerics import assert_close_rel
+
     out = tmp_path / "two"
     script = Path(__file__).with_name("lora_two_ranks.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     p = subprocess.run(
-        [*cmd, str(script), str(tiny_qwen3), str(out)],
+        [*cmd, str(script), str(tiny_qwen3), str(out), str(tp)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -238,15 +262,23 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(tiny_qwen3, tmp
     )
     assert p.returncode == 0, p.stderr[-3000:]
     ranks = json.loads((out / "found.json").read_text())
-    assert all(r["base_unchanged"] and r["adapters_moved"] for r in ranks)
-    # each rank holds about half the adapters, and AdamW's two moments for its shards only
-    assert sum(r["adapter_elements"] for r in ranks) == 22_528
+    assert all(r["base_unchanged"] and r["adapters_moved"] and r["resumed"] for r in ranks)
+    # what each rank holds of the adapters, and AdamW's two moments for its shards only
+    assert sum(r["adapter_elements"] for r in ranks) == elements
     assert all(r["moment_elements"] == 2 * r["adapter_elements"] for r in ranks)
 
-    tr = lora_trainer(tiny_qwen3, tmp_path / "one")
+    tr = make_trainer(tiny_qwen3, tmp_path / "one", **TWO_RANKS)
+    steps = []
     for _ in range(2):
-        tr.step(rl_batch(tr.spec.model.vocab_size, seed=tr.version))
+        res = tr.step(rl_batch(tr.spec.model.vocab_size, seed=tr.version))
+        steps.append({"loss": res.loss, **res.metrics})
     one = tr.hf_state_dict()
+    tr.config.build.lora.export = "merged"
+    merged_one = tr.export_hf(tmp_path / "merged", dtype="float32")
+    for mine, theirs in zip(steps, ranks[0]["steps"], strict=True):
+        assert mine.keys() == theirs.keys()
+        for k in mine.keys() - set(TIMINGS):
+            assert_close_rel(mine[k], theirs[k], scale=1.0 if k == "loss" else 0.0)
     two = load_file(out / "snapshot.safetensors")
     exported = load_file(out / "export" / "adapter_model.safetensors")
     assert two.keys() == one.keys()
@@ -255,6 +287,12 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(tiny_qwen3, tmp
         # Adam's g/√v turns the reductions' rounding into up to ~1e-3 of a step (lr 1e-2)
         torch.testing.assert_close(two[k], v, rtol=1e-4, atol=2e-5)
         assert torch.equal(exported["base_model.model." + k], two[k])
+    (merged_two,) = (out / "merged").glob("*.safetensors")
+    (merged_one,) = merged_one.glob("*.safetensors")
+    merged_one, merged_two = load_file(merged_one), load_file(merged_two)
+    assert merged_two.keys() == merged_one.keys()
+    for k, v in merged_one.items():
+        torch.testing.assert_close(merged_two[k], v, rtol=1e-4, atol=2e-5)
 
 
 def test_reference_is_the_actors_base_with_its_adapters_off(tiny_qwen3, tmp_path):
