@@ -394,6 +394,7 @@ class Doctor:
             samples_per_update=self.samples_per_update(),
             checkpoint_async=lc.checkpoint_async,
             lora_params=self.lora_params(lc),
+            lora_replicated=self.lora_params(lc, replicated=True),
         )
         rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.uses_rollouts, **kw)
         return rank0, memory.learner_plan(self.dims, rank0=False, **kw)
@@ -452,12 +453,17 @@ class Doctor:
             chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
             samples_per_update=self.samples_per_update(),
             lora_params=self.lora_params(lc),
+            lora_replicated=self.lora_params(lc, replicated=True),
         )
 
-    def lora_params(self, lc: recipe_mod.LearnerConfig) -> int:
-        """The actor's LoRA adapter parameters (0: no ``learner.lora``, the whole model trains)."""
+    def lora_params(self, lc: recipe_mod.LearnerConfig, *, replicated: bool = False) -> int:
+        """The actor's LoRA adapter parameters (0: no ``learner.lora``, the whole model trains);
+        ``replicated``: those tensor parallelism replicates (:meth:`ModelDims.lora_tp_replicated`)."""
         assert self.dims is not None
-        return self.dims.lora_params(lc.lora.rank, lc.lora.targets) if lc.lora.enabled else 0
+        if not lc.lora.enabled:
+            return 0
+        count = self.dims.lora_tp_replicated if replicated else self.dims.lora_params
+        return count(lc.lora.rank, lc.lora.targets)
 
     def samples_per_update(self) -> int:
         """Sequences one optimizer update trains on: sft's batch, or an RL batch's minibatch."""

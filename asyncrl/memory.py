@@ -123,6 +123,13 @@ class ModelDims:
         }
         return self.layers * sum(rank * sum(shape[t]) for t in targets)
 
+    def lora_tp_replicated(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
+        """Of :meth:`lora_params`, what tensor parallelism replicates over its ranks (TorchTitan's
+        plan, asyncrl/learner/lora.py): A of a column-parallel target (q, k, v, gate, up: its
+        B is split as the weight's rows) and B of a row-parallel one (o, down: its A is split as
+        the weight's columns); ``rank · hidden`` either way."""
+        return self.layers * rank * self.hidden * len(targets)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token."""
         return 2 * self.layers * self.kv_dim * dtype_bytes
@@ -240,6 +247,7 @@ def learner_plan(
     checkpoint_async: bool = False,
     tensor_parallel: int = 1,
     lora_params: int = 0,
+    lora_replicated: int = 0,
 ) -> LearnerPlan:
     """Bytes on one learner rank at the peak of a step, FSDP2 over ``ranks``.
 
@@ -279,17 +287,20 @@ def learner_plan(
     adapters alone (``4·A/N``, ``8·A/N``), as do the FSDP gather's gradient buffers (a block's
     adapters), the weight snapshot (the adapters in the wire dtype) and the checkpoint (adapters
     and their AdamW). The activations are priced as without: the backward still runs through every
-    block to reach the adapters, and each target's input is saved for its A's gradient.
+    block to reach the adapters, and each target's input is saved for its A's gradient. With TP t
+    the adapters' parts it replicates (``lora_replicated``, :meth:`ModelDims.lora_tp_replicated`)
+    are held t times over, so a rank's adapter shard is ``(A + (t-1)·R)/N``.
     """
     compute = DTYPE_BYTES[compute_dtype]
     p = dims.params
     shard = math.ceil(p / ranks)
     # what trains: the whole model, or its adapters (the base frozen)
-    adapter_shard = math.ceil(lora_params / ranks)
+    held = lora_params + (tensor_parallel - 1) * lora_replicated  # over the ranks, TP copies too
+    adapter_shard = math.ceil(held / ranks)
     trained = adapter_shard if lora_params else shard
     gathered, graded = dims.largest_fsdp_unit, dims.largest_fsdp_unit
     if lora_params:
-        per_block = lora_params // dims.layers
+        per_block = held // dims.layers
         gathered = max(gathered, dims.block_params + per_block)
         graded = per_block
     tokens = max(micro_batch_tokens, max_seq_len)
@@ -387,6 +398,7 @@ def rank_plans(
     weights_dtype: str = "bfloat16",
     weights_overlap: bool = True,
     lora_params: int = 0,
+    lora_replicated: int = 0,
     **kw: Any,
 ) -> list[RankPlan]:
     """Each learner rank's peak with placement and reallocation.
@@ -399,7 +411,8 @@ def rank_plans(
     chunk, and the activations of a role it trains. ``publisher`` (the actor's first rank, when
     the run publishes weights) also holds the weight snapshot(s) throughout. ``lora_params``: the
     actor's adapters (:func:`learner_plan`): its base keeps ``4·P/k``, its adapters ``16·A/k``, and
-    the snapshot is theirs. ``kw``: the other :func:`learner_plan` arguments."""
+    the snapshot is theirs (with TP t, ``lora_replicated`` counted t times: :func:`learner_plan`).
+    ``kw``: the other :func:`learner_plan` arguments."""
     plans = {
         lay.role: learner_plan(
             dims,
@@ -407,6 +420,7 @@ def rank_plans(
             tensor_parallel=lay.tensor_parallel,
             rank0=False,
             lora_params=lora_params if lay.role == "actor" else 0,
+            lora_replicated=lora_replicated if lay.role == "actor" else 0,
             **kw,
         )
         for lay in layouts
@@ -414,9 +428,10 @@ def rank_plans(
     published = lora_params or dims.params
     snapshot = (2 if weights_overlap else 1) * published * DTYPE_BYTES[weights_dtype]
 
-    def state_bytes(role: str, k: int) -> int:
+    def state_bytes(role: str, k: int, t: int) -> int:
         if role == "actor" and lora_params:
-            return math.ceil((MASTER_BYTES * dims.params + 4 * MASTER_BYTES * lora_params) / k)
+            held = lora_params + (t - 1) * lora_replicated
+            return math.ceil((MASTER_BYTES * dims.params + 4 * MASTER_BYTES * held) / k)
         return math.ceil(STATE_BYTES[role] * dims.params / k)
 
     def working(role: str, trains: bool) -> int:
@@ -427,7 +442,9 @@ def rank_plans(
     out = []
     for rank in range(world):
         here = [lay for lay in layouts if rank in lay.ranks]
-        states = {lay.role: state_bytes(lay.role, len(lay.ranks)) for lay in here}
+        states = {
+            lay.role: state_bytes(lay.role, len(lay.ranks), lay.tensor_parallel) for lay in here
+        }
         snap = snapshot if rank == publisher else 0
         by_phase, without = {}, 0
         for ph in phases:

@@ -443,6 +443,38 @@ def test_lora_prices_the_adapters_and_their_training_state_only():
     assert ranks[0].weight_snapshot == 2 * 10_092_544 * 2 and ranks[1].weight_snapshot == 0
 
 
+def test_lora_under_tensor_parallelism_prices_the_adapter_parts_it_replicates():
+    """TP splits B of the column-parallel targets and A of the row-parallel ones and replicates
+    the other factor, ``rank · hidden`` per target and layer: each of a TP group's ranks holds
+    it whole, so a rank's adapter shard is ``(A + (t-1)·R)/N``; the snapshot is A's."""
+    small = ModelDims.from_hf_config(QWEN3_0_6B)
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    replicated = small.lora_tp_replicated(16, every)
+    assert replicated == 28 * 16 * 1024 * 7 == 3_211_264
+    adapters = small.lora_params(16, every)
+    kw = dict(
+        world=2,
+        compute_dtype="bfloat16",
+        micro_batch_tokens=4096,
+        max_seq_len=1024,
+        checkpointing="none",
+        chunk_tokens=110,
+        lora_params=adapters,
+        lora_replicated=replicated,
+    )
+    train = [Phase(label="train_actor", roles=frozenset({"actor"}), trains=frozenset({"actor"}))]
+    tp = rank_plans(small, [RoleLayout(role="actor", ranks=(0, 1), tensor_parallel=2)], train, **kw)
+    held = adapters + replicated  # 13,303,808 over the group's two ranks
+    assert tp[0].states["actor"] == math.ceil((4 * 596_049_920 + 16 * held) / 2)
+    assert tp[0].weight_snapshot == 2 * adapters * 2
+    fsdp = rank_plans(small, [RoleLayout(role="actor", ranks=(0, 1))], train, **kw)
+    assert fsdp[0].states["actor"] == math.ceil((4 * 596_049_920 + 16 * adapters) / 2)
+    plan = learner_plan(
+        small, ranks=2, tensor_parallel=2, **{k: v for k, v in kw.items() if k != "world"}
+    )
+    assert plan.grads == 4 * math.ceil(held / 2) and plan.optimizer == 8 * math.ceil(held / 2)
+
+
 def test_a_lora_actor_is_its_own_reference():
     """With adapters, a KL term's π_ref is the actor's frozen base: no model, no states of its own,
     unless it is placed apart from the actor (offloaded, other ranks)."""
