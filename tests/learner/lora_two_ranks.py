@@ -1,5 +1,5 @@
-"""Run under torchrun with 2 ranks by tests/learner/test_lora.py: LoRA on the actor's FSDP2 shards,
-or with ``TP`` (the third argument, default 1) tensor-parallel ranks per group. Two steps, then rank
+"""Run under torchrun with 2 (or 4) ranks by tests/learner/test_lora.py: LoRA on the actor's FSDP2
+shards, with ``TP`` (the third argument, default 1) tensor-parallel ranks per group. Two steps, then rank
 0 writes to ``OUT`` (a folder): ``found.json`` (each rank: its base shards bitwise unchanged, its
 adapter shards moved, AdamW state for adapter shards only, each step's loss and metrics, and
 whether a checkpoint of them resumes to the same shards and AdamW state), the weight snapshot

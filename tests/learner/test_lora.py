@@ -223,20 +223,22 @@ TIMINGS = ("learner/step_s", "learner/trained_tokens_per_s", "learner/max_rss_gi
 
 
 @pytest.mark.parametrize(
-    ("tp", "elements"),
+    ("ranks", "tp", "elements"),
     [
         # FSDP2 over both ranks: each holds half of every adapter
-        (1, 22_528),
+        (2, 1, 22_528),
         # one tensor-parallel group: A split as its base's columns on wo / w2 and replicated on
         # wqkv / w1 / w3, B split as its base's rows on those and replicated on wo / w2
-        (2, 29_696),
+        (2, 2, 29_696),
+        # two groups of two, FSDP2 over the groups: each rank half of what a TP 2 rank holds
+        (4, 2, 29_696),
     ],
-    ids=["fsdp2", "tp2"],
+    ids=["fsdp2", "tp2", "tp2-fsdp2"],
 )
 def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(
-    tiny_qwen3, tmp_path, tp, elements
+    tiny_qwen3, tmp_path, ranks, tp, elements
 ):
-    """2 ranks under torchrun (gloo): FSDP2 shards the adapters with their blocks, or tensor
+    """2 ranks under torchrun (gloo), or 4: FSDP2 shards the adapters with their blocks, and tensor
     parallelism splits them as its plan splits their base Linears; each rank's base shards stay
     bitwise, its adapter shards move and only they hold AdamW moments, and a checkpoint resumes
     them bitwise; each step's loss and metrics, the gathered snapshot, the adapter export and the
@@ -252,20 +254,21 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(
 
     out = tmp_path / "two"
     script = Path(__file__).with_name("lora_two_ranks.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     p = subprocess.run(
-        [*cmd, str(script), str(tiny_qwen3), str(out), str(tp)],
+        [*cmd, str(ranks), str(script), str(tiny_qwen3), str(out), str(tp)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    ranks = json.loads((out / "found.json").read_text())
-    assert all(r["base_unchanged"] and r["adapters_moved"] and r["resumed"] for r in ranks)
-    # what each rank holds of the adapters, and AdamW's two moments for its shards only
-    assert sum(r["adapter_elements"] for r in ranks) == elements
-    assert all(r["moment_elements"] == 2 * r["adapter_elements"] for r in ranks)
+    found = json.loads((out / "found.json").read_text())
+    assert len(found) == ranks
+    assert all(r["base_unchanged"] and r["adapters_moved"] and r["resumed"] for r in found)
+    # what the ranks hold of the adapters, and AdamW's two moments for their shards only
+    assert sum(r["adapter_elements"] for r in found) == elements
+    assert all(r["moment_elements"] == 2 * r["adapter_elements"] for r in found)
 
     tr = make_trainer(tiny_qwen3, tmp_path / "one", **TWO_RANKS)
     steps = []
@@ -275,7 +278,7 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(
     one = tr.hf_state_dict()
     tr.config.build.lora.export = "merged"
     merged_one = tr.export_hf(tmp_path / "merged", dtype="float32")
-    for mine, theirs in zip(steps, ranks[0]["steps"], strict=True):
+    for mine, theirs in zip(steps, found[0]["steps"], strict=True):
         assert mine.keys() == theirs.keys()
         for k in mine.keys() - set(TIMINGS):
             assert_close_rel(mine[k], theirs[k], scale=1.0 if k == "loss" else 0.0)
