@@ -57,6 +57,20 @@ FIGURES = {
         "cpu_fp32_rows_equal_to_generate",
     },
     "run": {"outcome", "steps", "run_s"},
+    "lora": {
+        "outcome",
+        "steps",
+        "run_s",
+        "final_export_is_adapter",
+        "adapter_bytes",
+        "full_model_bytes",
+        "weights_bytes_per_sync",
+        "teacher_device",
+        "teacher_dtype",
+        "teacher_logprob_max_abs_diff",
+        "teacher_tolerance",
+        "teacher_s",
+    },
 }
 """What each step must report: the figures docs/gpu.md's results table is filled from."""
 
@@ -103,7 +117,15 @@ def test_dry_check_runs_every_step_and_records_its_figures(tmp_path):
     assert (w["engine_device"], w["engine_dtype"], w["backend"]) == ("cpu", "float32", "gloo")
     assert figs["engine"]["cpu_fp32_rows_equal_to_generate"] == 1.0
     assert figs["run"]["outcome"] == "completed" and figs["run"]["steps"] == 3
-    assert "8 of 8 records ok" in p.stdout
+    # LoRA: each version sends the adapters' bytes, not the model's; the final export is PEFT's
+    lo = figs["lora"]
+    assert lo["outcome"] == "completed" and lo["steps"] == 3 and lo["final_export_is_adapter"]
+    assert lo["weights_bytes_per_sync"] == [lo["adapter_bytes"]]
+    assert 0 < lo["adapter_bytes"] < lo["full_model_bytes"]
+    # the teacher's logprobs (engine on the CPU in float32 here) are transformers' on those tokens
+    assert (lo["teacher_device"], lo["teacher_dtype"]) == ("cpu", "float32")
+    assert lo["teacher_logprob_max_abs_diff"] <= lo["teacher_tolerance"] < 1e-3
+    assert "9 of 9 records ok" in p.stdout
 
 
 def test_a_failed_step_is_recorded_with_its_output_and_the_next_one_runs(tmp_path):

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import socket
 import subprocess
@@ -40,8 +41,9 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12
 """Dense bf16 tensor-core peak (FLOP/s) by device-name fragment, the MFU denominator (vendor sheets,
 SXM parts). A device not listed gets no MFU."""
 
-STEPS = ("env", "models", "nccl", "logprobs", "learner", "weights", "engine", "run")
-"""check.sh's order: the cheap facts first, then the paths by how much a result is worth."""
+STEPS = ("env", "models", "nccl", "logprobs", "learner", "weights", "engine", "run", "lora")
+"""check.sh's order: the cheap facts first, then the paths by how much a result is worth (LoRA and
+the distillation teacher last: the newest paths, which the others' budget comes before)."""
 
 
 # ---- shared helpers ------------------------------------------------------------------------------
@@ -689,6 +691,200 @@ def step_run(work: Path, dry: bool) -> dict[str, Any]:
     return figs
 
 
+# ---- h. LoRA end to end, and the distillation teacher's logprobs -----------------------------------------
+
+
+def _lora_run(work: Path, figs: dict[str, Any]) -> bool:
+    """``asyncrl run recipes/demo_lora.yaml`` for 3 steps on the demo model, step_run's overrides:
+    the adapters on the TorchTitan actor (on the GPU where there is one), each version's adapters
+    (not the model) over the weight group into the built-in engine, which merges them at the swap,
+    and a PEFT adapter folder as the final export. Whether it did, and the figures it left."""
+    import torch
+    from safetensors import safe_open
+
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.metrics import read_metrics
+    from asyncrl.weights.buckets import parse_dtype
+    from asyncrl.weights.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_export
+    from tools.make_demo import make_demo
+
+    demo = make_demo(work / "demo", train=2000, eval=64)
+    out = work / "runs_lora"
+    steps = 3
+    ov = [
+        f"model.path={demo / 'model'}",
+        f"data.path={demo / 'data/train.jsonl'}",
+        f"data.eval_path={demo / 'data/eval.jsonl'}",
+        f"run.output_dir={out}",
+        f"run.steps={steps}",
+        "run.eval_every=0",
+        "run.timeout_s=80",
+        "rollout.group_size=4",
+        "rollout.max_concurrent_groups=8",
+        "buffer.groups_per_batch=2",
+        "buffer.dynamic_sampling=false",
+        "learner.checkpoint_every=0",
+        "generator.max_batch_size=16",
+        "logging.wandb_mode=disabled",
+    ]
+    path = ROOT / "recipes/demo_lora.yaml"
+    r = recipe_mod.load(path, ov)
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(path), *ov, "--overwrite"]
+    t0 = time.perf_counter()
+    p = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=90)
+    figs.update(rc=p.returncode, run_s=round(time.perf_counter() - t0, 2))
+    run_dir = out / r.run.name
+    summary = run_dir / "summary.json"
+    s = json.loads(summary.read_text()) if summary.exists() else {}
+    figs.update({k: s.get(k) for k in ("outcome", "steps", "max_staleness_seen")})
+    if figs["outcome"] != "completed":
+        print(p.stdout[-2000:], p.stderr[-3000:], sep="\n")
+        log = run_dir / "logs/learner.log"
+        if log.exists():
+            print(log.read_text()[-3000:])
+    # what a version should cost on the wire: the adapters' tensors at weights.dtype, against the
+    # whole model's (tied copies sent once, as make_snapshot sends them)
+    itemsize = torch.empty((), dtype=parse_dtype(r.weights.dtype)).element_size()
+    export = run_dir / "hf/latest"
+    figs["final_export_is_adapter"] = is_adapter_export(export)
+    figs["adapter_bytes"] = figs["full_model_bytes"] = None
+    if figs["final_export_is_adapter"]:
+        with safe_open(str(export / ADAPTER_WEIGHTS), "pt") as f:
+            figs["adapter_tensors"] = len(list(f.keys()))
+            figs["adapter_bytes"] = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        figs["adapter_bytes"] *= itemsize
+        figs["adapter_rank"] = json.loads((export / ADAPTER_CONFIG).read_text()).get("r")
+    figs["full_model_bytes"] = _model_wire_bytes(demo / "model", itemsize)
+    sent = [m["weights/bytes"] for m in read_metrics(run_dir) if "weights/bytes" in m]
+    figs["syncs"] = len(sent)
+    figs["weights_bytes_per_sync"] = sorted(set(sent))
+    if figs["adapter_bytes"] and figs["full_model_bytes"]:
+        figs["full_over_adapter"] = round(figs["full_model_bytes"] / figs["adapter_bytes"], 1)
+    return bool(
+        p.returncode == 0
+        and figs["outcome"] == "completed"
+        and figs["steps"] == steps
+        and figs["final_export_is_adapter"]
+        and sent
+        and set(sent) == {figs["adapter_bytes"]}
+        and figs["adapter_bytes"] < figs["full_model_bytes"]
+    )
+
+
+def _model_wire_bytes(model: Path, itemsize: int) -> int:
+    """The bytes a full-weight version of ``model`` sends at ``itemsize`` (floating tensors)."""
+    from safetensors.torch import load_file
+
+    from asyncrl.weights.snapshot import drop_tied
+
+    named = {
+        k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(str(f)).items()
+    }
+    return sum(
+        t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+        for t in drop_tied(named).values()
+    )
+
+
+TEACHER_REL = {"float32": 1e-4, "bfloat16": GPU_BF16_REL_DIFF}
+"""How far the engine's logits may be from transformers' on the same tokens, relative to the
+largest logit, by the dtype the engine serves: step_engine's bounds. A token's log-probability
+moves by at most twice a logit's move (|Δ log_softmax(z)_i| <= |Δz_i| + |Δ logsumexp z| <= 2·max|Δz|),
+so the teacher's tolerance is 2 · that · max|logit|."""
+
+
+def _teacher(work: Path, dry: bool, figs: dict[str, Any]) -> bool:
+    """The distillation teacher as a run asks it (asyncrl/rollout/teacher.py's client, batched, over
+    ``/generate`` with no new tokens) from a built-in engine started as a run starts it
+    (``generator.device: auto``, ``model.dtype: bfloat16``): its logprobs of given completions
+    against transformers' log_softmax on the same tokens, on the engine's device and dtype."""
+    import httpx
+    import numpy as np
+    import torch
+    import trio
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.recipe import TeacherConfig
+    from asyncrl.rollout.engine import start_engine_process
+    from asyncrl.rollout.teacher import TeacherLogprobs
+    from tools.make_demo import make_demo
+
+    model = make_demo(work / "demo", train=2000, eval=64) / "model"
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    pairs = [
+        (rng.integers(3, vocab, int(a)).tolist(), rng.integers(3, vocab, int(b)).tolist())
+        for a, b in rng.integers(2, 24, (8, 2))
+    ]
+    t0 = time.perf_counter()
+    engine = start_engine_process(
+        model, weight_version="0", timeout_s=90, device="auto", dtype="bfloat16"
+    )
+    figs["teacher_engine_start_s"] = round(time.perf_counter() - t0, 2)
+    got: dict[int, tuple[Any, str]] = {}
+    try:
+        info = httpx.get(engine.url + "/server_info", timeout=30).json()
+        figs["teacher_device"], figs["teacher_dtype"] = info["device"], info["dtype"]
+        teacher = TeacherLogprobs(TeacherConfig(urls=[engine.url], batch_size=4, timeout_s=60))
+
+        async def ask_all() -> None:
+            async def one(i: int) -> None:
+                got[i] = await teacher.logprobs(*pairs[i])
+
+            async with trio.open_nursery() as n:
+                for i in range(len(pairs)):
+                    n.start_soon(one, i)
+
+        t0 = time.perf_counter()
+        trio.run(ask_all)
+        figs["teacher_s"] = round(time.perf_counter() - t0, 3)
+        figs["teacher_requests"] = teacher.stats["requests"]
+    finally:
+        engine.stop()
+    failures = [f for _, f in got.values() if f]
+    figs["teacher_failures"] = len(failures)
+    if failures:
+        print("teacher failures:", failures[:3])
+        return False
+    dev = torch.device(figs["teacher_device"])
+    dtype = getattr(torch, figs["teacher_dtype"])
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(dev).eval()
+    diffs, top, lps = [], 0.0, []
+    with torch.no_grad():
+        for i, (p, c) in enumerate(pairs):
+            logits = hf(torch.tensor([p + c], device=dev)).logits[0, len(p) - 1 : -1].float()
+            ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(c, device=dev)[:, None])
+            lp = torch.from_numpy(got[i][0]).to(dev)
+            diffs.append(float((lp - ref[:, 0]).abs().max()))
+            top = max(top, float(logits.abs().max()))
+            lps += lp.tolist()
+    figs["teacher_tokens"] = len(lps)
+    figs["teacher_logprob_range"] = [round(min(lps), 3), round(max(lps), 3)]
+    figs["teacher_max_abs_logit"] = round(top, 4)
+    figs["teacher_logprob_max_abs_diff"] = max(diffs)
+    figs["teacher_tolerance"] = 2 * TEACHER_REL[figs["teacher_dtype"]] * top
+    on_gpu = figs["teacher_device"].startswith("cuda")
+    return bool(
+        figs["teacher_logprob_max_abs_diff"] <= figs["teacher_tolerance"] and on_gpu == _cuda(dry)
+    )
+
+
+def step_lora(work: Path, dry: bool) -> dict[str, Any]:
+    """The paths this check had nothing for before: LoRA end to end (``_lora_run``) and on-policy
+    distillation's teacher logprobs from a built-in engine (``_teacher``). The run's figures are
+    printed as a record line before the teacher starts, so that a step cut by its limit there
+    still brings them back (as a failed record)."""
+    figs: dict[str, Any] = {}
+    with _timed(figs, "lora_s"):
+        figs["run_ok"] = _lora_run(work, figs)
+    print(json.dumps({"step": "lora", "figures": figs}, default=str), flush=True)
+    with _timed(figs, "teacher_total_s"):
+        figs["teacher_ok"] = _teacher(work, dry, figs)
+    figs["ok"] = figs["run_ok"] and figs["teacher_ok"]
+    print(json.dumps(figs, indent=1, default=str))
+    return figs
+
+
 # ---- the records --------------------------------------------------------------------------------------
 
 
@@ -726,6 +922,7 @@ RUNNERS: dict[str, Callable[[Path, bool], dict[str, Any]]] = {
     "weights": step_weights,
     "engine": step_engine,
     "run": step_run,
+    "lora": step_lora,
 }
 
 

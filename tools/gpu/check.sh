@@ -28,9 +28,9 @@ steps=()
 for a in "$@"; do
   if [ "$a" = "--dry" ]; then dry="--dry"; else steps+=("$a"); fi
 done
-[ ${#steps[@]} -eq 0 ] && steps=(env models nccl logprobs learner weights engine run)
+[ ${#steps[@]} -eq 0 ] && steps=(env models nccl logprobs learner weights engine run lora)
 
-declare -A limit=([env]=60 [models]=120 [nccl]=60 [logprobs]=90 [learner]=180 [weights]=120 [engine]=120 [run]=240)
+declare -A limit=([env]=60 [models]=120 [nccl]=60 [logprobs]=90 [learner]=180 [weights]=120 [engine]=120 [run]=240 [lora]=120)
 budget="${ASYNCRL_CHECK_BUDGET_S:-480}"
 start=$(date +%s)
 mkdir -p "$results/logs"
