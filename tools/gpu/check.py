@@ -755,9 +755,13 @@ def _lora_run(work: Path, figs: dict[str, Any]) -> bool:
         figs["adapter_bytes"] *= itemsize
         figs["adapter_rank"] = json.loads((export / ADAPTER_CONFIG).read_text()).get("r")
     figs["full_model_bytes"] = _model_wire_bytes(demo / "model", itemsize)
-    sent = [m["weights/bytes"] for m in read_metrics(run_dir) if "weights/bytes" in m]
+    syncs = [m for m in read_metrics(run_dir) if "weights/bytes" in m]
+    sent = [m["weights/bytes"] for m in syncs]
     figs["syncs"] = len(sent)
     figs["weights_bytes_per_sync"] = sorted(set(sent))
+    # the engine took each version (an adapter it refused, or one it merged wrong, shows here)
+    for k in ("weights/failed", "weights/dropped", "weights/checksum_mismatch"):
+        figs[k.split("/")[1]] = sum(m.get(k, 0) for m in syncs)
     if figs["adapter_bytes"] and figs["full_model_bytes"]:
         figs["full_over_adapter"] = round(figs["full_model_bytes"] / figs["adapter_bytes"], 1)
     return bool(
@@ -767,6 +771,7 @@ def _lora_run(work: Path, figs: dict[str, Any]) -> bool:
         and figs["final_export_is_adapter"]
         and sent
         and set(sent) == {figs["adapter_bytes"]}
+        and figs["failed"] == figs["dropped"] == figs["checksum_mismatch"] == 0
         and figs["adapter_bytes"] < figs["full_model_bytes"]
     )
 
