@@ -120,16 +120,19 @@ def test_worker_killed_leases_expire_others_continue_and_it_rejoins(tmp_path, ti
         )
         t_recovered = time.monotonic() - t_kill
         wait_until(
-            lambda: status(cfg["address"])["leases_live"] <= 2,  # worker1's own, at most
+            lambda: status(cfg["address"])["starts_held"].get("worker0", 0) == 0,
             timeout_s=LEASE_S * 10,
-            what="the killed worker's leases to end",
+            what="the killed worker's leases to give back the starts it held",
             procs=[learner, other],
         )
         after = status(cfg["address"])
         returned = after["expired"] + after["closed_stale"]
-        # the starts the killed worker held came back (it may hold none: waiting for weights)
+        # Each start it held (none while it waits for weights) ended: a group it sent just before
+        # the kill arrived (the status taken before the kill cannot tell: asking for an expiry
+        # failed CI once), the others came back with its expired leases.
         victim_held = stats_before["starts_held"].get("worker0", 0)
-        assert returned > stats_before["expired"] + stats_before["closed_stale"] or victim_held == 0
+        ended = sum(after[k] - stats_before[k] for k in ("arrived", "expired", "closed_stale"))
+        assert ended >= victim_held, (stats_before, after)
         # The same command again: it rejoins and its new groups are trained.
         n_before = len(trained_ids(out, "worker0"))
         t_restart = time.monotonic()
