@@ -1011,27 +1011,16 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             file=file,
             key="rollout.eval_reward",
         )
-    if rm.path and rm.urls:
-        raise RecipeError(
-            "give urls (servers you started) or path (`asyncrl run` starts servers on it), "
-            "not both",
-            file=file,
-            key="rollout.reward_model.path",
-        )
-    if check_files and rm.path and not (r.resolve(rm.path) / "config.json").is_file():
-        raise RecipeError(
-            f"reward model folder {rm.path!r} has no config.json (an HF "
-            "sequence-classification folder, e.g. a reward_model run's hf/latest)",
-            file=file,
-            key="rollout.reward_model.path",
-        )
-    for i, u in enumerate(rm.urls):
-        if not u.startswith(("http://", "https://")):
-            raise RecipeError(
-                f"expected an http(s):// URL, got {u!r}",
-                file=file,
-                key=f"rollout.reward_model.urls[{i}]",
-            )
+    _check_model_servers(
+        r,
+        "rollout.reward_model",
+        rm.path,
+        rm.urls,
+        what="reward model folder",
+        kind="an HF sequence-classification folder, e.g. a reward_model run's hf/latest",
+        file=file,
+        check_files=check_files,
+    )
     _validate_teacher(r, file=file, check_files=check_files)
     tls = r.buffer.tls
     given = [bool(tls.cert), bool(tls.key), bool(tls.ca)]
@@ -1056,6 +1045,37 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
                 "buffer.tls is set, so use tls+tcp:// (plain tcp:// would not encrypt)",
                 file=file,
                 key=f"buffer.{k}",
+            )
+
+
+def _check_model_servers(
+    r: Recipe,
+    key: str,
+    path: str,
+    urls: list[str],
+    *,
+    what: str,
+    kind: str,
+    file: str | None,
+    check_files: bool,
+) -> None:
+    """A model served for the rollouts (the reward model, the teacher): urls of servers the user
+    started, or a folder `asyncrl run` serves; never both, the folder an HF one, the urls http(s)."""
+    if path and urls:
+        raise RecipeError(
+            "give urls (servers you started) or path (`asyncrl run` starts servers on it), "
+            "not both",
+            file=file,
+            key=f"{key}.path",
+        )
+    if check_files and path and not (r.resolve(path) / "config.json").is_file():
+        raise RecipeError(
+            f"{what} {path!r} has no config.json ({kind})", file=file, key=f"{key}.path"
+        )
+    for i, u in enumerate(urls):
+        if not u.startswith(("http://", "https://")):
+            raise RecipeError(
+                f"expected an http(s):// URL, got {u!r}", file=file, key=f"{key}.urls[{i}]"
             )
 
 
@@ -1094,27 +1114,16 @@ def _validate_teacher(r: Recipe, *, file: str | None, check_files: bool) -> None
             file=file,
             key="buffer.dynamic_sampling",
         )
-    if t.path and t.urls:
-        raise RecipeError(
-            "give urls (servers you started) or path (`asyncrl run` starts servers on it), "
-            "not both",
-            file=file,
-            key="rollout.teacher.path",
-        )
-    if check_files and t.path and not (r.resolve(t.path) / "config.json").is_file():
-        raise RecipeError(
-            f"teacher folder {t.path!r} has no config.json (an HF causal LM folder, e.g. a run's "
-            "hf/latest)",
-            file=file,
-            key="rollout.teacher.path",
-        )
-    for i, u in enumerate(t.urls):
-        if not u.startswith(("http://", "https://")):
-            raise RecipeError(
-                f"expected an http(s):// URL, got {u!r}",
-                file=file,
-                key=f"rollout.teacher.urls[{i}]",
-            )
+    _check_model_servers(
+        r,
+        "rollout.teacher",
+        t.path,
+        t.urls,
+        what="teacher folder",
+        kind="an HF causal LM folder, e.g. a run's hf/latest",
+        file=file,
+        check_files=check_files,
+    )
     if check_files and t.path and r.model.path:
         differs = tokenizer_difference(r.resolve(r.model.path), r.resolve(t.path))
         if differs:
