@@ -246,9 +246,8 @@ def test_worker_groups_carry_the_models_scores_and_leave_its_failures_out(
     """A rollout worker (real engine, real buffer): every sample's reward is the reward model's score
     of its prompt + completion; with a server that hangs, no sample has a reward, so no group is sent
     (each dropped, the timeouts counted) and the worker stops after max_consecutive_failures."""
-    from asyncrl.rollout.worker import WorkerError
     from tests.labels import set_label
-    from tests.rollout.test_worker import WAIT_S, make_worker, serve_buffer, take_batch
+    from tests.rollout.test_worker import make_worker, run_to_failure, serve_buffer, take_batch
 
     async def run(svc, reward):
         async with make_worker(
@@ -261,10 +260,8 @@ def test_worker_groups_carry_the_models_scores_and_leave_its_failures_out(
         async with make_worker(
             rollout_engine, tok, svc.address, reward_runner=reward, max_consecutive_failures=2
         ) as w:
-            with trio.fail_after(WAIT_S), pytest.raises(ExceptionGroup) as e:
-                await w.run()
-        (error,) = e.value.exceptions
-        assert isinstance(error, WorkerError) and "timed out after 1s" in str(error), error
+            error = await run_to_failure(w)
+        assert "timed out after 1s" in str(error), error
         return w.stats.counters, svc.stats()
 
     httpd, hang_url = _server(_Hang)

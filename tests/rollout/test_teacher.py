@@ -130,8 +130,7 @@ def test_worker_samples_carry_the_teachers_logprobs_and_leave_its_failures_out(
     teacher here is the student's own model, so they are also its behaviour logprobs (T = 1): a
     reverse KL of 0. A teacher that cannot be reached fails every sample (``teacher: ...``): no
     group is sent and the worker stops after max_consecutive_failures."""
-    from asyncrl.rollout.worker import WorkerError
-    from tests.rollout.test_worker import WAIT_S, make_worker, serve_buffer, take_batch
+    from tests.rollout.test_worker import make_worker, run_to_failure, serve_buffer, take_batch
 
     async def run(svc, teacher):
         async with make_worker(
@@ -144,10 +143,8 @@ def test_worker_samples_carry_the_teachers_logprobs_and_leave_its_failures_out(
         async with make_worker(
             rollout_engine, tokenizer, svc.address, teacher=teacher, max_consecutive_failures=2
         ) as w:
-            with trio.fail_after(WAIT_S), pytest.raises(ExceptionGroup) as e:
-                await w.run()
-        (error,) = e.value.exceptions
-        assert isinstance(error, WorkerError) and "teacher: " in str(error), error
+            error = await run_to_failure(w)
+        assert "teacher: " in str(error), error
         return w.stats.counters, svc.stats()
 
     set_label(rollout_engine.url, "default")

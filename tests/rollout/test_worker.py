@@ -16,7 +16,7 @@ from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.workflows import SingleTurn, load_workflow
 from asyncrl.transport import RepServer, ReqClient, Subscriber
@@ -117,6 +117,15 @@ async def make_worker(
     finally:
         if sub is not None:
             sub.close()
+
+
+async def run_to_failure(worker: RolloutWorker) -> WorkerError:
+    """Run a worker that must stop on its own (within WAIT_S): the one error its nursery raises."""
+    with trio.fail_after(WAIT_S), pytest.raises(ExceptionGroup) as e:
+        await worker.run()
+    (error,) = e.value.exceptions
+    assert isinstance(error, WorkerError), error
+    return error
 
 
 async def wait_for(cond, what: str):
@@ -291,7 +300,6 @@ def test_a_group_left_without_rewards_is_dropped_and_a_reward_that_always_fails_
     with its reason and its prompt counted as used (a reward failing on a row would fail again),
     and after ``max_consecutive_failures`` such groups the worker stops, saying why, instead of
     training on 0s or spinning."""
-    from asyncrl.rollout.worker import WorkerError
 
     async def run(svc):
         async with make_worker(
@@ -303,10 +311,7 @@ def test_a_group_left_without_rewards_is_dropped_and_a_reward_that_always_fails_
             max_consecutive_failures=3,
         ) as w:
             # the worker's nursery raises its one error (old code: trains on 0s, never stops)
-            with trio.fail_after(WAIT_S), pytest.raises(ExceptionGroup) as e:
-                await w.run()
-        (error,) = e.value.exceptions
-        assert isinstance(error, WorkerError), error
+            error = await run_to_failure(w)
         return str(error), w.stats.counters, w.source, svc.stats()
 
     with serve_buffer(groups_per_batch=2, max_staleness=0) as svc:
