@@ -645,6 +645,27 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
 # ---- f. asyncrl run on the demo recipe ------------------------------------------------------------------
 
 
+def demo_overrides(demo: Path, out: Path, *, steps: int, timeout_s: int) -> list[str]:
+    """A few-step `asyncrl run` of a demo recipe on a demo folder made here (no SFT stage: the
+    random model): small groups and batches, no evaluation, checkpoint or W&B."""
+    return [
+        f"model.path={demo / 'model'}",
+        f"data.path={demo / 'data/train.jsonl'}",
+        f"data.eval_path={demo / 'data/eval.jsonl'}",
+        f"run.output_dir={out}",
+        f"run.steps={steps}",
+        "run.eval_every=0",
+        f"run.timeout_s={timeout_s}",
+        "rollout.group_size=4",
+        "rollout.max_concurrent_groups=8",
+        "buffer.groups_per_batch=2",
+        "buffer.dynamic_sampling=false",
+        "learner.checkpoint_every=0",
+        "generator.max_batch_size=16",
+        "logging.wandb_mode=disabled",
+    ]
+
+
 def step_run(work: Path, dry: bool) -> dict[str, Any]:
     """``asyncrl run recipes/demo.yaml`` for a few steps, on the tiny demo model made here (no SFT
     stage: the random model), with W&B off: the launcher, buffer, a rollout worker with a built-in
@@ -656,22 +677,7 @@ def step_run(work: Path, dry: bool) -> dict[str, Any]:
     make_demo(demo, train=2000, eval=64)
     out = work / "runs"
     steps = 3
-    ov = [
-        f"model.path={demo / 'model'}",
-        f"data.path={demo / 'data/train.jsonl'}",
-        f"data.eval_path={demo / 'data/eval.jsonl'}",
-        f"run.output_dir={out}",
-        f"run.steps={steps}",
-        "run.eval_every=0",
-        "run.timeout_s=240",
-        "rollout.group_size=4",
-        "rollout.max_concurrent_groups=8",
-        "buffer.groups_per_batch=2",
-        "buffer.dynamic_sampling=false",
-        "learner.checkpoint_every=0",
-        "generator.max_batch_size=16",
-        "logging.wandb_mode=disabled",
-    ]
+    ov = demo_overrides(demo, out, steps=steps, timeout_s=240)
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "recipes/demo.yaml"), *ov]
     t0 = time.perf_counter()
     p = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=280)
@@ -711,22 +717,7 @@ def _lora_run(work: Path, figs: dict[str, Any]) -> bool:
     demo = make_demo(work / "demo", train=2000, eval=64)
     out = work / "runs_lora"
     steps = 3
-    ov = [
-        f"model.path={demo / 'model'}",
-        f"data.path={demo / 'data/train.jsonl'}",
-        f"data.eval_path={demo / 'data/eval.jsonl'}",
-        f"run.output_dir={out}",
-        f"run.steps={steps}",
-        "run.eval_every=0",
-        "run.timeout_s=80",
-        "rollout.group_size=4",
-        "rollout.max_concurrent_groups=8",
-        "buffer.groups_per_batch=2",
-        "buffer.dynamic_sampling=false",
-        "learner.checkpoint_every=0",
-        "generator.max_batch_size=16",
-        "logging.wandb_mode=disabled",
-    ]
+    ov = demo_overrides(demo, out, steps=steps, timeout_s=80)
     path = ROOT / "recipes/demo_lora.yaml"
     r = recipe_mod.load(path, ov)
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(path), *ov, "--overwrite"]
