@@ -24,9 +24,9 @@ from typing import Any
 
 import trio
 
-from asyncrl.recipe import Recipe, RecipeError, RewardModelConfig
+from asyncrl.recipe import Recipe, RewardModelConfig
 from asyncrl.rollout.rewards import RewardResult, RewardRunner, ScoresEpisodes, load_reward
-from asyncrl.rollout.server_batches import BatchedServers
+from asyncrl.rollout.server_batches import BatchedServers, require_urls
 
 # --------------------------------------------------------------------------------------------------
 # Normalisation (pure)
@@ -194,17 +194,10 @@ def build_reward(r: Recipe) -> RewardRunner | CombinedReward:
     """The recipe's reward: ``rollout.reward`` alone, plus the reward model when it has servers
     (``rollout.reward: model``: the reward model alone).
 
-    RecipeError when the reward model has a ``path`` but no ``urls``: `asyncrl run` starts servers on
-    the path and passes their urls; a process started alone cannot know them."""
+    RecipeError when the reward model has a ``path`` but no ``urls`` (:func:`require_urls`)."""
     ro = r.rollout
-    if ro.reward_model.path and not ro.reward_model.urls:
-        raise RecipeError(
-            f"`asyncrl run` starts the /classify servers on rollout.reward_model.path "
-            f"({ro.reward_model.path}); started alone, this process needs their urls "
-            "(start `asyncrl engine --model PATH` and set rollout.reward_model.urls, "
-            "rollout.reward_model.path='')",
-            key="rollout.reward_model.urls",
-        )
+    rm = ro.reward_model
+    require_urls("rollout.reward_model", rm.path, rm.urls, "the /classify servers")
     rule = None
     if ro.reward != "model":
         rule = RewardRunner(

@@ -21,11 +21,25 @@ import httpx
 import trio
 
 from asyncrl.generator_http import GeneratorError, acall, async_client
+from asyncrl.recipe import RecipeError
 
 LINGER_S = 0.01
 """How long the first item of a batch waits for others (unless the batch fills first)."""
 
 T = TypeVar("T")
+
+
+def require_urls(key: str, path: str, urls: Sequence[str], servers: str) -> None:
+    """RecipeError naming ``key.urls`` when a served model has a ``path`` but no ``urls``: `asyncrl
+    run` starts ``servers`` on the path and passes their urls; a process started alone (`asyncrl
+    rollout`, `asyncrl learner`) cannot know them."""
+    if path and not urls:
+        raise RecipeError(
+            f"`asyncrl run` starts {servers} on {key}.path ({path}); started alone, this process "
+            f"needs their urls (start `asyncrl engine --model PATH` and set {key}.urls, "
+            f"{key}.path='')",
+            key=f"{key}.urls",
+        )
 
 
 @dataclass(eq=False)

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.recipe import Recipe, RecipeError, TeacherConfig
-from asyncrl.rollout.server_batches import BatchedServers
+from asyncrl.recipe import Recipe, TeacherConfig
+from asyncrl.rollout.server_batches import BatchedServers, require_urls
 
 Payload = tuple[list[int], list[int]]
 """(prompt ids, completion ids) of one sequence the teacher scores."""
@@ -100,16 +100,9 @@ class TeacherLogprobs(BatchedServers[np.ndarray]):
 
 def build_teacher(r: Recipe) -> TeacherLogprobs | None:
     """The recipe's teacher client (None without ``rollout.teacher``). RecipeError when it has a
-    ``path`` but no ``urls``: `asyncrl run` serves the path and passes the urls; a process started
-    alone cannot know them."""
+    ``path`` but no ``urls`` (:func:`~asyncrl.rollout.server_batches.require_urls`)."""
     t = r.rollout.teacher
     if not t.enabled or not r.algorithm.uses_rollouts:
         return None
-    if t.path and not t.urls:
-        raise RecipeError(
-            f"`asyncrl run` starts the teacher's servers on rollout.teacher.path ({t.path}); "
-            "started alone, this process needs their urls (start `asyncrl engine --model PATH` "
-            "and set rollout.teacher.urls, rollout.teacher.path='')",
-            key="rollout.teacher.urls",
-        )
+    require_urls("rollout.teacher", t.path, t.urls, "the teacher's servers")
     return TeacherLogprobs(t)
