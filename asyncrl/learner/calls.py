@@ -85,14 +85,15 @@ def group_advantages(config: TrainerConfig, batch: Batch, seqs: list[Sequence]) 
 def distill_advantages(
     config: TrainerConfig, batch: Batch, seqs: list[Sequence]
 ) -> dict[str, float]:
-    """``algorithm.advantage: distill``: each sequence's per-token advantage from the teacher's
-    logprobs (:func:`asyncrl.learner.distill.assign_targets`), with ``distill_coef`` > 0 plus its
-    GRPO advantage of the group rewards. Returns the batch's reverse KL to the teacher."""
+    """``algorithm.advantage: distill``: with ``distill_coef`` > 0 each sequence's GRPO advantage of
+    the group rewards (the outcome part); the teacher's part, log π_teacher − log π_prox per token,
+    is added in the update's forward, where π_prox is (:func:`asyncrl.learner.passes.advantages`).
+    Returns the batch's reverse KL to the teacher (:func:`asyncrl.learner.distill.reverse_kl`)."""
     alg = config.algorithm
     if alg.distill_coef > 0:
         grpo = dataclasses.replace(alg, advantage="grpo")
         group_advantages(dataclasses.replace(config, algorithm=grpo), batch, seqs)
-    return distill.assign_targets(seqs, alg)
+    return distill.reverse_kl(seqs)
 
 
 def exchange(models: Models, run: Step, keys: tuple[str, ...]) -> None:

@@ -1,6 +1,8 @@
 """On-policy distillation's advantage (``algorithm.advantage: distill``; docs/distill.md,
 docs/off-policy.md): per token, with no critic, from the teacher's logprobs that arrive with each
-sample (``rollout.teacher``) and the sampler's own. Pure logic: tensors and arrays in and out.
+sample (``rollout.teacher``) and the learner's own log π_prox, which exists only in the learner's
+forward: the advantage is made there, one micro-batch at a time (:mod:`asyncrl.learner.passes`).
+Pure logic: tensors and arrays in and out.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from torch import Tensor
 from asyncrl import metric_names as names
 from asyncrl.learner.advantages import masked_rows
 from asyncrl.learner.packing import Sequence
-from asyncrl.recipe import AlgorithmConfig
 
 
 def distill(
-    log_mu: Tensor,
+    log_pi: Tensor,
     log_teacher: Tensor,
     mask: Tensor,
     *,
@@ -24,46 +25,37 @@ def distill(
     coef: float = 0.0,
 ) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024; Thinking Machines' "On-Policy Distillation"):
-    per token A_t = −(log μ_t − log π_teacher,t) + coef·outcome, 0 where the mask is 0.
+    per token A_t = log π_teacher,t − log π_t + coef·outcome, 0 where the mask is 0, with π the
+    learner's π_prox (the weights the step starts from; at one update per batch, the forward's own
+    detached log π).
 
-    log μ_t − log π_teacher,t is the one-sample estimate of the reverse KL(μ ‖ π_teacher) at
-    token t (its expectation under μ, which sampled it), so a policy gradient with A_t lowers the
-    reverse KL, per token and with no discount: the tinker-cookbook's on-policy distillation
-    (``kl_penalty_coef`` 1, ``kl_discount_factor`` 0). μ, not the learner's π_prox: it is the
-    policy that sampled the tokens, the one whose KL the estimate is unbiased for; the loss's
-    importance weight π_θ/μ then corrects for μ's staleness as it does for any advantage
-    (docs/off-policy.md). ``outcome`` is the sample's outcome advantage (a GRPO advantage:
-    broadcastable to ``mask``, e.g. ``[B, 1]``), weighted by ``coef`` (``algorithm.distill_coef``;
-    0: the teacher alone). No whitening: the KL's scale is the signal. ``[B, T]`` tensors as
-    :func:`~asyncrl.learner.advantages.gae`'s (mask-0 inputs may be NaN); float64 inside, returned
-    in ``log_mu``'s dtype."""
-    m, x = masked_rows(mask, log_mu=log_mu, log_teacher=log_teacher)
-    out = torch.as_tensor(outcome, dtype=torch.float64)
-    a = x["log_teacher"] - x["log_mu"] + coef * out
-    return torch.where(m, a, 0.0).to(log_mu.dtype)
+    The objective is the reverse KL(π ‖ π_T), whose gradient from μ's samples is
+    E_μ[(π/μ)·∇log π·(log π_T − log π)]: the loss's importance weight π/μ corrects for sampling
+    from μ, and the advantage must be the objective's own −log(π/π_T). With log μ in its place the
+    update adds E_π[∇log π·log(π/μ)] = ∇KL(π ‖ μ): it pushes π away from the stale sampler,
+    even when π already equals the teacher (docs/off-policy.md, "Which π"). ``outcome`` is the
+    sample's outcome advantage (a GRPO advantage, broadcastable to ``mask``), weighted by ``coef``
+    (``algorithm.distill_coef``; 0: the teacher alone). No whitening: the KL's scale is the signal.
+    ``[B, T]`` tensors as :func:`~asyncrl.learner.advantages.gae`'s (mask-0 inputs may be NaN);
+    float64 inside, returned in ``log_pi``'s dtype."""
+    m, x = masked_rows(mask, log_pi=log_pi, log_teacher=log_teacher)
+    out = torch.as_tensor(outcome, dtype=torch.float64, device=m.device)
+    a = x["log_teacher"] - x["log_pi"] + coef * out
+    return torch.where(m, a, 0.0).to(log_pi.dtype)
 
 
-def assign_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> dict[str, float]:
-    """Each sequence's ``token_advantages`` from its teacher and behaviour logprobs by
-    :func:`distill`, plus ``distill_coef`` times its (already set) per-sample ``advantage``, 0 off
-    its trained tokens; returns the batch's reverse KL: the mean of log μ − log π_teacher over its
-    trained tokens."""
+def reverse_kl(seqs: list[Sequence]) -> dict[str, float]:
+    """The batch's reverse KL to the teacher as its samplers had it: the mean of
+    log μ − log π_teacher over the trained tokens (``distill/reverse_kl``; μ, the policies that
+    sampled the batch, for which the one-sample estimate is unbiased). A sequence with trained
+    tokens must carry teacher logprobs (learner/step.py refuses such a sample before)."""
     kl_sum, tokens = 0.0, 0
     for s in seqs:
         m = s.mask > 0
-        if s.teacher_logp is None:
-            if m.any():  # learner/step.py refuses such a sample before: a bug if it comes here
-                raise ValueError(f"sequence {s.index} has trained tokens and no teacher logprobs")
-            s.token_advantages = np.zeros(len(s), np.float32)
+        if not m.any():
             continue
-        a = distill(
-            torch.from_numpy(s.behavior_logp)[None],
-            torch.from_numpy(s.teacher_logp)[None],
-            torch.from_numpy(m)[None],
-            outcome=s.advantage,
-            coef=alg.distill_coef,
-        )
-        s.token_advantages = a[0].numpy().astype(np.float32)
+        if s.teacher_logp is None:
+            raise ValueError(f"sequence {s.index} has trained tokens and no teacher logprobs")
         kl_sum += float((s.behavior_logp[m].astype(np.float64) - s.teacher_logp[m]).sum())
         tokens += int(m.sum())
     return {names.DISTILL_REVERSE_KL: kl_sum / tokens} if tokens else {}

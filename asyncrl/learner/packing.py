@@ -161,6 +161,7 @@ class MicroBatch:
     old_values: torch.Tensor | None  # float [T] with a critic: the values the returns came from
     returns: torch.Tensor | None  # float [T] with a critic: the value targets
     ref_logp: torch.Tensor | None  # float [T] when every sequence carries log π_ref
+    teacher_logp: torch.Tensor | None  # float [T] when a sequence carries log π_teacher (distill)
     seq_ids: torch.Tensor  # long [T], 0.. within this micro-batch
     seq_index: list[int]  # batch index of each sequence in the row
     num_tokens: int  # L
@@ -198,6 +199,7 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
             old_values=e.clone(),
             returns=e.clone(),
             ref_logp=e.clone(),
+            teacher_logp=e.clone(),
             seq_ids=e.long(),
             seq_index=[],
             num_tokens=1,
@@ -219,6 +221,17 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
         arrays = [getattr(s, name) for s in seqs]
         return t(cat(arrays)[sel]) if all(a is not None for a in arrays) else None
 
+    # A sample without teacher logprobs has no trained token (learner/step.py refuses it else).
+    teacher = [s.teacher_logp for s in seqs]
+    if any(a is not None for a in teacher):
+        teacher = [
+            np.zeros(len(s), np.float32) if a is None else a
+            for s, a in zip(seqs, teacher, strict=True)
+        ]
+        teacher_logp = t(cat(teacher)[sel])
+    else:
+        teacher_logp = None
+
     return MicroBatch(
         tokens=t(cat([s.input_ids for s in seqs]))[None],
         positions=t(cat([np.arange(n, dtype=np.int64) for n in lengths]))[None],
@@ -233,6 +246,7 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
         old_values=per_token("values"),
         returns=per_token("returns"),
         ref_logp=per_token("ref_logp"),
+        teacher_logp=teacher_logp,
         seq_ids=t(seq_ids[sel].astype(np.int64)),
         seq_index=[s.index for s in seqs],
         num_tokens=int(sum(lengths)),

@@ -26,6 +26,7 @@ from torchtitan.distributed import utils as dist_utils
 
 from asyncrl.learner.aggregation import Normaliser, count_tokens_and_seqs
 from asyncrl.learner.attention import attention_masks
+from asyncrl.learner.distill import distill
 from asyncrl.learner.drift import drift_sums
 from asyncrl.learner.logprobs import chunked_backward, chunked_logprobs, local_hidden
 from asyncrl.learner.loss_stats import zero_stats
@@ -154,6 +155,24 @@ def normaliser(models: Models, mbs: list[MicroBatch], mesh: RoleMesh) -> Normali
     )
 
 
+def advantages(models: Models, mb: MicroBatch, prox_logp: torch.Tensor) -> torch.Tensor:
+    """The advantages of ``mb``'s trained tokens in the update: the batch's, or with
+    ``algorithm.advantage: distill`` log π_teacher − log π_prox (+ ``distill_coef`` × the batch's
+    per-sample outcome advantage), which needs the learner's own π_prox (:func:`distill`)."""
+    alg = models.config.algorithm
+    if alg.advantage != "distill" or alg.loss == "sft":
+        return mb.advantages
+    assert mb.teacher_logp is not None  # learner/step.py refuses a trained token without one
+    a = distill(
+        prox_logp.detach()[None],
+        mb.teacher_logp[None],
+        mb.mask[None],
+        outcome=mb.advantages[None],
+        coef=alg.distill_coef,
+    )
+    return a[0]
+
+
 def actor_micro_batch(
     models: Models,
     mb: MicroBatch,
@@ -193,7 +212,7 @@ def actor_micro_batch(
             mask=mb.mask,
             seq_ids=mb.seq_ids,
             behavior_logp=mb.behavior_logp,
-            advantages=mb.advantages,
+            advantages=advantages(models, mb, prox),
             prox_logp=prox if needs_prox(alg.loss) else None,
             ref_logp=ref_logp,
             entropy=entropy,

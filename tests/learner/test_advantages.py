@@ -425,18 +425,64 @@ def test_turns_that_do_not_make_whole_episodes_are_refused():
 
 
 def test_distill_advantage_is_the_negative_reverse_kl_sample_per_token_by_hand():
-    """A_t = −(log μ_t − log π_teacher,t): the teacher likes a token more than the sampler did ->
-    positive; mask-0 tokens (padding, a tool's output; may hold NaN) get 0."""
+    """A_t = log π_teacher,t − log π_t (π: the learner's π_prox): the teacher likes a token more
+    than the student does -> positive; mask-0 tokens (padding, a tool's output; may hold NaN)
+    get 0."""
     nan = float("nan")
-    log_mu = torch.tensor([[-1.0, -2.0, -0.5, nan], [-3.0, -0.1, -0.2, -0.7]], dtype=torch.float64)
+    log_pi = torch.tensor([[-1.0, -2.0, -0.5, nan], [-3.0, -0.1, -0.2, -0.7]], dtype=torch.float64)
     log_t = torch.tensor([[-0.5, -2.5, -0.5, nan], [-1.0, nan, -0.4, -0.7]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]])
     want = torch.tensor([[0.5, -0.5, 0.0, 0.0], [2.0, 0.0, -0.2, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(distill(log_mu, log_t, mask), want)
+    torch.testing.assert_close(distill(log_pi, log_t, mask), want)
     # mixed with the outcome: + coef · the sample's (GRPO) advantage, on its trained tokens only
     outcome = torch.tensor([[1.0], [-2.0]], dtype=torch.float64)
-    mixed = distill(log_mu, log_t, mask, outcome=outcome, coef=0.5)
+    mixed = distill(log_pi, log_t, mask, outcome=outcome, coef=0.5)
     torch.testing.assert_close(mixed, want + torch.where(mask.bool(), 0.5 * outcome, 0.0))
-    assert distill(log_mu.float(), log_t.float(), mask).dtype == torch.float32
+    assert distill(log_pi.float(), log_t.float(), mask).dtype == torch.float32
     with pytest.raises(ValueError, match="log_teacher: non-finite value at a mask-1 token"):
-        distill(log_mu, torch.full_like(log_t, nan), mask)
+        distill(log_pi, torch.full_like(log_t, nan), mask)
+
+
+def test_distill_with_the_sampler_in_the_advantage_moves_away_from_the_teacher():
+    """Issue #43 item 1's worked example, through the real advantage and loss: a two-token
+    vocabulary, teacher [0.5, 0.5], the student π_prox = softmax(z) = [0.5, 0.5] (already the
+    teacher), a stale sampler μ = [0.9, 0.1]. The expected update over μ's samples (9 draws of
+    token 0, 1 of token 1: μ exactly) with decoupled PPO at one update (weight π/μ):
+    - A from log μ (the old code): A = [−0.588, +1.609], expected logit step [−0.549, +0.549],
+      away from the optimum (it follows ∇KL(π ‖ μ));
+    - A from log π_prox: A = [0, 0], step 0."""
+    from asyncrl.learner.aggregation import Normaliser
+    from asyncrl.learner.policy_losses import policy_loss
+    from asyncrl.recipe import AlgorithmConfig
+
+    log_t = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    log_mu = torch.log(torch.tensor([0.9, 0.1], dtype=torch.float64))
+    tokens = torch.tensor([0] * 9 + [1])
+    ones = torch.ones(1, 10)
+
+    def step(log_in_advantage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+        logp = torch.log_softmax(z, -1)[tokens]
+        a = distill(log_in_advantage[tokens][None], log_t[tokens][None], ones)[0]
+        loss, _ = policy_loss(
+            cfg=AlgorithmConfig(loss="decoupled_ppo"),
+            norm=Normaliser(tokens=10, seqs=10),
+            logp=logp,
+            mask=ones[0],
+            seq_ids=torch.arange(10),
+            behavior_logp=log_mu[tokens],
+            advantages=a,
+            prox_logp=logp.detach(),
+        )
+        loss.backward()
+        return a[[0, 9]], -z.grad
+
+    a, away = step(log_mu)
+    torch.testing.assert_close(
+        a, torch.tensor([-0.588, 1.609], dtype=torch.float64), atol=1e-3, rtol=0
+    )
+    torch.testing.assert_close(
+        away, torch.tensor([-0.549, 0.549], dtype=torch.float64), atol=1e-3, rtol=0
+    )
+    a, still = step(torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64)))  # log π_prox
+    assert a.abs().max() == 0 and still.abs().max() < 1e-15

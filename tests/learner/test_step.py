@@ -383,37 +383,54 @@ def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_
     assert [bool(s.mask.any()) for s in seqs] == [False, False, False, True]
 
 
+def distill_batch(tr, *, seed: int = 1, teacher=None):
+    """:func:`rl_batch` with teacher logprobs (``teacher(seqs)``: per-position log π_T of each
+    :class:`Sequence`; default: μ plus noise), through the wire as a worker sends them."""
+    batch = rl_batch(tr.spec.model.vocab_size)
+    rng = np.random.default_rng(seed)
+    samples = [s for g in batch.groups for s in g.samples]
+    for s in samples:  # a placeholder: the step's layout refuses samples without
+        s.teacher_logprobs = s.behavior_logprobs
+    per_seq = teacher(tr.sequences(batch)) if teacher is not None else [None] * len(samples)
+    for s, lp in zip(samples, per_seq, strict=True):
+        if lp is None:
+            t = s.behavior_logprobs + rng.normal(0, 0.5, len(s.completion_ids))
+        else:
+            t = lp[len(s.prompt_ids) - 1 + np.arange(len(s.completion_ids))]
+        s.teacher_logprobs = np.minimum(t, 0).astype(np.float32)
+    batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
+    return batch
+
+
 @pytest.mark.parametrize("coef", [0.0, 0.5])
 def test_distill_trains_on_the_teachers_per_token_advantages(tiny_qwen3, tmp_path, coef):
     """``algorithm.advantage: distill``: the teacher logprobs that arrive with the samples (decoded
-    from the wire) give each trained token A_t = log π_teacher,t − log μ_t (+ coef × the sample's
-    GRPO advantage), at the positions predicting it; the batch's reverse KL is the mean of
-    log μ − log π_teacher over those tokens; the step trains on them. A sample without teacher
-    logprobs is refused by name."""
+    from the wire) give each trained token of a packed micro-batch A_t = log π_teacher,t −
+    log π_prox,t (+ coef × the sample's GRPO advantage) in the update; the batch's reverse KL is
+    the mean of log μ − log π_teacher over those tokens; the step trains on them. A sample without
+    teacher logprobs is refused by name."""
+    from asyncrl.learner import passes
     from asyncrl.learner.models import LearnerError
+    from asyncrl.learner.packing import pack
 
     teacher = {"teacher": {"urls": ["http://127.0.0.1:9"]}}
     alg = {"advantage": "distill", "distill_coef": coef}
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=alg, rollout=teacher, **RL)
-    batch = rl_batch(tr.spec.model.vocab_size)
-    rng = np.random.default_rng(1)
-    for g in batch.groups:
-        for s in g.samples:
-            s.teacher_logprobs = s.behavior_logprobs + rng.normal(0, 0.5, len(s.completion_ids))
-            s.teacher_logprobs = np.minimum(s.teacher_logprobs, 0).astype(np.float32)
-    batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
+    batch = distill_batch(tr)
     seqs = tr.sequences(batch)
     info = distill_advantages(tr.config, batch, seqs)
     samples = [s for g in batch.groups for s in g.samples]
     grpo = torch.cat(compute_grpo([g.rewards for g in batch.groups])).tolist()
-    kl, n = 0.0, 0
-    for seq, s, a in zip(seqs, samples, grpo, strict=True):
-        at = len(s.prompt_ids) - 1 + np.arange(len(s.completion_ids))
-        want = s.teacher_logprobs.astype(np.float64) - s.behavior_logprobs + coef * a
-        np.testing.assert_allclose(seq.token_advantages[at], want, rtol=1e-5, atol=1e-5)
-        assert not np.delete(seq.token_advantages, at).any()
+    mb = pack(seqs)
+    prox = torch.randn(mb.sel.numel()) - 3.0  # any π_prox: the advantage follows it
+    got = passes.advantages(tr.models, mb, prox).numpy()
+    want, kl, n = [], 0.0, 0
+    for s, a in zip(samples, grpo, strict=True):
+        want.append(s.teacher_logprobs.astype(np.float64) + coef * a)
         kl += float((s.behavior_logprobs.astype(np.float64) - s.teacher_logprobs).sum())
         n += len(s.completion_ids)
+    want = np.concatenate(want) - prox.double().numpy()  # samples in order, as packed
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert info[names.DISTILL_REVERSE_KL] == pytest.approx(kl / n, rel=1e-6)
     res = tr.step(batch)
     assert np.isfinite(res.loss) and res.loss != 0.0
@@ -421,6 +438,36 @@ def test_distill_trains_on_the_teachers_per_token_advantages(tiny_qwen3, tmp_pat
     bare = rl_batch(tr.spec.model.vocab_size, seed=3)  # as a worker without a teacher sends them
     with pytest.raises(LearnerError, match="sample '0-0' has 0 teacher logprobs"):
         tr.sequences(bare)
+
+
+def test_distill_leaves_a_student_that_is_its_teacher_where_it_is_whatever_the_sampler(
+    tiny_qwen3, tmp_path
+):
+    """Issue #43 item 1, through the learner's step: the teacher's logprobs are the student's own
+    (π_T = π_prox), the sampler's are not (μ = π_T − noise: a stale μ). The reverse KL(π ‖ π_T)
+    is at its minimum, so its gradient is 0: A_t = log π_T − log π_prox = 0 on every token. With
+    log μ in the advantage (A_t = log π_T − log μ, the old code) the step's gradient norm was of
+    order 1 (it pushes π away from μ; the worked example is
+    tests/learner/test_advantages.py::test_distill_with_the_sampler_in_the_advantage_moves_away)."""
+    from asyncrl.learner import passes
+
+    teacher = {"teacher": {"urls": ["http://127.0.0.1:9"]}}
+    alg = {"advantage": "distill"}
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm=alg, rollout=teacher, **RL)
+
+    def own(seqs):  # the student's log π at the step's weights, packed as the step packs them
+        passes.recompute_prox(tr.models, seqs, 0)
+        return [s.prox_logp for s in seqs]
+
+    batch = distill_batch(tr, teacher=own)
+    rng = np.random.default_rng(2)
+    for g in batch.groups:
+        for s in g.samples:
+            stale = s.teacher_logprobs - np.abs(rng.normal(0, 0.7, len(s.completion_ids)))
+            s.behavior_logprobs = stale.astype(np.float32)
+    res = tr.step(batch)
+    assert abs(res.metrics[names.DISTILL_REVERSE_KL]) > 0.3  # μ is far from π_T ...
+    assert res.metrics[names.GRAD_NORM] < 1e-4  # ... and π, already π_T, is not pushed from μ
 
 
 def compute_grpo(rewards):
