@@ -295,6 +295,11 @@ class AlgorithmConfig:
     )
     clip_low: float = _f(0.2, lo=0)
     clip_high: float = _f(0.28, lo=0, doc="clip-higher (DAPO) when > clip_low")
+    cispo_clip_low: bool = _f(
+        False,
+        doc="cispo: clip the weight from below too, at 1 − clip_low (false: MiniMax-M1's CISPO, "
+        "whose weight min(π/μ, 1 + clip_high) is bounded above only)",
+    )
     dual_clip: bool = _f(
         False, doc="ppo, decoupled_ppo: with A < 0 cap the token loss at clip_c·|A| (verl)"
     )
@@ -345,7 +350,7 @@ class AlgorithmConfig:
     distill_coef: float = _f(
         0.0,
         lo=0,
-        doc="distill: weight of the outcome reward in A_t = −(log μ_t − log π_teacher,t) + "
+        doc="distill: weight of the outcome reward in A_t = log π_teacher,t − log π_prox,t + "
         "distill_coef·A_i, A_i the sample's GRPO advantage (0: the teacher alone)",
     )
 
@@ -836,8 +841,9 @@ def ref_is_lora_base(placement: PlacementConfig, lora: LoraConfig, world: int) -
 
 def check_lora(r: Recipe, *, file: str | None = None) -> None:
     """What LoRA (``learner.lora``, docs/lora.md) cannot train right: adapter dropout under tensor
-    parallelism (each TP rank would draw its own mask of the same replicated input), a reward
-    model (its score head and backbone train), repeated targets."""
+    parallelism (each TP rank would draw its own mask of the same replicated input) or in an RL
+    loss (its ratios π/μ would measure the mask), a reward model (its score head and backbone
+    train), repeated targets."""
     lo = r.learner.lora
     if not lo.enabled:
         return
@@ -846,6 +852,14 @@ def check_lora(r: Recipe, *, file: str | None = None) -> None:
             f"{lo.dropout} with placement.actor.tensor_parallel "
             f"{r.placement.actor.tensor_parallel}: each tensor-parallel rank would draw its own "
             "dropout mask of the same input; set it 0 or tensor_parallel 1",
+            file=file,
+            key="learner.lora.dropout",
+        )
+    if lo.dropout and r.algorithm.uses_rollouts:
+        raise RecipeError(
+            f"{lo.dropout} with algorithm.loss {r.algorithm.loss}: dropout makes the learner's "
+            "π differ from the sampler's μ on fresh data, so the ratios that clip, mask and "
+            "weight tokens act on noise; set it 0 (it stays for sft)",
             file=file,
             key="learner.lora.dropout",
         )
@@ -897,6 +911,12 @@ def validate(recipe: Recipe, *, file: str | None = None, check_files: bool = Tru
             f"the dual clip bounds a clipped ratio: ppo and decoupled_ppo only, not {alg.loss}",
             file=file,
             key="algorithm.dual_clip",
+        )
+    if alg.cispo_clip_low and alg.loss != "cispo":
+        raise RecipeError(
+            f"bounds cispo's weight from below: loss cispo only, not {alg.loss}",
+            file=file,
+            key="algorithm.cispo_clip_low",
         )
     if alg.advantage == "vtrace" and alg.vtrace_c_bar > alg.vtrace_rho_bar:
         raise RecipeError(
@@ -1106,6 +1126,17 @@ def _validate_teacher(r: Recipe, *, file: str | None, check_files: bool) -> None
             "distill, or leave it 0",
             file=file,
             key="algorithm.distill_coef",
+        )
+    if distill and r.rollout.temperature != 1:
+        # The teacher's logprobs are untempered (SGLang's input logprobs are log_softmax(z)),
+        # the student's log_softmax(z / T): A_t would pull the tempered student to the untempered
+        # teacher, and one token's logprob cannot be re-tempered without the whole vocabulary.
+        raise RecipeError(
+            f"{r.rollout.temperature:g} with algorithm.advantage distill: the teacher's logprobs "
+            "are untempered, so at T != 1 the student would learn a teacher whose logits are "
+            "scaled by T, not the teacher; set it 1 (docs/distill.md)",
+            file=file,
+            key="rollout.temperature",
         )
     if distill and r.buffer.dynamic_sampling:
         raise RecipeError(

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from asyncrl import recipe
@@ -189,6 +190,12 @@ def test_overrides_are_typed(tmp_path):
             "under vtrace",
         ),
         ("rollout: {temperature: 0}\n", [], "rollout.temperature", "RL losses need > 0"),
+        (
+            "algorithm: {cispo_clip_low: true}\n",
+            [],
+            "algorithm.cispo_clip_low",
+            "loss cispo only, not decoupled_ppo",
+        ),
         (  # a built-in engine on CPU receives into CPU tensors: an NCCL group fails every version
             "generator: {kind: builtin, device: cpu}\nweights: {backend: nccl}\n",
             [],
@@ -463,6 +470,35 @@ def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused(tmp_path, tiny
     assert recipe.load(path, check_files=False).rollout.teacher.path == str(teacher)
 
 
+def test_distill_at_a_temperature_other_than_1_is_refused():
+    """Issue #43 item 3: the teacher's logprobs are untempered (SGLang's input logprobs), the
+    student's tempered. Worked example: student and teacher identical, logits [2, 0], T = 0.7.
+    The student samples log_softmax([2, 0] / 0.7) = [−0.056, −2.913], the teacher says
+    log_softmax([2, 0]) = [−0.127, −2.127]: A = [−0.071, +0.786] although they are the same model,
+    and the logged reverse KL stays at 0.0245 nats per token (the student would converge to 0.7×
+    the teacher's logits). One token's logprob cannot be re-tempered (its normaliser needs the whole
+    vocabulary), so `asyncrl check` refuses T ≠ 1 with the distill advantage."""
+    from asyncrl.learner.distill import distill
+
+    z, t = torch.tensor([2.0, 0.0], dtype=torch.float64), 0.7
+    student, teacher = torch.log_softmax(z / t, -1), torch.log_softmax(z, -1)
+    a = distill(student[None], teacher[None], torch.ones(1, 2))[0]
+    torch.testing.assert_close(
+        a, torch.tensor([-0.071, 0.786], dtype=torch.float64), atol=1e-3, rtol=0
+    )
+    kl = float((student.exp() * (student - teacher)).sum())
+    assert kl == pytest.approx(0.0245, abs=1e-4)
+    teacher_urls = {"teacher": {"urls": ["http://127.0.0.1:1"]}}
+    at = {"algorithm": {"advantage": "distill"}}
+    assert recipe.from_dict(at | {"rollout": teacher_urls | {"temperature": 1.0}})
+    with pytest.raises(
+        RecipeError, match=r"^rollout\.temperature: 0\.7 with algorithm\.advantage distill"
+    ):
+        recipe.from_dict(at | {"rollout": teacher_urls | {"temperature": t}})
+    # the other advantages keep any temperature
+    assert recipe.from_dict({"rollout": {"temperature": t}}).rollout.temperature == t
+
+
 def test_lora_combinations_that_cannot_train_are_one_line_errors():
     on = {"learner": {"lora": {"rank": 8}}}
     assert recipe.from_dict(on).learner.lora.scaling == 2.0
@@ -472,7 +508,17 @@ def test_lora_combinations_that_cannot_train_are_one_line_errors():
     drop = tp | {"learner": {"lora": {"rank": 8, "dropout": 0.05}}}
     with pytest.raises(RecipeError, match=r"^learner\.lora\.dropout: 0\.05 with placement\.actor"):
         recipe.from_dict(drop)
-    assert recipe.from_dict(on | {"learner": {"lora": {"rank": 8, "dropout": 0.05}}})
+    sft = {"algorithm": {"loss": "sft"}}
+    assert recipe.from_dict(on | sft | {"learner": {"lora": {"rank": 8, "dropout": 0.05}}})
+    # issue #43 item 4: in an RL loss dropout makes π/μ ≠ 1 on fresh data (the clip, the masks and
+    # the IS weights would act on the dropout's noise): refused with every loss but sft
+    for loss in ("decoupled_ppo", "tis", "cispo"):
+        rl = {"algorithm": {"loss": loss}, "learner": {"lora": {"rank": 8, "dropout": 0.05}}}
+        with pytest.raises(
+            RecipeError,
+            match=rf"^learner\.lora\.dropout: 0\.05 with algorithm\.loss {loss}: dropout makes",
+        ):
+            recipe.from_dict(rl)
     rm = on | {"algorithm": {"loss": "reward_model"}}
     with pytest.raises(RecipeError, match=r"^learner\.lora: a reward model trains"):
         recipe.from_dict(rm, check_files=False)

@@ -30,8 +30,10 @@ class Normaliser:
     """Global denominators of one optimizer step, the same on every rank and micro-batch.
 
     ``tokens``: tokens with mask 1 in the whole step; ``seqs``: sequences with at least one such
-    token; ``seq_len``: Dr. GRPO's constant L (use ``rollout.max_new_tokens``). Build it from
-    :func:`count_tokens_and_seqs` summed over micro-batches and all-reduced over ranks.
+    token, each counted by its weight (a per-turn sample its share of its episode, so ``seqs``
+    counts episodes; :func:`token_weights`); ``seq_len``: Dr. GRPO's constant L (use
+    ``rollout.max_new_tokens``). Build it from :func:`count_tokens_and_seqs` summed over
+    micro-batches and all-reduced over ranks.
     """
 
     tokens: float
@@ -39,12 +41,21 @@ class Normaliser:
     seq_len: float = 1.0
 
 
-def count_tokens_and_seqs(mask: Tensor, seq_ids: Tensor) -> Tensor:
-    """This micro-batch's share of the :class:`Normaliser`: float64 ``[tokens, seqs]``, to be summed."""
+def count_tokens_and_seqs(
+    mask: Tensor, seq_ids: Tensor, seq_weights: Tensor | None = None
+) -> Tensor:
+    """This micro-batch's share of the :class:`Normaliser`: float64 ``[tokens, seqs]``, to be
+    summed; with ``seq_weights`` (per token, its sequence's weight) each sequence counts its
+    weight."""
     m = mask.bool()
-    return torch.tensor(
-        [float(m.sum()), float(torch.unique(seq_ids[m]).numel())], dtype=torch.float64
-    )
+    ids = torch.unique(seq_ids[m])
+    if seq_weights is None:
+        seqs = float(ids.numel())
+    else:
+        per_seq = torch.zeros(int(seq_ids.max()) + 1 if seq_ids.numel() else 0, dtype=torch.float64)
+        per_seq[seq_ids] = seq_weights.to(torch.float64)
+        seqs = float(per_seq[ids].sum())
+    return torch.tensor([float(m.sum()), seqs], dtype=torch.float64)
 
 
 def seq_sum(x: Tensor, seq_ids: Tensor) -> Tensor:
@@ -54,23 +65,41 @@ def seq_sum(x: Tensor, seq_ids: Tensor) -> Tensor:
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq_ids, x)[seq_ids]
 
 
-def token_weights(mask: Tensor, seq_ids: Tensor, *, aggregation: str, norm: Normaliser) -> Tensor:
+def token_weights(
+    mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    aggregation: str,
+    norm: Normaliser,
+    seq_weights: Tensor | None = None,
+) -> Tensor:
     """The c_t of L = Σ_t c_t ℓ_t (0 where mask is 0), with N_tok, N_seq, L from ``norm``:
     - ``token_mean``:              c_t = 1 / N_tok
-    - ``seq_mean_token_mean``:     c_t = 1 / (|y_i| · N_seq), |y_i| = mask-1 tokens of t's sequence
+    - ``seq_mean_token_mean``:     c_t = w_i / (|y_i| · N_seq), |y_i| = mask-1 tokens of t's sequence
     - ``seq_mean_token_sum_norm``: c_t = 1 / (L · N_seq)   (Dr. GRPO: no length normalisation)
+
+    w_i (``seq_weights``, per token; default 1) is the sequence's share of its episode's trained
+    tokens: per-turn samples (``rollout.turn_samples``) of one episode share 1 (N_seq = Σ w_i
+    counts episodes, :func:`count_tokens_and_seqs`), so under the sequence means an episode weighs
+    as one sequence whatever its turns: ``seq_mean_token_mean``'s c_t = 1 / (|episode| · N_seq),
+    ``seq_mean_token_sum_norm``'s sum over the episode's tokens. Episode A (3 turns, A = +1)
+    against B (1 turn, A = −1) weighs 1/2 : 1/2 under the sequence mean, not 3/4 : 1/4.
     """
     m = mask.to(torch.float64)
+    w = m if seq_weights is None else m * seq_weights.to(torch.float64)
+    # N_seq: sequences count 1 each (≥ 1 when any token trains); weighted, a share of a turn's
+    # episode may be less than 1 in a mini-batch holding only some of its turns
+    seqs = norm.seqs if norm.seqs > 0 else 1.0
     if aggregation == "token_mean":
         c = m / max(norm.tokens, 1)
     elif aggregation == "seq_mean_token_mean":
-        c = m / (seq_sum(m, seq_ids).clamp(min=1) * max(norm.seqs, 1))
+        c = w / (seq_sum(m, seq_ids).clamp(min=1) * seqs)
     elif aggregation == "seq_mean_token_sum_norm":
         if norm.seq_len <= 0:
             raise ValueError(
                 f"seq_mean_token_sum_norm needs a positive seq_len, got {norm.seq_len}"
             )
-        c = m / (norm.seq_len * max(norm.seqs, 1))
+        c = m / (norm.seq_len * seqs)
     else:
         raise ValueError(f"algorithm.aggregation: unknown {aggregation!r}; one of {AGGREGATIONS}")
     return c

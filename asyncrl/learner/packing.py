@@ -33,6 +33,8 @@ class Sequence:
     advantage: float = 0.0
     reward: float = 0.0  # the sample's reward (token-level advantages start from it)
     mixed_versions: bool = False  # its trained tokens come from more than one version
+    # its weight under the sequence-mean aggregations: a per-turn sample's share of its episode
+    seq_weight: float = 1.0
     prox_logp: np.ndarray | None = None  # float32 [n], log π_prox when recomputed (``prox``)
     # With a critic (learner/critic.py), float32 [n] each, set before the updates:
     values: np.ndarray | None = None  # V(x_t) of the critic the returns were computed with
@@ -163,6 +165,7 @@ class MicroBatch:
     ref_logp: torch.Tensor | None  # float [T] when every sequence carries log π_ref
     teacher_logp: torch.Tensor | None  # float [T] when a sequence carries log π_teacher (distill)
     seq_ids: torch.Tensor  # long [T], 0.. within this micro-batch
+    seq_weights: torch.Tensor  # float64 [T], the token's sequence's ``seq_weight``
     seq_index: list[int]  # batch index of each sequence in the row
     num_tokens: int  # L
 
@@ -201,6 +204,7 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
             ref_logp=e.clone(),
             teacher_logp=e.clone(),
             seq_ids=e.long(),
+            seq_weights=e.double(),
             seq_index=[],
             num_tokens=1,
         )
@@ -248,6 +252,7 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
         ref_logp=per_token("ref_logp"),
         teacher_logp=teacher_logp,
         seq_ids=t(seq_ids[sel].astype(np.int64)),
+        seq_weights=t(np.array([s.seq_weight for s in seqs], np.float64)[seq_ids[sel]]),
         seq_index=[s.index for s in seqs],
         num_tokens=int(sum(lengths)),
     )

@@ -145,7 +145,9 @@ def normaliser(models: Models, mbs: list[MicroBatch], mesh: RoleMesh) -> Normali
     """A mini-batch's GLOBAL token and sequence counts: every micro-batch of every
     data-parallel rank of the role (collective over them; a tensor-parallel group's ranks hold
     the same tokens: counted once)."""
-    counts = sum((count_tokens_and_seqs(mb.mask, mb.seq_ids) for mb in mbs), torch.zeros(2))
+    counts = sum(
+        (count_tokens_and_seqs(mb.mask, mb.seq_ids, mb.seq_weights) for mb in mbs), torch.zeros(2)
+    )
     counts = counts.to(torch.float64)
     dist.all_reduce(counts, group=mesh.dp_group)
     return Normaliser(
@@ -216,6 +218,7 @@ def actor_micro_batch(
             prox_logp=prox if needs_prox(alg.loss) else None,
             ref_logp=ref_logp,
             entropy=entropy,
+            seq_weights=mb.seq_weights,
         )
         wrt = [logp, entropy] if entropy.requires_grad else [logp]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)

@@ -133,12 +133,14 @@ def is_weight(
 
 
 def cispo(
-    logp: Tensor, behavior_logp: Tensor, adv: Tensor, *, clip_low: float, clip_high: float
+    logp: Tensor, behavior_logp: Tensor, adv: Tensor, *, clip_low: float | None, clip_high: float
 ) -> tuple[Tensor, Tensor]:
-    """CISPO (MiniMax-M1): ℓ = −sg[clip(π/μ, 1−ε_low, 1+ε_high)] · A · log π. Clipping the weight,
-    not the token, keeps every token's gradient."""
+    """CISPO (MiniMax-M1): ℓ = −sg[min(π/μ, 1+ε_high)] · A · log π. Clipping the weight, not the
+    token, keeps every token's gradient. The paper bounds the weight above only (verl's example
+    sets its lower ratio to 10, i.e. off): a token whose π/μ fell to 0.3 weighs 0.3. With
+    ``clip_low`` (``algorithm.cispo_clip_low``) the weight is also raised to 1−ε_low at least."""
     w = torch.exp(logp - behavior_logp).detach()
-    clipped = w.clamp(1 - clip_low, 1 + clip_high)
+    clipped = w.clamp(None if clip_low is None else 1 - clip_low, 1 + clip_high)
     return -clipped * adv * logp, clipped != w
 
 
@@ -193,6 +195,7 @@ def policy_loss(
     prox_logp: Tensor | None = None,
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
+    seq_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's contribution to the step loss, for the loss ``cfg.loss``:
 
@@ -206,7 +209,8 @@ def policy_loss(
     (IcePop / masked IS), and every token of a sequence whose geometric-mean ratio
     exp(mean_t log ρ_t) lies outside [seq_mask_low, seq_mask_high] (:func:`seq_in_bounds`); a
     bound of 0 is off, and dropped tokens stay in the denominators. ``is_level: sequence`` gives
-    tis and decoupled_ppo the sequence's truncated weight (:func:`is_weight`).
+    tis and decoupled_ppo the sequence's truncated weight (:func:`is_weight`). ``seq_weights``
+    (per token) weigh sequences under the sequence-mean aggregations (:func:`token_weights`).
 
     Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch, always
     keyed by :data:`~asyncrl.learner.loss_stats.STAT_KEYS`: add them up over micro-batches and
@@ -257,7 +261,8 @@ def policy_loss(
         elif name == "tis":
             per_token, clip_active = tis(lp, blp, adv, is_cap=cfg.is_cap, **level)
         elif name == "cispo":
-            per_token, clip_active = cispo(lp, blp, adv, **eps)
+            low = cfg.clip_low if cfg.cispo_clip_low else None
+            per_token, clip_active = cispo(lp, blp, adv, clip_low=low, clip_high=cfg.clip_high)
         else:
             per_token, clip_active = gspo(lp, blp, adv, seq_ids=seq_ids, mask=keep, **eps)
 
@@ -294,7 +299,8 @@ def policy_loss(
         stats["entropy_tokens"] = keep.sum()
 
     # Weights from the trained tokens (ratio-masked tokens stay in every denominator).
-    c = token_weights(valid, seq_ids, aggregation=cfg.aggregation_used, norm=norm)
+    agg = cfg.aggregation_used
+    c = token_weights(valid, seq_ids, aggregation=agg, norm=norm, seq_weights=seq_weights)
     c = c.to(per_token.dtype)
     loss = torch.where(keep, per_token * c, 0).sum()
     return loss, {k: torch.as_tensor(v, dtype=torch.float64).detach() for k, v in stats.items()}

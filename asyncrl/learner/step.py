@@ -32,6 +32,7 @@ from asyncrl.learner.offload import Reallocation
 from asyncrl.learner.packing import Sequence, make_sequence
 from asyncrl.learner.passes import StepTotals
 from asyncrl.learner.source import Batch
+from asyncrl.rollout.turns import turn_of
 
 
 def peak_memory() -> dict[str, float]:
@@ -103,6 +104,7 @@ def sequences(
                 )
             )
             i += 1
+    episode_weights(groups, seqs)
     if staleness:
         k = np.concatenate(staleness)
         info["learner/staleness_mean"] = float(k.mean())
@@ -112,6 +114,23 @@ def sequences(
         lengths = [len(s.completion_ids) for g in groups for s in g.samples]
         info[names.BATCH_RESPONSE_LENGTH_MEAN] = float(np.mean(lengths))
     return seqs, info
+
+
+def episode_weights(groups: list, seqs: list[Sequence]) -> None:
+    """Each per-turn sample's ``seq_weight``: its share of its episode's trained tokens in the
+    batch, so that under the sequence-mean aggregations an episode weighs as one sequence
+    (:func:`~asyncrl.learner.aggregation.token_weights`); whole samples keep 1. ``seqs`` are the
+    samples of ``groups`` in order."""
+    samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples]
+    episodes: dict[tuple[int, str], list[Sequence]] = {}
+    for (gi, s), seq in zip(samples, seqs, strict=True):
+        turn = turn_of(s)
+        if turn is not None and (seq.mask > 0).any():
+            episodes.setdefault((gi, turn.episode), []).append(seq)
+    for turns in episodes.values():
+        total = sum(float(seq.mask.sum()) for seq in turns)
+        for seq in turns:
+            seq.seq_weight = float(seq.mask.sum()) / total
 
 
 def run_calls(models: Models, realloc: Reallocation, run: Step) -> None:

@@ -323,10 +323,14 @@ def test_reference_is_the_actors_base_with_its_adapters_off(tiny_qwen3, tmp_path
 
 
 def test_dropout_acts_in_the_training_forward_only(tiny_qwen3, tmp_path):
-    """``learner.lora.dropout`` is a training regulariser: the forward-only passes (π_prox, π_ref,
-    the logprobs that measure drift) are deterministic, the adapters' inputs whole."""
+    """``learner.lora.dropout`` is a training regulariser (SFT's: an RL loss refuses it): the
+    forward-only passes (π_ref, the logprobs that measure drift) are deterministic, the adapters'
+    inputs whole."""
     tr = lora_trainer(
-        tiny_qwen3, tmp_path, learner=RL["learner"] | {"lora": LORA | {"dropout": 0.5}}
+        tiny_qwen3,
+        tmp_path,
+        algorithm={"loss": "sft"},
+        learner=RL["learner"] | {"lora": LORA | {"dropout": 0.5}},
     )
     tr.step(rl_batch(99))  # B ≠ 0: the adapters' inputs matter
     seqs = random_sequences(3, 99)

@@ -112,12 +112,22 @@ def test_tis_golden_and_gradient():
     torch.testing.assert_close(g, -w * A / 4)
 
 
-def test_cispo_golden_and_gradient():
-    loss, stats = run("cispo", logp=LOGP, blp=BLP, adv=A, clip_low=0.2, clip_high=0.28)
-    w = t(1.28, 0.8, 1.0, 1.1)
+@pytest.mark.parametrize(
+    "lower, w, clip_frac",
+    [
+        # MiniMax-M1's CISPO, the default (issue #43 item 2): bounded above only, so the token
+        # whose ratio fell to 0.5 weighs 0.5 (the old default raised it to 1 − clip_low = 0.8)
+        (False, (1.28, 0.5, 1.0, 1.1), 0.25),
+        (True, (1.28, 0.8, 1.0, 1.1), 0.5),  # algorithm.cispo_clip_low: the lower bound too
+    ],
+)
+def test_cispo_golden_and_gradient(lower, w, clip_frac):
+    kw = dict(clip_low=0.2, clip_high=0.28, cispo_clip_low=lower)
+    loss, stats = run("cispo", logp=LOGP, blp=BLP, adv=A, **kw)
+    w = t(*w)
     assert float(loss) == pytest.approx(float(-(w * A * LOGP).sum() / 4))
-    assert finalize_stats(stats)["loss/clip_frac"] == pytest.approx(0.5)
-    g = grad_of(lambda x: run("cispo", logp=x, blp=BLP, adv=A)[0], LOGP)
+    assert finalize_stats(stats)["loss/clip_frac"] == pytest.approx(clip_frac)
+    g = grad_of(lambda x: run("cispo", logp=x, blp=BLP, adv=A, **kw)[0], LOGP)
     torch.testing.assert_close(g, -w * A / 4)
 
 

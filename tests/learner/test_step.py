@@ -337,6 +337,82 @@ def test_remax_advantages_are_each_reward_minus_its_groups_greedy_reward(tiny_qw
     assert np.isfinite(res.loss) and res.metrics["learner/remax_mean_baselines"] == 1.0
 
 
+def episode_maker(vocab: int, seed: int = 0):
+    """``episode(i, mask, reward, finish)``: sample ``g/i`` of group ``g``, a random completion
+    with ``mask`` as its loss mask (0 runs: a tool's output between the model's turns)."""
+    rng = np.random.default_rng(seed)
+
+    def episode(i: int, mask: list[int], reward: float, finish: str) -> wire.Sample:
+        n = len(mask)
+        return wire.Sample(
+            id=f"g/{i}",
+            group_id="g",
+            prompt_ids=rng.integers(3, vocab, size=4).astype(np.int32),
+            completion_ids=rng.integers(3, vocab, size=n).astype(np.int32),
+            behavior_logprobs=np.full(n, np.log(1.0 / vocab), np.float32),
+            versions=np.zeros(n, np.int32),
+            loss_mask=np.array(mask, np.float32),
+            reward=reward,
+            finish_reason=finish,
+        )
+
+    return episode
+
+
+@pytest.mark.parametrize(
+    "aggregation, weights",
+    [
+        ("seq_mean_token_mean", [0.5, 0.5]),  # each episode one sequence (3/4 : 1/4 before #43)
+        ("seq_mean_token_sum_norm", [0.3, 0.1]),  # Dr. GRPO: tokens / (L · episodes), L = 10
+        ("token_mean", [0.75, 0.25]),  # tokens: A has 6 of the 8
+    ],
+)
+def test_per_turn_samples_weigh_their_episode_once_under_the_sequence_means(
+    tiny_qwen3, tmp_path, aggregation, weights
+):
+    """Issue #43 item 5: episode A (3 trained turns, 6 tokens, A = +1) against B (1 turn, 2
+    tokens, A = −1), split per turn. Under the sequence mean each turn counted as a sequence, so
+    A's turns weighed 3/4 of the loss and B's 1/4; each turn now weighs its share of its
+    episode's tokens (here 1/3), and the episodes 1/2 each. Dr. GRPO's sum divides by the
+    episodes (2), not the turns (4). The weights are read off the real loss's gradient: with
+    π = μ, tis's ∂L/∂log π_t = −A_t · c_t."""
+    from asyncrl.learner import passes
+    from asyncrl.learner.policy_losses import policy_loss
+    from asyncrl.rollout.turns import split_turns
+
+    alg = {"advantage": "grpo", "loss": "tis", "aggregation": aggregation}
+    rollout = {"turn_samples": True, "max_new_tokens": 10}
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm=alg, rollout=rollout, **RL)
+    episode = episode_maker(tr.spec.model.vocab_size)
+    a = split_turns(episode(0, [1, 1, 0, 1, 1, 0, 1, 1], 1.0, "stop"))
+    b = split_turns(episode(1, [0, 1, 1], 0.0, "stop"))
+    group = wire.Group(id="g", samples=[*a, *b])
+    batch = Batch(groups=[wire.decode(wire.encode(group))], version=0, stats={})
+    seqs = tr.sequences(batch)
+    for s, adv in zip(seqs, [1.0, 1.0, 1.0, -1.0], strict=True):
+        s.advantage = adv
+    mbs = passes.micro_batches(tr.models, seqs)
+    norm = passes.normaliser(tr.models, mbs, tr.models.meshes["actor"])
+    per_episode = {0: 0.0, 1: 0.0}
+    for mb in mbs:
+        logp = mb.behavior_logp.double().requires_grad_(True)
+        loss, _ = policy_loss(
+            cfg=tr.config.algorithm,
+            norm=norm,
+            logp=logp,
+            mask=mb.mask,
+            seq_ids=mb.seq_ids,
+            behavior_logp=mb.behavior_logp.double(),
+            advantages=mb.advantages.double(),
+            seq_weights=mb.seq_weights,
+        )
+        (g,) = torch.autograd.grad(loss, logp)
+        c = -g / mb.advantages.double()
+        for j, i in enumerate(mb.seq_index):
+            per_episode[int(i == 3)] += float(c[mb.seq_ids == j].sum())
+    assert [per_episode[0], per_episode[1]] == pytest.approx(weights, abs=1e-9)
+
+
 def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_all_filtered(
     tiny_qwen3, tmp_path
 ):
@@ -356,23 +432,7 @@ def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_
         learner=RL["learner"],
         buffer={**RL["buffer"], "overlong_filter": True},
     )
-    rng = np.random.default_rng(0)
-    vocab = tr.spec.model.vocab_size
-
-    def episode(i: int, mask: list[int], reward: float, finish: str) -> wire.Sample:
-        n = len(mask)
-        return wire.Sample(
-            id=f"g/{i}",
-            group_id="g",
-            prompt_ids=rng.integers(3, vocab, size=4).astype(np.int32),
-            completion_ids=rng.integers(3, vocab, size=n).astype(np.int32),
-            behavior_logprobs=np.full(n, np.log(1.0 / vocab), np.float32),
-            versions=np.zeros(n, np.int32),
-            loss_mask=np.array(mask, np.float32),
-            reward=reward,
-            finish_reason=finish,
-        )
-
+    episode = episode_maker(tr.spec.model.vocab_size)
     a = split_turns(episode(0, [1, 1, 0, 1, 0, 0, 1, 1], 1.0, "length"), gamma)
     b = split_turns(episode(1, [1, 1, 1], 0.0, "stop"), gamma)
     group = wire.Group(id="g", samples=[*a, *b])
