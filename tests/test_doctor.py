@@ -110,7 +110,8 @@ def test_a_plan_that_does_not_fit_exits_2_naming_it(tmp_path, demo_overrides):
 )
 def test_a_shipped_gpu_recipe_names_the_attention_the_learner_will_use(tmp_path, name, config):
     """The GPU recipes leave the attention to auto, so on this CPU machine the doctor names the
-    CPU's choice (on a GPU: varlen when its kernels import, else flex) instead of refusing varlen.
+    CPU's choice (on a GPU: varlen when its kernels import, else the same SDPA) instead of refusing
+    varlen.
     The rest fails here (no data, no servers, no GPU): only the attention line is asked about."""
     model = _config_only_model(tmp_path / "model", config)
     p = _doctor(str(ROOT / "recipes" / name), f"model.path={model}", "--timeout", "1")

@@ -1,10 +1,14 @@
 """Attention for packed rows: several documents per row, no token attends across a document boundary.
 
 Rows carry per-token ``positions`` that restart at 0 where a document starts (TorchTitan's convention).
-On GPU, TorchTitan's own varlen or flex attention builds its masks from those positions. On CPU neither
-trains (flex has no CPU backward; varlen needs flash kernels), so :class:`DocSegmentSDPA` runs causal SDPA
-on each document's slice of the row: exact block-causal attention, with no L×L mask and no work spent on
-the masked-out blocks.
+TorchTitan's varlen attention (FlashAttention over the packed row) builds its masks from those
+positions and is the fastest where its kernels import. :class:`DocSegmentSDPA` runs causal SDPA on
+each document's slice of the row: exact block-causal attention, with no L×L mask and no work spent
+on the masked-out blocks, on any device, with PyTorch's own fused kernels and nothing to compile. It
+is what ``auto`` takes on CPU (flex has no CPU backward; varlen needs flash kernels) and on a GPU
+where varlen's kernels do not import: TorchTitan 0.3 compiles flex with ``max_autotune`` and
+coordinate-descent tuning (``FlexAttention.inductor_configs``), minutes for each new row length,
+and packed rows (:func:`asyncrl.learner.packing.pack`, no padding) change length every step.
 """
 
 from __future__ import annotations
@@ -94,6 +98,12 @@ def flash_impl(capability: tuple[int, int] | None) -> str | None:
     return "FA4" if capability >= (10, 0) else "FA3" if capability >= (9, 0) else None
 
 
+FLEX_COST = (
+    "compiles with max_autotune for each new packed-row length (TorchTitan 0.3's "
+    "FlexAttention.inductor_configs): minutes before the first step, and again as lengths change"
+)
+
+
 def choose_attention(
     kind: str,
     *,
@@ -102,9 +112,11 @@ def choose_attention(
     importable: Callable[[str], bool],
 ) -> tuple[str, str]:
     """(attention, why) for ``model.attention``. ``auto``: the per-document SDPA on CPU (neither flex
-    nor varlen trains there); on CUDA varlen (packed rows, fastest) when its kernels import, else
-    flex. An explicit varlen whose kernels do not import is an error naming the module, not a
-    ModuleNotFoundError at model build."""
+    nor varlen trains there); on CUDA varlen (packed rows, fastest) when its kernels import, else the
+    per-document SDPA, not flex: flex compiles for minutes at each new row length (module
+    docstring), so no first step waits on it and no step recompiles. An explicit varlen whose
+    kernels do not import is an error naming the module, not a ModuleNotFoundError at model build;
+    an explicit flex says what it costs."""
     impl = flash_impl(None if on_cpu else capability)
     module = FLASH_MODULES.get(impl or "")
     if kind == "auto":
@@ -112,7 +124,12 @@ def choose_attention(
             return "sdpa", "CPU: per-document SDPA (flex and varlen do not train on CPU)"
         if module is None or importable(module):
             return "varlen", f"varlen ({impl or 'PyTorch flash kernels'})"
-        return "flex", f"flex: varlen on this GPU needs {impl} ({module}), which does not import"
+        return "sdpa", (
+            f"sdpa: per-document SDPA with PyTorch's fused kernels; varlen on this GPU needs {impl} "
+            f"({module}), which does not import, and flex {FLEX_COST}"
+        )
+    if kind == "flex" and not on_cpu:
+        return "flex", f"flex (model.attention): {FLEX_COST}"
     if kind == "varlen" and not on_cpu and module is not None and not importable(module):
         raise ValueError(
             f"model.attention: varlen on this GPU uses {impl}, but {module} does not import; "

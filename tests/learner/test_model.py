@@ -120,11 +120,15 @@ def test_attention_choice_follows_the_device_and_what_imports():
 
     assert pick("auto", None) == "sdpa"  # CPU: flex has no CPU backward, varlen no kernel
     assert pick("auto", (8, 0)) == "varlen"  # A100: PyTorch's own flash kernels
-    assert pick("auto", (9, 0)) == "flex"  # H100 without FA3: no ModuleNotFoundError at build
+    # H100 without FA3: no ModuleNotFoundError at build, and not flex, which compiles for minutes
+    # at every new row length (issue #44): the per-document SDPA on PyTorch's fused kernels
+    assert pick("auto", (9, 0)) == "sdpa"
     assert pick("auto", (9, 0), {"flash_attn_interface"}) == "varlen"
-    assert pick("auto", (10, 0), {"flash_attn_interface"}) == "flex"  # B200 needs FA4
+    assert pick("auto", (10, 0), {"flash_attn_interface"}) == "sdpa"  # B200 needs FA4
     assert pick("auto", (10, 0), {"flash_attn.cute.interface"}) == "varlen"
     assert pick("flex", (9, 0)) == "flex" and pick("sdpa", (9, 0)) == "sdpa"
+    why = choose_attention("flex", on_cpu=False, capability=(9, 0), importable=lambda m: False)[1]
+    assert "compiles with max_autotune for each new packed-row length" in why  # the doctor says so
     with pytest.raises(
         ValueError, match="model.attention: varlen .* FA3, but flash_attn_interface"
     ):
