@@ -118,6 +118,45 @@ def test_a_killed_launcher_leaves_no_child(tmp_path):
     assert _wait_gone(grandchild)
 
 
+def test_sigusr1_dumps_the_launchers_and_each_childs_stacks_and_the_run_goes_on(tmp_path, capfd):
+    """What tools/gpu/check.sh sends before it kills a step: `asyncrl run`'s launcher writes its
+    own stacks and passes SIGUSR1 to each child's group (each has its own), whose asyncrl processes
+    (asyncrl.cli's registration, here in a real child process) write theirs to their logs and go on."""
+    go = tmp_path / "go"
+    code = (
+        "import pathlib, time; from asyncrl import cli; cli.dump_stacks_on_usr1()\n"
+        "print('ready', flush=True)\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.02)\n"
+    )
+    child = Child(name="learner", argv=[sys.executable, "-c", code], log=tmp_path / "c.log")
+    sent = []
+
+    def tick() -> None:
+        text = child.log.read_text() if child.log.exists() else ""
+        if "ready" in text and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if "most recent call first" in text:
+            go.touch()
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    (tmp_path / "logs").mkdir()
+    outcome, failed = launch.children.supervise(
+        [child],
+        env=env,
+        run_dir=tmp_path,
+        max_restarts=0,
+        deadline=time.monotonic() + 60,
+        tick=tick,
+    )
+    assert outcome == "completed" and failed is None  # the child went on, then ended by itself
+    assert "in <module>" in child.log.read_text()  # its stack, at the line it was waiting on
+    assert (
+        "test_sigusr1_dumps" in capfd.readouterr().err
+    )  # the launcher's own, with this test in it
+    assert signal.getsignal(signal.SIGUSR1) is not None  # the launcher's handler is given back
+
+
 def _exited(child: Child, timeout_s: float = 30.0) -> int:
     deadline = time.monotonic() + timeout_s
     while (code := child.poll()) is None:

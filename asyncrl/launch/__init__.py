@@ -125,10 +125,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=STOP_GRACE_S,
+        metavar="S",
+        help=f"how long the children may take to exit after SIGTERM, before SIGKILL (the learner "
+        f"saves a checkpoint; default {STOP_GRACE_S:g}): a caller with a deadline of its own sets "
+        "run.timeout_s + this below it",
+    )
     a = p.parse_intermixed_args(argv)
+    if a.stop_grace_s < 0:
+        print("asyncrl run: --stop-grace-s must be >= 0", file=sys.stderr)
+        return USAGE_EXIT
     try:
         summary = run(
-            a.recipe, a.overrides, overwrite=a.overwrite, progress=False if a.no_progress else None
+            a.recipe,
+            a.overrides,
+            overwrite=a.overwrite,
+            progress=False if a.no_progress else None,
+            stop_grace_s=a.stop_grace_s,
         )
     except (recipe_mod.RecipeError, LaunchError) as e:
         print(f"asyncrl run: {e}", file=sys.stderr)

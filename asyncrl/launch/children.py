@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import os
 import signal
@@ -194,6 +195,19 @@ def _raise_stop(signum, frame):  # pragma: no cover - signal handler
     raise _Stop(signal.Signals(signum).name)
 
 
+def dump_stacks_and_pass_on(children: Sequence[Child]) -> Callable[[int, object], None]:
+    """The launcher's SIGUSR1 handler: its own stacks to its stderr, then the signal to every
+    child's process group (each in a group of its own, so a signal to the launcher's group does
+    not reach them; asyncrl's processes dump their stacks on it, :mod:`asyncrl.cli`)."""
+
+    def handler(signum: int, frame: object) -> None:  # pragma: no cover - signal handler
+        faulthandler.dump_traceback(all_threads=True)
+        for c in children:
+            c.signal_group(signal.SIGUSR1)
+
+    return handler
+
+
 def supervise(
     children: Sequence[Child],
     *,
@@ -214,6 +228,7 @@ def supervise(
     propagates. ``before_stop`` runs before the children are stopped.
     """
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, dump_stacks_and_pass_on(children))
     failed: Child | None = None
     try:
         for child in children:
@@ -240,5 +255,8 @@ def supervise(
         before_stop()
         stop_children(children, grace_s=grace_s)
         for s, h in old.items():
-            signal.signal(s, h)
+            if h is None:  # not a Python handler: faulthandler's, from asyncrl.cli
+                faulthandler.register(s, all_threads=True)
+            else:
+                signal.signal(s, h)
     return outcome, failed

@@ -354,5 +354,8 @@ def main(argv: list[str]) -> int:
     os._exit(code)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # how rollout/engine/process.py starts it: as `asyncrl engine` would
+    from asyncrl.cli import dump_stacks_on_usr1
+
+    dump_stacks_on_usr1()
     sys.exit(main(sys.argv[1:]))
