@@ -33,11 +33,7 @@ FIGURES = {
         "grad_head_rel_diff",
         "chunked_by_budget",
     },
-    "learner": {
-        f"mb{n}_{k}"
-        for n in (1, 2)
-        for k in ("tokens_per_s", "step_s", "mfu", "peak_allocated_gib", "plan_gib", "loss")
-    },
+    "learner": {"ac_none", "ac_full", "best_tokens_per_s", "peak_over_plan_range", "plan_band"},
     "weights": {
         "v1_sync_s",
         "v2_sync_s",
@@ -76,7 +72,7 @@ FIGURES = {
 
 
 def _check(results: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    e = dict(os.environ, ASYNCRL_CHECK_PYTHON=sys.executable, **env)
+    e = dict(os.environ, ASYNCRL_CHECK_PYTHON=sys.executable) | env
     return subprocess.run(
         ["bash", str(SCRIPT), str(results), *args],
         env=e,
@@ -107,10 +103,18 @@ def test_dry_check_runs_every_step_and_records_its_figures(tmp_path):
     lp = figs["logprobs"]
     assert lp["tokens"] // lp["chunk_tokens"] >= 4
     assert lp["logp_max_abs_diff"] < 1e-3 and lp["grad_hidden_rel_diff"] < 1e-2
-    # the same update as one micro-batch and as two
+    # the same updates (two document lengths) as one micro-batch and as two, without and with
+    # activation checkpointing: each trained, with its first and steady step, and its plan
     le = figs["learner"]
-    assert le["mb1_tokens_per_step"] == le["mb2_tokens_per_step"] > 0
-    assert le["mb2_plan_items_mib"]["activations"] < le["mb1_plan_items_mib"]["activations"]
+    for ac in ("none", "full"):
+        rows = le[f"ac_{ac}"]
+        assert rows["attention"] == "DocSegmentSDPA" and "build" in rows["phases"]
+        for doc in (48, 96):
+            one, two = rows[f"doc{doc}_mb1"], rows[f"doc{doc}_mb2"]
+            assert one["tokens"] == two["tokens"] > 0  # the same update, split in two
+            assert one["first_step_s"] > 0 and one["step_s"] > 0 and one["tokens_per_s"] > 0
+            assert two["plan_gib"] <= one["plan_gib"]
+    assert (tmp_path / "results/work/profile_none.txt").read_text().count("\n") > 10
     assert figs["weights"]["v1_checksum_ok"] is True and figs["weights"]["v2_updated"] is True
     # --dry hides the GPU: the engine a run starts (device auto) is on the CPU in float32, gloo
     w = figs["weights"]
@@ -133,7 +137,7 @@ def test_a_failed_step_is_recorded_with_its_output_and_the_next_one_runs(tmp_pat
     that no longer fits the budget is recorded as skipped, not silently dropped."""
     p = _check(tmp_path, "--dry", "no_such_step", "env", ASYNCRL_CHECK_BUDGET_S="200")
     assert p.returncode == 0, p.stderr
-    bad, env = _records(tmp_path)
+    env, bad = _records(tmp_path)  # env first, whatever the order asked
     assert bad["step"] == "no_such_step" and not bad["ok"] and bad["rc"] == 2
     assert "invalid choice" in bad["error"]
     assert env["ok"] and env["figures"]["torch"]
@@ -141,6 +145,62 @@ def test_a_failed_step_is_recorded_with_its_output_and_the_next_one_runs(tmp_pat
     p = _check(tmp_path / "short", "--dry", "env", ASYNCRL_CHECK_BUDGET_S="5")
     (skipped,) = _records(tmp_path / "short")
     assert skipped["step"] == "env" and not skipped["ok"] and "skipped" in skipped["error"]
+
+
+HANG = """#!/usr/bin/env bash
+# A test fake of the check's python for one step, `hang`, which no real step does on purpose: it
+# leaves a grandchild in a session of its own (as `asyncrl run` leaves its children), says which
+# phase it reached, and sleeps past its limit. Every other call is the real interpreter's.
+if [ "$2" = hang ]; then
+  exec {py} -c '
+import faulthandler, json, signal, subprocess, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+g = subprocess.Popen(["sleep", "600"], start_new_session=True)
+print(json.dumps({{"partial": "hang", "phase": "build", "figures": {{"grandchild": g.pid}}}}), flush=True)
+time.sleep(600)
+'
+fi
+exec {py} "$@"
+"""
+
+
+def test_a_step_past_its_limit_dumps_its_stacks_keeps_what_it_reached_and_leaves_nothing(tmp_path):
+    """check.sh at a step's limit: SIGUSR1 first (the step's Python stacks land in its log), then
+    TERM and KILL to every process of the check, whatever its session; the record is timed out
+    and holds the figures of the last phase reached."""
+    py = tmp_path / "python"
+    py.write_text(HANG.format(py=sys.executable))
+    py.chmod(0o755)
+    p = _check(
+        tmp_path / "r", "--dry", "hang", ASYNCRL_CHECK_BUDGET_S="45", ASYNCRL_CHECK_PYTHON=str(py)
+    )
+    assert p.returncode == 0, p.stderr
+    env, hang = _records(tmp_path / "r")
+    assert env["step"] == "env" and env["ok"]  # env runs first even when not asked for
+    assert hang["timed_out"] and not hang["ok"] and hang["reached"] == "build"
+    log = (tmp_path / "r/logs/hang.log").read_text()
+    assert "SIGUSR1" in log and "most recent call first" in log and "line 6 in <module>" in log
+    grandchild = hang["figures"]["grandchild"]
+    assert (
+        not Path(f"/proc/{grandchild}").exists()
+        or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split(")")[-1][:3]
+    )
+
+
+def test_what_a_step_left_running_is_reaped_by_the_checks_tag():
+    """A process a step left in a session of its own, carrying the check's tag, is killed between
+    steps (check.py reap); one without the tag is not."""
+    tag = f"test-{os.getpid()}"
+    left = subprocess.Popen(
+        ["sleep", "600"], start_new_session=True, env=dict(os.environ, ASYNCRL_CHECK_TAG=tag)
+    )
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        assert check.reap(tag) == [f"{left.pid} sleep"]
+        assert left.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        other.kill()
+        left.kill()
 
 
 def test_a_timed_out_step_is_a_failed_record(tmp_path):

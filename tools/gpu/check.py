@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +49,52 @@ the distillation teacher last: the newest paths, which the others' budget comes 
 
 
 # ---- shared helpers ------------------------------------------------------------------------------
+
+T0 = time.monotonic()
+STEP = ""  # the step this process runs (main sets it)
+LIMIT_ENV = "ASYNCRL_CHECK_LIMIT_S"
+"""check.sh gives each step its limit in seconds here, so what the step starts fits inside it."""
+KILL_MARGIN_S = 20
+"""What a step keeps of its limit for its children's end: SIGUSR1 (stacks), SIGTERM, SIGKILL, 5 s
+apart, then the record. A child's timeout is the step's limit less this."""
+RUN_STOP_GRACE_S = 10
+"""``asyncrl run --stop-grace-s`` in the check: its children get this long after SIGTERM, so that
+run.timeout_s + stop grace < the child's timeout < the step's limit."""
+
+
+def step_limit(default: float) -> float:
+    return float(os.environ.get(LIMIT_ENV, default))
+
+
+def phase(figs: dict[str, Any], name: str) -> None:
+    """A phase reached: a timestamped line, and the figures so far as a ``{"partial": ...}`` line,
+    so that a step cut at its limit still brings back what it reached (:func:`record`)."""
+    t = round(time.monotonic() - T0, 2)
+    figs.setdefault("phases", {})[name] = t
+    print(f"[{t:8.2f} s] {STEP}: {name}", flush=True)
+    print(json.dumps({"partial": STEP, "phase": name, "figures": figs}, default=str), flush=True)
+
+
+def run_child(cmd: list[str], *, timeout_s: float) -> int:
+    """``cmd`` in a process group of its own, its output straight into this step's log as it
+    runs (inherited stdout and stderr), bounded by ``timeout_s``: then SIGUSR1 to its group (every
+    asyncrl process and this script dump their stacks on it; `asyncrl run` passes it on to its
+    children's groups), SIGTERM, SIGKILL, 5 s apart. Returns its exit code, 124 when cut."""
+    print(f"[{time.monotonic() - T0:8.2f} s] start (limit {timeout_s:.0f} s): {' '.join(cmd)}")
+    sys.stdout.flush()
+    p = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return p.wait(timeout=max(timeout_s, 1))
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGKILL):
+            print(
+                f"--- check: {' '.join(cmd[:4])} past {timeout_s:.0f} s: {sig.name} ---", flush=True
+            )
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        return 124
 
 
 def _cuda(dry: bool) -> bool:
@@ -350,105 +398,173 @@ def _batch(vocab: int, n: int, per: int, seed: int):
     return rl_batch(vocab, n, per, prompt_len=16, rng=rng, tag=f"{seed}-")
 
 
-def learner_one(model: Path, work: Path, dry: bool, micro_batches: int) -> dict[str, Any]:
-    """In a child: steps of the real learner (Trainer: TorchTitan model, FSDP2 over a 1-rank group,
-    bf16 compute), one update of ``n × per`` tokens split into ``micro_batches``."""
+LEARNER_TOKENS = 32768
+"""Trained tokens per update in the learner step on a GPU (issue #44: a realistic update, ≥ 32k)."""
+LEARNER_DOCS = (1024, 4096)
+"""Document lengths (prompt 16 + completion) of the learner step's batches on a GPU."""
+TOKENS_PER_S_TARGET = 25_000
+"""The learner's target on one H100/H200 at Qwen3-0.6B (issue #44; prime-rl reports 11.9k at
+16k-token sequences on one H100)."""
+PLAN_BAND = (0.7, 1.05)
+"""Where the measured peak must fall against asyncrl/memory.py's plan for the same recipe."""
+
+
+def check_attention() -> str:
+    """``model.attention`` for every learner the check builds: ``ASYNCRL_CHECK_ATTENTION`` (auto,
+    sdpa, flex or varlen; default auto), so one backend can be forced through every step."""
+    return os.environ.get("ASYNCRL_CHECK_ATTENTION", "auto")
+
+
+def _learner_recipe(model: Path, work: Path, *, doc: int, n: int, mbs: int, ac: str):
+    """The learner recipe of one configuration: ``n`` documents of ``doc`` tokens in ``mbs``
+    micro-batches, bf16, activation checkpointing ``ac``."""
+    from asyncrl import recipe as recipe_mod
+
+    return recipe_mod.from_dict(
+        {
+            "model": {
+                "path": str(model),
+                "max_seq_len": max(LEARNER_DOCS) if doc > 256 else 256,
+                "dtype": "bfloat16",
+                "attention": check_attention(),
+            },
+            "algorithm": {"loss": "tis"},
+            "learner": {
+                "lr": 1e-5,
+                "micro_batch_tokens": -(-n // mbs) * doc,
+                "checkpoint_every": 0,
+                "activation_checkpointing": ac,
+            },
+            # every batch is made at version 0: room for all the configurations' steps
+            "buffer": {"max_staleness": 64, "groups_per_batch": 1},
+            "rollout": {"group_size": n},
+            "logging": {"wandb_mode": "disabled"},
+            "run": {"output_dir": tempfile.mkdtemp(dir=work)},
+        }
+    )
+
+
+def learner_configs(model: Path, work: Path, dry: bool, ac: str) -> dict[str, Any]:
+    """In a child: the real learner (Trainer: TorchTitan model, FSDP2 over a 1-rank group, bf16
+    compute) with activation checkpointing ``ac``, built once, then one update of the same tokens
+    for each document length × micro-batch count: the first step's seconds (masks, first kernels,
+    any compile), the steady step's (the best of two), trained tokens/s, MFU, the peak against
+    the memory plan; a ``torch.profiler`` table of one steady step of the first configuration."""
+    import dataclasses
+
     import torch
 
-    from asyncrl import recipe as recipe_mod
     from asyncrl.doctor import Doctor
     from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
     from asyncrl.memory import ModelDims
 
     cuda = _cuda(dry)
-    n, per, steps = (8, 48, 2) if dry else (16, 1008, 3)
-    seq = per + 16
-    recipe = recipe_mod.from_dict(
-        {
-            "model": {"path": str(model), "max_seq_len": seq, "dtype": "bfloat16"},
-            "algorithm": {"loss": "tis"},
-            "learner": {
-                "lr": 1e-5,
-                "micro_batch_tokens": -(-n // micro_batches) * seq,
-                "checkpoint_every": 0,
-            },
-            "buffer": {"max_staleness": 4, "groups_per_batch": 1},
-            "rollout": {"group_size": n},
-            "logging": {"wandb_mode": "disabled"},
-            "run": {"output_dir": tempfile.mkdtemp(dir=work)},
-        }
-    )
-    t0 = time.perf_counter()
-    trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
-    figs: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 2)}
-    vocab = trainer.spec.model.vocab_size
-    params = sum(p.numel() for p in trainer.model.parameters())
-    trainer.step(_batch(vocab, n, per, 0))  # optimizer state, kernels, allocator
-    _sync(cuda)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times, result = [], None
-    for s in range(steps):
-        b = _batch(vocab, n, per, s + 1)
-        _sync(cuda)
-        t = time.perf_counter()
-        result = trainer.step(b)
-        _sync(cuda)
-        times.append(time.perf_counter() - t)
-    trained = n * per
-    step_s = min(times)
-    figs.update(
-        micro_batches=micro_batches,
-        params=params,
-        tokens_per_step=trained,
-        step_s=round(step_s, 4),
-        tokens_per_s=round(trained / step_s, 1),
-        loss=float(result.loss) if result else None,
-        attention=type(trainer.model.layers["0"].attention.inner_attention).__name__,
-    )
-    # 6·P per token, plus attention's 12·L·d·s per token (causal halves it: 6·L·d·s).
+    figs: dict[str, Any] = {"ac": ac}
+    phase(figs, "import")
+    docs, total = ((48, 96), 384) if dry else (LEARNER_DOCS, LEARNER_TOKENS)
     cfg = json.loads((model / "config.json").read_text())
     dims = ModelDims.from_hf_config(cfg)
-    attn = 6 * cfg["num_hidden_layers"] * dims.q_dim * seq
-    flops_per_token = 6 * params + attn
-    if cuda:
-        name = torch.cuda.get_device_properties(0).name
-        peak = _peak_bf16(name)
-        figs["mfu"] = round(flops_per_token * trained / step_s / peak, 4) if peak else None
-        figs["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated())
-        figs["peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved())
-    else:
-        figs["mfu"] = None
-        figs["peak_allocated_gib"] = None
-    doctor = Doctor(recipe=recipe, dims=dims)
-    rank0, _ = doctor.learner_plans()
-    figs["plan_gib"] = _gib(rank0.total)
-    figs["plan_items_mib"] = {k: _mib(v) for k, v in rank0.items()}
-    if figs["peak_allocated_gib"]:
-        figs["peak_over_plan"] = round(figs["peak_allocated_gib"] / figs["plan_gib"], 3)
+    first = _learner_recipe(model, work, doc=docs[0], n=total // docs[0], mbs=1, ac=ac)
+    trainer = Trainer(TrainerConfig.from_recipe(first), checkpointing=False)
+    figs["attention"] = type(trainer.model.layers["0"].attention.inner_attention).__name__
+    params = sum(p.numel() for p in trainer.model.parameters())
+    figs.update(params=params, build_s=figs["phases"]["import"])
+    phase(figs, "build")
+    peak = _peak_bf16(torch.cuda.get_device_properties(0).name) if cuda else None
+    for doc in docs:
+        n = total // doc
+        per = doc - 16
+        for mbs in (1, 2):
+            tag = f"doc{doc}_mb{mbs}"
+            r = _learner_recipe(model, work, doc=doc, n=n, mbs=mbs, ac=ac)
+            trainer.models.config = dataclasses.replace(
+                trainer.config, micro_batch_tokens=r.learner.micro_batch_tokens
+            )
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            _sync(cuda)
+            t = time.perf_counter()
+            trainer.step(_batch(dims.vocab, n, per, 0))
+            _sync(cuda)
+            row: dict[str, Any] = {"first_step_s": round(time.perf_counter() - t, 3)}
+            times = []
+            for s in range(2):
+                b = _batch(dims.vocab, n, per, s + 1)
+                _sync(cuda)
+                t = time.perf_counter()
+                result = trainer.step(b)
+                _sync(cuda)
+                times.append(time.perf_counter() - t)
+            step_s = min(times)
+            trained = n * per
+            # 6·P per token, plus attention's 12·L·d·s per token (causal halves it: 6·L·d·s)
+            flops = (6 * params + 6 * cfg["num_hidden_layers"] * dims.q_dim * doc) * trained
+            plan = Doctor(recipe=r, dims=dims).learner_plans()[0]
+            row.update(
+                step_s=round(step_s, 4),
+                tokens=trained,
+                tokens_per_s=round(trained / step_s, 1),
+                loss=float(result.loss),
+                mfu=round(flops / step_s / peak, 4) if peak else None,
+                plan_gib=_gib(plan.total),
+            )
+            if cuda:
+                row["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated())
+                row["peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved())
+                row["peak_over_plan"] = round(row["peak_allocated_gib"] / row["plan_gib"], 3)
+            figs[tag] = row
+            phase(figs, tag)
+    _profile(trainer, dims.vocab, total // docs[0], docs[0] - 16, cuda, work / f"profile_{ac}.txt")
+    phase(figs, "profile")
     trainer.close()
     return figs
 
 
+def _profile(trainer: Any, vocab: int, n: int, per: int, cuda: bool, out: Path) -> None:
+    """One steady step under ``torch.profiler``: its top kernels by device time (CPU time on
+    --dry), printed into the step's log and kept in ``out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        trainer.step(_batch(vocab, n, per, 9))
+        _sync(cuda)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=20)
+    out.write_text(table)
+    print(table, flush=True)
+
+
 def step_learner(work: Path, dry: bool) -> dict[str, Any]:
-    """The same update as one micro-batch and as two (gradient accumulation), each in its own
-    process so each peak is its own."""
+    """The learner's speed on one GPU (issue #44 item 4): Qwen3-0.6B's configuration in bf16
+    (the tiny model on --dry), ``LEARNER_TOKENS`` per update of 1k- and 4k-token documents, in 1
+    and 2 micro-batches, without and with full activation checkpointing; each checkpointing
+    setting in its own process (so each peak is its own), whose output streams into this step's
+    log. ``ok`` when every configuration trained; the targets are figures, not conditions (a
+    missed target is read off the record and the profile)."""
     model = model_for(work, dry)
-    figs: dict[str, Any] = {"model": model.name}
-    for mb in (1, 2):
-        out = subprocess.run(
-            [sys.executable, __file__, "learner-one", str(work), str(model), str(mb)]
-            + ["--dry"] * dry,
-            capture_output=True,
-            text=True,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"{mb} micro-batch(es): rc {out.returncode}\n{out.stderr[-3000:]}")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{mb} micro-batch(es): {json.dumps(row)}", flush=True)
-        for k, v in row.items():
-            figs[f"mb{mb}_{k}"] = v
+    figs: dict[str, Any] = {"model": model.name, "attention_forced": check_attention()}
+    limit = step_limit(180) - KILL_MARGIN_S
+    t0 = time.monotonic()
+    for ac in ("none", "full"):
+        out = work / f"learner-{ac}.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "learner-configs", str(work), str(model), ac, str(out)]
+        rc = run_child(cmd + ["--dry"] * dry, timeout_s=limit - (time.monotonic() - t0))
+        if rc != 0 or not out.exists():
+            figs[f"ac_{ac}"] = {"rc": rc}
+            raise RuntimeError(f"activation_checkpointing {ac}: rc {rc} (its output is above)")
+        figs[f"ac_{ac}"] = json.loads(out.read_text())
+        phase(figs, f"ac_{ac}")
+    rows = [
+        v for ac in ("none", "full") for k, v in figs[f"ac_{ac}"].items() if k.startswith("doc")
+    ]
+    figs["best_tokens_per_s"] = max(r["tokens_per_s"] for r in rows)
+    figs["tokens_per_s_target"] = TOKENS_PER_S_TARGET
+    ratios = [r["peak_over_plan"] for r in rows if r.get("peak_over_plan")]
+    figs["peak_over_plan_range"] = [min(ratios), max(ratios)] if ratios else None
+    figs["plan_band"] = list(PLAN_BAND)
     figs["ok"] = True
     return figs
 
@@ -645,6 +761,16 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
 # ---- f. asyncrl run on the demo recipe ------------------------------------------------------------------
 
 
+RUN_FLAGS = ["--no-progress", "--stop-grace-s", str(RUN_STOP_GRACE_S)]
+
+
+def run_limits(limit_s: float) -> tuple[float, float]:
+    """(the `asyncrl run` child's timeout, its run.timeout_s) inside a step limit: run.timeout_s +
+    the stop grace + 10 s < the child's timeout = the limit less the kill margin."""
+    child = limit_s - KILL_MARGIN_S
+    return child, max(child - RUN_STOP_GRACE_S - 10, 10)
+
+
 def demo_overrides(demo: Path, out: Path, *, steps: int, timeout_s: int) -> list[str]:
     """A few-step `asyncrl run` of a demo recipe on a demo folder made here (no SFT stage: the
     random model): small groups and batches, no evaluation, checkpoint or W&B."""
@@ -677,11 +803,14 @@ def step_run(work: Path, dry: bool) -> dict[str, Any]:
     make_demo(demo, train=2000, eval=64)
     out = work / "runs"
     steps = 3
-    ov = demo_overrides(demo, out, steps=steps, timeout_s=240)
+    child_s, run_s = run_limits(step_limit(240))
+    ov = demo_overrides(demo, out, steps=steps, timeout_s=run_s)
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "recipes/demo.yaml"), *ov]
+    figs: dict[str, Any] = {"run_timeout_s": run_s, "child_timeout_s": child_s}
+    phase(figs, "start")
     t0 = time.perf_counter()
-    p = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=280)
-    figs: dict[str, Any] = {"rc": p.returncode, "run_s": round(time.perf_counter() - t0, 2)}
+    rc = run_child([*cmd, *RUN_FLAGS], timeout_s=child_s)
+    figs.update(rc=rc, run_s=round(time.perf_counter() - t0, 2))
     summary = out / "demo/summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
@@ -689,18 +818,21 @@ def step_run(work: Path, dry: bool) -> dict[str, Any]:
         figs["plots"] = len(s.get("plots", []))  # 0 without matplotlib: the summary still comes
     else:
         figs["outcome"] = None
-        print(p.stdout[-2000:], p.stderr[-3000:], sep="\n")
     log = out / "demo/logs/learner.log"
     if figs["outcome"] != "completed" and log.exists():
         print(log.read_text()[-3000:])
-    figs["ok"] = p.returncode == 0 and figs["outcome"] == "completed" and figs["steps"] == steps
+    figs["ok"] = rc == 0 and figs["outcome"] == "completed" and figs["steps"] == steps
     return figs
 
 
 # ---- h. LoRA end to end, and the distillation teacher's logprobs -----------------------------------------
 
 
-def _lora_run(work: Path, figs: dict[str, Any]) -> bool:
+TEACHER_S = 30
+"""What the lora step keeps of its limit for the teacher's part (26-31 s for the whole step dry)."""
+
+
+def _lora_run(work: Path, figs: dict[str, Any], budget_s: float) -> bool:
     """``asyncrl run recipes/demo_lora.yaml`` for 3 steps on the demo model, step_run's overrides:
     the adapters on the TorchTitan actor (on the GPU where there is one), each version's adapters
     (not the model) over the weight group into the built-in engine, which merges them at the swap,
@@ -717,19 +849,20 @@ def _lora_run(work: Path, figs: dict[str, Any]) -> bool:
     demo = make_demo(work / "demo", train=2000, eval=64)
     out = work / "runs_lora"
     steps = 3
-    ov = demo_overrides(demo, out, steps=steps, timeout_s=80)
+    child_s, run_s = run_limits(budget_s)
+    ov = demo_overrides(demo, out, steps=steps, timeout_s=run_s)
     path = ROOT / "recipes/demo_lora.yaml"
     r = recipe_mod.load(path, ov)
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(path), *ov, "--overwrite"]
+    figs.update(run_timeout_s=run_s, child_timeout_s=child_s)
     t0 = time.perf_counter()
-    p = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, timeout=90)
-    figs.update(rc=p.returncode, run_s=round(time.perf_counter() - t0, 2))
+    rc = run_child([*cmd, *RUN_FLAGS], timeout_s=child_s)
+    figs.update(rc=rc, run_s=round(time.perf_counter() - t0, 2))
     run_dir = out / r.run.name
     summary = run_dir / "summary.json"
     s = json.loads(summary.read_text()) if summary.exists() else {}
     figs.update({k: s.get(k) for k in ("outcome", "steps", "max_staleness_seen")})
     if figs["outcome"] != "completed":
-        print(p.stdout[-2000:], p.stderr[-3000:], sep="\n")
         log = run_dir / "logs/learner.log"
         if log.exists():
             print(log.read_text()[-3000:])
@@ -756,7 +889,7 @@ def _lora_run(work: Path, figs: dict[str, Any]) -> bool:
     if figs["adapter_bytes"] and figs["full_model_bytes"]:
         figs["full_over_adapter"] = round(figs["full_model_bytes"] / figs["adapter_bytes"], 1)
     return bool(
-        p.returncode == 0
+        rc == 0
         and figs["outcome"] == "completed"
         and figs["steps"] == steps
         and figs["final_export_is_adapter"]
@@ -867,13 +1000,13 @@ def _teacher(work: Path, dry: bool, figs: dict[str, Any]) -> bool:
 
 def step_lora(work: Path, dry: bool) -> dict[str, Any]:
     """The paths this check had nothing for before: LoRA end to end (``_lora_run``) and on-policy
-    distillation's teacher logprobs from a built-in engine (``_teacher``). The run's figures are
-    printed as a record line before the teacher starts, so that a step cut by its limit there
-    still brings them back (as a failed record)."""
+    distillation's teacher logprobs from a built-in engine (``_teacher``, the last
+    ``TEACHER_S`` of the step's limit). The run's figures are a phase line before the teacher
+    starts, so that a step cut by its limit there still brings them back (as a failed record)."""
     figs: dict[str, Any] = {}
     with _timed(figs, "lora_s"):
-        figs["run_ok"] = _lora_run(work, figs)
-    print(json.dumps({"step": "lora", "figures": figs}, default=str), flush=True)
+        figs["run_ok"] = _lora_run(work, figs, step_limit(120) - TEACHER_S)
+    phase(figs, "lora_run")
     with _timed(figs, "teacher_total_s"):
         figs["teacher_ok"] = _teacher(work, dry, figs)
     figs["ok"] = figs["run_ok"] and figs["teacher_ok"]
@@ -886,27 +1019,62 @@ def step_lora(work: Path, dry: bool) -> dict[str, Any]:
 
 def record(results: Path, step: str, rc: int, seconds: float, log: Path) -> dict[str, Any]:
     """Append one record to ``results/check.jsonl`` from a step's exit status and output: its
-    figures (the output's last JSON line), and the tail of the output when it failed."""
+    figures (the output's last ``{"step": ...}`` line; a step cut before it: the figures of its
+    last ``{"partial": ...}`` line, with the phase it had reached), and the tail of the output
+    when it failed."""
     text = log.read_text(errors="replace") if log.exists() else ""
     figures: dict[str, Any] = {}
+    reached = None
     for line in reversed(text.splitlines()):
         if line.startswith('{"step"'):
             with contextlib.suppress(ValueError):
                 figures = json.loads(line).get("figures", {})
             break
-    ok = rc == 0 and figures.get("ok", False) is True
+        if line.startswith('{"partial"') and reached is None:
+            with contextlib.suppress(ValueError):
+                part = json.loads(line)
+                figures, reached = part.get("figures", {}), part.get("phase")
+    ok = rc == 0 and reached is None and figures.get("ok", False) is True
     rec = {
         "step": step,
         "ok": ok,
         "rc": rc,
         "timed_out": rc in (124, 137),
         "seconds": round(seconds, 2),
+        "reached": reached,
         "figures": figures,
         "error": "" if ok else text[-2000:],
     }
     with open(results / "check.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
     return rec
+
+
+def reap(tag: str) -> list[str]:
+    """SIGKILL every process that carries ``ASYNCRL_CHECK_TAG=tag`` in its environment, but this
+    one and its ancestors: what a step left behind (`asyncrl run`'s children sit in process groups
+    of their own, which a signal to the step's group does not reach). Returns "pid name" of each."""
+    mark = f"ASYNCRL_CHECK_TAG={tag}".encode()
+    keep, pid = set(), os.getpid()
+    while pid > 1:
+        keep.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    killed = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in keep:
+            continue
+        try:
+            if mark not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            name = (d / "comm").read_text().strip()
+            os.kill(int(d.name), signal.SIGKILL)
+            killed.append(f"{d.name} {name}")
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
 
 
 RUNNERS: dict[str, Callable[[Path, bool], dict[str, Any]]] = {
@@ -924,7 +1092,7 @@ RUNNERS: dict[str, Callable[[Path, bool], dict[str, Any]]] = {
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=[*RUNNERS, "learner-one", "record"])
+    p.add_argument("step", choices=[*RUNNERS, "learner-configs", "record", "reap"])
     p.add_argument("args", nargs="*")
     p.add_argument("--dry", action="store_true", help="CPU, tiny sizes, gloo")
     a = p.parse_args(argv)
@@ -934,11 +1102,18 @@ def main(argv: list[str] | None = None) -> int:
         mark = "ok  " if rec["ok"] else "FAIL"
         print(f"[{mark}] {step:<9} {rec['seconds']:7.1f} s  {json.dumps(rec['figures'])[:300]}")
         return 0
+    if a.step == "reap":
+        (tag,) = a.args
+        print(f"reaped: {reap(tag) or 'nothing'}")
+        return 0
+    global STEP
+    STEP = a.step
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks into the log before a limit
     if a.dry:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU host
-    if a.step == "learner-one":
-        work, model, mb = a.args
-        print(json.dumps(learner_one(Path(model), Path(work), a.dry, int(mb))))
+    if a.step == "learner-configs":
+        work, model, ac, out = a.args
+        Path(out).write_text(json.dumps(learner_configs(Path(model), Path(work), a.dry, ac)))
         return 0
     (work,) = a.args
     Path(work).mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,16 @@
 # under RESULTS_DIR is what comes back.
 #
 # --dry: every step on CPU at tiny sizes (gloo): what the test tier runs (tests/test_gpu_check.py).
+#
+# So that every failure explains itself: each step's output (and its children's) streams into its
+# log as it runs, with timestamped phases and a figures line after each (a cut step's record holds
+# what it reached); the limits nest (a step's children end before the step's limit, `asyncrl run`
+# inside them, its stop grace included); at a limit every process of the step gets SIGUSR1 first
+# (asyncrl's processes and check.py dump their stacks into their logs), then SIGTERM, then
+# SIGKILL, 5 s apart; whatever a step left running is killed before the next (every process the
+# check starts carries ASYNCRL_CHECK_TAG); the run folders' logs and summaries are copied into
+# RESULTS/work/ after each step, whatever its outcome; the GPU's compute processes are listed
+# before and after each step; one inductor cache serves all steps; env always runs first.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -29,6 +39,10 @@ for a in "$@"; do
   if [ "$a" = "--dry" ]; then dry="--dry"; else steps+=("$a"); fi
 done
 [ ${#steps[@]} -eq 0 ] && steps=(env models nccl logprobs learner weights engine run lora)
+# env first, always: the facts every other record is read against
+rest=()
+for s in "${steps[@]}"; do [ "$s" != env ] && rest+=("$s"); done
+steps=(env ${rest[@]+"${rest[@]}"})
 
 declare -A limit=([env]=60 [models]=120 [nccl]=60 [logprobs]=90 [learner]=180 [weights]=120 [engine]=120 [run]=240 [lora]=120)
 budget="${ASYNCRL_CHECK_BUDGET_S:-480}"
@@ -40,6 +54,8 @@ mkdir -p "$work"
 py="${ASYNCRL_CHECK_PYTHON:-python3}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton"
+export ASYNCRL_CHECK_TAG="check-$$-$start"
 
 # An outcome recorded without a Python step (install, skip): the same record shape.
 note() { # step ok seconds message
@@ -52,6 +68,39 @@ open(path, "a").write(json.dumps(rec) + "\n")
 EOF
   echo "[$([ "$2" = 1 ] && echo "ok  " || echo FAIL)] $1: $4"
 }
+
+# The GPU's compute processes (what a step left on the device shows here).
+gpu_apps() { # when
+  echo "--- nvidia-smi compute apps $1:"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>&1
+  else
+    echo "(no nvidia-smi)"
+  fi
+}
+
+# A signal to every process of this check but this shell (they carry ASYNCRL_CHECK_TAG), in any
+# process group: `asyncrl run` puts its children in groups of their own.
+signal_tagged() { # SIG
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}
+    [ "$p" = "$$" ] && continue
+    if grep -qzx "ASYNCRL_CHECK_TAG=$ASYNCRL_CHECK_TAG" "$d/environ" 2>/dev/null; then
+      kill -"$1" "$p" 2>/dev/null
+    fi
+  done
+}
+
+# The run folders' logs, summaries and metrics, and any other log a step wrote under the work
+# folder, into RESULTS/work/ (the work folder does not come back); the models stay.
+keep_run_files() { # step
+  (cd "$work" && find . -newer .step-start -type f \( -name '*.log' -o -name 'summary.json' \
+    -o -name 'metrics.jsonl' -o -name 'learner.json' -o -name 'profile_*.txt' -o -name '*.json' \) \
+    -size -20M -not -path './inductor/*' -not -path './triton/*' -not -name 'config.json' \
+    -not -name 'tokenizer*.json' -not -name '*config.json' -print0 |
+    xargs -0 -r cp --parents -t "$results/work" 2>/dev/null)
+}
+mkdir -p "$results/work"
 
 if [ -z "$dry" ] && [ -d "$here/wheels" ]; then
   t0=$(date +%s)
@@ -73,10 +122,28 @@ for s in "${steps[@]}"; do
     continue
   fi
   log="$results/logs/$s.log"
+  { echo "=== $s: limit $t s, $(date -u +%FT%TZ)"; gpu_apps before; } >"$log"
   t0=$EPOCHREALTIME
-  timeout -k 10 "$t" "$py" "$here/check.py" "$s" "$work" $dry >"$log" 2>&1
-  rc=$?
+  touch "$work/.step-start"
+  ASYNCRL_CHECK_LIMIT_S=$t setsid "$py" "$here/check.py" "$s" "$work" $dry >>"$log" 2>&1 &
+  pid=$!
+  end=$((SECONDS + t))
+  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 0.2; done
+  if kill -0 "$pid" 2>/dev/null; then
+    for sig in USR1 TERM KILL; do
+      echo "--- check.sh: $s past its limit of $t s: SIG$sig to its processes ---" >>"$log"
+      signal_tagged "$sig"
+      for _ in $(seq 25); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    done
+    wait "$pid" 2>/dev/null
+    rc=124
+  else
+    wait "$pid"
+    rc=$?
+  fi
   secs=$(awk "BEGIN { print $EPOCHREALTIME - $t0 }")
+  { gpu_apps after; "$py" "$here/check.py" reap "$ASYNCRL_CHECK_TAG"; } >>"$log" 2>&1
+  keep_run_files "$s"
   "$py" "$here/check.py" record "$results" "$s" "$rc" "$secs" "$log"
 done
 ok=$(grep -c '"ok": true' "$results/check.jsonl" || true)
