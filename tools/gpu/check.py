@@ -719,6 +719,7 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
         model, weight_version="0", timeout_s=300, device="auto", dtype="bfloat16"
     )
     figs["engine_start_s"] = round(time.perf_counter() - t0, 2)
+    phase(figs, "engine started")
     cfg = WeightsConfig(backend="auto", dtype="bfloat16", timeout_s=120.0, overlap=False)
     b = WeightBroadcaster(cfg, rank=0, verify=True)
     http = httpx.Client(base_url=engine.url, timeout=120.0)
@@ -738,6 +739,7 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
             if r.error:
                 figs[f"v{version}_error"] = r.error[-300:]
             named = {k: v.add_(1e-3) for k, v in named.items()}  # a changed model for v2
+            phase(figs, f"sync v{version}")
         figs["backend"] = b.groups[engine.url].spec.backend  # the engine's own group's
         figs["checksum"] = r.checksum
         figs["gb_per_s"] = round(figs["mib_bf16"] * 2**20 / max(figs["v2_sync_s"], 1e-9) / 1e9, 3)
