@@ -187,6 +187,27 @@ def test_a_step_past_its_limit_dumps_its_stacks_keeps_what_it_reached_and_leaves
     )
 
 
+def test_the_device_command_packs_the_check_into_one_tarball(tmp_path):
+    """tools/gpu/on_device.sh, what a lent-GPU session runs: the records and one tarball of
+    everything check.sh wrote under $OUT (the device tool brings back at most 8 files)."""
+    import tarfile
+
+    env = dict(os.environ, ASYNCRL_CHECK_PYTHON=sys.executable, OUT=str(tmp_path))
+    p = subprocess.run(
+        ["bash", str(ROOT / "tools/gpu/on_device.sh"), "--dry", "env"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["check.jsonl", "check.tar.gz"]
+    with tarfile.open(tmp_path / "check.tar.gz") as t:
+        names = t.getnames()
+    assert "check/check.jsonl" in names and "check/logs/env.log" in names
+    assert _records(tmp_path)[0]["ok"]
+
+
 def test_what_a_step_left_running_is_reaped_by_the_checks_tag():
     """A process a step left in a session of its own, carrying the check's tag, is killed between
     steps (check.py reap); one without the tag is not."""
