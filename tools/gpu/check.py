@@ -75,14 +75,14 @@ def phase(figs: dict[str, Any], name: str) -> None:
     print(json.dumps({"partial": STEP, "phase": name, "figures": figs}, default=str), flush=True)
 
 
-def run_child(cmd: list[str], *, timeout_s: float) -> int:
+def run_child(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> int:
     """``cmd`` in a process group of its own, its output straight into this step's log as it
     runs (inherited stdout and stderr), bounded by ``timeout_s``: then SIGUSR1 to its group (every
     asyncrl process and this script dump their stacks on it; `asyncrl run` passes it on to its
     children's groups), SIGTERM, SIGKILL, 5 s apart. Returns its exit code, 124 when cut."""
     print(f"[{time.monotonic() - T0:8.2f} s] start (limit {timeout_s:.0f} s): {' '.join(cmd)}")
     sys.stdout.flush()
-    p = subprocess.Popen(cmd, start_new_session=True)
+    p = subprocess.Popen(cmd, start_new_session=True, env=None if env is None else os.environ | env)
     try:
         return p.wait(timeout=max(timeout_s, 1))
     except subprocess.TimeoutExpired:
@@ -472,10 +472,11 @@ def learner_configs(model: Path, work: Path, dry: bool, ac: str) -> dict[str, An
     figs.update(params=params, build_s=figs["phases"]["import"])
     phase(figs, "build")
     peak = _peak_bf16(torch.cuda.get_device_properties(0).name) if cuda else None
-    for doc in docs:
+    only_first = os.environ.get("ASYNCRL_CHECK_LEARNER_FIRST_ONLY") == "1"
+    for doc in docs[:1] if only_first else docs:
         n = total // doc
         per = doc - 16
-        for mbs in (1, 2):
+        for mbs in (1,) if only_first else (1, 2):
             tag = f"doc{doc}_mb{mbs}"
             r = _learner_recipe(model, work, doc=doc, n=n, mbs=mbs, ac=ac)
             trainer.models.config = dataclasses.replace(
@@ -557,6 +558,19 @@ def step_learner(work: Path, dry: bool) -> dict[str, Any]:
             raise RuntimeError(f"activation_checkpointing {ac}: rc {rc} (its output is above)")
         figs[f"ac_{ac}"] = json.loads(out.read_text())
         phase(figs, f"ac_{ac}")
+    left = limit - (time.monotonic() - t0)
+    if not dry and check_attention() == "auto" and left > 30:
+        # flex against what auto chose, on the first configuration: its compile is the first
+        # step's cost (a child cut at its limit says it took longer than that)
+        out = work / "learner-flex.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "learner-configs", str(work), str(model), "none", str(out)]
+        t = time.monotonic()
+        env = {"ASYNCRL_CHECK_ATTENTION": "flex", "ASYNCRL_CHECK_LEARNER_FIRST_ONLY": "1"}
+        rc = run_child(cmd, timeout_s=left, env=env)
+        flex = json.loads(out.read_text()) if rc == 0 and out.exists() else {"rc": rc}
+        figs["flex"] = flex | {"child_s": round(time.monotonic() - t, 1)}
+        phase(figs, "flex")
     rows = [
         v for ac in ("none", "full") for k, v in figs[f"ac_{ac}"].items() if k.startswith("doc")
     ]
