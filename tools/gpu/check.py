@@ -531,7 +531,7 @@ def _profile(trainer: Any, vocab: int, n: int, per: int, cuda: bool, out: Path) 
     with profile(activities=acts) as prof:
         trainer.step(_batch(vocab, n, per, 9))
         _sync(cuda)
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=20)
     out.write_text(table)
     print(table, flush=True)
