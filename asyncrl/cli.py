@@ -2,21 +2,18 @@
 
 Each subcommand lives in its own module and is imported only when run, so `asyncrl check` starts
 fast and a part that is not built yet is reported, not crashed on. Every process starts with
-asyncrl's malloc settings (:mod:`asyncrl.malloc`): its messages are a megabyte or so. Every process
-writes all its threads' Python stacks to its stderr (its log) on SIGUSR1 and goes on: what a
-process that is about to be killed for hanging was doing (``kill -USR1 PID``; `asyncrl run`
-passes it to its children, tools/gpu/check.sh sends it before each limit).
+asyncrl's malloc settings (:mod:`asyncrl.malloc`): its messages are a megabyte or so, and dumps its
+stacks on SIGUSR1 (:mod:`asyncrl.stacks`).
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
-import signal
 import sys
 
 from asyncrl import malloc
+from asyncrl.stacks import dump_stacks_on_usr1
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "learner": (
@@ -61,11 +58,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return int(module.main(argv[1:]) or 0)
-
-
-def dump_stacks_on_usr1() -> None:
-    """SIGUSR1: every thread's Python stack to stderr, and the process goes on (module docstring)."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _table() -> str:

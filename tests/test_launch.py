@@ -121,10 +121,12 @@ def test_a_killed_launcher_leaves_no_child(tmp_path):
 def test_sigusr1_dumps_the_launchers_and_each_childs_stacks_and_the_run_goes_on(tmp_path, capfd):
     """What tools/gpu/check.sh sends before it kills a step: `asyncrl run`'s launcher writes its
     own stacks and passes SIGUSR1 to each child's group (each has its own), whose asyncrl processes
-    (asyncrl.cli's registration, here in a real child process) write theirs to their logs and go on."""
+    (asyncrl.stacks' registration, here in a real child process) write theirs to their logs and go
+    on."""
     go = tmp_path / "go"
     code = (
-        "import pathlib, time; from asyncrl import cli; cli.dump_stacks_on_usr1()\n"
+        "import pathlib, time; from asyncrl.stacks import dump_stacks_on_usr1\n"
+        "dump_stacks_on_usr1()\n"
         "print('ready', flush=True)\n"
         f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.02)\n"
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from asyncrl import summary as summary_mod
 from asyncrl.recipe import Recipe
+from asyncrl.stacks import dump_stacks_on_usr1
 
 STOP_GRACE_S = 60.0
 """How long a child may take to exit after SIGTERM (the learner saves a checkpoint) before SIGKILL."""
@@ -198,7 +199,7 @@ def _raise_stop(signum, frame):  # pragma: no cover - signal handler
 def dump_stacks_and_pass_on(children: Sequence[Child]) -> Callable[[int, object], None]:
     """The launcher's SIGUSR1 handler: its own stacks to its stderr, then the signal to every
     child's process group (each in a group of its own, so a signal to the launcher's group does
-    not reach them; asyncrl's processes dump their stacks on it, :mod:`asyncrl.cli`)."""
+    not reach them; asyncrl's processes dump their stacks on it, :mod:`asyncrl.stacks`)."""
 
     def handler(signum: int, frame: object) -> None:  # pragma: no cover - signal handler
         faulthandler.dump_traceback(all_threads=True)
@@ -255,8 +256,8 @@ def supervise(
         before_stop()
         stop_children(children, grace_s=grace_s)
         for s, h in old.items():
-            if h is None:  # not a Python handler: faulthandler's, from asyncrl.cli
-                faulthandler.register(s, all_threads=True)
+            if h is None:  # not a Python handler: faulthandler's (asyncrl.stacks)
+                dump_stacks_on_usr1()
             else:
                 signal.signal(s, h)
     return outcome, failed

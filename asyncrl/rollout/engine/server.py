@@ -355,7 +355,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # how rollout/engine/process.py starts it: as `asyncrl engine` would
-    from asyncrl.cli import dump_stacks_on_usr1
+    from asyncrl.stacks import dump_stacks_on_usr1
 
     dump_stacks_on_usr1()
     sys.exit(main(sys.argv[1:]))
