@@ -239,3 +239,33 @@ def test_the_block_mask_wrapper_passes_true_through_and_refuses_false():
     assert wrapped(causal, 1, 1, 128, 128).full_kv_num_blocks is not None  # keyword left out
     with pytest.raises(NotImplementedError, match=r"separate_full_blocks=False"):
         wrapped(causal, 1, 1, 128, 128, separate_full_blocks=False)
+
+
+def test_the_forced_attention_reaches_every_learner_the_check_builds(tmp_path, monkeypatch):
+    """ASYNCRL_CHECK_ATTENTION (tools/gpu/host_env.sh sets it): the env step names it, the run and
+    lora steps' recipes carry it, and learner_one's Trainer is built with it: flex on this CPU is
+    refused by the learner's model build, which shows the value got there. A value that is no
+    attention is one line in the step's record."""
+    from asyncrl import recipe as recipe_mod
+
+    monkeypatch.setenv("ASYNCRL_CHECK_ATTENTION", "flex")
+    env = check.step_env(tmp_path, True)
+    assert env["ok"] and env["attention_requested"] == env["attention"] == "flex"
+    ov = check.demo_overrides(tmp_path, tmp_path / "runs", steps=3, timeout_s=60)
+    for name in ("demo.yaml", "demo_lora.yaml"):
+        r = recipe_mod.load(ROOT / "recipes" / name, ov, check_files=False)
+        assert r.model.attention == "flex"
+    model = check.tiny_model(tmp_path)
+    one = [sys.executable, str(ROOT / "tools/gpu/check.py"), "learner-one", str(tmp_path)]
+    p = subprocess.run(
+        [*one, str(model), "1", "--dry"], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode != 0
+    assert "model.attention: flex cannot train on CPU" in p.stderr
+
+    p = _check(tmp_path / "bad", "--dry", "env", ASYNCRL_CHECK_ATTENTION="flash")
+    (bad,) = _records(tmp_path / "bad")
+    assert not bad["ok"] and bad["rc"] == 1
+    assert bad["error"].strip() == (
+        "error: ASYNCRL_CHECK_ATTENTION='flash': use one of auto, sdpa, flex, varlen"
+    )

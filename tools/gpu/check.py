@@ -49,6 +49,22 @@ the distillation teacher last: the newest paths, which the others' budget comes 
 # ---- shared helpers ------------------------------------------------------------------------------
 
 
+ATTENTIONS = ("auto", "sdpa", "flex", "varlen")
+
+
+def attention() -> str:
+    """``model.attention`` for every learner this check builds (``learner_one``, the run and lora
+    steps), from ``ASYNCRL_CHECK_ATTENTION`` (default auto). On CPU auto always means sdpa, so
+    TorchTitan's flex path would first run on a lent GPU; tools/gpu/host_env.sh forces each
+    backend in turn to meet such failures on CPU first."""
+    kind = os.environ.get("ASYNCRL_CHECK_ATTENTION") or "auto"
+    if kind not in ATTENTIONS:
+        raise SystemExit(
+            f"error: ASYNCRL_CHECK_ATTENTION={kind!r}: use one of {', '.join(ATTENTIONS)}"
+        )
+    return kind
+
+
 def _cuda(dry: bool) -> bool:
     import torch
 
@@ -159,8 +175,9 @@ def step_env(work: Path, dry: bool) -> dict[str, Any]:
         figs["device_memory_gib"] = _gib(props.total_memory)
         figs["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     cap = tuple(figs["capability"]) if figs["capability"] else None
+    figs["attention_requested"] = attention()
     kind, why = choose_attention(
-        "auto", on_cpu=not cuda, capability=cap, importable=module_importable
+        figs["attention_requested"], on_cpu=not cuda, capability=cap, importable=module_importable
     )
     figs["attention"], figs["attention_why"] = kind, why
     figs["flash_impl"] = flash_impl(cap)
@@ -366,7 +383,12 @@ def learner_one(model: Path, work: Path, dry: bool, micro_batches: int) -> dict[
     seq = per + 16
     recipe = recipe_mod.from_dict(
         {
-            "model": {"path": str(model), "max_seq_len": seq, "dtype": "bfloat16"},
+            "model": {
+                "path": str(model),
+                "max_seq_len": seq,
+                "dtype": "bfloat16",
+                "attention": attention(),
+            },
             "algorithm": {"loss": "tis"},
             "learner": {
                 "lr": 1e-5,
@@ -663,6 +685,7 @@ def demo_overrides(demo: Path, out: Path, *, steps: int, timeout_s: int) -> list
         "learner.checkpoint_every=0",
         "generator.max_batch_size=16",
         "logging.wandb_mode=disabled",
+        f"model.attention={attention()}",
     ]
 
 
@@ -934,6 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         mark = "ok  " if rec["ok"] else "FAIL"
         print(f"[{mark}] {step:<9} {rec['seconds']:7.1f} s  {json.dumps(rec['figures'])[:300]}")
         return 0
+    attention()  # a bad ASYNCRL_CHECK_ATTENTION fails every step with one line, before any work
     if a.dry:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU host
     if a.step == "learner-one":
