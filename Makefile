@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-kernels test-faults test-sglang lint format demo demo-rlhf demo-distill demo-lora demo-agent bench clean
+.PHONY: venv test test-kernels test-faults test-sglang gpu-host-check lint format demo demo-rlhf demo-distill demo-lora demo-agent bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,14 @@ test-sglang: $(STAMP)
 	@if [ "$${ASYNCRL_SKIP_SGLANG:-0}" = 1 ]; then echo "sglang tier: skipped (ASYNCRL_SKIP_SGLANG=1)"; exit 0; fi; \
 	bash tools/sglang_cpu/build_env.sh >/dev/null || { echo "error: the SGLang CPU environment cannot be built (tools/sglang_cpu/build_env.sh, output above); ASYNCRL_SKIP_SGLANG=1 switches this tier off" >&2; exit 1; }; \
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m sglang tests/sglang
+
+# The GPU check's dry run in an environment like the lent GPU host's (docs/gpu.md, "Before GPU time:
+# the host-like environment"): Python 3.12 and torch 2.11.0 from PyPI (a venv cached in
+# ~/.cache/asyncrl, 4.9 GB), the wheel bundle and the torch shim put in as check.sh puts them there,
+# then check.sh --dry once per attention that runs on CPU (sdpa, flex) and TorchTitan's flex forward.
+# Not part of `make test`. RESULTS=dir keeps the records (default: a temporary folder).
+gpu-host-check:
+	OMP_NUM_THREADS=1 bash tools/gpu/host_env.sh $(RESULTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

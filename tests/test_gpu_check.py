@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools/gpu/check.sh"
+SHIM = ROOT / "tools/gpu/shim"
 sys.path.insert(0, str(ROOT))
 
 from tools.gpu import check  # noqa: E402
@@ -249,7 +250,105 @@ def test_the_torch_shim_adds_only_what_torch_lacks():
         "assert f.DataParallelMeshDims is not s.DataParallelMeshDims\n"
         "print(s.PATCHED)\n"
     )
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tools/gpu/shim'}:{ROOT}")
+    env = dict(os.environ, PYTHONPATH=f"{SHIM}:{ROOT}")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "['torch.distributed.fsdp._asyncrl_probe']"
+
+
+def _shim_module():
+    """tools/gpu/shim/sitecustomize.py loaded under another name: its functions without its import
+    hook in this process (the hook is installed only by Python's startup import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_shim", SHIM / "sitecustomize.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_block_mask_wrapper_stays_out_on_a_torch_with_the_keyword():
+    """On this torch (2.13: create_block_mask takes separate_full_blocks) TorchTitan compiles
+    torch's own create_block_mask and the shim patches nothing; a process that never imports torch
+    does not import it because of the shim."""
+    code = (
+        "import sys\n"
+        "assert 'torch' not in sys.modules, 'the shim imported torch'\n"
+        "import sitecustomize as s\n"
+        "import asyncrl.learner.trainer\n"
+        "import torchtitan.models.common.attention as tt\n"
+        "from torch.nn.attention import flex_attention as f\n"
+        "assert tt.create_block_mask is f.create_block_mask\n"
+        "assert f.create_block_mask.__module__ == 'torch.nn.attention.flex_attention'\n"
+        "assert not hasattr(f.create_block_mask, '__wrapped__')\n"
+        "print(s.PATCHED)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{SHIM}:{ROOT}")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]"
+
+
+def test_the_block_mask_wrapper_passes_true_through_and_refuses_false():
+    """The wrapper against a stand-in for torch 2.11's create_block_mask. A test fake, because
+    torch 2.13 (this venv) has the keyword: the stand-in has 2.11's signature (no
+    separate_full_blocks) and does what 2.11's does, torch's create_block_mask with full blocks
+    kept apart. The wrapper on the lent host's real torch 2.11 runs in tools/gpu/host_env.sh."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def torch_2_11_create_block_mask(
+        mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False
+    ):
+        return create_block_mask(
+            mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks=True
+        )
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    shim = _shim_module()
+    assert shim.without_separate_full_blocks(create_block_mask) is None
+    wrapped = shim.without_separate_full_blocks(torch_2_11_create_block_mask)
+    assert wrapped is not None and wrapped.__wrapped__ is torch_2_11_create_block_mask
+    # TorchTitan's call (decoder.py): keywords, separate_full_blocks=True
+    m = wrapped(causal, 2, None, 256, 256, device="cpu", BLOCK_SIZE=128, separate_full_blocks=True)
+    ref = torch_2_11_create_block_mask(causal, 2, None, 256, 256, device="cpu", BLOCK_SIZE=128)
+    assert m.full_kv_num_blocks is not None  # full blocks apart: what True asks for
+    assert m.kv_num_blocks.tolist() == ref.kv_num_blocks.tolist() == [[[1, 1]]] * 2
+    assert m.full_kv_num_blocks.tolist() == ref.full_kv_num_blocks.tolist() == [[[0, 1]]] * 2
+    assert wrapped(causal, 1, 1, 128, 128).full_kv_num_blocks is not None  # keyword left out
+    with pytest.raises(NotImplementedError, match=r"separate_full_blocks=False"):
+        wrapped(causal, 1, 1, 128, 128, separate_full_blocks=False)
+
+
+def test_the_forced_attention_reaches_every_learner_the_check_builds(tmp_path, monkeypatch):
+    """ASYNCRL_CHECK_ATTENTION (tools/gpu/host_env.sh sets it): the env step names it, the run and
+    lora steps' recipes carry it, and learner_configs' Trainer is built with it: flex on this CPU is
+    refused by the learner's model build, which shows the value got there. A value that is no
+    attention is one line in the step's record."""
+    from asyncrl import recipe as recipe_mod
+
+    monkeypatch.setenv("ASYNCRL_CHECK_ATTENTION", "flex")
+    env = check.step_env(tmp_path, True)
+    assert env["ok"] and env["attention_requested"] == env["attention"] == "flex"
+    ov = check.demo_overrides(tmp_path, tmp_path / "runs", steps=3, timeout_s=60)
+    for name in ("demo.yaml", "demo_lora.yaml"):
+        r = recipe_mod.load(ROOT / "recipes" / name, ov, check_files=False)
+        assert r.model.attention == "flex"
+    model = check.tiny_model(tmp_path)
+    one = [sys.executable, str(ROOT / "tools/gpu/check.py"), "learner-configs", str(tmp_path)]
+    out = str(tmp_path / "learner.json")
+    p = subprocess.run(
+        [*one, str(model), "none", out, "--dry"], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode != 0
+    assert "model.attention: flex cannot train on CPU" in p.stderr
+
+    p = _check(tmp_path / "bad", "--dry", "env", ASYNCRL_CHECK_ATTENTION="flash")
+    (bad,) = _records(tmp_path / "bad")
+    assert not bad["ok"] and bad["rc"] == 1
+    step_output = [x for x in bad["error"].splitlines() if not x.startswith(("===", "---", "("))]
+    assert step_output[0] == (
+        "error: ASYNCRL_CHECK_ATTENTION='flash': use one of auto, sdpa, flex, varlen"
+    )

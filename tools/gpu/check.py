@@ -97,6 +97,22 @@ def run_child(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = 
         return 124
 
 
+ATTENTIONS = ("auto", "sdpa", "flex", "varlen")
+
+
+def attention() -> str:
+    """``model.attention`` for every learner this check builds (``learner_configs``, the run and
+    lora steps), from ``ASYNCRL_CHECK_ATTENTION`` (default auto). On CPU auto always means sdpa, so
+    TorchTitan's flex path would first run on a lent GPU; tools/gpu/host_env.sh forces each
+    backend in turn to meet such failures on CPU first."""
+    kind = os.environ.get("ASYNCRL_CHECK_ATTENTION") or "auto"
+    if kind not in ATTENTIONS:
+        raise SystemExit(
+            f"error: ASYNCRL_CHECK_ATTENTION={kind!r}: use one of {', '.join(ATTENTIONS)}"
+        )
+    return kind
+
+
 def _cuda(dry: bool) -> bool:
     import torch
 
@@ -207,8 +223,9 @@ def step_env(work: Path, dry: bool) -> dict[str, Any]:
         figs["device_memory_gib"] = _gib(props.total_memory)
         figs["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     cap = tuple(figs["capability"]) if figs["capability"] else None
+    figs["attention_requested"] = attention()
     kind, why = choose_attention(
-        "auto", on_cpu=not cuda, capability=cap, importable=module_importable
+        figs["attention_requested"], on_cpu=not cuda, capability=cap, importable=module_importable
     )
     figs["attention"], figs["attention_why"] = kind, why
     figs["flash_impl"] = flash_impl(cap)
@@ -409,12 +426,6 @@ PLAN_BAND = (0.7, 1.05)
 """Where the measured peak must fall against asyncrl/memory.py's plan for the same recipe."""
 
 
-def check_attention() -> str:
-    """``model.attention`` for every learner the check builds: ``ASYNCRL_CHECK_ATTENTION`` (auto,
-    sdpa, flex or varlen; default auto), so one backend can be forced through every step."""
-    return os.environ.get("ASYNCRL_CHECK_ATTENTION", "auto")
-
-
 def _learner_recipe(model: Path, work: Path, *, doc: int, n: int, mbs: int, ac: str):
     """The learner recipe of one configuration: ``n`` documents of ``doc`` tokens in ``mbs``
     micro-batches, bf16, activation checkpointing ``ac``."""
@@ -426,7 +437,7 @@ def _learner_recipe(model: Path, work: Path, *, doc: int, n: int, mbs: int, ac: 
                 "path": str(model),
                 "max_seq_len": max(LEARNER_DOCS) if doc > 256 else 256,
                 "dtype": "bfloat16",
-                "attention": check_attention(),
+                "attention": attention(),
             },
             "algorithm": {"loss": "tis"},
             "learner": {
@@ -545,7 +556,7 @@ def step_learner(work: Path, dry: bool) -> dict[str, Any]:
     log. ``ok`` when every configuration trained; the targets are figures, not conditions (a
     missed target is read off the record and the profile)."""
     model = model_for(work, dry)
-    figs: dict[str, Any] = {"model": model.name, "attention_forced": check_attention()}
+    figs: dict[str, Any] = {"model": model.name, "attention_forced": attention()}
     limit = step_limit(180) - KILL_MARGIN_S
     t0 = time.monotonic()
     for ac in ("none", "full"):
@@ -559,7 +570,7 @@ def step_learner(work: Path, dry: bool) -> dict[str, Any]:
         figs[f"ac_{ac}"] = json.loads(out.read_text())
         phase(figs, f"ac_{ac}")
     left = limit - (time.monotonic() - t0)
-    if not dry and check_attention() == "auto" and left > 30:
+    if not dry and attention() == "auto" and left > 30:
         # flex against what auto chose, on the first configuration: its compile is the first
         # step's cost (a child cut at its limit says it took longer than that)
         out = work / "learner-flex.json"
@@ -805,6 +816,7 @@ def demo_overrides(demo: Path, out: Path, *, steps: int, timeout_s: int) -> list
         "learner.checkpoint_every=0",
         "generator.max_batch_size=16",
         "logging.wandb_mode=disabled",
+        f"model.attention={attention()}",
     ]
 
 
@@ -1125,6 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
     global STEP
     STEP = a.step
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks into the log before a limit
+    attention()  # a bad ASYNCRL_CHECK_ATTENTION fails every step with one line, before any work
     if a.dry:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU host
     if a.step == "learner-configs":
