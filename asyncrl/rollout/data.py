@@ -1,5 +1,5 @@
-"""Prompts for rollouts: HuggingFace ``datasets`` from local jsonl/json/parquet, with a resumable
-position (docs/design.md §6).
+"""Prompts for rollouts: rows of a local jsonl/json/parquet file, as HuggingFace ``datasets`` holds
+them, with a resumable position (docs/design.md §6).
 
 - A malformed row (not JSON, no prompt, a prompt that is neither text nor chat messages) is reported
   with its file and row number (1-based; the line number for jsonl) and skipped, never fatal.
@@ -12,6 +12,7 @@ position (docs/design.md §6).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections import deque
@@ -49,15 +50,93 @@ def _valid_prompt(p: Any) -> str:
     return f"the prompt is a {type(p).__name__}, expected text or a list of chat messages"
 
 
+class _Unsure(Exception):
+    """A value whose round trip through an Arrow table :func:`_plain_rows` does not vouch for."""
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _shape(v: Any) -> Any:
+    """What Arrow infers a JSON value's column type from: None (null: fits any type), the scalar
+    type, ``("list", element shape)`` or ``("dict", keys in order, value shapes)``. Raises
+    :class:`_Unsure` for what Arrow may change or refuse (an int outside int64, an empty dict, an
+    empty key, text it cannot encode, a list whose elements differ)."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if not v.isascii():
+            try:
+                v.encode()
+            except UnicodeEncodeError:  # a lone surrogate ("\\ud800" in the JSON): Arrow refuses it
+                raise _Unsure from None
+        return str
+    if isinstance(v, bool | float):
+        return type(v)
+    if isinstance(v, int):
+        if v not in _INT64:
+            raise _Unsure
+        return int
+    if isinstance(v, list):
+        s = None
+        for x in v:
+            s = _merge(s, _shape(x))
+        return ("list", s)
+    if isinstance(v, dict) and v:
+        return ("dict", tuple(map(_key, v)), tuple(_shape(x) for x in v.values()))
+    raise _Unsure
+
+
+def _key(k: str) -> str:
+    if _shape(k) is not str or not k:
+        raise _Unsure
+    return k
+
+
+def _merge(a: Any, b: Any) -> Any:
+    """One shape for two values that Arrow stores in one column unchanged (nulls fit any)."""
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "list":
+        return ("list", _merge(a[1], b[1]))
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[:2] == b[:2]:  # dicts, the same keys
+        return (*a[:2], tuple(_merge(x, y) for x, y in zip(a[2], b[2], strict=True)))
+    raise _Unsure
+
+
+def _plain_rows(rows: list[dict]) -> list[dict] | None:
+    """``rows`` themselves when ``datasets.Dataset.from_list(rows)`` would give every row back as it
+    is, else None.
+
+    It would when all rows have one shape (:func:`_shape`: the same keys in the same order at every
+    level, one type per field, nulls anywhere): Arrow then infers no type that changes a value (no
+    int widened to float, no key added as null or dropped, no keys reordered). jsonl prompts almost
+    always are such rows, and reading them without ``datasets`` saves its import (1.1 s of every
+    rollout worker's start, with pandas and pyarrow, BENCHMARKS.md session 17); any other rows go
+    through ``datasets`` as before, with the error it raises for rows of no one schema.
+    """
+    try:
+        s = None
+        for row in rows:
+            if not isinstance(row, dict):
+                return None
+            s = _merge(s, _shape(row))
+    except _Unsure:
+        return None
+    return rows
+
+
 def load_prompt_rows(
     path: str | Path, *, prompt_key: str = "prompt"
 ) -> tuple[Any, list[int], list[str]]:
-    """Read a data file into a ``datasets.Dataset`` of good rows.
+    """Read a data file's good rows: a list of dicts, or a ``datasets.Dataset`` where Arrow's
+    schema changes rows (:func:`_plain_rows`); either gives the same row dicts.
 
-    Returns (dataset, the file row number of each dataset row, reports of skipped rows).
+    Returns (rows, the file row number of each row, reports of skipped rows). ``datasets`` is
+    imported only for parquet and for rows of mixed shapes.
     """
-    import datasets
-
     path = Path(path)
     if not path.is_file():
         raise PromptDataError(f"{path}: data file not found")
@@ -97,6 +176,8 @@ def load_prompt_rows(
         for n, row in enumerate(rows, start=1):
             take(row, n)
     elif path.suffix == ".parquet":
+        import datasets
+
         try:
             table = datasets.Dataset.from_parquet(str(path))
         except Exception as e:
@@ -111,6 +192,11 @@ def load_prompt_rows(
         log.warning("skipping a malformed row: %s", s)
     if not good:
         raise PromptDataError(f"{path}: no usable rows ({len(skipped)} malformed)")
+    plain = _plain_rows(good)
+    if plain is not None:
+        return plain, numbers, skipped
+    import datasets
+
     try:
         ds = datasets.Dataset.from_list(good)
     except Exception as e:  # e.g. a field that is a number in one row and text in another
@@ -186,8 +272,12 @@ class PromptSource:
             self.next_index += 1
         self.outstanding.add(index)
         r = self._row_at(index)
+        # a copy to the last level, as a Dataset's row is: a workflow that changes its row (or
+        # its messages) changes no later epoch's
         return PromptItem(
-            index=index, row=dict(self.rows[r]), where=f"{self.name}:{self.row_numbers[r]}"
+            index=index,
+            row=copy.deepcopy(dict(self.rows[r])),
+            where=f"{self.name}:{self.row_numbers[r]}",
         )
 
     def done(self, index: int) -> None:

@@ -113,3 +113,124 @@ def test_render_with_chat_template(tiny_qwen3):
     assert tok.decode(ids) == text
     text, ids = render_prompt({"prompt": "2+2="}, tok)
     assert text == "2+2=" and len(ids) == 4
+
+
+def _arrow_rows(rows):
+    """What ``datasets`` gives back for ``rows`` (None where it refuses them)."""
+    import datasets
+
+    try:
+        return [dict(r) for r in datasets.Dataset.from_list(rows)]
+    except Exception:
+        return None
+
+
+def _random_value(rng, depth=0):
+    kind = rng.choice(
+        ["none", "str", "int", "float", "bool", "list", "dict"][: 7 if depth < 2 else 5]
+    )
+    if kind == "none":
+        return None
+    if kind == "str":
+        return rng.choice(["", "a", "é", "x y", "\U0001f600"])
+    if kind == "int":
+        return rng.choice([0, -3, 2**62, 2**63, -(2**63) - 1])
+    if kind == "float":
+        return rng.choice([0.5, -0.0, 1e300, 2.0])
+    if kind == "bool":
+        return rng.choice([True, False])
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 2))]
+    keys = rng.sample(["role", "content", "name", "n"], rng.randint(0, 3))
+    return {k: _random_value(rng, depth + 1) for k in keys}
+
+
+def _mutate(rng, v):
+    """``v`` itself, or ``v`` with one change of the kinds that change Arrow's schema."""
+    if isinstance(v, dict) and v and rng.random() < 0.5:
+        k = rng.choice(list(v))
+        w = dict(v)
+        op = rng.choice(["drop", "add", "reorder", "deeper"])
+        if op == "drop":
+            del w[k]
+        elif op == "add":
+            w["extra"] = 1
+        elif op == "reorder":
+            w = dict(reversed(list(w.items())))
+        else:
+            w[k] = _mutate(rng, w[k])
+        return w
+    if isinstance(v, list) and v and rng.random() < 0.5:
+        return [*v[:-1], _mutate(rng, v[-1])]
+    if rng.random() < 0.3:
+        return _random_value(rng)
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return float(v)
+    return v
+
+
+def test_rows_read_without_datasets_are_the_rows_datasets_gives_back():
+    """The jsonl fast path (data._plain_rows) vouches for rows only where Arrow's round trip gives
+    every row back as it was (key order and value types included); random rows of one shape and of
+    nearly one shape, against ``datasets.Dataset.from_list`` itself."""
+    import random
+
+    from asyncrl.rollout.data import _plain_rows
+
+    rng = random.Random(0)
+    plain_seen = fallback_seen = 0
+    for _ in range(400):
+        base = {"prompt": "p", **{k: _random_value(rng) for k in rng.sample("abc", 2)}}
+        rows = [copy_row(base, rng) for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.6:
+            i = rng.randrange(len(rows))
+            rows[i] = _mutate(rng, rows[i])
+        want = _arrow_rows(rows)
+        got = _plain_rows(rows)
+        if got is None:
+            fallback_seen += 1
+            continue
+        plain_seen += 1
+        assert want is not None, rows
+        assert [list(r.items()) for r in got] == [list(r.items()) for r in want], rows
+        assert repr(got) == repr(want), rows  # int stays int, -0.0 stays -0.0, keys in order
+    assert plain_seen > 100 and fallback_seen > 50
+
+
+def copy_row(row, rng):
+    """``row``'s shape with some values nulled (a null fits any column)."""
+    return {k: (None if rng.random() < 0.2 else v) for k, v in row.items()}
+
+
+def test_jsonl_of_one_shape_is_read_without_datasets_and_others_through_it(tmp_path):
+    same = _write(
+        tmp_path / "same.jsonl", [json.dumps({"prompt": f"p{i}", "answer": i}) for i in range(3)]
+    )
+    rows, numbers, _ = load_prompt_rows(same)
+    assert rows == [{"prompt": f"p{i}", "answer": i} for i in range(3)] and numbers == [1, 2, 3]
+    assert isinstance(rows, list)
+    mixed = _write(
+        tmp_path / "mixed.jsonl",
+        [json.dumps({"prompt": "a", "answer": 1}), json.dumps({"prompt": "b", "answer": 2.5})],
+    )
+    rows, _, _ = load_prompt_rows(mixed)
+    assert not isinstance(rows, list)  # a datasets.Dataset: Arrow widens the ints, as before
+    assert [r["answer"] for r in rows] == [1.0, 2.5]
+    with pytest.raises(PromptDataError, match="do not share one schema"):
+        load_prompt_rows(
+            _write(
+                tmp_path / "clash.jsonl",
+                [
+                    json.dumps({"prompt": "a", "answer": 1}),
+                    json.dumps({"prompt": "b", "answer": "x"}),
+                ],
+            )
+        )
+
+
+def test_a_taken_row_is_a_copy_to_the_last_level():
+    src = PromptSource([{"prompt": [{"role": "user", "content": "hi"}]}], shuffle=False)
+    src.take().row["prompt"][0]["content"] = "changed by a workflow"
+    assert src.take().row["prompt"][0]["content"] == "hi"
