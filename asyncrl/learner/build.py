@@ -7,9 +7,10 @@ another's owner for it.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -31,6 +32,36 @@ log = logging.getLogger("asyncrl.learner")
 
 AC_CONFIGS = {"none": lambda: None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 
+TRAINER_MODULE = "torchtitan.trainer"
+
+
+def update_from_config(model_config: Any, parallelism: Any) -> None:
+    """TorchTitan's ``Decoder.Config.update_from_config`` (its parallelism checks, the MoE token
+    dispatchers' sizes) with a config that holds only ``parallelism``, without importing
+    ``torchtitan.trainer``.
+
+    The method imports ``torchtitan.trainer`` for one check, ``isinstance(config, Trainer.Config)``
+    (the training branch: RoPE resized to ``training.seq_len``), and that module pulls in
+    ``datasets``, pandas, tensorboard and torchdata (1.1 s of every learner's start, BENCHMARKS.md
+    session 17), none of which the learner uses. The config here is a ``SimpleNamespace``, an
+    instance of no ``Trainer.Config`` whatever that class is, so the check is False either way: while
+    the real module is not loaded, ``sys.modules`` holds for the length of the call a stand-in whose
+    ``Trainer.Config`` is a new empty class, and it is taken out after (a later import of
+    ``torchtitan.trainer`` loads the real one). Once the real module is loaded it is used as it is.
+    """
+    config = SimpleNamespace(parallelism=parallelism)
+    if TRAINER_MODULE in sys.modules:
+        model_config.update_from_config(config=config)
+        return
+    stand_in = ModuleType(TRAINER_MODULE, "asyncrl.learner.build.update_from_config's")
+    stand_in.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})  # type: ignore[attr-defined]
+    sys.modules[TRAINER_MODULE] = stand_in
+    try:
+        model_config.update_from_config(config=config)
+    finally:
+        if sys.modules.get(TRAINER_MODULE) is stand_in:
+            del sys.modules[TRAINER_MODULE]
+
 
 @dataclass
 class Builder:
@@ -49,8 +80,7 @@ class Builder:
         base is frozen (:mod:`.lora`). Collective over the role's ranks."""
         mesh = self.meshes[role]
         assert mesh.holds, (role, mesh.ranks)
-        # update_from_config reads only .parallelism from a non-Trainer config
-        spec.model.update_from_config(config=SimpleNamespace(parallelism=mesh.parallelism))
+        update_from_config(spec.model, mesh.parallelism)
         with torch.device("meta"):
             model = spec.model.build()
         c = self.config
