@@ -53,8 +53,8 @@ def update_from_config(model_config: Any, parallelism: Any) -> None:
     if TRAINER_MODULE in sys.modules:
         model_config.update_from_config(config=config)
         return
-    stand_in = ModuleType(TRAINER_MODULE, "asyncrl.learner.build.update_from_config's")
-    stand_in.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})  # type: ignore[attr-defined]
+    stand_in: Any = ModuleType(TRAINER_MODULE, "asyncrl.learner.build.update_from_config's")
+    stand_in.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})
     sys.modules[TRAINER_MODULE] = stand_in
     try:
         model_config.update_from_config(config=config)
