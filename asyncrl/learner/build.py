@@ -43,7 +43,7 @@ def update_from_config(model_config: Any, parallelism: Any) -> None:
     The method imports ``torchtitan.trainer`` for one check, ``isinstance(config, Trainer.Config)``
     (the training branch: RoPE resized to ``training.seq_len``), and that module pulls in
     ``datasets``, pandas, tensorboard and torchdata (1.1 s of every learner's start, BENCHMARKS.md
-    session 17), none of which the learner uses. The config here is a ``SimpleNamespace``, an
+    sessions 13 and 17), none of which the learner uses. The config here is a ``SimpleNamespace``, an
     instance of no ``Trainer.Config`` whatever that class is, so the check is False either way: while
     the real module is not loaded, ``sys.modules`` holds for the length of the call a stand-in whose
     ``Trainer.Config`` is a new empty class, and it is taken out after (a later import of

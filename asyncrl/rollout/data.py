@@ -113,9 +113,10 @@ def _plain_rows(rows: list[dict]) -> list[dict] | None:
     It would when all rows have one shape (:func:`_shape`: the same keys in the same order at every
     level, one type per field, nulls anywhere): Arrow then infers no type that changes a value (no
     int widened to float, no key added as null or dropped, no keys reordered). jsonl prompts almost
-    always are such rows, and reading them without ``datasets`` saves its import (1.1 s of every
-    rollout worker's start, with pandas and pyarrow, BENCHMARKS.md session 17); any other rows go
-    through ``datasets`` as before, with the error it raises for rows of no one schema.
+    always are such rows, and reading them without ``datasets`` saves its import, with pandas,
+    pyarrow and aiohttp (0.8–1.1 s of a rollout worker's start, BENCHMARKS.md sessions 13 and 17);
+    any other rows go through ``datasets`` as before, with the error it raises for rows of no one
+    schema.
     """
     try:
         s = None
