@@ -1,4 +1,5 @@
-"""Rollout data: local files through HF datasets, malformed rows reported, a resumable position."""
+"""Rollout data: local files (jsonl of one shape without HF datasets, the rest through it), malformed
+rows reported, a resumable position."""
 
 from __future__ import annotations
 
@@ -171,6 +172,11 @@ def _mutate(rng, v):
     return v
 
 
+def _row_like(row, rng):
+    """``row``'s shape with some values nulled (a null fits any column)."""
+    return {k: (None if rng.random() < 0.2 else v) for k, v in row.items()}
+
+
 def test_rows_read_without_datasets_are_the_rows_datasets_gives_back():
     """The jsonl fast path (data._plain_rows) vouches for rows only where Arrow's round trip gives
     every row back as it was (key order and value types included); random rows of one shape and of
@@ -183,7 +189,7 @@ def test_rows_read_without_datasets_are_the_rows_datasets_gives_back():
     plain_seen = fallback_seen = 0
     for _ in range(400):
         base = {"prompt": "p", **{k: _random_value(rng) for k in rng.sample("abc", 2)}}
-        rows = [copy_row(base, rng) for _ in range(rng.randint(1, 4))]
+        rows = [_row_like(base, rng) for _ in range(rng.randint(1, 4))]
         if rng.random() < 0.6:
             i = rng.randrange(len(rows))
             rows[i] = _mutate(rng, rows[i])
@@ -197,11 +203,6 @@ def test_rows_read_without_datasets_are_the_rows_datasets_gives_back():
         assert [list(r.items()) for r in got] == [list(r.items()) for r in want], rows
         assert repr(got) == repr(want), rows  # int stays int, -0.0 stays -0.0, keys in order
     assert plain_seen > 100 and fallback_seen > 50
-
-
-def copy_row(row, rng):
-    """``row``'s shape with some values nulled (a null fits any column)."""
-    return {k: (None if rng.random() < 0.2 else v) for k, v in row.items()}
 
 
 def test_jsonl_of_one_shape_is_read_without_datasets_and_others_through_it(tmp_path):
