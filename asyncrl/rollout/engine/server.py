@@ -15,6 +15,7 @@ temperature, as it makes SGLang (:mod:`asyncrl.rollout.engine.sampling`).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
 
 MAX_BODY = 256 << 20
 
+LOOPBACK_ONLY = frozenset({"/update_weights_from_tensor"})
+"""Endpoints answered only to a peer on this host: their payload is a pickle of memory handles
+(asyncrl.weights.ipc), which means nothing elsewhere and is never unpickled from the network."""
+
 
 def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
     if hasattr(engine, "routes"):  # a Classifier
@@ -62,6 +67,7 @@ def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
         "/begin_weight_update": w.begin_weight_update,
         "/end_weight_update": w.end_weight_update,
         "/update_weights_from_distributed": w.update_weights_from_distributed,
+        "/update_weights_from_tensor": w.update_weights_from_tensor,
         "/update_weights_from_disk": w.update_weights_from_disk,
         "/update_weight_version": w.update_weight_version,
         "/get_weights_by_name": w.get_weights_by_name,
@@ -70,6 +76,15 @@ def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
         "/v1/completions": lambda b: openai.v1_completions(g, b),
         "/v1/chat/completions": lambda b: openai.v1_chat_completions(g, b),
     }
+
+
+def _loopback(host: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return (mapped or ip).is_loopback
 
 
 def _float(x) -> float | None:
@@ -102,6 +117,12 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body(url)
             if route is None:
                 raise BadRequest(f"no such endpoint: {url.path}", status=404)
+            if url.path in LOOPBACK_ONLY and not _loopback(self.client_address[0]):
+                raise BadRequest(
+                    f"{url.path} takes handles to memory on this host: only from a loopback "
+                    f"peer, not {self.client_address[0]}",
+                    status=403,
+                )
             reply = route(body)
         except BadRequest as e:
             reply = Reply(e.status, e.body)
