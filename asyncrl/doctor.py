@@ -713,7 +713,8 @@ class Doctor:
             why = f"weights.backend {backend}" + (
                 ", built-in engines receive on CPU" if gloo_member and backend == "auto" else ""
             )
-            detail = f"not used: weights go over gloo ({why}); here {mine}"
+            how = "by handle" if backend == "ipc" else "over gloo"
+            detail = f"not used: weights go {how} ({why}); here {mine}"
             return [Check(name="NCCL", ok=True, detail=detail + (f"; {other[1]}" if other else ""))]
         if not cuda:
             return [
@@ -738,8 +739,9 @@ class Doctor:
         if other is None and g.kind == "builtin":
             detail = (
                 f"learner {mine}; built-in engines on CUDA (generator.device {g.device}) join "
-                "NCCL from another GPU, and gloo from rank 0's own (NCCL refuses two ranks on one "
-                "GPU): the broadcaster chooses at each group build from what they report"
+                "NCCL from another GPU, and take CUDA IPC handles on rank 0's own (NCCL refuses "
+                "two ranks on one GPU; weights.backend ipc): the broadcaster chooses at each "
+                "group build from what they report"
             )
             return [Check(name="NCCL", ok=True, detail=detail)]
         if other is None:

@@ -521,13 +521,13 @@ def test_auto_sends_to_built_in_engines_over_gloo_on_a_gpu_host(tiny_qwen3):
 
 def test_built_in_engines_on_cuda_may_take_nccl(tiny_qwen3):
     """With generator.device auto a GPU host runs the built-in engines on CUDA, where they can
-    join NCCL: the NCCL line is checked, and says where gloo still goes (rank 0's own GPU)."""
+    join NCCL: the NCCL line is checked, and says where handles go instead (rank 0's own GPU)."""
     d = _demo(tiny_qwen3, "weights.backend=auto", "generator.kind=builtin")
     d.device = Device(cuda=True, gpus=[], host_available=GiB, host_total=GiB)
     d.environ = {}
     (c,) = d.check_nccl()
     assert c.ok and "not used" not in c.detail, c.detail
-    assert "join NCCL from another GPU, and gloo from rank 0's own" in c.detail
+    assert "NCCL from another GPU, and take CUDA IPC handles on rank 0's own" in c.detail
 
 
 SGLANG_PY = Path.home() / ".cache/asyncrl/sglang-0.5.23-cpu/bin/python"

@@ -21,10 +21,9 @@ from safetensors.torch import load_file
 from asyncrl import wire
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.engine import start_engine_process
-from asyncrl.rollout.engine.server import _loopback
+from asyncrl.rollout.engine.server import _same_host
 from asyncrl.weights import buckets, ipc
 from asyncrl.weights.broadcaster import WeightBroadcaster
-from asyncrl.weights.groups import backend_for
 from asyncrl.weights.snapshot import drop_tied
 
 # ---- the payload, in this process ----------------------------------------------------------------
@@ -100,25 +99,12 @@ def ipc_pickle(obj) -> bytes:
     return buf.getvalue()
 
 
-def test_auto_takes_handles_on_rank0s_gpu_only():
-    from asyncrl.generator_http import WeightsClient
-    from asyncrl.weights.members import Member
-
-    def member(device, gpu):
-        info = wire.GeneratorInfo(url="http://127.0.0.1:1", kind="builtin")
-        return Member(info=info, client=WeightsClient(info, None), device=device, gpu_uuid=gpu)
-
-    same, other, cpu = member("cuda", "GPU-a"), member("cuda", "GPU-b"), member("cpu", None)
-    assert backend_for("auto", [same], sender_gpu="GPU-a", cuda=True) == "ipc"
-    assert backend_for("auto", [other], sender_gpu="GPU-a", cuda=True) == "nccl"
-    assert backend_for("auto", [cpu], sender_gpu=None, cuda=False) == "gloo"
-    assert backend_for("auto", [cpu], sender_gpu="GPU-a", cuda=True) == "gloo"
-    assert backend_for("gloo", [same], sender_gpu="GPU-a", cuda=True) == "gloo"  # as asked
-
-
-def test_only_loopback_peers_may_send_handles():
-    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("::ffff:127.0.0.1")
-    assert not _loopback("10.0.0.2") and not _loopback("::ffff:10.0.0.2")
+def test_only_peers_on_this_host_may_send_handles():
+    local = "10.0.0.1"  # the address the connection reached the engine at
+    assert _same_host("127.0.0.1", local) and _same_host("::1", local)
+    assert _same_host("::ffff:127.0.0.1", local) and _same_host("10.0.0.1", local)
+    assert not _same_host("10.0.0.2", local) and not _same_host("::ffff:10.0.0.2", local)
+    assert not _same_host("not an address", "not an address")
 
 
 # ---- real engines ----------------------------------------------------------------------------------

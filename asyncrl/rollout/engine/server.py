@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 MAX_BODY = 256 << 20
 
 LOOPBACK_ONLY = frozenset({"/update_weights_from_tensor"})
-"""Endpoints answered only to a peer on this host: their payload is a pickle of memory handles
-(asyncrl.weights.ipc), which means nothing elsewhere and is never unpickled from the network."""
+"""Endpoints answered only to a peer on this host (:func:`_same_host`): their payload is a pickle of
+memory handles (asyncrl.weights.ipc), which means nothing elsewhere and is never unpickled from
+another host."""
 
 
 def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
@@ -78,13 +79,24 @@ def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
     }
 
 
-def _loopback(host: str) -> bool:
+def _same_host(peer: str, local: str) -> bool:
+    """A peer on this host: a loopback address, or the very address it reached this server at
+    (a process connecting to its own host's address is given that address as its source)."""
+    mine = _ip(local)
+    return _loopback(peer) or (mine is not None and _ip(peer) == mine)
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         ip = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-    return (mapped or ip).is_loopback
+        return None
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def _loopback(host: str) -> bool:
+    ip = _ip(host)  # ::ffff:127.0.0.1 as 127.0.0.1
+    return ip is not None and ip.is_loopback
 
 
 def _float(x) -> float | None:
@@ -117,10 +129,11 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body(url)
             if route is None:
                 raise BadRequest(f"no such endpoint: {url.path}", status=404)
-            if url.path in LOOPBACK_ONLY and not _loopback(self.client_address[0]):
+            peer = self.client_address[0]
+            if url.path in LOOPBACK_ONLY and not _same_host(peer, self.connection.getsockname()[0]):
                 raise BadRequest(
-                    f"{url.path} takes handles to memory on this host: only from a loopback "
-                    f"peer, not {self.client_address[0]}",
+                    f"{url.path} takes handles to memory on this host: only from a peer on this "
+                    f"host (loopback), not {peer}",
                     status=403,
                 )
             reply = route(body)
