@@ -102,7 +102,8 @@ def _reduce_cpu_storage(s: torch.UntypedStorage) -> tuple:
 
 
 def share(flat: torch.Tensor) -> None:
-    """Put a CPU buffer in shared memory now (a copy, once), so that building its handles later
+    """Put a CPU buffer in shared memory now (a copy, once; none for one made there:
+    :func:`asyncrl.weights.buckets.flatten`'s ``shared``), so that building its handles later
     copies nothing. A no-op for CUDA buffers (their handles need no copy)."""
     if not flat.is_cuda:
         flat.untyped_storage()._share_filename_cpu_()

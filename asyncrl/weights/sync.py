@@ -245,11 +245,11 @@ class Sync:
     ) -> tuple[torch.Tensor, dict[str, str]]:
         """One bucket's buffer (the snapshot's own in the ``flattened_bucket`` layout, else a
         flattened copy) and a handle to it per member (worker thread, on the sender's stream: a
-        CUDA handle's event follows the writes of that buffer). On the CPU the buffer moves into
-        shared memory first (a copy)."""
+        CUDA handle's event follows the writes of that buffer). On the CPU the buffer must be in
+        shared memory: made there (``weights.backend: ipc``, or the copy), else moved (a copy)."""
         flat = payload[0] if self.cfg.load_format == "flattened_bucket" else None
         if flat is None:
-            flat = buckets.flatten(bucket.tensors)
+            flat = buckets.flatten(bucket.tensors, shared=True)
         ipc.share(flat)
         return flat, {m.url: ipc.payload(flat, meta) for m in members}
 

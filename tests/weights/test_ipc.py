@@ -42,6 +42,16 @@ def _bucket(seed: int = 0) -> tuple[torch.Tensor, dict, list[torch.Tensor]]:
     return flat, meta, ts
 
 
+def test_a_bucket_made_in_shared_memory_is_shared_without_a_copy():
+    _, _, ts = _bucket()
+    flat = buckets.flatten(ts, shared=True)
+    ptr = flat.data_ptr()
+    assert flat.is_shared()
+    ipc.share(flat)
+    assert flat.data_ptr() == ptr
+    assert torch.equal(flat, buckets.flatten(ts))
+
+
 def test_payload_round_trip_keeps_layout_and_bytes():
     flat, meta, ts = _bucket()
     ipc.share(flat)
@@ -74,6 +84,7 @@ class _Evil:
         (_pickled([("a", 3)]), None, "item 0: expected (name, tensor)"),
         (_pickled({}), "direct", "load_format 'direct' is not supported"),
     ],
+    ids=["unlisted-global", "base64", "flattened-tensor", "list-item", "load-format"],
 )
 def test_payload_refusals_name_the_field(data, fmt, words):
     with pytest.raises(ipc.PayloadError) as e:
