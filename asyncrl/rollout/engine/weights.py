@@ -257,11 +257,7 @@ class WeightStore:
             if abort_all:
                 self.loop.abort_all()
             try:
-                # opened and copied on one thread, so on one stream: the handle's event (rank 0's
-                # writes) is waited on where the copy runs; the handle closes when this returns
-                named = self.receiver.run(
-                    lambda: ipc.copy_out(ipc.load_payload(serialized, load_format), self.device)
-                )
+                named = self.receiver.run(lambda: self._copy_in(serialized, load_format))
                 self.stage(named)
             except Exception as e:
                 self._close_session()
@@ -271,6 +267,16 @@ class WeightStore:
                 ) from e
             if version is not None:
                 self._pending_version = version
+
+    def _copy_in(self, serialized: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+        """Open a handle and copy its bucket out (receiver thread). Both on one thread with this
+        engine's device current, so on one stream: the handle's event (rank 0's writes to the
+        buffer), which opening it makes the current stream wait on, comes before the copy. The
+        handle closes when this returns."""
+        if self.device.type != "cuda":
+            return ipc.copy_out(ipc.load_payload(serialized, load_format), self.device)
+        with torch.cuda.device(self.device):
+            return ipc.copy_out(ipc.load_payload(serialized, load_format), self.device)
 
     def end(self) -> float:
         """Swap what the session staged in (between two decode steps); the pause it caused (s)."""
