@@ -489,7 +489,8 @@ class Doctor:
             return memory.generator_plan(
                 self.dims,
                 kind="builtin",
-                dtype_bytes=4,  # the built-in engine runs float32
+                # on a GPU the built-in engine runs in model.dtype, on the CPU in float32
+                dtype_bytes=memory.DTYPE_BYTES[r.model.dtype] if self.engines_on_gpu() else 4,
                 sequences=seqs,
                 seq_len=r.model.max_seq_len,
                 max_batch_size=g.max_batch_size,
@@ -510,6 +511,19 @@ class Doctor:
         builtin = r.generator.kind == "builtin" and r.algorithm.uses_rollouts
         return r.rollout.workers * r.generator.engines_per_worker if builtin else 0
 
+    def engines_on_gpu(self) -> int:
+        """Built-in engines `asyncrl run` starts on rank 0's GPU: on a GPU host each runs on the
+        current CUDA device (the first visible, rank 0's) unless ``generator.device`` is cpu, and
+        takes its weights by CUDA IPC handle there (``weights.backend: auto``)."""
+        on_gpu = self.device is not None and self.device.cuda
+        return self.engines_here() if on_gpu and self.recipe.generator.device != "cpu" else 0
+
+    def engines_gpu_bytes(self) -> int:
+        """What the built-in engines on rank 0's GPU hold there (weights, staged copy, slots)."""
+        n = self.engines_on_gpu()
+        gen = self.generator_plan() if n and self.dims is not None else None
+        return n * gen.total if gen is not None else 0
+
     def learner_need(self, **changes: Any) -> tuple[int, int]:
         """(bytes the learner needs where it is compared, bytes there). On a GPU: the fullest
         rank's peak with placement (:meth:`rank_plans`) against the smallest free GPU memory. On CPU every rank, every built-in engine and one
@@ -518,7 +532,10 @@ class Doctor:
         rank0, _ = self.learner_plans(**changes)
         plans = self.rank_plans(**changes)
         if self.device.cuda:
-            return max(p.peak for p in plans), self.device.learner_memory
+            engines = self.engines_gpu_bytes()  # beside rank 0, on its GPU
+            return max(p.peak + (engines if p.rank == 0 else 0) for p in plans), (
+                self.device.learner_memory
+            )
         ranks = self.recipe.learner.ranks
         need = sum(p.peak_without_offload for p in plans) + ranks * rank0.checkpoint_staging
         return need + self.engines_need(), self.device.host_available
@@ -531,8 +548,9 @@ class Doctor:
         gpu_ranks = min(self.recipe.learner.ranks, len(self.device.gpus)) if self.device else 0
         ranks = self.recipe.learner.ranks if not gpu_ranks else 0
         gen_total = gen.total if gen is not None and engines else 0
+        on_host = engines - self.engines_on_gpu()  # the others hold their tensors on the GPU
         staging = self.learner_plans()[0].checkpoint_staging * gpu_ranks if self.dims else 0
-        return engines * gen_total + (ranks + engines) * runtime_bytes() + staging
+        return on_host * gen_total + (ranks + engines) * runtime_bytes() + staging
 
     def check_learner_memory(self) -> list[Check]:
         if self.dims is None or self.device is None:
@@ -563,6 +581,11 @@ class Doctor:
             line = (
                 f"with placement the fullest rank, {top.rank}, needs {gib(top.peak)} GiB at its "
                 f"peak ({top.peak_phase or 'between calls'}; per rank below) {what}"
+            )
+        if self.engines_gpu_bytes():
+            line += (
+                f"; beside it on its GPU {self.engines_on_gpu()} built-in engine(s), "
+                f"{gib(self.engines_gpu_bytes())} GiB (generator memory)"
             )
         line += f"; in all {gib(need)} GiB of {where}"
         if need > have:
@@ -655,6 +678,12 @@ class Doctor:
                     else (lo, mid - 1)
                 )
             out.append(f"set learner.micro_batch_tokens={lo}")
+        gen = self.generator_plan() if self.engines_on_gpu() else None
+        if gen is not None and gen.kv_cache:  # the engines' share of rank 0's GPU
+            out.append(
+                f"a smaller generator.max_batch_size (the engines' slots hold "
+                f"{gib(self.engines_on_gpu() * gen.kv_cache)} GiB of its GPU)"
+            )
         if not out:
             out.append(
                 "more learner ranks (FSDP shards params, grads and AdamW), "
@@ -671,6 +700,13 @@ class Doctor:
         r = self.recipe
         parts = " + ".join(f"{k} {gib(v)}" for k, v in gen.items())
         seqs = f"{gen.sequences} sequences × {gen.tokens_per_sequence} tokens"
+        if r.generator.kind == "builtin" and self.engines_on_gpu():
+            line = (
+                f"each built-in engine: {gib(gen.total)} GiB = {parts} ({seqs}, {r.model.dtype}) "
+                "on rank 0's GPU, priced with the learner there (learner memory); "
+                "generator.max_batch_size and model.max_seq_len set its share"
+            )
+            return [Check(name="generator memory", ok=True, detail=line)]
         if r.generator.kind == "builtin":
             line = f"each built-in engine: {gib(gen.total)} GiB = {parts} ({seqs}, float32)"
             alone = self.engines_here() * gen.total  # on CPU the learner line adds the ranks
@@ -713,7 +749,8 @@ class Doctor:
             why = f"weights.backend {backend}" + (
                 ", built-in engines receive on CPU" if gloo_member and backend == "auto" else ""
             )
-            detail = f"not used: weights go over gloo ({why}); here {mine}"
+            how = "by handle" if backend == "ipc" else "over gloo"
+            detail = f"not used: weights go {how} ({why}); here {mine}"
             return [Check(name="NCCL", ok=True, detail=detail + (f"; {other[1]}" if other else ""))]
         if not cuda:
             return [
@@ -738,8 +775,9 @@ class Doctor:
         if other is None and g.kind == "builtin":
             detail = (
                 f"learner {mine}; built-in engines on CUDA (generator.device {g.device}) join "
-                "NCCL from another GPU, and gloo from rank 0's own (NCCL refuses two ranks on one "
-                "GPU): the broadcaster chooses at each group build from what they report"
+                "NCCL from another GPU, and take CUDA IPC handles on rank 0's own (NCCL refuses "
+                "two ranks on one GPU; weights.backend ipc): the broadcaster chooses at each "
+                "group build from what they report"
             )
             return [Check(name="NCCL", ok=True, detail=detail)]
         if other is None:

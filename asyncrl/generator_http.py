@@ -281,9 +281,14 @@ class WeightsClient:
     async def resume(self) -> None:
         await self._call("POST", "/continue_generation", {})
 
-    async def begin(self) -> bool:
-        """Open an update session. False: the server predates sessions (SGLang <= 0.5.20, 404)."""
-        return await self._call("POST", "/begin_weight_update", {}, ok_404=True) is not None
+    async def begin(self, *, abandon_open: bool = False) -> bool:
+        """Open an update session. False: the server predates sessions (SGLang <= 0.5.20, 404).
+
+        ``abandon_open`` (our extension, for the built-in engine only): a session left open by an
+        update that was given up on is discarded first. A generator that takes weights by handle
+        joins no group, whose new build would otherwise do that (docs/design.md §4)."""
+        body = {"abandon_open": True} if abandon_open and self.info.kind == "builtin" else {}
+        return await self._call("POST", "/begin_weight_update", body, ok_404=True) is not None
 
     async def end(self) -> dict:
         """Close the session. The built-in engine swaps the staged weights in here and reports the
@@ -336,6 +341,27 @@ class WeightsClient:
         if weight_version is not None:
             body["weight_version"] = weight_version
         await self._call("POST", "/update_weights_from_distributed", body, timeout_s=timeout_s)
+
+    async def update_from_tensor(
+        self,
+        payloads: list[str],
+        *,
+        weight_version: str | None,
+        flush_cache: bool = False,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Take one bucket by handle (SGLang's ``/update_weights_from_tensor``, ``load_format:
+        flattened_bucket``; ``payloads``: one :func:`asyncrl.weights.ipc.payload` per rank);
+        returns once the server has copied it out of rank 0's memory and loaded it."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": payloads,
+            "load_format": "flattened_bucket",
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        await self._call("POST", "/update_weights_from_tensor", body, timeout_s=timeout_s)
 
     async def update_from_disk(self, model_path: str, *, weight_version: str) -> None:
         body = {

@@ -122,6 +122,13 @@ def receives_on_cpu(kind: str, device: str | None) -> bool:
     return kind == "builtin"
 
 
+def same_gpu(gpu_uuid: str | None, sender_gpu: str | None) -> bool:
+    """Whether a generator that reports ``gpu_uuid`` runs on the learner rank 0's GPU
+    ``sender_gpu`` (both known): ``weights.backend: auto`` then passes it CUDA IPC handles
+    (asyncrl.weights.ipc), no group at all."""
+    return gpu_uuid is not None and gpu_uuid == sender_gpu
+
+
 def needs_gloo(
     kind: str, device: str | None, gpu_uuid: str | None, *, sender_gpu: str | None
 ) -> bool:

@@ -507,7 +507,11 @@ class PlacementConfig:
 @dataclass(kw_only=True)
 class WeightsConfig:
     every: int = _f(1, lo=1, doc="publish weights every k versions")
-    backend: Literal["auto", "gloo", "nccl"] = _f("auto")
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = _f(
+        "auto",
+        doc="auto: ipc for an engine on rank 0's own GPU, gloo for one on CPU, else nccl; ipc: "
+        "each bucket as a handle to rank 0's memory (CUDA IPC; shared memory on CPU), same host",
+    )
     bucket_mb: float = _f(512.0, lo=0, lo_open=True, doc="MiB per update call (as slime)")
     load_format: Literal["list", "flattened_bucket"] = _f("list", doc="per tensor (as slime)")
     dtype: Dtype = _f("float32")

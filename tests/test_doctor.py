@@ -19,7 +19,7 @@ import trustme
 from asyncrl import gpu
 from asyncrl import recipe as recipe_mod
 from asyncrl.doctor import Check, Device, Doctor, judge_logprobs
-from asyncrl.memory import GiB
+from asyncrl.memory import GiB, gib
 from tests.labels import get_label
 from tests.test_memory_plan import QWEN3_0_6B, QWEN3_8B
 
@@ -163,6 +163,44 @@ def test_8b_on_16_ranks_fits_an_80_gib_gpu_with_full_checkpointing(tmp_path):
     assert c.detail.startswith("rank 0 needs 73.8 GiB")  # 78,448,718,848 bytes (test_memory_plan)
     # at its 256 MiB logits chunk, + (441 − 110) × 151,936 × 16 at the default 1024 MiB
     assert "checkpointing full" in c.detail
+
+
+def test_one_gpu_prices_the_engine_beside_the_learner(tmp_path):
+    """recipes/one_gpu.yaml: the built-in engine runs on rank 0's GPU (in model.dtype), so its
+    weights, staged copy and slot cache count there with the learner's step, not on the host; a GPU
+    too small for both names the engine's share among the fixes. An engine on the CPU
+    (generator.device cpu) costs the GPU nothing."""
+    model = _config_only_model(tmp_path / "Qwen3-0.6B", QWEN3_0_6B)
+
+    def doctor(free_gib: float, *overrides: str) -> Doctor:
+        r = recipe_mod.load(
+            ROOT / "recipes/one_gpu.yaml", [f"model.path={model}", *overrides], check_files=False
+        )
+        d = Doctor(recipe=r)
+        d.check_model()
+        free = int(free_gib * GiB)
+        d.device = Device(
+            cuda=True,
+            gpus=[("H100", free, free, (9, 0))],
+            host_available=GiB * 256,
+            host_total=GiB * 256,
+        )
+        return d
+
+    d = doctor(80)
+    gen = d.generator_plan()
+    assert d.engines_on_gpu() == 1 and gen.weights == d.dims.params * 2  # bfloat16 on the GPU
+    assert gen.sequences == 64 and gen.tokens_per_sequence == 2048  # generator.max_batch_size
+    (c,) = d.check_learner_memory()
+    rank0, _ = d.learner_plans()
+    assert c.ok and d.learner_need()[0] == rank0.total + gen.total, c.detail
+    assert f"beside it on its GPU 1 built-in engine(s), {gib(gen.total)} GiB" in c.detail
+    (g,) = d.check_generator_memory()
+    assert g.ok and "on rank 0's GPU, priced with the learner there" in g.detail
+    (c,) = doctor(rank0.total / GiB + 1).check_learner_memory()  # the learner alone would fit
+    assert not c.ok and "a smaller generator.max_batch_size" in c.detail, c.detail
+    (c,) = doctor(rank0.total / GiB + 1, "generator.device=cpu").check_learner_memory()
+    assert c.ok and "built-in engine" not in c.detail, c.detail
 
 
 def test_async_checkpoint_staging_must_fit_the_host(tmp_path):
@@ -521,13 +559,13 @@ def test_auto_sends_to_built_in_engines_over_gloo_on_a_gpu_host(tiny_qwen3):
 
 def test_built_in_engines_on_cuda_may_take_nccl(tiny_qwen3):
     """With generator.device auto a GPU host runs the built-in engines on CUDA, where they can
-    join NCCL: the NCCL line is checked, and says where gloo still goes (rank 0's own GPU)."""
+    join NCCL: the NCCL line is checked, and says where handles go instead (rank 0's own GPU)."""
     d = _demo(tiny_qwen3, "weights.backend=auto", "generator.kind=builtin")
     d.device = Device(cuda=True, gpus=[], host_available=GiB, host_total=GiB)
     d.environ = {}
     (c,) = d.check_nccl()
     assert c.ok and "not used" not in c.detail, c.detail
-    assert "join NCCL from another GPU, and gloo from rank 0's own" in c.detail
+    assert "NCCL from another GPU, and take CUDA IPC handles on rank 0's own" in c.detail
 
 
 SGLANG_PY = Path.home() / ".cache/asyncrl/sglang-0.5.23-cpu/bin/python"

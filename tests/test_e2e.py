@@ -278,6 +278,31 @@ def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
     _no_children_left(run_dir)
 
 
+def test_one_gpu_recipe_runs_on_a_cpu_host_at_a_tiny_size(tmp_path, demo_dir, plugin_path):
+    """recipes/one_gpu.yaml with the demo's model, data and sizes: the learner and its one engine
+    (on the CPU here, so weights go over gloo; on a GPU by handle) complete a run, every version
+    synced. The memory split it sets is priced by the doctor (tests/test_doctor.py)."""
+    steps = 3
+    ov = _rl_overrides(
+        demo_dir,
+        tmp_path,
+        f"run.steps={steps}",
+        "run.eval_every=0",
+        *("model.dtype=float32", "model.max_seq_len=64", "weights.dtype=float32"),
+        *("data.prompt_key=prompt", "data.answer_key=answer", "data.chat_template=false"),
+        *("rollout.max_new_tokens=8", "learner.lr=3e-4", "learner.micro_batch_tokens=1024"),
+        "learner.export_every=0",
+    )
+    s = launch.run(ROOT / "recipes/one_gpu.yaml", ov, progress=False)
+    run_dir = tmp_path / "one_gpu"
+    assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
+    assert s["steps"] == steps
+    synced = [r for r in metrics.read_metrics(run_dir, process="learner") if "weights/sync_s" in r]
+    assert synced and all(r["weights/failed"] == r["weights/dropped"] == 0 for r in synced)
+    assert max(r["weights/version"] for r in synced) >= steps - 1
+    _no_children_left(run_dir)
+
+
 @pytest.mark.parametrize("name", ["demo", "demo_ppo"])
 def test_eta0_pipeline_matches_a_synchronous_loop_step_for_step(
     tmp_path, demo_dir, plugin_path, monkeypatch, name

@@ -345,6 +345,7 @@ class WeightBroadcaster:
             bucket_bytes=self.bucket_bytes,
             load_format=self.cfg.load_format,
             copy=copy,
+            shared=self.cfg.backend == "ipc",  # CPU handles name shared memory: made there
         )
         snap.snapshot_s = time.monotonic() - t0
         return snap

@@ -81,12 +81,18 @@ def flat_layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[lis
     return offsets, pos
 
 
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+def flatten(tensors: list[torch.Tensor], *, shared: bool = False) -> torch.Tensor:
     """Pack tensors into one uint8 tensor in SGLang's flattened-bucket layout, on their device (an
-    NCCL broadcast cannot send a CPU buffer)."""
+    NCCL broadcast cannot send a CPU buffer). ``shared``: a CPU buffer is made in shared memory
+    (torch's ``file_system`` sharing), where a handle can name it without a copy
+    (asyncrl.weights.ipc); a CUDA buffer needs nothing more."""
     offsets, total = flat_layout([t.dtype for t in tensors], [list(t.shape) for t in tensors])
     device = tensors[0].device if tensors else None
-    flat = torch.empty(total, dtype=torch.uint8, device=device)  # only the gaps get zeroed
+    if shared and (device is None or device.type == "cpu"):
+        storage = torch.UntypedStorage._new_using_filename_cpu(total)
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    else:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)  # only the gaps get zeroed
     pos = 0
     for off, t in zip(offsets, tensors, strict=True):
         flat[pos:off] = 0

@@ -68,13 +68,16 @@ async def ask_server(m: Member, pause_mode: str) -> int:
 def backend_for(
     backend: str, members: list[Member], *, sender_gpu: str | None, cuda: bool | None = None
 ) -> str:
-    """The backend of a group over ``members``: ``backend`` (``weights.backend``), where ``auto``
-    is gloo as soon as one member cannot join NCCL (a built-in engine on CPU, or on rank 0's own
-    GPU ``sender_gpu``, as its ``/server_info`` reports: NCCL would fail every version), else NCCL
-    on a CUDA machine (:func:`rendezvous.default_backend`). ``cuda``: whether CUDA is available
-    (None: ask torch)."""
+    """How ``members`` take weights: ``backend`` (``weights.backend``), where ``auto`` is ``ipc``
+    (no group: a handle to each bucket, asyncrl.weights.ipc) for generators on rank 0's own GPU
+    ``sender_gpu`` (as their ``/server_info`` reports: NCCL refuses a second rank on one device,
+    and gloo goes through host memory), gloo as soon as one member cannot join NCCL (a built-in
+    engine on CPU), else NCCL on a CUDA machine (:func:`rendezvous.default_backend`). ``cuda``:
+    whether CUDA is available (None: ask torch)."""
     if backend != "auto":
         return backend
+    if members and all(m.on_gpu(sender_gpu) for m in members):
+        return "ipc"
     gloo_member = any(m.needs_gloo(sender_gpu) for m in members)
     return rendezvous.default_backend(gloo_member=gloo_member, cuda=cuda)
 
@@ -151,6 +154,7 @@ class Groups:
         self.background: trio.Nursery | None = None
         self.built = 0  # groups built so far
         self._groups: dict[str, Group] = {}
+        self._handles: set[str] = set()  # members that take buckets by handle: no group
         self._builds = 0
         # A live generator in a failed collective (a broadcast, a group's rendezvous) answers only
         # once its own group timed out (timeout_s) and then as any call: it must not be taken for a
@@ -166,6 +170,17 @@ class Groups:
     def __getitem__(self, url: str) -> Group:
         return self._groups[url]
 
+    def by_handle(self, url: str) -> bool:
+        """Whether ``url`` takes each bucket as a handle to rank 0's memory (``ipc``: no group)."""
+        return url in self._handles
+
+    def backend(self, url: str) -> str | None:
+        """How ``url`` takes weights now: ``ipc``, its group's backend, or None (neither yet)."""
+        if url in self._handles:
+            return "ipc"
+        g = self._groups.get(url)
+        return g.spec.backend if g is not None else None
+
     async def build(self, members: list[Member]) -> None:
         """Give every member without a weight group its own, and leave the groups of those no
         longer here: every new server's init posted concurrently while rank 0 joins all of their
@@ -173,10 +188,13 @@ class Groups:
         never comes fails its own group alone. One port for all the groups of a build: rank 0's
         TCPStore is multi-tenant and each group's keys are under its own name."""
         await self.drop([u for u in self._groups if u not in {m.url for m in members}])
-        new = [m for m in members if m.url not in self._groups]
+        new = [m for m in members if m.url not in self._groups and m.url not in self._handles]
         if not new:
             return
         await self._ask_ranks(new)
+        new = self._take_handles(new)
+        if not new:
+            return
         self._builds += 1
         host = self.cfg.master_addr
         port = (
@@ -232,6 +250,26 @@ class Groups:
         if culprits:
             raise Failed(culprits, f"{len(culprits)} of {len(specs)} group builds failed")
 
+    def _take_handles(self, members: list[Member]) -> list[Member]:
+        """Note the members that take buckets by handle (they need no group; one rank each, on
+        this host); the rest, which do. A handle member of several ranks is refused."""
+        rest, why = [], {}
+        for m in members:
+            if backend_for(self.cfg.backend, [m], sender_gpu=self.sender_gpu) != "ipc":
+                rest.append(m)
+            elif (m.ranks or 1) > 1:
+                m.refused = (
+                    f"weights.backend ipc passes one handle per bucket to a one-rank generator; "
+                    f"this one has {m.ranks} ranks: set weights.backend to gloo or nccl"
+                )
+                why[m.url] = f"refused: {m.refused}"
+            else:
+                self._handles.add(m.url)
+                log.info("weights: %s takes buckets by handle (ipc, no group)", m.url)
+        if why:
+            raise Failed(why, "; ".join(f"{u}: {w}" for u, w in why.items()))
+        return rest
+
     async def _ask_ranks(self, members: list[Member]) -> None:
         """Each new member's rank count from its ``/server_info`` (a TP-4 SGLang server takes 4): a
         worker cannot know it, and a wrong count hangs the group's rendezvous. Those refused
@@ -259,6 +297,7 @@ class Groups:
         """Leave the groups of ``urls``: their servers destroy their side (best effort; not
         ``tell``: a server that just failed in its group, which would answer only once that group
         timed out), rank 0 destroys its own."""
+        self._handles.difference_update(urls)  # asked again when it rejoins
         gone = {u: g for u in urls if (g := self._groups.pop(u, None)) is not None}
         if not gone:
             return

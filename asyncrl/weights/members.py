@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from asyncrl.generator_http import WeightsClient
-from asyncrl.gpu import needs_gloo
+from asyncrl.gpu import needs_gloo, same_gpu
 from asyncrl.wire import GeneratorInfo
 
 State = Literal["joining", "member", "dropped", "removed"]
@@ -42,6 +42,11 @@ class Member:
     @property
     def url(self) -> str:
         return self.client.url
+
+    def on_gpu(self, sender_gpu: str | None) -> bool:
+        """It runs on rank 0's own GPU ``sender_gpu`` (its ``/server_info`` ``gpu_uuid``), where
+        it takes weights by CUDA IPC handle (:func:`asyncrl.gpu.same_gpu`)."""
+        return same_gpu(self.gpu_uuid, sender_gpu)
 
     def needs_gloo(self, sender_gpu: str | None) -> bool:
         """It cannot join an NCCL group with rank 0 on ``sender_gpu``: it receives on CPU, or

@@ -54,11 +54,14 @@ def make_snapshot(
     bucket_bytes: int,
     load_format: str,
     copy: bool = True,
+    shared: bool = False,
 ) -> Snapshot:
     """``named`` as wire buckets: floating tensors cast to ``dtype``, tied copies sent once.
 
     ``copy``: the snapshot must not share memory with ``named`` (the learner will change it). The
-    flattened layout always copies; with ``list`` and ``copy=False`` tensors are sent as they are."""
+    flattened layout always copies; with ``list`` and ``copy=False`` tensors are sent as they are.
+    ``shared``: flattened buckets on the CPU are made in shared memory, for handles to them
+    (``weights.backend: ipc``, :func:`buckets.flatten`)."""
     named = drop_tied(named)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +78,7 @@ def make_snapshot(
     for group in buckets.make_buckets(named.items(), bucket_bytes, wire_bytes):
         tensors = [cast(t) for t in group.tensors]  # one bucket at a time bounds extra memory
         if load_format == "flattened_bucket":
-            flat = buckets.flatten(tensors)  # the copy
+            flat = buckets.flatten(tensors, shared=shared)  # the copy
             dts, shapes = [t.dtype for t in tensors], [list(t.shape) for t in tensors]
             views = buckets.unflatten(flat, dts, shapes)
             out_buckets.append(buckets.Bucket(names=group.names, tensors=views))

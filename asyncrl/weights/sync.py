@@ -6,7 +6,9 @@ back the dropped ones that answer again (the latest exported HF checkpoint from 
 new group). Then, up to three attempts: build the missing groups, pause every generator and open a
 session (``/begin_weight_update``; 404 on old SGLang: no session), send the buckets (one
 ``/update_weights_from_distributed`` call per bucket, posted concurrently with rank 0's broadcast
-of that bucket into every group), close the sessions. A generator that fails or does not answer is
+of that bucket into every group; a generator on rank 0's own device takes
+``/update_weights_from_tensor`` with a handle to the bucket instead, asyncrl.weights.ipc), close the
+sessions. A generator that fails or does not answer is
 dropped and its group abandoned; the others go on with the same version, in the same attempt. Every
 paused generator is continued, dropped ones too. Last, each is asked which version it holds and for
 its checksum, compared with the checksum of what was sent.
@@ -21,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import WeightsConfig
 from asyncrl.rollout.sglang_protocol import parse_version_label
-from asyncrl.weights import adapters, buckets
+from asyncrl.weights import adapters, buckets, ipc
 from asyncrl.weights.exports import is_adapter_export, latest_export
 from asyncrl.weights.fanout import Failed, FanOut
 from asyncrl.weights.groups import Groups, Refused, ask_server, broadcast_bucket
@@ -96,6 +100,9 @@ class Sync:
         self.verifies = verify  # may be changed between versions (tools/bench/weights.py)
         self.on_event = on_event
         self.by_name = by_name  # LoRA: SGLang loads each version's adapter by name (adapters.py)
+        # url -> buffers handed to it by handle with no answer yet (it may still be copying):
+        # kept until it opens a new session, whatever happens to their version's snapshot
+        self.pinned: dict[str, list[torch.Tensor]] = {}
 
     async def run(self, snap: Snapshot) -> SyncReport:
         """Send ``snap``; never raises (a failure is the report's ``error``)."""
@@ -136,7 +143,11 @@ class Sync:
                     if not e.culprits or any(
                         not why.startswith("refused: ") for why in e.culprits.values()
                     ):  # a refusal has its own line (say_refused)
-                        log.warning("weights: version %d attempt %d: %s", snap.version, attempt, e)
+                        # str(e): a record that kept the exception would keep its traceback's
+                        # frames, and so this version's buffers (a handle's too) alive
+                        log.warning(
+                            "weights: version %d attempt %d: %s", snap.version, attempt, str(e)
+                        )
                     for url, why in e.culprits.items():
                         self._drop(url, why, report)
                     await self._abort_attempt(self.members.active())
@@ -162,6 +173,8 @@ class Sync:
         """Before a version: drop members that stopped answering, notice restarts, bring back the
         dropped ones that answer again (latest export from disk first)."""
         known = self.members.known()
+        for url in set(self.pinned) - {m.url for m in known}:  # removed: nothing more to answer
+            del self.pinned[url]
         quick = min(5.0, self.cfg.timeout_s)  # a dropped one that answers slowly is not back yet
 
         async def probe(m: Member) -> str | None:
@@ -227,6 +240,19 @@ class Sync:
         self.members.rejoin(m)
         self.on_event("rejoining", url=m.url, export=str(exp[0]) if exp else None)
 
+    def _handles(
+        self, bucket: buckets.Bucket, payload: list[torch.Tensor], meta: dict, members: list[Member]
+    ) -> tuple[torch.Tensor, dict[str, str]]:
+        """One bucket's buffer (the snapshot's own in the ``flattened_bucket`` layout, else a
+        flattened copy) and a handle to it per member (worker thread, on the sender's stream: a
+        CUDA handle's event follows the writes of that buffer). On the CPU the buffer must be in
+        shared memory: made there (``weights.backend: ipc``, or the copy), else moved (a copy)."""
+        flat = payload[0] if self.cfg.load_format == "flattened_bucket" else None
+        if flat is None:
+            flat = buckets.flatten(bucket.tensors, shared=True)
+        ipc.share(flat)
+        return flat, {m.url: ipc.payload(flat, meta) for m in members}
+
     def _drop(self, url: str, why: str, report: SyncReport) -> None:
         m = self.members.drop(url, why)
         if m is None:
@@ -248,7 +274,12 @@ class Sync:
             if m.info.kind != "builtin" and m.url not in paused:
                 await m.client.pause(self.cfg.pause_mode)
                 paused[m.url] = time.monotonic()
-            m.sessions = await m.client.begin()
+            # one that takes buckets by handle joins no group, whose build would discard a session
+            # left open by an update given up on: a joining one discards it here
+            fresh = m.state == "joining" and self.groups.by_handle(m.url)
+            m.sessions = await m.client.begin(abandon_open=fresh)
+            # its session runs under the engine's weight lock, after any copy still under way
+            self.pinned.pop(m.url, None)
 
         _, bad = await self.fanout.each(members, pause, timeout=self.cfg.timeout_s + 5)
         if bad:
@@ -258,17 +289,26 @@ class Sync:
         self, snap: Snapshot, members: list[Member], paused: dict[str, float], report: SyncReport
     ) -> list[Member]:
         """Every bucket: HTTP update calls to all members concurrently with rank 0's broadcasts
-        into their groups. A member whose broadcast or call fails is dropped there and its group
-        abandoned; the others take the next bucket. Returns those that received the version
-        (raises :class:`Failed` when none is left)."""
+        into their groups; a member that takes buckets by handle (``ipc``) gets one to the
+        bucket's flattened buffer in its call instead. A member whose broadcast or call fails is
+        dropped there and its group abandoned; the others take the next bucket. Returns those
+        that received the version (raises :class:`Failed` when none is left)."""
         live = list(members)
         n = len(snap.buckets)
         for i, (bucket, payload) in enumerate(zip(snap.buckets, snap.payloads, strict=True)):
             meta = bucket.meta()
             version = str(snap.version) if i == n - 1 else None
-            groups = {m.url: self.groups[m.url] for m in live}
+            groups = {m.url: self.groups[m.url] for m in live if not self.groups.by_handle(m.url)}
+            handles = [m for m in live if self.groups.by_handle(m.url)]
+            flat, payloads = (
+                await self.fanout.in_thread(self._handles, bucket, payload, meta, handles)
+                if handles
+                else (None, {})
+            )
 
-            async def update(m: Member, meta=meta, version=version, groups=groups) -> None:
+            async def update(
+                m: Member, meta=meta, version=version, groups=groups, payloads=payloads
+            ) -> None:
                 # SGLang's radix cache still holds prefixes computed by the old weights, and new
                 # requests would reuse them under the new version's label. After a retract pause
                 # nothing is resident, so the last bucket flushes it (the built-in engine has none).
@@ -277,6 +317,14 @@ class Sync:
                     and self.cfg.pause_mode == "retract"
                     and m.info.kind != "builtin"
                 )
+                if m.url in payloads:  # no group to wait on: its own bound
+                    await m.client.update_from_tensor(
+                        [payloads[m.url]],
+                        weight_version=version,
+                        flush_cache=flush,
+                        timeout_s=self.cfg.timeout_s,
+                    )
+                    return
                 await m.client.update_from_distributed(
                     meta,
                     group_name=groups[m.url].spec.group_name,
@@ -297,10 +345,18 @@ class Sync:
             result, _, bad = await self.fanout.beside(
                 live,
                 update,
-                broadcast,
+                broadcast if groups else None,
                 lambda _: self.cfg.timeout_s,
                 lambda r: r[0] if isinstance(r, tuple) else (),  # their broadcast's errors
             )
+            if result is None:  # no group: every member took this bucket by handle
+                result = ({}, 0.0)
+            for m in handles:
+                e = bad.get(m.url)
+                if e is not None and not (isinstance(e, GeneratorError) and e.status is not None):
+                    # no answer: it may still be copying out of the buffer, which stays rank 0's
+                    # until it answers again (a new session, :meth:`_pause`)
+                    self.pinned.setdefault(m.url, []).append(flat)
             if isinstance(result, Exception):  # not a broadcast's failure (each is caught): a bug
                 result = ({u: f"broadcast: {result}" for u in groups}, 0.0)
             errors, t_bcast = result

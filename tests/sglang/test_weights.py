@@ -165,6 +165,24 @@ def test_consecutive_versions_reuse_the_group(served: Served):
         b.close()
 
 
+def test_update_by_handle(served: Served):
+    """``weights.backend: ipc`` to SGLang (what rank 0 sends a server on its own GPU): each bucket
+    through SGLang's own ``/update_weights_from_tensor``, ``load_format: flattened_bucket``, the
+    payload asyncrl.weights.ipc builds (on the CPU its handles name shared memory). SGLang's
+    unpickler takes it, loads every record and labels the version; no group is built."""
+    b = broadcaster(served, backend="ipc", load_format="flattened_bucket", bucket_mb=0.25)
+    try:
+        v = served.version + 1
+        new = perturbed(served.weights, seed=5000 + v, tied=served.tied)
+        b.publish(v, new)
+        served.set_weights(v, new)
+        report = b.reports[-1]
+        assert b.groups.backend(served.url) == "ipc" and report.group_builds == 0
+        check_served_weights(served, report)
+    finally:
+        b.close()
+
+
 def test_update_from_disk(served: Served, tmp_path):
     """What a rejoining generator gets: the latest exported HF checkpoint, loaded from disk with its
     version and without aborting anything (WeightsClient.update_from_disk)."""

@@ -61,6 +61,15 @@ def test_wire_breakdown_bench_reports_every_phase() -> None:
         assert len(busy) <= 2 and all(0.0 <= b <= 1.0 for b in busy)  # none without /proc/stat
 
 
+@pytest.mark.slow
+def test_weights_ipc_bench_times_both_ways() -> None:
+    """``weights.py --ipc`` at a tiny size: two engines, gloo and handles side by side, each
+    version checked (the bench asserts every report, and the last one's checksums)."""
+    out = _last_json(_run("weights", "--ipc", "--hidden", "64", "--layers", "1", "--repeat", "2"))
+    assert out["bench"] == "weights_ipc" and out["bytes"] > 0
+    assert out["gloo_sync_s"] > 0 and out["ipc_sync_s"] > 0 and out["ipc_speedup"] > 0
+
+
 @pytest.mark.parametrize("name", HELP_ONLY)
 def test_bench_starts(name: str) -> None:
     r = _run(name, "--help")

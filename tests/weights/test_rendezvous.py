@@ -79,8 +79,8 @@ def _member(
 
 def test_the_broadcaster_picks_gloo_when_a_member_cannot_join_nccl():
     """Decided per group build from what the members report: a built-in engine on CPU (or one
-    that reports no device) or on rank 0's own GPU makes the group gloo on a CUDA host; SGLang
-    and built-in engines on other GPUs get NCCL."""
+    that reports no device) makes the group gloo on a CUDA host; one on rank 0's own GPU takes
+    handles (ipc, no group); SGLang and built-in engines on other GPUs get NCCL."""
 
     async def run() -> None:
         async with async_client(1.0) as http:
@@ -97,7 +97,9 @@ def test_the_broadcaster_picks_gloo_when_a_member_cannot_join_nccl():
             assert auto([elsewhere]) == "nccl"
             assert auto([sglang, old]) == "gloo"
             assert auto([elsewhere, on_cpu]) == "gloo"
-            assert auto([beside]) == "gloo"
+            assert auto([beside]) == "ipc"
+            assert auto([beside, elsewhere]) == "gloo"  # a group cannot hold both
+            assert backend_for("gloo", [beside], cuda=True, sender_gpu="GPU-0") == "gloo"  # asked
             assert (
                 backend_for("auto", [sglang, elsewhere], cuda=False, sender_gpu="GPU-0") == "gloo"
             )

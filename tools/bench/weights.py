@@ -20,9 +20,17 @@ tokenizer, so almost all bytes are transformer blocks):
   back) / sync seconds (target < 0.1).
 Phases alternate for ``--repeat`` rounds (the machine is shared); times printed are the best.
 
-    .venv/bin/python tools/bench/weights.py [--hidden 768 --layers 14] [--repeat 5] [--bucket-mb 512]
+``--ipc`` measures instead the two ways to an engine on rank 0's own device, side by side: a
+broadcaster over gloo and one by handle (``weights.backend: ipc``; on the CPU the handles name
+shared memory), each to an engine of its own, ``load_format: flattened_bucket``, verification off,
+alternating versions for ``--repeat`` rounds. Printed: each one's sync seconds (best and median)
+and ``ipc_speedup`` = median over rounds of gloo seconds / ipc seconds (back to back).
 
-The last line is JSON: {"bench": "weights", "bandwidth_ratio": ..., "overlap_step_ratio": ...}.
+    .venv/bin/python tools/bench/weights.py [--hidden 768 --layers 14] [--repeat 5] [--bucket-mb 512]
+    .venv/bin/python tools/bench/weights.py --ipc [--repeat 5]
+
+The last line is JSON: {"bench": "weights", "bandwidth_ratio": ..., "overlap_step_ratio": ...}
+(with ``--ipc``: {"bench": "weights_ipc", "gloo_sync_s": ..., "ipc_sync_s": ..., ...}).
 """
 
 from __future__ import annotations
@@ -149,6 +157,75 @@ def publish_once(b: WeightBroadcaster, version: int, named) -> tuple[float, floa
     return wall, r.sync_s
 
 
+def compare_ipc(model_dir: Path, named, a: argparse.Namespace, nbytes: int) -> None:
+    """gloo against handles (``--ipc``), an engine each, alternating versions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.rollout.engine import start_engine_process
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(
+            pool.map(
+                lambda _: start_engine_process(model_dir, weight_version="0", timeout_s=300),
+                range(2),
+            )
+        )
+    backends = ("gloo", "ipc")
+    bs = {}
+    sync: dict[str, list[float]] = {k: [] for k in backends}
+    snap: dict[str, list[float]] = {k: [] for k in backends}
+    try:
+        for backend, engine in zip(backends, engines, strict=True):
+            cfg = WeightsConfig(
+                backend=backend,
+                bucket_mb=a.bucket_mb,
+                timeout_s=120.0,
+                overlap=False,
+                load_format="flattened_bucket",
+            )
+            bs[backend] = WeightBroadcaster(cfg, rank=0, verify=False)
+            bs[backend].add_generator(wire.GeneratorInfo(url=engine.url, kind="builtin"))
+            publish_once(bs[backend], 1, named)  # warm-up: the group, first-touch page faults
+        for r in range(a.repeat):
+            for backend in backends if r % 2 == 0 else backends[::-1]:
+                b = bs[backend]
+                publish_once(b, r + 2, named)
+                assert b.groups.backend(b.reports[-1].updated[0]) == backend
+                sync[backend].append(b.reports[-1].sync_s)
+                snap[backend].append(b.reports[-1].snapshot_s)
+        # the last version checked on both sides: what each engine holds is what was sent
+        for backend in backends:
+            bs[backend].sync.verifies = True
+            publish_once(bs[backend], a.repeat + 2, named)
+            r = bs[backend].reports[-1]
+            assert set(r.checksum_ok.values()) == {True}, r
+    finally:
+        for b in bs.values():
+            b.close()
+        for e in engines:
+            e.stop()
+    speedup = statistics.median(g / i for g, i in zip(sync["gloo"], sync["ipc"], strict=True))
+    for backend in backends:
+        best, med = min(sync[backend]), statistics.median(sync[backend])
+        print(
+            f"{backend:4s} sync best {best:7.3f} s  median {med:7.3f} s  "
+            f"{nbytes / best / 1e9:5.2f} GB/s  (snapshot {statistics.median(snap[backend]):.3f} s)"
+        )
+    print(f"ipc speedup (median of {a.repeat} back-to-back gloo/ipc pairs) {speedup:.2f}x")
+    print(
+        json.dumps(
+            {
+                "bench": "weights_ipc",
+                "bytes": nbytes,
+                "bucket_mb": a.bucket_mb,
+                **{f"{k}_sync_s": round(min(v), 3) for k, v in sync.items()},
+                **{f"{k}_sync_median_s": round(statistics.median(v), 3) for k, v in sync.items()},
+                "ipc_speedup": round(speedup, 2),
+            }
+        )
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=768)
@@ -162,6 +239,11 @@ def main() -> None:
         default=10,
         help="niceness of the raw receiver: 10 = the built-in engine's weight-receiver thread",
     )
+    p.add_argument(
+        "--ipc",
+        action="store_true",
+        help="gloo against handles (weights.backend ipc), side by side",
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     from asyncrl.rollout.engine import start_engine_process
@@ -171,6 +253,12 @@ def main() -> None:
     params = sum(t.numel() for t in named.values())
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
     print(f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB (float32)", flush=True)
+    if a.ipc:
+        try:
+            compare_ipc(model_dir, named, a, nbytes)
+        finally:
+            tmp.cleanup()
+        return
 
     engine = start_engine_process(model_dir, weight_version="0", timeout_s=300)
     raw = RawPeer(nbytes, rounds=a.repeat + 1, nice=a.raw_nice)

@@ -715,8 +715,9 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
     the GPU in bf16 where there is one, else on the CPU in float32), the backend chosen by
     ``weights.backend: auto`` from what the engine reports; the engine checksums what it loaded
     (``verify: sampled``), then samples a completion with the new weights. On one GPU the engine
-    shares rank 0's GPU, where NCCL refuses a second rank: auto takes gloo, and the engine's NCCL
-    receive needs a second GPU."""
+    shares rank 0's GPU, where NCCL refuses a second rank: auto passes CUDA IPC handles (``ipc``),
+    and the engine's NCCL receive needs a second GPU. Then the same two versions over gloo (what
+    auto took there before), side by side: ``gloo_v2_sync_s``, ``ipc_speedup``."""
     import httpx
     import torch
     from safetensors.torch import load_file
@@ -765,7 +766,21 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
                 figs[f"v{version}_error"] = r.error[-300:]
             named = {k: v.add_(1e-3) for k, v in named.items()}  # a changed model for v2
             phase(figs, f"sync v{version}")
-        figs["backend"] = b.groups[engine.url].spec.backend  # the engine's own group's
+        figs["backend"] = b.groups.backend(engine.url)  # ipc on rank 0's GPU, else its group's
+        if figs["backend"] == "ipc":  # the way it took before, to the same engine
+            g = WeightBroadcaster(WeightsConfig(**{**vars(cfg), "backend": "gloo"}), rank=0)
+            try:
+                g.add_generator(wire.GeneratorInfo(url=engine.url, kind="builtin"))
+                for version in (3, 4):
+                    g.publish(version, named)
+                    g.wait()
+                    gr = g.reports[-1]
+                    figs[f"gloo_v{version - 2}_sync_s"] = round(gr.sync_s, 3)
+                    figs[f"gloo_v{version - 2}_checksum_ok"] = gr.checksum_ok.get(engine.url)
+            finally:
+                g.close()
+            figs["ipc_speedup"] = round(figs["gloo_v2_sync_s"] / max(figs["v2_sync_s"], 1e-9), 1)
+            phase(figs, "gloo for comparison")
         figs["checksum"] = r.checksum
         figs["gb_per_s"] = round(figs["mib_bf16"] * 2**20 / max(figs["v2_sync_s"], 1e-9) / 1e9, 3)
         # sampling on the engine's device (its generator, top-p), with the weights just received

@@ -15,6 +15,7 @@ temperature, as it makes SGLang (:mod:`asyncrl.rollout.engine.sampling`).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -39,6 +40,11 @@ if TYPE_CHECKING:
 
 MAX_BODY = 256 << 20
 
+LOOPBACK_ONLY = frozenset({"/update_weights_from_tensor"})
+"""Endpoints answered only to a peer on this host (:func:`_same_host`): their payload is a pickle of
+memory handles (asyncrl.weights.ipc), which means nothing elsewhere and is never unpickled from
+another host."""
+
 
 def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
     if hasattr(engine, "routes"):  # a Classifier
@@ -62,6 +68,7 @@ def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
         "/begin_weight_update": w.begin_weight_update,
         "/end_weight_update": w.end_weight_update,
         "/update_weights_from_distributed": w.update_weights_from_distributed,
+        "/update_weights_from_tensor": w.update_weights_from_tensor,
         "/update_weights_from_disk": w.update_weights_from_disk,
         "/update_weight_version": w.update_weight_version,
         "/get_weights_by_name": w.get_weights_by_name,
@@ -70,6 +77,26 @@ def _routes(engine: Engine | Classifier) -> dict[str, Callable[[dict], Reply]]:
         "/v1/completions": lambda b: openai.v1_completions(g, b),
         "/v1/chat/completions": lambda b: openai.v1_chat_completions(g, b),
     }
+
+
+def _same_host(peer: str, local: str) -> bool:
+    """A peer on this host: a loopback address, or the very address it reached this server at
+    (a process connecting to its own host's address is given that address as its source)."""
+    mine = _ip(local)
+    return _loopback(peer) or (mine is not None and _ip(peer) == mine)
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return None
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def _loopback(host: str) -> bool:
+    ip = _ip(host)  # ::ffff:127.0.0.1 as 127.0.0.1
+    return ip is not None and ip.is_loopback
 
 
 def _float(x) -> float | None:
@@ -102,6 +129,13 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body(url)
             if route is None:
                 raise BadRequest(f"no such endpoint: {url.path}", status=404)
+            peer = self.client_address[0]
+            if url.path in LOOPBACK_ONLY and not _same_host(peer, self.connection.getsockname()[0]):
+                raise BadRequest(
+                    f"{url.path} takes handles to memory on this host: only from a peer on this "
+                    f"host (loopback), not {peer}",
+                    status=403,
+                )
             reply = route(body)
         except BadRequest as e:
             reply = Reply(e.status, e.body)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.rollout.engine.replies import BadRequest, Reply, fail, field, is_int, ok
 from asyncrl.rollout.engine.weights import WeightError
-from asyncrl.weights import buckets
+from asyncrl.weights import buckets, ipc
 from asyncrl.weights.buckets import parse_dtype
 
 if TYPE_CHECKING:
@@ -76,7 +76,9 @@ class WeightAPI:
 
     def begin_weight_update(self, body: dict) -> Reply:
         try:
-            self.engine.store.begin()
+            # asyncrl's extension: a learner that gave up on an update (a generator that takes
+            # weights by handle has no group whose new build would discard its session)
+            self.engine.store.begin(abandon_open=body.get("abandon_open") is True)
         except WeightError as e:
             return fail(str(e))
         return ok("Success")
@@ -149,6 +151,39 @@ class WeightAPI:
         if body.get("flush_cache", True) and self.engine.call(self.engine.scheduler.n_resident):
             return fail(NOT_FLUSHED)
         return ok(msg)
+
+    def update_weights_from_tensor(self, body: dict) -> Reply:
+        """SGLang's ``/update_weights_from_tensor``: one bucket by handle (asyncrl.weights.ipc),
+        ``serialized_named_tensors`` one payload per TP rank (this engine is rank 0 of one). Only
+        from a loopback peer: the server refuses others before this runs (a payload is a pickle)."""
+        try:
+            payloads = body.get("serialized_named_tensors")
+            if not isinstance(payloads, list) or not payloads:
+                raise BadRequest(
+                    "`serialized_named_tensors` must be a non-empty list (one per rank)"
+                )
+            load_format = body.get("load_format")
+            if load_format not in (None, ipc.FLATTENED):
+                raise BadRequest(
+                    f"load_format {load_format!r} is not supported (None or {ipc.FLATTENED!r})"
+                )
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest("`weight_version` must be a string")
+        except BadRequest as e:
+            return fail(str(e))
+        try:
+            self.engine.store.update_from_tensor(
+                payloads[0],
+                load_format=load_format,
+                version=version,
+                abort_all=bool(body.get("abort_all_requests", False)),
+            )
+        except WeightError as e:
+            return fail(str(e))
+        if body.get("flush_cache", True) and self.engine.call(self.engine.scheduler.n_resident):
+            return fail(NOT_FLUSHED)
+        return ok("Success")
 
     def update_weights_from_disk(self, body: dict) -> Reply:
         path = body.get("model_path")

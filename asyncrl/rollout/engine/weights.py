@@ -29,7 +29,7 @@ from asyncrl.rollout.engine.lora import (
     adapter_target,
     read_peft_folder,
 )
-from asyncrl.weights import buckets, rendezvous
+from asyncrl.weights import buckets, ipc, rendezvous
 from asyncrl.weights.exports import is_adapter_export
 from asyncrl.weights.threads import BACKGROUND_NICE, lower_priority
 
@@ -185,8 +185,13 @@ class WeightStore:
 
     # ---- the update session ----------------------------------------------------------------------
 
-    def begin(self) -> None:
+    def begin(self, *, abandon_open: bool = False) -> None:
+        """Open a session; ``abandon_open``: discard one left open (by an update its learner gave
+        up on), as a new group does."""
         with self._lock:
+            if self._session_open and abandon_open:
+                print("asyncrl engine: abandoning an open update session", file=sys.stderr)
+                self._close_session()
             if self._session_open:
                 raise WeightError("a weight-update session is already open")
             self._close_session()
@@ -237,6 +242,41 @@ class WeightStore:
                 ) from e
             if version is not None:
                 self._pending_version = version
+
+    def update_from_tensor(
+        self, serialized: str, *, load_format: str | None, version: str | None, abort_all: bool
+    ) -> None:
+        """Take one bucket by handle into the open session (``/update_weights_from_tensor``):
+        rank 0's buffer, mapped from the handle (shared memory, or CUDA IPC on its GPU), copied
+        into a new buffer on this engine's device, the copy finished before this returns (rank 0
+        may free its buffer once it has the answer). Staged like a received bucket; a failure
+        discards the session, as a failed receive does (:meth:`update`)."""
+        with self._lock:
+            if not self._session_open:
+                raise WeightError(NO_SESSION.replace("distributed", "tensor"))
+            if abort_all:
+                self.loop.abort_all()
+            try:
+                named = self.receiver.run(lambda: self._copy_in(serialized, load_format))
+                self.stage(named)
+            except Exception as e:
+                self._close_session()
+                raise WeightError(
+                    f"Failed to update parameter online: {e}. The staged update was discarded and "
+                    f"the weight-update session closed; still serving version {self.loop.version}."
+                ) from e
+            if version is not None:
+                self._pending_version = version
+
+    def _copy_in(self, serialized: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+        """Open a handle and copy its bucket out (receiver thread). Both on one thread with this
+        engine's device current, so on one stream: the handle's event (rank 0's writes to the
+        buffer), which opening it makes the current stream wait on, comes before the copy. The
+        handle closes when this returns."""
+        if self.device.type != "cuda":
+            return ipc.copy_out(ipc.load_payload(serialized, load_format), self.device)
+        with torch.cuda.device(self.device):
+            return ipc.copy_out(ipc.load_payload(serialized, load_format), self.device)
 
     def end(self) -> float:
         """Swap what the session staged in (between two decode steps); the pause it caused (s)."""
