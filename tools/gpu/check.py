@@ -43,7 +43,18 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12
 """Dense bf16 tensor-core peak (FLOP/s) by device-name fragment, the MFU denominator (vendor sheets,
 SXM parts). A device not listed gets no MFU."""
 
-STEPS = ("env", "models", "nccl", "logprobs", "learner", "weights", "engine", "run", "lora")
+STEPS = (
+    "env",
+    "models",
+    "nccl",
+    "logprobs",
+    "learner",
+    "weights",
+    "engine",
+    "run",
+    "one_gpu",
+    "lora",
+)
 """check.sh's order: the cheap facts first, then the paths by how much a result is worth (LoRA and
 the distillation teacher last: the newest paths, which the others' budget comes before)."""
 
@@ -868,6 +879,82 @@ def step_run(work: Path, dry: bool) -> dict[str, Any]:
     return figs
 
 
+# ---- g. one GPU: the learner and its engine on it ------------------------------------------------------
+
+
+def step_one_gpu(work: Path, dry: bool) -> dict[str, Any]:
+    """``asyncrl run recipes/one_gpu.yaml`` (issue #46: the learner and one built-in engine on one
+    GPU, weights by CUDA IPC handle under ``weights.backend: auto``) for a few steps on the demo's
+    model and data, asynchronous (η = 4) and then synchronous (``buffer.max_staleness=0``), each
+    in half the step's limit: steady steps per second of each (from the learner's step times),
+    the median weight sync, and every version synced."""
+    from asyncrl.metrics import read_metrics
+    from tools.make_demo import make_demo
+
+    demo = make_demo(work / "demo", train=2000, eval=64)
+    out = work / "runs_one_gpu"
+    steps = 3 if dry else 6
+    figs: dict[str, Any] = {"steps_asked": steps}
+    child_s, run_s = run_limits(step_limit(180) / 2)
+    for eta in (4, 0):
+        name = f"one_gpu_eta{eta}"
+        ov = (
+            demo_overrides(demo, out, steps=steps, timeout_s=run_s)
+            + [
+                f"run.name={name}",
+                f"buffer.max_staleness={eta}",
+                "model.max_seq_len=64",
+                "data.prompt_key=prompt",
+                "data.answer_key=answer",
+                "data.chat_template=false",
+                "rollout.max_new_tokens=8",
+                "learner.micro_batch_tokens=1024",
+                "learner.export_every=0",
+            ]
+            + (["model.dtype=float32", "weights.dtype=float32"] if dry else [])
+        )
+        path = ROOT / "recipes/one_gpu.yaml"
+        cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(path), *ov, "--overwrite"]
+        rc = run_child([*cmd, *RUN_FLAGS], timeout_s=child_s)
+        run_dir = out / name
+        s = (
+            json.loads((run_dir / "summary.json").read_text())
+            if (run_dir / "summary.json").exists()
+            else {}
+        )
+        rows = [m for m in read_metrics(run_dir, process="learner")] if run_dir.exists() else []
+        times = [m["time"] for m in rows if "step" in m and "loss" in m]
+        syncs = [m for m in rows if "weights/sync_s" in m]
+        row: dict[str, Any] = {
+            "rc": rc,
+            "outcome": s.get("outcome"),
+            "steps": s.get("steps"),
+            "wall_s": s.get("wall_seconds"),
+            "steps_per_s": round((len(times) - 1) / (times[-1] - times[0]), 3)
+            if len(times) > 1 and times[-1] > times[0]
+            else None,
+            "sync_s_median": sorted(m["weights/sync_s"] for m in syncs)[len(syncs) // 2]
+            if syncs
+            else None,
+            "sync_failed": sum(
+                m.get("weights/failed", 0) + m.get("weights/dropped", 0) for m in syncs
+            ),
+        }
+        figs[f"eta{eta}"] = row
+        phase(figs, name)
+    a, b = figs["eta4"], figs["eta0"]
+    if a["steps_per_s"] and b["steps_per_s"]:
+        figs["async_over_sync"] = round(a["steps_per_s"] / b["steps_per_s"], 3)
+    figs["ok"] = all(
+        r["rc"] == 0
+        and r["outcome"] == "completed"
+        and r["steps"] == steps
+        and r["sync_failed"] == 0
+        for r in (a, b)
+    )
+    return figs
+
+
 # ---- h. LoRA end to end, and the distillation teacher's logprobs -----------------------------------------
 
 
@@ -1129,6 +1216,7 @@ RUNNERS: dict[str, Callable[[Path, bool], dict[str, Any]]] = {
     "weights": step_weights,
     "engine": step_engine,
     "run": step_run,
+    "one_gpu": step_one_gpu,
     "lora": step_lora,
 }
 

@@ -38,13 +38,13 @@ steps=()
 for a in "$@"; do
   if [ "$a" = "--dry" ]; then dry="--dry"; else steps+=("$a"); fi
 done
-[ ${#steps[@]} -eq 0 ] && steps=(env models nccl logprobs learner weights engine run lora)
+[ ${#steps[@]} -eq 0 ] && steps=(env models nccl logprobs learner weights engine run one_gpu lora)
 # env first, always: the facts every other record is read against
 rest=()
 for s in "${steps[@]}"; do [ "$s" != env ] && rest+=("$s"); done
 steps=(env ${rest[@]+"${rest[@]}"})
 
-declare -A limit=([env]=60 [models]=120 [nccl]=60 [logprobs]=90 [learner]=180 [weights]=120 [engine]=120 [run]=240 [lora]=120)
+declare -A limit=([env]=60 [models]=120 [nccl]=60 [logprobs]=90 [learner]=180 [weights]=120 [engine]=120 [run]=240 [one_gpu]=180 [lora]=120)
 budget="${ASYNCRL_CHECK_BUDGET_S:-480}"
 start=$(date +%s)
 mkdir -p "$results/logs"
