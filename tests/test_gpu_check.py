@@ -52,6 +52,9 @@ FIGURES = {
         "engine_cpu_over_hf_cpu",
         "cpu_fp32_prefill_logits_rel_diff",
         "cpu_fp32_rows_equal_to_generate",
+        "engine_cpu_fp32_host_ms",
+        *(f"engine_cpu_fp32_b{b}_{k}" for b in (2, 4, 8) for k in ("tok_s", "host_ms", "step_ms")),
+        "engine_cpu_fp32_b4_over_b2",
     },
     "run": {"outcome", "steps", "run_s"},
     "lora": {
