@@ -290,22 +290,19 @@ def sample(
             mask = to_device(greedy, torch.bool, dev)
             tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
     reported = torch.log_softmax(logits, dim=-1) if original and scaled is not logits else logp
-    chosen = reported.gather(1, tokens[:, None])
-    parts = [tokens[:, None], chosen]
-    w = min(max(top_logprobs), reported.shape[1]) if top_logprobs else 0
-    if w:
-        vals, idx = reported.topk(w, dim=-1)
+    chosen = reported.gather(1, tokens[:, None])[:, 0]
+    parts = [tokens, chosen]
+    if top_logprobs is not None and any(top_logprobs):
+        vals, idx = reported.topk(min(max(top_logprobs), reported.shape[1]), dim=-1)
         parts += [vals, idx]
-    rows = to_host(*parts)  # per row: token, logprob, w top logprobs, their w token ids
+    host = to_host(*parts)
     top: list[list[tuple[float, int]] | None] = [None] * n
-    if w:
+    if len(host) > 2:
+        vals_l, idx_l = host[2], host[3]
         for i, ki in enumerate(top_logprobs or ()):
             if ki:
-                r, ki = rows[i], min(ki, w)
-                top[i] = [
-                    (v, int(t)) for v, t in zip(r[2 : 2 + ki], r[2 + w : 2 + w + ki], strict=True)
-                ]
-    return Sampled(tokens=[int(r[0]) for r in rows], logprobs=[r[1] for r in rows], top=top)
+                top[i] = list(zip(vals_l[i][:ki], idx_l[i][:ki], strict=True))
+    return Sampled(tokens=host[0], logprobs=host[1], top=top)
 
 
 def _truncate(probs: torch.Tensor, params: list[EngineSamplingParams]) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """What a decode step asks of the device. On CUDA every value the host reads back (``.tolist()``,
 ``int(t)``, ``.item()``) waits for all the work queued before it, so a step that reads twice runs
 as two half-steps with the GPU idle between them. CUDA is not here, but the reads are the same
-calls on the CPU: these tests count them on the real model and sampler, and check that what comes
-back in one read is what separate reads gave."""
+calls on the CPU: these tests count them on the real model and sampler, and check that what the
+CUDA path brings back in one read is what separate reads give."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -12,32 +14,38 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
 from asyncrl.rollout.engine import model as engine_model
+from asyncrl.rollout.engine import transfer
 from asyncrl.rollout.engine.model import BatchedLM
 from asyncrl.rollout.engine.sampling import EngineSamplingParams, sample
-from asyncrl.rollout.engine.transfer import to_device, to_host
 
 READS = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu"}
 
 
 class HostReads(TorchFunctionMode):
-    """Records every tensor method that hands a value to the host."""
+    """Records every tensor method that hands a value to the host, and the ``transfer.to_host``
+    call it was made in (its frame; None outside one)."""
 
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
+        self.calls: list[object] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in READS:
             self.reads.append(name)
+            f = inspect.currentframe()
+            while f is not None and f.f_code is not transfer.to_host.__code__:
+                f = f.f_back
+            self.calls.append(f)
         return func(*args, **(kwargs or {}))
 
 
 @torch.no_grad()
 def test_a_decode_step_reads_the_device_once(tiny_qwen3):
-    """The forward reads nothing back; the sampler reads once, every row's token, logprob and top
-    logprobs together, whatever the rows ask for (greedy or drawn, seeded, tempered, truncated,
-    stop tokens banned, top logprobs)."""
+    """The forward reads nothing back; the sampler reads in one ``to_host`` call (one transfer on
+    CUDA), every row's token, logprob and top logprobs together, whatever the rows ask for
+    (greedy or drawn, seeded, tempered, truncated, stop tokens banned, top logprobs)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     lm = BatchedLM(model)
     cache = lm.new_cache()
@@ -62,7 +70,8 @@ def test_a_decode_step_reads_the_device_once(tiny_qwen3):
             banned=[[3, 4], None, [7], None],
             top_logprobs=[2, 0, 3, 1],
         )
-    assert sampler.reads == ["tolist"]
+    assert sampler.reads and None not in sampler.calls  # every read inside to_host
+    assert len({id(f) for f in sampler.calls}) == 1  # and in one call of it
     # what came back in the one read is each row's own: its token, its logprob at its
     # temperature (stop tokens masked), and its top logprobs in order
     masked = logits.float().clone()
@@ -82,18 +91,31 @@ def test_a_decode_step_reads_the_device_once(tiny_qwen3):
         assert [v for v, _ in out.top[i]] == pytest.approx(vals.tolist(), abs=1e-6)
 
 
-def test_one_read_back_is_exact():
-    """Token ids and float32 logprobs packed into one float64 read come back as separate reads
-    give them: ids as ints (float32 would round those above 2**24), logprobs to the bit, -inf
-    (a banned token among the top ones) included."""
-    ids = torch.tensor([[0], [151_935], [2**24 + 1]])
-    lps = torch.tensor([[-0.1], [-1e-8], [float("-inf")]], dtype=torch.float32)
-    top = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)) * 30
-    rows = to_host(ids, lps, top)
-    assert [int(r[0]) for r in rows] == [t[0] for t in ids.tolist()]
-    assert [r[1] for r in rows] == [x[0] for x in lps.tolist()]
-    assert [r[2:] for r in rows] == top.tolist()
-    assert to_device([1, 2, 3], torch.long, torch.device("cpu")).tolist() == [1, 2, 3]
+def test_the_cuda_read_back_is_one_transfer_and_exact():
+    """What ``to_host`` does on CUDA (``one_read``, run here on CPU tensors): one copy to the
+    host, then each part's list cut from it, equal to the part's own ``.tolist()`` value for
+    value and type: ids as ints (float32 would round those above 2**24), logprobs to the bit,
+    -inf (a banned token among the top ones) included."""
+    g = torch.Generator().manual_seed(0)
+    parts = (
+        torch.tensor([0, 151_935, 2**24 + 1]),
+        torch.tensor([-0.1, -1e-8, float("-inf")], dtype=torch.float32),
+        torch.randn(3, 4, generator=g) * 30,
+        torch.randint(0, 2**31, (3, 4), generator=g),
+    )
+    with HostReads() as seen:
+        lists = transfer.one_read(parts)
+    assert seen.reads == ["cpu"] + ["tolist"] * len(parts)  # the copy, then host lists
+
+    def flat(xs: list) -> list:
+        return [y for x in xs for y in (x if isinstance(x, list) else [x])]
+
+    for got, p in zip(lists, parts, strict=True):
+        assert got == p.tolist()
+        assert [type(x) for x in flat(got)] == [type(x) for x in flat(p.tolist())]
+    assert transfer.to_host(*parts) == lists  # the CPU path: part by part, the same lists
+    ids = transfer.to_device([1, 2, 3], torch.long, torch.device("cpu"))
+    assert ids.dtype == torch.long and ids.tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
