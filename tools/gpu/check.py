@@ -734,8 +734,8 @@ def step_engine(work: Path, dry: bool) -> dict[str, Any]:
     CPU configuration) and, on a GPU host, on the GPU in bfloat16 (what ``generator.device: auto``
     and ``model.dtype: bfloat16`` run there): each one's tokens/s, and how close the two are. Then
     the engine alone at the batch sizes of ENGINE_SWEEP on the GPU (on --dry, ENGINE_SWEEP_DRY on
-    the CPU), and issue #44's targets. A figures line is printed after each part, so a step cut by
-    its time limit still brings back what it reached."""
+    the CPU), and issue #44's targets. A phase after each part, so a step cut at its limit still
+    brings back what it reached."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -746,10 +746,6 @@ def step_engine(work: Path, dry: bool) -> dict[str, Any]:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     prompts = torch.randint(3, vocab, (batch, prompt), generator=g).tolist()
     figs: dict[str, Any] = {"batch": batch, "prompt": prompt, "new_tokens": new}
-
-    def reached() -> None:
-        print(json.dumps({"step": "engine", "figures": figs}, default=str), flush=True)
-
     if not dry:
         torch.set_num_threads(os.cpu_count() or 1)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -758,7 +754,7 @@ def step_engine(work: Path, dry: bool) -> dict[str, Any]:
         figs["engine_cpu_fp32_tok_s"] / figs["hf_cpu_fp32_tok_s"], 3
     )
     figs["ok"] = cpu_rel < 1e-4 and figs["cpu_fp32_rows_equal_to_generate"] == 1.0
-    reached()
+    phase(figs, "cpu_fp32")
     swept, tag = hf, "cpu_fp32"
     if cuda:
         dev = torch.device("cuda", 0)
@@ -771,7 +767,7 @@ def step_engine(work: Path, dry: bool) -> dict[str, Any]:
             figs["engine_gpu_bf16_tok_s"] / RECORDED_GPU_BF16_TOK_S, 3
         )
         figs["ok"] = figs["ok"] and gpu_rel < GPU_BF16_REL_DIFF
-        reached()
+        phase(figs, "gpu_bf16")
     sizes = ENGINE_SWEEP_DRY if dry else ENGINE_SWEEP if cuda else ()
     rates: dict[int, float] = {}
     for b in sizes:
@@ -780,7 +776,7 @@ def step_engine(work: Path, dry: bool) -> dict[str, Any]:
         figs[f"engine_{tag}_b{b}_tok_s"] = round(rates[b], 1)
         for k, v in steps.items():
             figs[f"engine_{tag}_b{b}_{k}"] = v
-        reached()
+        phase(figs, f"{tag}_b{b}")
     if len(rates) >= 2:
         lo, hi = sizes[:2]
         figs[f"engine_{tag}_b{hi}_over_b{lo}"] = round(rates[hi] / rates[lo], 3)
