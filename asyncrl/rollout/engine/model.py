@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.rollout.engine.fused import FUSED, Fused, Group, ReceiveBuffers, fuse, ptrs
+from asyncrl.rollout.engine.transfer import to_device
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
@@ -223,13 +224,16 @@ class BatchedLM:
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def _rope(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, h: torch.Tensor, pos: torch.Tensor, need: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin ``[b, 1, q, head_dim]`` for positions ``pos [b, q]``: the sin's first
-        half is negated, so that ``rotate_half(x) * sin == x.roll(d / 2) * signed``, one op."""
+        half is negated, so that ``rotate_half(x) * sin == x.roll(d / 2) * signed``, one op.
+        ``need``: one more than the largest position, which the caller knows on the host (reading
+        ``pos.max()`` back would make every step wait for the device)."""
         if not self._rope_table:
             cos, sin = self.inner.rotary_emb(h, pos)
             return cos.unsqueeze(1), _signed(sin).unsqueeze(1)
-        need = int(pos.max()) + 1
         if need > self._cos.shape[0] or self._cos.dtype != h.dtype:
             n = min(max(need, 2 * self._cos.shape[0], 256), max(need, self.shape.context))
             cos, sin = self.inner.rotary_emb(h, torch.arange(n, device=h.device).unsqueeze(0))
@@ -252,13 +256,14 @@ class BatchedLM:
         kv_len: int,
         rows: slice,
     ) -> torch.Tensor:
-        """Run the decoder stack; ``write(layer, k, v)`` stores new K/V, attention reads ``[:kv_len]``.
+        """Run the decoder stack; ``write(layer, k, v)`` stores new K/V, attention reads ``[:kv_len]``
+        (one more than the largest position in ``pos``).
 
         ``mask`` is boolean ``[b,1,q,kv_len]`` for prefill (SDPA) or an additive float ``[b,1,1,kv_len]``
         for decode, where one query per row makes two small matmuls cheaper than SDPA on CPU.
         Linear layers and norms are called functionally (same ops as the HF modules, less overhead).
         """
-        cos, sin = self._rope(h, pos)
+        cos, sin = self._rope(h, pos, kv_len)
         b, q = h.shape[:2]
         d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
         groups = heads // kv_heads
@@ -309,9 +314,10 @@ class BatchedLM:
         m = len(seqs)
         L = max(len(s) for s in seqs)
         cache.ensure(first_row + m, L + 1)
-        # built on the host and sent in one copy each: one small transfer, not one per sequence
-        ids = torch.tensor([list(s) + [0] * (L - len(s)) for s in seqs], dtype=torch.long)
-        ids, lens = ids.to(self.device), torch.tensor([len(s) for s in seqs], device=self.device)
+        # built on the host and sent in one copy: one small transfer, not one per sequence
+        flat = [t for s in seqs for t in (*s, *[0] * (L - len(s)))] + [len(s) for s in seqs]
+        both = to_device(flat, torch.long, self.device)
+        ids, lens = both[: m * L].view(m, L), both[m * L :]
         ar = torch.arange(L, device=self.device)
         pos = ar.unsqueeze(0).expand(m, L)
         mask = (ar[None, :] <= ar[:, None])[None] & (ar[None, None, :] < lens[:, None, None])
@@ -329,13 +335,16 @@ class BatchedLM:
         return logits, full
 
     def decode(self, cache: SlotCache, tokens: list[int], lengths: list[int]) -> torch.Tensor:
-        """One step for rows ``0..n-1``: row i feeds ``tokens[i]`` at position ``lengths[i]``."""
+        """One step for rows ``0..n-1``: row i feeds ``tokens[i]`` at position ``lengths[i]``.
+
+        Nothing here waits for the device: the sizes come from the host's ``lengths``, and the ids
+        and positions go over in one copy that does not block (``transfer.to_device``)."""
         n = len(tokens)
         dev = self.device
         kv_len = max(lengths) + 1
         cache.ensure(n, kv_len)
-        lens = torch.tensor(lengths, dtype=torch.long, device=dev)
-        ids = torch.tensor(tokens, dtype=torch.long, device=dev).unsqueeze(1)
+        both = to_device([*tokens, *lengths], torch.long, dev)
+        ids, lens = both[:n].unsqueeze(1), both[n:]
         pos = lens.unsqueeze(1)
         mask = torch.zeros(n, 1, 1, kv_len, dtype=self.dtype, device=dev)  # the scores' dtype
         mask.masked_fill_(
@@ -369,11 +378,11 @@ def _rms(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
 
 def _rms_w(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim as HF computes it: normalised in fp32, cast back to ``x``'s dtype,
-    then scaled by ``weight`` (broadcast over the leading dims)."""
-    if x.dtype == torch.float32:  # one fused kernel instead of five (a tenth of a decode step)
-        if weight.shape == x.shape[-1:]:
-            return F.rms_norm(x, (x.shape[-1],), weight, eps)
-        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    then scaled by ``weight`` (broadcast over the leading dims). One fused kernel for the
+    normalisation instead of seven (a tenth of a CPU decode step; on CUDA, where a small decode
+    step is mostly kernel launches, more). In half precision the weight multiplies the rounded
+    value in ``x``'s dtype, as HF's does: ``rms_norm`` with the weight would scale before
+    rounding, one rounding off transformers' (and the engine's earlier) numbers."""
+    if x.dtype == torch.float32 and weight.shape == x.shape[-1:]:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from asyncrl.rollout.engine.transfer import to_device, to_host
+
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 
@@ -248,24 +250,29 @@ def sample(
     is used. ``banned[i]`` lists token ids masked out (stop tokens before ``min_new_tokens``).
     ``original``: report the logprobs (and top logprobs) before the temperature
     (``SGLANG_RETURN_ORIGINAL_LOGPROB``); the tokens are drawn at the temperature all the same.
+    The host reads the result back once (tokens, logprobs and top logprobs in one transfer,
+    ``transfer.to_host``): on CUDA each read is a wait for the device, and it needs all of them
+    for its stop checks and the replies.
     """
     n = logits.shape[0]
-    dev = (
-        logits.device
-    )  # the engine's: the per-row tensors below are made there, and the generators
+    dev = logits.device  # the engine's: per-row tensors are made there, and the generators
     logits = logits.float()
     if banned is not None or any(p.logit_bias for p in params):
         logits = logits.clone()
         for i, p in enumerate(params):
             for t, b in p.logit_bias.items():
                 logits[i, t] += b
-            if banned is not None and banned[i]:
-                logits[i, banned[i]] = float("-inf")
+        if banned is not None:
+            rows = [i for i, ids in enumerate(banned) if ids for _ in ids]
+            cols = [t for ids in banned if ids for t in ids]
+            if rows:  # one indexed write for every row, its indices sent in one copy
+                idx = to_device(rows + cols, torch.long, dev)
+                logits[idx[: len(rows)], idx[len(rows) :]] = float("-inf")
     temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
     scaled = (
         logits
         if all(t == 1.0 for t in temps)
-        else logits / torch.tensor(temps, device=dev)[:, None]
+        else logits / to_device(temps, torch.float32, dev)[:, None]
     )
     logp = torch.log_softmax(scaled, dim=-1)
     greedy = [p.greedy for p in params]
@@ -280,27 +287,31 @@ def sample(
             if g is not None and not greedy[i]:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), tokens)
+            mask = to_device(greedy, torch.bool, dev)
+            tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
     reported = torch.log_softmax(logits, dim=-1) if original and scaled is not logits else logp
     chosen = reported.gather(1, tokens[:, None])[:, 0]
-    top: list[list[tuple[float, int]] | None] = [None] * n
+    parts = [tokens, chosen]
     if top_logprobs is not None and any(top_logprobs):
-        k = max(top_logprobs)
-        vals, idx = reported.topk(min(k, reported.shape[1]), dim=-1)
-        vals_l, idx_l = vals.tolist(), idx.tolist()
-        for i, ki in enumerate(top_logprobs):
+        vals, idx = reported.topk(min(max(top_logprobs), reported.shape[1]), dim=-1)
+        parts += [vals, idx]
+    host = to_host(*parts)
+    top: list[list[tuple[float, int]] | None] = [None] * n
+    if len(host) > 2:
+        vals_l, idx_l = host[2], host[3]
+        for i, ki in enumerate(top_logprobs or ()):
             if ki:
                 top[i] = list(zip(vals_l[i][:ki], idx_l[i][:ki], strict=True))
-    return Sampled(tokens=tokens.tolist(), logprobs=chosen.tolist(), top=top)
+    return Sampled(tokens=host[0], logprobs=host[1], top=top)
 
 
 def _truncate(probs: torch.Tensor, params: list[EngineSamplingParams]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k, top-p nucleus and min-p floor."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab, dev = probs.shape[1], probs.device
-    ks = torch.tensor([min(p.top_k, vocab) for p in params], device=dev)
-    ps = torch.tensor([p.top_p for p in params], device=dev)
-    mins = torch.tensor([p.min_p for p in params], device=dev)
+    ks = to_device([min(p.top_k, vocab) for p in params], torch.long, dev)
+    ps = to_device([p.top_p for p in params], torch.float32, dev)
+    mins = to_device([p.min_p for p in params], torch.float32, dev)
     rank = torch.arange(vocab, device=dev)[None, :]
     keep = rank < ks[:, None]
     cum = sorted_p.cumsum(dim=-1)
