@@ -264,10 +264,16 @@ def test_the_torch_shim_adds_only_what_torch_lacks():
         "assert f.DataParallelMeshDims is not s.DataParallelMeshDims\n"
         "print(s.PATCHED)\n"
     )
+    assert _with_shim(code) == "['torch.distributed.fsdp._asyncrl_probe']"
+
+
+def _with_shim(code: str) -> str:
+    """``code`` in a fresh interpreter with the shim first on its path, as on the GPU host; its
+    output."""
     env = dict(os.environ, PYTHONPATH=f"{SHIM}:{ROOT}")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == "['torch.distributed.fsdp._asyncrl_probe']"
+    return p.stdout.strip()
 
 
 def _shim_module():
@@ -298,10 +304,7 @@ def test_the_block_mask_wrapper_stays_out_on_a_torch_with_the_keyword():
         "assert not hasattr(f.create_block_mask, '__wrapped__')\n"
         "print(s.PATCHED)\n"
     )
-    env = dict(os.environ, PYTHONPATH=f"{SHIM}:{ROOT}")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == "[]"
+    assert _with_shim(code) == "[]"
 
 
 def test_the_block_mask_wrapper_passes_true_through_and_refuses_false():
