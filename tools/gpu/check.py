@@ -491,8 +491,9 @@ def learner_configs(model: Path, work: Path, dry: bool, ac: str) -> dict[str, An
     trainer = Trainer(TrainerConfig.from_recipe(first), checkpointing=False)
     figs["attention"] = type(trainer.model.layers["0"].attention.inner_attention).__name__
     params = sum(p.numel() for p in trainer.model.parameters())
-    figs.update(params=params, build_s=figs["phases"]["import"])
+    figs["params"] = params
     phase(figs, "build")
+    figs["build_s"] = round(figs["phases"]["build"] - figs["phases"]["import"], 2)
     peak = _peak_bf16(torch.cuda.get_device_properties(0).name) if cuda else None
     only_first = os.environ.get("ASYNCRL_CHECK_LEARNER_FIRST_ONLY") == "1"
     for doc in docs[:1] if only_first else docs:

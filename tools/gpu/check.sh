@@ -94,10 +94,9 @@ signal_tagged() { # SIG
 # The run folders' logs, summaries and metrics, and any other log a step wrote under the work
 # folder, into RESULTS/work/ (the work folder does not come back); the models stay.
 keep_run_files() { # step
-  (cd "$work" && find . -newer .step-start -type f \( -name '*.log' -o -name 'summary.json' \
-    -o -name 'metrics.jsonl' -o -name 'learner.json' -o -name 'profile_*.txt' -o -name '*.json' \) \
-    -size -20M -not -path './inductor/*' -not -path './triton/*' -not -name 'config.json' \
-    -not -name 'tokenizer*.json' -not -name '*config.json' -print0 |
+  (cd "$work" && find . -newer .step-start -type f \( -name '*.log' -o -name '*.json' \
+    -o -name 'metrics.jsonl' -o -name 'profile_*.txt' \) -size -20M -not -path './inductor/*' \
+    -not -path './triton/*' -not -name 'tokenizer*.json' -not -name '*config.json' -print0 |
     xargs -0 -r cp --parents -t "$results/work" 2>/dev/null)
 }
 mkdir -p "$results/work"
