@@ -82,6 +82,9 @@ def test_adapter_versions_by_name_serve_as_peft(lora_server, tiny_qwen3, tmp_pat
             models[v] = pm
             b.publish(v, named)
             assert b.wait(timeout=300)
+            if v == 2:  # v2 is loaded and labelled while the long request is held: let it go on
+                assert not finished(long), "the long request ended before it was paused"
+                assert httpx.post(url + "/continue_generation", json={}, timeout=30).is_success
             r = b.reports[-1]
             assert not r.error and r.updated == [url] and not r.dropped, r
             assert r.reported == {url: str(v)} and r.group_builds == 0  # no weight group
@@ -94,11 +97,15 @@ def test_adapter_versions_by_name_serve_as_peft(lora_server, tiny_qwen3, tmp_pat
                 outs.append(c.output_ids)
             if v == 1:
                 assert outs != [c.output_ids for c in base]  # the adapter changed the tokens
-                # a long request on adapter v1, decoding while v2 is loaded
+                # a long request on adapter v1, in flight while v2 is loaded. SGLang holds it in
+                # its batch (an in-place pause, as a weight update does) so that it cannot end
+                # before v2 is there, however fast this machine decodes
                 sp = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
                 body = {"input_ids": PROMPTS[1], "sampling_params": sp, "lora_path": "v1"}
                 long = GenerateStream(url, {**body, "return_logprob": True})
                 assert long.first.wait(120)
+                pause = httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
+                assert pause.is_success, pause.text
         assert long is not None
         final = long.result()
     finally:
@@ -117,6 +124,11 @@ def test_adapter_versions_by_name_serve_as_peft(lora_server, tiny_qwen3, tmp_pat
     assert loaded_adapters(url, until=lambda names: names == {"v3", "v4"}) == {"v3", "v4"}
     folders = sorted(d.name for d in (tmp_path / "adapters").iterdir())
     assert folders == ["v2", "v3", "v4"]  # one version longer than SGLang holds the adapter
+
+
+def finished(stream: GenerateStream) -> bool:
+    """Whether the stream's newest chunk carries SGLang's finish reason."""
+    return bool(stream.chunks) and stream.chunks[-1]["meta_info"].get("finish_reason") is not None
 
 
 def loaded_adapters(url: str, until, timeout_s: float = 60.0) -> set[str]:
