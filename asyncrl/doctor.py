@@ -221,8 +221,12 @@ class Doctor:
 
     def _check_server(self, url: str) -> Check:
         from asyncrl.control import ControlPlane
-        from asyncrl.generator_http import GeneratorError, WeightsClient, async_client
-        from asyncrl.rollout.sglang_protocol import parse_version_label
+        from asyncrl.generator_http import (
+            GeneratorError,
+            WeightsClient,
+            async_client,
+            parse_version_label,
+        )
         from asyncrl.weights.rendezvous import LayoutError, radix_cache_problem, server_ranks
         from asyncrl.wire import GeneratorInfo
 

@@ -18,6 +18,7 @@ worker thread. :func:`call` on a plain client is for tools and processes without
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -210,6 +211,36 @@ async def wait_healthy(http: httpx.AsyncClient, urls: list[str], timeout_s: floa
                 return
             await trio.sleep(backoff.delay_s(attempt, first=_POLL_FIRST_S, cap=_POLL_CAP_S))
     raise GeneratorError(f"generators not ready after {timeout_s:.0f}s: {', '.join(waiting)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Version labels: what the weight calls write and a generation's answer reads back
+# --------------------------------------------------------------------------------------------------
+
+_LABEL = re.compile(r"^v?(\d+)$")
+
+BASE_LABEL = "default"
+"""SGLang's ``weight_version`` for the weights a server was launched with, when its launch did not
+say (``--weight-version``'s default). asyncrl launches generators from ``model.path``, version 0."""
+
+
+def parse_version_label(label: Any) -> int | None:
+    """The policy version in SGLang's free-string ``weight_version``: asyncrl labels generators
+    ``"7"`` (``"v7"`` is read as 7 too). Anything else (``"default"``: a server never labelled)
+    is None: the version is not known."""
+    if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
+        return label
+    if isinstance(label, str):
+        m = _LABEL.match(label.strip())
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def adapter_name(version: int) -> str:
+    """The name an SGLang server loads version ``version``'s LoRA adapter under
+    (asyncrl.weights.adapters), and what a request's ``lora_path`` names to be served by it."""
+    return f"v{version}"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 same message, from the sync calls (tools, processes without a loop) and the async ones (the
 rollout's, the weight path's); readiness waits by the back-off. Against real HTTP servers on loopback: the built-in engine for what a serving generator
 answers, and a small scripted server for the faults a healthy engine never gives (5xx, ``success:
-false``, a body that is not JSON, no answer at all)."""
+false``, a body that is not JSON, no answer at all). And the version labels' format, which the
+weight calls write and the rollout's reads back."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from asyncrl.generator_http import (
     acall,
     async_client,
     call,
+    parse_version_label,
     sync_client,
     wait_healthy,
 )
@@ -268,3 +270,11 @@ def test_the_pool_moves_a_request_off_a_5xx_generator_but_not_off_a_refusal(
     assert marked == (1, "HTTP 503: overloaded")
     assert failures == 1  # the refusal is no failure of the server: it stays up
     assert refused.refused and refused.url == scripted and not refused.dead
+
+
+def test_version_labels():
+    assert parse_version_label("7") == 7
+    assert parse_version_label("v12") == 12
+    assert parse_version_label(3) == 3
+    for unknown in ("default", None, "", "v", "-1", "1.5", True, -2):
+        assert parse_version_label(unknown) is None

@@ -32,7 +32,13 @@ from typing import Any
 import trio
 
 from asyncrl import backoff
-from asyncrl.generator_http import GeneratorError, acall, async_client, wait_healthy
+from asyncrl.generator_http import (
+    GeneratorError,
+    acall,
+    async_client,
+    parse_version_label,
+    wait_healthy,
+)
 from asyncrl.rollout.sglang_protocol import (
     GeneratorResponseError,
     SamplingParams,
@@ -41,7 +47,6 @@ from asyncrl.rollout.sglang_protocol import (
     batched_payload,
     generate_payload,
     parse_generate_response,
-    parse_version_label,
     version_at_join,
     with_adapter,
 )

@@ -5,18 +5,18 @@ and what a response means (:func:`parse_generate_response`): ``output_token_logp
 the token ids and behaviour logprobs, and ``meta_info.weight_versions`` spans give one policy
 version per token. A token's version is the one its generator stated, never a guess: a response
 with a token no numeric span covers (a server that was never labelled says ``"default"``; SGLang
-older than 0.5.19 sends no spans) is refused with :class:`UnlabelledTokens`. The built-in engine
-serves the same protocol, so these functions are tested on recorded SGLang responses and serve both.
+older than 0.5.19 sends no spans) is refused with :class:`UnlabelledTokens`. A label's format
+(:func:`~asyncrl.generator_http.parse_version_label`) is the generator layer's, which the weight
+broadcaster's calls share. The built-in engine serves the same protocol, so these functions are tested on recorded SGLang responses and serve both.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.generator_http import GeneratorError
+from asyncrl.generator_http import BASE_LABEL, GeneratorError, adapter_name, parse_version_label
 from asyncrl.wire import FINISH_REASONS
 
 
@@ -89,12 +89,6 @@ def generate_payload(
     }
 
 
-def adapter_name(version: int) -> str:
-    """The name an SGLang server loads version ``version``'s LoRA adapter under
-    (asyncrl.weights.adapters), and what a request's ``lora_path`` names to be served by it."""
-    return f"v{version}"
-
-
 def with_adapter(payload: dict[str, Any], version: int | None) -> dict[str, Any]:
     """``payload`` served by version ``version``'s LoRA adapter (SGLang's ``lora_path``); version
     0 or unknown: the base model, no adapter."""
@@ -126,26 +120,6 @@ class Segment:
     prompt_tokens: int = 0
     num_retractions: int = 0
     weight_version: int | None = None  # what the generator held when it answered (None: unlabelled)
-
-
-_LABEL = re.compile(r"^v?(\d+)$")
-
-BASE_LABEL = "default"
-"""SGLang's ``weight_version`` for the weights a server was launched with, when its launch did not
-say (``--weight-version``'s default). asyncrl launches generators from ``model.path``, version 0."""
-
-
-def parse_version_label(label: Any) -> int | None:
-    """The policy version in SGLang's free-string ``weight_version``: asyncrl labels generators
-    ``"7"`` (``"v7"`` is read as 7 too). Anything else (``"default"``: a server never labelled)
-    is None: the version is not known."""
-    if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
-        return label
-    if isinstance(label, str):
-        m = _LABEL.match(label.strip())
-        if m:
-            return int(m.group(1))
-    return None
 
 
 def version_at_join(label: Any) -> tuple[int, bool]:

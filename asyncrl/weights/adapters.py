@@ -25,9 +25,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from asyncrl.generator_http import GeneratorError
+from asyncrl.generator_http import GeneratorError, adapter_name
 from asyncrl.recipe import LoraConfig
-from asyncrl.rollout.sglang_protocol import adapter_name
 from asyncrl.weights.exports import peft_config, write_adapter_export
 from asyncrl.weights.members import Member
 

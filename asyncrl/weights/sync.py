@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.generator_http import GeneratorError
+from asyncrl.generator_http import GeneratorError, parse_version_label
 from asyncrl.recipe import WeightsConfig
-from asyncrl.rollout.sglang_protocol import parse_version_label
 from asyncrl.weights import adapters, buckets, ipc
 from asyncrl.weights.exports import is_adapter_export, latest_export
 from asyncrl.weights.fanout import Failed, FanOut

@@ -15,7 +15,6 @@ from asyncrl.rollout.sglang_protocol import (
     UnlabelledTokens,
     generate_payload,
     parse_generate_response,
-    parse_version_label,
     spans_to_versions,
     version_at_join,
     with_adapter,
@@ -108,14 +107,6 @@ def test_spans_give_per_token_versions():
 def test_tokens_without_a_numeric_version_are_refused(spans, match):
     with pytest.raises(UnlabelledTokens, match=match):
         spans_to_versions(spans, 6)
-
-
-def test_version_labels():
-    assert parse_version_label("7") == 7
-    assert parse_version_label("v12") == 12
-    assert parse_version_label(3) == 3
-    for unknown in ("default", None, "", "v", "-1", "1.5", True, -2):
-        assert parse_version_label(unknown) is None
 
 
 def test_the_version_a_generator_holds_when_a_worker_joins_it():
