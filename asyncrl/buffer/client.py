@@ -3,16 +3,24 @@
 Each call is one Req/Rep exchange bounded by a timeout. :meth:`BufferClient.put` resends the same
 groups (same ids) after a timeout: the buffer deduplicates by id, so a group is stored once however
 often it is sent. An Error reply raises :class:`BufferRefused`; it is never retried.
+
+:func:`buffer_status` is one blocking Status request, for code without a loop: `asyncrl run`'s
+progress display, a worker asking the learner's version before it starts its engines.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from asyncrl import backoff, wire
 from asyncrl.transport import TLS, ReqClient, TransportTimeout
 
-__all__ = ["BufferClient", "BufferRefused"]
+if TYPE_CHECKING:
+    from asyncrl.recipe import Recipe
+
+__all__ = ["BufferClient", "BufferRefused", "buffer_status"]
 
 
 class BufferRefused(RuntimeError):
@@ -96,3 +104,18 @@ class BufferClient:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The buffer's Status reply as a dict (version + stats), or None if it does not answer."""
+    tls = TLS.from_config(r) if r.buffer.tls.cert else None
+    try:
+        with ReqClient(address, tls=tls, timeout_s=timeout_s) as client:
+            reply = client.request_sync(wire.Status(), timeout_s=timeout_s)
+    except (TransportTimeout, wire.WireError, OSError):
+        return None
+    except Exception:  # pynng errors while the learner starts or stops
+        return None
+    if isinstance(reply, wire.StatusReply):
+        return {"version": reply.version, **reply.stats}
+    return None

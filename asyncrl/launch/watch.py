@@ -17,23 +17,6 @@ STATUS_TIMEOUT_S = 0.25
 this host answers in milliseconds (a learner that has just exited never answers)."""
 
 
-def buffer_status(address: str, r: Recipe, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    """The buffer's Status reply as a dict (version + stats), or None if it does not answer."""
-    from asyncrl import transport, wire
-
-    tls = transport.TLS.from_config(r) if r.buffer.tls.cert else None
-    try:
-        with transport.ReqClient(address, tls=tls, timeout_s=timeout_s) as client:
-            reply = client.request_sync(wire.Status(), timeout_s=timeout_s)
-    except (transport.TransportTimeout, wire.WireError, OSError):
-        return None
-    except Exception:  # pynng errors while the learner starts or stops
-        return None
-    if isinstance(reply, wire.StatusReply):
-        return {"version": reply.version, **reply.stats}
-    return None
-
-
 class RunWatch:
     """The run's progress, polled at most once per ``POLL_EVERY_S``; ``status`` is the buffer's
     last answer (None before the first)."""
@@ -54,11 +37,11 @@ class RunWatch:
         if now - self._last_poll < POLL_EVERY_S:
             return
         self._last_poll = now
-        st = (
-            buffer_status(self.buffer_address, r, timeout_s=STATUS_TIMEOUT_S)
-            if self.uses_buffer
-            else None
-        )
+        st = None
+        if self.uses_buffer:
+            from asyncrl.buffer.client import buffer_status  # pynng: only a run with a buffer
+
+            st = buffer_status(self.buffer_address, r, timeout_s=STATUS_TIMEOUT_S)
         if st is not None:
             self.status, self.healthy = st, True
         elif (

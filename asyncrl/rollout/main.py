@@ -139,7 +139,7 @@ def engine_weights(r: Recipe, learner_version: int | None) -> tuple[Path, int]:
 def learner_version(r: Recipe, timeout_s: float = 5.0) -> int | None:
     """The learner's current version from its buffer service, None if it does not answer (yet).
     Asked only when the run folder has HF exports: a fresh run's worker starts without waiting."""
-    from asyncrl.launch.watch import buffer_status
+    from asyncrl.buffer.client import buffer_status
     from asyncrl.weights.exports import latest_export
 
     if latest_export(r.run_dir / "hf") is None:
