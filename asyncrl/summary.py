@@ -1,5 +1,5 @@
-"""What a run folder tells people and programs: ``learner.json`` while the learner runs, and at the
-end ``summary.json``, the held-out evaluation and ``plots/*.png``.
+"""What a run folder tells people and programs at the end: ``summary.json``, the held-out evaluation
+and ``plots/*.png`` (while the learner runs, ``learner.json``: :mod:`asyncrl.learner_info`).
 
 The end of a run is done once, by :func:`finish_run`: the learner calls it when it stops (`asyncrl
 learner` alone or under `asyncrl run`), and `asyncrl run` calls it only when the learner could not
@@ -9,71 +9,20 @@ learner` alone or under `asyncrl run`), and `asyncrl run` calls it only when the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl import metric_names as names
+from asyncrl.learner_info import write_whole
 from asyncrl.recipe import Recipe
 
 if TYPE_CHECKING:
     from asyncrl.rollout.evaluation import EvalReport
 
-LEARNER_FILE = "learner.json"
 SUMMARY_FILE = "summary.json"
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``path`` whole (a reader never sees half of it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------------------------------
-# learner.json: where the learner listens, and whether the run has ended
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class LearnerInfo:
-    """``run_dir/learner.json``, written by learner rank 0 once it listens, and again when the run
-    ends: what a worker, a script or the sbatch launcher needs to join it, and whether to bother."""
-
-    buffer_address: str
-    pub_address: str
-    weights_master: (
-        str  # host:port of the weight group's TCPStore ("host:0": a free port per build)
-    )
-    rollout_command: str  # the `asyncrl rollout ...` line that joins this learner
-    host: str
-    pid: int
-    version: int  # at start; at the end, the last version
-    started_at: float  # Unix time
-    ended_at: float | None = None  # set when the learner has trained its last version
-
-    def write(self, run_dir: Path) -> Path:
-        path = Path(run_dir) / LEARNER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _replace(path, json.dumps(dataclasses.asdict(self), indent=2) + "\n")
-        return path
-
-
-def read_learner_info(where: str | Path) -> LearnerInfo | None:
-    """The learner's ``learner.json`` (``where``: the run folder, or the file itself), or None if
-    there is none (yet) or it is unreadable."""
-    path = Path(where)
-    if path.suffix != ".json":
-        path = path / LEARNER_FILE
-    try:
-        d = json.loads(path.read_text())
-        return LearnerInfo(**d)
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,7 +219,7 @@ def amend(
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     path = Path(run_dir) / SUMMARY_FILE
-    _replace(path, json.dumps(summary, indent=2) + "\n")
+    write_whole(path, json.dumps(summary, indent=2) + "\n")
     return path
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import launch, metric_names, progress, recipe, summary
+from asyncrl import launch, learner_info, metric_names, progress, recipe
 from asyncrl.launch.children import Child, restart_the_dead, stop_children
 from asyncrl.launch.plan import make_plan, prepare_run_dir
 
@@ -216,7 +216,7 @@ def test_a_dead_child_is_restarted_until_its_restarts_run_out(tmp_path, capsys):
     assert restart_the_dead(done, 3, dict(os.environ), tmp_path) is done[1]
     assert done[0].restarts == done[1].restarts == 0
     # ... until the learner has announced the end (learner.json): then it is the worker's end
-    info = summary.LearnerInfo(
+    info = learner_info.LearnerInfo(
         buffer_address="ipc:///b",
         pub_address="ipc:///p",
         weights_master="127.0.0.1:0",

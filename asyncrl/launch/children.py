@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl import summary as summary_mod
+from asyncrl.learner_info import read_learner_info
 from asyncrl.recipe import Recipe
 from asyncrl.stacks import dump_stacks_on_usr1
 
@@ -184,7 +184,7 @@ def restart_the_dead(
 
 
 def _run_ended(run_dir: Path) -> bool:
-    info = summary_mod.read_learner_info(run_dir)
+    info = read_learner_info(run_dir)
     return info is not None and info.ended_at is not None
 
 

@@ -7,8 +7,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl import summary as summary_mod
 from asyncrl.launch.children import Child
+from asyncrl.learner_info import LEARNER_FILE
 from asyncrl.recipe import Recipe
 
 
@@ -26,7 +26,7 @@ def prepare_run_dir(r: Recipe, *, overwrite: bool) -> Path:
             )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / summary_mod.LEARNER_FILE).unlink(missing_ok=True)  # a finished run's, if resumed
+    (run_dir / LEARNER_FILE).unlink(missing_ok=True)  # a finished run's, if resumed
     return run_dir
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncrl import summary as summary_mod
 from asyncrl.launch.children import Child
+from asyncrl.learner_info import read_learner_info
 from asyncrl.recipe import Recipe
 
 
@@ -27,7 +28,7 @@ def write_run_summary(
 ) -> dict[str, Any]:
     """The summary of a run started at ``t0`` (monotonic) / ``started_at`` (wall clock)."""
     wall = time.monotonic() - t0
-    info = summary_mod.read_learner_info(run_dir)
+    info = read_learner_info(run_dir)
     if info is not None and info.ended_at is not None and info.ended_at >= started_at:
         wall = info.ended_at - started_at  # to the end of training, not of the learner's evaluation
     restarts = {c.name: c.restarts for c in children if c.restarts}

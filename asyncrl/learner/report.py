@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 import trio
 
 from asyncrl import progress
+from asyncrl.learner_info import LearnerInfo
 from asyncrl.reach import ANY_HOST, is_loopback
 from asyncrl.recipe import Recipe
-from asyncrl.summary import LearnerInfo
 
 if TYPE_CHECKING:
     from asyncrl.control import ControlPlane

@@ -429,7 +429,7 @@ async def load_data_state(
 def learner_addresses(path: Path, timeout_s: float) -> tuple[str, str]:
     """The buffer and Pub/Sub addresses in a learner's learner.json, once a learner that has not
     ended its run wrote it (a finished run's file is waited past, as is a missing one)."""
-    from asyncrl.summary import read_learner_info
+    from asyncrl.learner_info import read_learner_info
 
     quiet = progress.Throttle(log)
     deadline = time.monotonic() + timeout_s

@@ -104,7 +104,7 @@ def test_a_wait_for_a_batch_with_every_generator_dropped_ends_with_the_cause(tin
 
     from asyncrl import wire
     from asyncrl.buffer.client import BufferClient
-    from asyncrl.summary import read_learner_info
+    from asyncrl.learner_info import read_learner_info
     from asyncrl.transport import free_tcp_address
 
     prompts = tmp_path / "train.jsonl"

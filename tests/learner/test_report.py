@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import recipe, summary
+from asyncrl import learner_info, recipe
 from asyncrl.buffer.service import BufferService
 from asyncrl.learner import report
 
@@ -41,7 +41,7 @@ def test_announce_prints_and_writes_the_real_addresses_and_the_joining_command(l
     rep, svc = learner
     rep.announce()
     err = capsys.readouterr().err
-    info = summary.read_learner_info(rep.trainer.run_dir)
+    info = learner_info.read_learner_info(rep.trainer.run_dir)
     assert info is not None and info.ended_at is None
     host = socket.gethostname()  # bound on every interface: dialled by this host's name
     assert info.buffer_address == f"tcp://{host}:{svc.address.rsplit(':', 1)[1]}"

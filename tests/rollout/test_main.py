@@ -75,7 +75,7 @@ def test_rollout_process_delivers_groups_with_its_own_engine(tmp_path, tiny_qwen
 def test_learner_file_gives_the_addresses_of_a_listening_learner(tmp_path, tiny_qwen3):
     """--learner-file: a finished run's learner.json is waited past; the one a listening learner
     writes gives the worker its addresses (what the sbatch launcher relies on)."""
-    from asyncrl.summary import LearnerInfo
+    from asyncrl.learner_info import LearnerInfo
 
     recipe = _recipe(tmp_path, tiny_qwen3)
     learner_file = tmp_path / "runs/t/learner.json"
