@@ -1,7 +1,14 @@
-"""No import circles in asyncrl/: a module that imports another (at its top, under ``TYPE_CHECKING``
-or inside a function) is never imported back by it, directly or through others. A circle means a type
-or a function lives above its user; such a package cannot be read bottom-up, and a lazy import that
-hides one breaks as soon as someone moves it to the top."""
+"""The import graph of asyncrl/, read from every module's imports (at its top, under
+``TYPE_CHECKING`` or inside a function):
+
+- no import circles: a module that imports another is never imported back by it, directly or through
+  others. A circle means a type or a function lives above its user; such a package cannot be read
+  bottom-up, and a lazy import that hides one breaks as soon as someone moves it to the top;
+- no imports up the floors (issue #47 item 6): each room (a subpackage, or a module directly in
+  asyncrl/) is on a floor of :data:`FLOORS`, and a module imports only its own room and the floors
+  below it. Otherwise a lower room depends on a higher one, and a process that needs the low room
+  (a rollout worker) drags in the high one (the launcher, the run's end).
+"""
 
 from __future__ import annotations
 
@@ -91,11 +98,97 @@ def import_circles(modules: dict[str, Path]) -> list[list[str]]:
     return circles
 
 
+FLOORS: dict[int, tuple[str, ...]] = {
+    0: ("__init__", "wire"),  # the package's version; the messages between processes
+    1: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
+        "backoff cluster control dataflow generator_http gpu learner_info malloc memory"
+        " metric_names metrics plots progress reach recipe stacks tasks transport".split()
+    ),
+    2: ("buffer", "weights"),  # siblings: the buffer's service and client; the weight path
+    3: ("rollout",),  # a worker puts to the buffer; its engine receives weights as weights/ sends
+    4: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
+    5: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
+    6: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
+    7: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands and the demo: anything below
+}
+"""Each room of asyncrl/ by floor, lowest first (docs/design.md §9). A module imports its own room
+and rooms on lower floors; two modules directly in asyncrl/ on one floor may import each other,
+two subpackages on one floor (buffer/, weights/) are siblings and never do. The order is the graph's
+own: rollout/ sits on buffer/ and weights/ (its engine receives weight buckets in weights/'
+layout), and learner/ on rollout/ because its rank 0 runs the held-out evaluation through
+rollout/evaluation.py (design §6); the commands on top import what they check or start."""
+
+
+def _room(module: str) -> str:
+    """``asyncrl.rollout.engine.api`` -> ``rollout``; ``asyncrl.summary`` -> ``summary``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _rooms(modules: dict[str, Path]) -> dict[str, bool]:
+    """Each room of ``modules`` -> whether it is a subpackage (else a module in asyncrl/)."""
+    out: dict[str, bool] = {}
+    for m, path in modules.items():
+        package = m.count(".") > 1 or (m.count(".") == 1 and path.name == "__init__.py")
+        out[_room(m)] = out.get(_room(m), False) or package
+    return out
+
+
+def floor_breaches(modules: dict[str, Path], floors: dict[int, tuple[str, ...]]) -> list[str]:
+    """Every import of ``modules`` that goes up a floor of ``floors``, or across to a sibling
+    subpackage on the same floor (:data:`FLOORS`), one line each."""
+    floor_of = {room: f for f, rooms in floors.items() for room in rooms}
+    package = _rooms(modules)
+    out = []
+    for m, path in sorted(modules.items()):
+        for dep in sorted(_imports(m, path, modules)):
+            a, b = _room(m), _room(dep)
+            if a == b:
+                continue
+            up = floor_of[b] > floor_of[a]
+            sibling = floor_of[b] == floor_of[a] and (package[a] or package[b])
+            if up or sibling:
+                out.append(
+                    f"{m} ({a}, floor {floor_of[a]}) imports {dep} ({b}, floor {floor_of[b]})"
+                )
+    return out
+
+
 def test_asyncrl_has_no_import_circles() -> None:
     circles = import_circles(_modules())
     assert not circles, "import circles in asyncrl/:\n" + "\n".join(
         " <-> ".join(c) for c in circles
     )
+
+
+def test_every_room_is_on_one_floor() -> None:
+    placed = [room for rooms in FLOORS.values() for room in rooms]
+    assert len(placed) == len(set(placed)), "a room on two floors"
+    rooms = set(_rooms(_modules()))
+    assert not rooms - set(placed), f"rooms on no floor of FLOORS: {sorted(rooms - set(placed))}"
+    assert not set(placed) - rooms, f"FLOORS names no such room: {sorted(set(placed) - rooms)}"
+
+
+def test_no_module_imports_a_room_above_its_own() -> None:
+    breaches = floor_breaches(_modules(), FLOORS)
+    assert not breaches, "imports up the floors (FLOORS):\n" + "\n".join(breaches)
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    """A package ``asyncrl`` under ``tmp_path`` of ``files`` (``"low/a"``: asyncrl/low/a.py, its
+    folder a subpackage), as :func:`_modules` names them."""
+    modules = {}
+    for name in ["", *files]:
+        folder = tmp_path / "asyncrl" / Path(name).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        init = folder / "__init__.py"
+        if not init.exists():
+            init.write_text("")
+            modules[".".join(["asyncrl", *Path(name).parent.parts])] = init
+        if name:
+            (folder / f"{Path(name).name}.py").write_text(files[name])
+            modules[".".join(["asyncrl", *Path(name).parts])] = folder / f"{Path(name).name}.py"
+    return modules
 
 
 @pytest.mark.parametrize(
@@ -123,11 +216,52 @@ def test_asyncrl_has_no_import_circles() -> None:
 def test_the_walk_finds_circles_through_lazy_and_type_only_imports(
     tmp_path: Path, files: dict[str, str], expected: list[list[str]]
 ) -> None:
-    package = tmp_path / "asyncrl"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    modules = {"asyncrl": package / "__init__.py"}
-    for name, text in files.items():
-        (package / f"{name}.py").write_text(text)
-        modules[f"asyncrl.{name}"] = package / f"{name}.py"
-    assert import_circles(modules) == expected
+    assert import_circles(_package(tmp_path, files)) == expected
+
+
+_FLOORS = {0: ("__init__", "base", "util"), 1: ("low",), 2: ("high", "side", "mid"), 3: ("top",)}
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # down the floors, within a room, and between modules of asyncrl/ on one floor: allowed
+            {
+                "base": "from asyncrl.util import f\n",
+                "util": "",
+                "low/a": "from asyncrl import base\n",
+                "high/b": "from asyncrl.low.a import x\nfrom . import c\n",
+                "high/c": "",
+                "top": "import asyncrl.high.b\n",
+            },
+            [],
+        ),
+        (  # up, lazily and for types only
+            {
+                "base": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import asyncrl.top\n",
+                "low/a": "def f():\n    from asyncrl.high import b\n",
+                "high/b": "",
+                "top": "",
+            },
+            [
+                "asyncrl.base (base, floor 0) imports asyncrl.top (top, floor 3)",
+                "asyncrl.low.a (low, floor 1) imports asyncrl.high.b (high, floor 2)",
+            ],
+        ),
+        (  # across, to a sibling subpackage on the same floor, or between it and a module
+            {
+                "high/b": "from ..side.s import y\n",
+                "side/s": "",
+                "mid": "from asyncrl import side\n",
+            },
+            [
+                "asyncrl.high.b (high, floor 2) imports asyncrl.side.s (side, floor 2)",
+                "asyncrl.mid (mid, floor 2) imports asyncrl.side (side, floor 2)",
+            ],
+        ),
+    ],
+)
+def test_the_floors_catch_an_import_up_or_across(
+    tmp_path: Path, files: dict[str, str], expected: list[str]
+) -> None:
+    assert floor_breaches(_package(tmp_path, files), _FLOORS) == expected
