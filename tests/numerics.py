@@ -61,7 +61,7 @@ def weights_and_grads(model: torch.nn.Module) -> tuple[dict, dict]:
 def hf_grads(trainer) -> dict[str, torch.Tensor]:
     """A trainer's gradients under HF names, the keys of ``trainer.hf_state_dict()``. The model's
     state-dict hooks split fused weights (wqkv), so for one call the gradients take the weights' place."""
-    params = list(trainer.model.parameters())
+    params = list(trainer.models.actor.parameters())
     saved = [p.detach().clone() for p in params]
     with torch.no_grad():
         try:

@@ -57,6 +57,9 @@ T = TypeVar("T")
 class BufferService:
     """The replay buffer as a service: ``start()``, then ``next_batch`` / ``set_version`` per step.
 
+    It is an RL run's :class:`~asyncrl.learner.source.BatchSource`, by its methods: the buffer sits
+    below the learner and does not import it.
+
     ``state`` (from :meth:`state_dict`, saved with a checkpoint) resumes the buffer where it was:
     counters, leases, stored groups, ids already seen.
 

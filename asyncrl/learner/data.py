@@ -1,6 +1,6 @@
 """The sft batch source: (prompt, completion) rows from a local file, tokenized with the model's tokenizer.
 
-It speaks the same :class:`~asyncrl.learner.source.BatchSource` protocol as the RL buffer: each row
+It is a :class:`~asyncrl.learner.source.BatchSource`, as the RL buffer is: each row
 becomes a group of one sample whose completion is the target (``loss_mask`` 1, plus EOS), so sft runs
 through the same learner step with ``algorithm.loss: sft``. The data position (epoch, cursor) is part
 of the checkpoint, and each epoch's order is a pure function of (seed, epoch): a resumed run sees
@@ -17,6 +17,7 @@ import numpy as np
 
 from asyncrl import tasks, wire
 from asyncrl.buffer.store import Batch
+from asyncrl.learner.source import BatchSource
 from asyncrl.recipe import DataConfig, Recipe
 
 
@@ -52,7 +53,7 @@ def load_sft_rows(
     return load_rows(path, {"prompt": prompt_key, "completion": completion_key})
 
 
-class SFTSource:
+class SFTSource(BatchSource):
     """Batches of ``batch_size`` rows, shuffled per epoch; a resumable position."""
 
     def __init__(

@@ -8,6 +8,7 @@ where it listens, loop pull → step → export → announce → checkpoint → 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import signal
@@ -15,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
@@ -23,8 +24,14 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.control import ControlPlane
 from asyncrl.learner import source as source_mod
 from asyncrl.learner.report import Invocation, LearnerReport
-from asyncrl.learner.source import BatchSource, SourceError
+from asyncrl.learner.source import Batch, BatchSource, Signal, SourceError
 from asyncrl.recipe import Recipe
+
+if TYPE_CHECKING:
+    from asyncrl.learner.evaluator import Evaluator
+    from asyncrl.learner.trainer import Trainer
+    from asyncrl.metrics import MetricsSink
+    from asyncrl.weights.broadcaster import WeightBroadcaster
 
 SourceFactory = Callable[[Recipe, Any, ControlPlane], BatchSource]
 """``factory(recipe, trainer, plane)`` -> rank 0's batch source, with ``trainer.source_state``
@@ -107,6 +114,18 @@ def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
     return env
 
 
+@dataclasses.dataclass
+class _Services:
+    """What the loop talks to besides the trainer, each None where this rank or run has none; set
+    as each starts, so that ``finally`` closes what did."""
+
+    plane: ControlPlane | None = None  # rank 0's: the buffer service's and the broadcaster's tasks
+    report: LearnerReport | None = None  # rank 0's messages and progress display
+    sink: MetricsSink | None = None  # rank 0's metrics records
+    evaluator: Evaluator | None = None  # rank 0's held-out evaluation (RL, with held-out prompts)
+    broadcaster: WeightBroadcaster | None = None  # every rank's, in an RL run
+
+
 def train(
     recipe: Recipe,
     *,
@@ -122,7 +141,6 @@ def train(
     from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.distributed import ensure_distributed
     from asyncrl.learner.trainer import Trainer
-    from asyncrl.metrics import MetricsSink
 
     t0 = time.monotonic()
     match_sglang_nccl(recipe)
@@ -134,129 +152,176 @@ def train(
             print(f"asyncrl learner: warning: {warning}", file=sys.stderr, flush=True)
     if rank == 0 and trainer.version > 0:
         print(f"asyncrl learner: resumed at version {trainer.version}", file=sys.stderr, flush=True)
-    sink = None
-    broadcaster = None
-    report = None
-    evaluator = None
-    plane = None  # rank 0's control plane: the buffer service and the broadcaster's sender
-    outcome = ""  # set at a clean end: "completed", or "stopped" (SIGTERM before the last version)
-    is_rl = recipe.algorithm.uses_rollouts
     if source_factory is None:
-        source_factory = buffer_source if is_rl else OFFLINE_SOURCES[recipe.algorithm.loss]
+        rl = recipe.algorithm.uses_rollouts
+        source_factory = buffer_source if rl else OFFLINE_SOURCES[recipe.algorithm.loss]
+    svc = _Services()
+    outcome = ""  # set at a clean end: "completed", or "stopped" (SIGTERM before the last version)
     try:
-        if rank == 0:
-            plane = ControlPlane("learner-control")
-            trainer.source = source_factory(recipe, trainer, plane)
-            report = LearnerReport(
-                recipe,
-                trainer,
-                source=trainer.source if hasattr(trainer.source, "end_run") else None,
-                invocation=invocation,
-            )
-            report.announce()
-            report.start(plane)
-            # after the announcement: W&B's start-up (~1 s) overlaps the workers' first groups
-            sink = MetricsSink.from_recipe(recipe, process="learner")
-        if is_rl and rank == 0:  # held-out prompts, on the generators while they hold a version
-            evaluator = _evaluator(recipe, report)
-        if is_rl:  # weights to the generators after every step (every rank joins the gather)
-            from asyncrl.weights.broadcaster import WeightBroadcaster
-
-            broadcaster = WeightBroadcaster(
-                recipe.weights,
-                export_dir=trainer.run_dir / "hf",
-                after_sync=evaluator.after_sync if evaluator is not None else None,
-                plane=plane,
-                lora=recipe.learner.lora,
-            )
-            on_register = getattr(trainer.source, "on_register", None)
-            if rank == 0 and on_register is not None:
-                on_register(broadcaster.on_register)
-                trainer.source.watch_generators(broadcaster.dropped)
-        saved_at = -1
-        first_batch = True
-        stop = _stop_on_signals()
-        waiting_since = None  # one wait for a batch, across the weights published during it
-        while trainer.version < recipe.run.steps:
-            if waiting_since is None:
-                waiting_since = time.monotonic()
-            if report is not None:
-                report.waiting_since = waiting_since
-            batch = source_mod.broadcast_batch(
-                trainer.source,
-                timeout_s=recipe.buffer.batch_timeout_s,
-                waited_s=time.monotonic() - waiting_since,
-                wants_publish=broadcaster.needs_sync if broadcaster and rank == 0 else None,
-                stop=stop,
-            )
-            if report is not None:
-                report.waiting_since = None
-            if batch == "stop":  # SIGTERM on rank 0: checkpoint and leave, on every rank
-                break
-            if batch == "publish":  # a generator joined while we wait: weights first
-                broadcaster.on_step(trainer.version, trainer, force=True)
-                continue  # the same wait goes on: a publish does not restart its bound
-            waiting_since = None
-            if evaluator is not None and first_batch:
-                # the generators that made the first batch hold the weights the learner starts
-                # from, unless a version went out already (then after_sync evaluated it)
-                urls = [u for u, st in broadcaster.generators().items() if st != "dropped"]
-                broadcaster.between_versions(
-                    functools.partial(evaluator.evaluate, trainer.version, urls)
-                )
-            first_batch = False
-            result = trainer.step(batch)
-            # the new version out (every rank joins the gather), then the caller's publishers
-            if broadcaster is not None:
-                broadcaster.on_step(trainer.version, trainer)
-            for fn in publishers:
-                fn(trainer.version, trainer)
-            exported = trainer.maybe_export()
-            if rank == 0:
-                trainer.source.set_version(trainer.version, exported)
-            if trainer.save_checkpoint():
-                saved_at = trainer.version
-            if broadcaster is not None and trainer.version >= recipe.run.steps:
-                broadcaster.wait()  # the last version's sync metrics go in the last record
-            if sink is not None and trainer.version % recipe.logging.every == 0:
-                weights = broadcaster.take_metrics() if broadcaster is not None else {}
-                sink.log(result.metrics | weights, step=trainer.version)
-        if saved_at != trainer.version and trainer.version > 0:
-            trainer.save_checkpoint(force=True)
-        final = trainer.run_dir / "hf" / f"v{trainer.version}"
-        if trainer.last_export != str(final.resolve()):
-            trainer.export_hf(final)
-        if rank == 0:
-            trainer.source.set_version(trainer.version, str(final.resolve()))
-        outcome = "completed" if trainer.version >= recipe.run.steps else "stopped"
-        if broadcaster is not None and outcome == "completed":
-            # the last version on the generators (and evaluated there) before the workers end;
-            # on_step is a collective: every rank decides alike, from the version alone
-            if trainer.version % recipe.weights.every:
-                broadcaster.on_step(trainer.version, trainer, force=True)
-            broadcaster.wait()
-        if report is not None and outcome == "completed":
-            report.end()
+        _start_services(svc, recipe, trainer, rank, source_factory, invocation)
+        saved_at = _train_steps(svc, recipe, trainer, rank, publishers)
+        outcome = _save_the_end(recipe, trainer, rank, saved_at)
+        _announce_the_end(svc, recipe, trainer, outcome)
         return 0
     finally:
-        if report is not None:
-            report.close()
-        if broadcaster is not None:
-            broadcaster.close()
-        if evaluator is not None and evaluator.metrics is not None:
-            evaluator.metrics.close()
+        if svc.report is not None:
+            svc.report.close()
+        if svc.broadcaster is not None:
+            svc.broadcaster.close()
+        if svc.evaluator is not None and svc.evaluator.metrics is not None:
+            svc.evaluator.metrics.close()
         trainer.close()
         if rank == 0 and outcome:  # while the buffer still answers the workers' last releases
             _finish(recipe, trainer, outcome=outcome, wall_seconds=time.monotonic() - t0)
-            if report is not None:
-                report.linger()
-        stop_source = getattr(trainer.source, "stop", None)
-        if stop_source is not None:
-            stop_source()
-        if plane is not None:
-            plane.close()
-        if sink is not None:
-            sink.close()
+            if svc.report is not None:
+                svc.report.linger()
+        if trainer.source is not None:
+            trainer.source.stop()
+        if svc.plane is not None:
+            svc.plane.close()
+        if svc.sink is not None:
+            svc.sink.close()
+
+
+def _start_services(
+    svc: _Services,
+    recipe: Recipe,
+    trainer: Trainer,
+    rank: int,
+    source_factory: SourceFactory,
+    invocation: Invocation | None,
+) -> None:
+    """Rank 0's batch source, its report (which announces where it listens), metrics sink and
+    held-out evaluator; in an RL run every rank's weight broadcaster, which hears from the source
+    of every generator that registers."""
+    from asyncrl.metrics import MetricsSink
+
+    rl = recipe.algorithm.uses_rollouts
+    if rank == 0:
+        svc.plane = ControlPlane("learner-control")
+        trainer.source = source_factory(recipe, trainer, svc.plane)
+        # the report shows the buffer service's addresses and counters: an RL run's source
+        svc.report = LearnerReport(
+            recipe, trainer, source=trainer.source if rl else None, invocation=invocation
+        )
+        svc.report.announce()
+        svc.report.start(svc.plane)
+        # after the announcement: W&B's start-up (~1 s) overlaps the workers' first groups
+        svc.sink = MetricsSink.from_recipe(recipe, process="learner")
+    if rl and rank == 0:  # held-out prompts, on the generators while they hold a version
+        svc.evaluator = _evaluator(recipe, svc.report)
+    if rl:  # weights to the generators after every step (every rank joins the gather)
+        from asyncrl.weights.broadcaster import WeightBroadcaster
+
+        evaluator = svc.evaluator
+        svc.broadcaster = WeightBroadcaster(
+            recipe.weights,
+            export_dir=trainer.run_dir / "hf",
+            after_sync=evaluator.after_sync if evaluator is not None else None,
+            plane=svc.plane,
+            lora=recipe.learner.lora,
+        )
+        if rank == 0:
+            trainer.source.on_register(svc.broadcaster.on_register)
+            trainer.source.watch_generators(svc.broadcaster.dropped)
+
+
+def _train_steps(
+    svc: _Services,
+    recipe: Recipe,
+    trainer: Trainer,
+    rank: int,
+    publishers: Sequence[Callable],
+) -> int:
+    """Step until ``run.steps`` versions or a clean stop: pull → step → weights out → export →
+    announce → checkpoint → log. Returns the version last checkpointed (-1: none)."""
+    broadcaster, evaluator = svc.broadcaster, svc.evaluator
+    saved_at = -1
+    first_batch = True
+    stop = _stop_on_signals()
+    while trainer.version < recipe.run.steps:
+        batch = _wait_for_batch(svc, recipe, trainer, rank, stop)
+        if batch is Signal.STOP:  # SIGTERM on rank 0: checkpoint and leave, on every rank
+            break
+        if evaluator is not None and first_batch:
+            # the generators that made the first batch hold the weights the learner starts
+            # from, unless a version went out already (then after_sync evaluated it)
+            urls = [u for u, st in broadcaster.generators().items() if st != "dropped"]
+            broadcaster.between_versions(
+                functools.partial(evaluator.evaluate, trainer.version, urls)
+            )
+        first_batch = False
+        result = trainer.step(batch)
+        # the new version out (every rank joins the gather), then the caller's publishers
+        if broadcaster is not None:
+            broadcaster.on_step(trainer.version, trainer)
+        for fn in publishers:
+            fn(trainer.version, trainer)
+        exported = trainer.maybe_export()
+        if rank == 0:
+            trainer.source.set_version(trainer.version, exported)
+        if trainer.save_checkpoint():
+            saved_at = trainer.version
+        if broadcaster is not None and trainer.version >= recipe.run.steps:
+            broadcaster.wait()  # the last version's sync metrics go in the last record
+        if svc.sink is not None and trainer.version % recipe.logging.every == 0:
+            weights = broadcaster.take_metrics() if broadcaster is not None else {}
+            svc.sink.log(result.metrics | weights, step=trainer.version)
+    return saved_at
+
+
+def _wait_for_batch(
+    svc: _Services, recipe: Recipe, trainer: Trainer, rank: int, stop: threading.Event
+) -> Batch | Literal[Signal.STOP]:
+    """The next batch, the same on every rank, or a clean stop. One wait, bounded by
+    ``buffer.batch_timeout_s``, across the weights published during it: a generator that joins
+    while the learner waits gets them first, as its data may be what the wait needs."""
+    broadcaster, report = svc.broadcaster, svc.report
+    waiting_since = time.monotonic()
+    while True:
+        if report is not None:
+            report.waiting_since = waiting_since
+        batch = source_mod.broadcast_batch(
+            trainer.source,
+            timeout_s=recipe.buffer.batch_timeout_s,
+            waited_s=time.monotonic() - waiting_since,
+            wants_publish=broadcaster.needs_sync if broadcaster and rank == 0 else None,
+            stop=stop,
+        )
+        if report is not None:
+            report.waiting_since = None
+        if batch is not Signal.PUBLISH:
+            return batch
+        broadcaster.on_step(trainer.version, trainer, force=True)
+
+
+def _save_the_end(recipe: Recipe, trainer: Trainer, rank: int, saved_at: int) -> str:
+    """The last version checkpointed and exported, and announced with its export; returns the
+    outcome: "completed" at ``run.steps`` versions, else "stopped"."""
+    if saved_at != trainer.version and trainer.version > 0:
+        trainer.save_checkpoint(force=True)
+    final = trainer.run_dir / "hf" / f"v{trainer.version}"
+    if trainer.last_export != str(final.resolve()):
+        trainer.export_hf(final)
+    if rank == 0:
+        trainer.source.set_version(trainer.version, str(final.resolve()))
+    return "completed" if trainer.version >= recipe.run.steps else "stopped"
+
+
+def _announce_the_end(svc: _Services, recipe: Recipe, trainer: Trainer, outcome: str) -> None:
+    """At the last version: that version on the generators (and evaluated there), then the end
+    told to the workers (rank 0's report). A stopped run may be resumed: its workers are not told
+    to end."""
+    if outcome != "completed":
+        return
+    if svc.broadcaster is not None:
+        # before the workers end; on_step is a collective: every rank decides alike, from the
+        # version alone
+        if trainer.version % recipe.weights.every:
+            svc.broadcaster.on_step(trainer.version, trainer, force=True)
+        svc.broadcaster.wait()
+    if svc.report is not None:
+        svc.report.end()
 
 
 def _evaluator(recipe: Recipe, report: LearnerReport | None) -> Any:
@@ -285,8 +350,8 @@ def _finish(recipe: Recipe, trainer: Any, *, outcome: str, wall_seconds: float) 
     """The run's summary, evaluation and plots, and where they are (rank 0, at a clean end)."""
     from asyncrl import summary
 
-    stats = getattr(trainer.source, "stats", None)
-    status = {"version": trainer.version, **stats()} if stats is not None else None
+    stats = trainer.source.stats()
+    status = {"version": trainer.version, **stats} if stats is not None else None
     s = summary.finish_run(
         recipe,
         run_dir=trainer.run_dir,

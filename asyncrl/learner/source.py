@@ -8,10 +8,11 @@ advantages (which need whole groups) are computed identically everywhere.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgpack
 import torch
@@ -20,12 +21,29 @@ import torch.distributed as dist
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
 
-__all__ = ["Batch", "BatchSource", "SourceError", "broadcast_batch", "decode_batch", "encode_batch"]
+if TYPE_CHECKING:
+    from asyncrl.buffer.service import RegisterCallback
+
+__all__ = [
+    "Batch",
+    "BatchSource",
+    "Signal",
+    "SourceError",
+    "broadcast_batch",
+    "decode_batch",
+    "encode_batch",
+]
 
 
 @runtime_checkable
 class BatchSource(Protocol):
-    """Hands out one batch of whole groups per optimizer step (rank 0 only)."""
+    """Hands out one batch of whole groups per optimizer step (rank 0 only).
+
+    The RL buffer service (:class:`~asyncrl.buffer.service.BufferService`) speaks all of it; it
+    lives below the learner, so it matches this protocol by its methods rather than by subclassing
+    it. A local data set (:mod:`asyncrl.learner.data`) subclasses it and keeps the defaults of
+    what only a service has (workers to tell, generators to watch, a task to stop), so the learner
+    calls every method on every source and never asks which kind it has."""
 
     def next_batch(self, timeout_s: float) -> Batch:
         """The next batch; raises ``TimeoutError`` after ``timeout_s`` seconds without one."""
@@ -40,6 +58,34 @@ class BatchSource(Protocol):
         ...
 
     def load_state_dict(self, d: dict) -> None: ...
+
+    def on_register(self, callback: RegisterCallback) -> None:
+        """Call ``callback(worker_id, generators)`` on every worker's Register (the broadcaster's:
+        its generators). A local data set has no workers."""
+        return None
+
+    def watch_generators(self, dropped: Callable[[], dict[str, str]]) -> None:
+        """``dropped()``: the generators the learner sends no weights to, url -> why, for the
+        source to say while the learner waits. A local data set feeds no generators."""
+        return None
+
+    def waiting_cause(self) -> str:
+        """What a wait for a batch waits on, for the timeout's message ("" if nothing to say: a
+        local data set never makes the learner wait)."""
+        return ""
+
+    def stats(self) -> dict[str, Any] | None:
+        """Counters for the run's summary (None: a local data set has none to report)."""
+        return None
+
+    def end_run(self, message: str = "") -> None:
+        """The learner has trained its last version: a service tells its workers to end."""
+        return None
+
+    def stop(self) -> None:
+        """Rank 0 is leaving: a service stops serving (after the summary is written, so that
+        workers' last releases are still answered)."""
+        return None
 
 
 class SourceError(RuntimeError):
@@ -96,8 +142,13 @@ def broadcast_bytes(data: bytes | None, *, src: int = 0, error: str = "") -> byt
     return out
 
 
-Signal = Literal["stop", "publish"]
-"""What :func:`broadcast_batch` returns instead of a batch: see there."""
+class Signal(enum.Enum):
+    """What :func:`broadcast_batch` returns on every rank instead of a batch (see there)."""
+
+    STOP = "stop"
+    """A clean stop was asked for on rank 0 while it waited: every rank checkpoints and leaves."""
+    PUBLISH = "publish"
+    """A generator waits for the learner's weights: publish them, then wait on."""
 
 
 def broadcast_batch(
@@ -110,13 +161,14 @@ def broadcast_batch(
 ) -> Batch | Signal:
     """Rank 0 pulls from ``source``; every rank returns the same decoded batch (collective).
 
-    Returns ``"stop"`` on every rank when ``stop`` (rank 0's: set by the learner's SIGTERM handler)
-    is set while it waits (a clean stop); raises :class:`SourceError` on every rank when rank 0
-    gets no batch within ``timeout_s`` of a wait that began ``waited_s`` ago, naming what the
-    source says it waits on (``waiting_cause()``, if it has one). Returns ``"publish"`` on every
-    rank when ``wants_publish()`` (rank 0, between polls) is true: a generator waits for the
-    learner's weights, and its data may be what this wait needs; the caller then publishes and
-    calls again with the time already waited, so that publishing never restarts the bound.
+    Returns :attr:`Signal.STOP` on every rank when ``stop`` (rank 0's: set by the learner's
+    SIGTERM handler) is set while it waits (a clean stop); raises :class:`SourceError` on every
+    rank when rank 0 gets no batch within ``timeout_s`` of a wait that began ``waited_s`` ago,
+    naming what the source says it waits on (:meth:`~BatchSource.waiting_cause`). Returns
+    :attr:`Signal.PUBLISH` on every rank when ``wants_publish()`` (rank 0, between polls) is
+    true: a generator waits for the learner's weights, and its data may be what this wait needs;
+    the caller then publishes and calls again with the time already waited, so that publishing
+    never restarts the bound.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     kind, payload = _DATA, b""
@@ -132,8 +184,8 @@ def broadcast_batch(
                 if source is None:
                     payload = b"rank 0 has no batch source"
                 else:
-                    cause = getattr(source, "waiting_cause", None)
-                    said = f": {cause()}" if cause is not None else ""
+                    cause = source.waiting_cause()
+                    said = f": {cause}" if cause else ""
                     payload = f"no batch within {timeout_s:g} s (buffer.batch_timeout_s){said}"
                     payload = payload.encode()
                 break
@@ -152,7 +204,7 @@ def broadcast_batch(
     if kind == _ERROR:
         raise SourceError(payload.decode(errors="replace"))
     if kind == _STOP:
-        return "stop"
+        return Signal.STOP
     if kind == _PUBLISH:
-        return "publish"
+        return Signal.PUBLISH
     return decode_batch(payload)

@@ -20,10 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.optimizer import (
-    LRSchedulersContainer,
-    OptimizersContainer,
-)
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.model_spec import ModelSpec
 
@@ -172,53 +168,6 @@ class Trainer:
             m.ref = self._make_ref(spec, ref_mesh)
         self.realloc = reallocation(m)
 
-    # -- what the step runs on (self.models), by the names the learner's users know -------------
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The actor (None on a rank outside its ranks)."""
-        return self.models.actor  # type: ignore[return-value]
-
-    @property
-    def optimizers(self) -> OptimizersContainer:
-        return self.models.optimizers  # type: ignore[return-value]
-
-    @property
-    def lr_schedulers(self) -> LRSchedulersContainer:
-        return self.models.lr_schedulers  # type: ignore[return-value]
-
-    @property
-    def ref_model(self) -> torch.nn.Module | None:
-        return self.models.ref
-
-    @property
-    def critic(self) -> Critic | None:
-        return self.models.critic
-
-    @property
-    def spec(self) -> ModelSpec:
-        return self.models.spec
-
-    @property
-    def meshes(self) -> dict[str, RoleMesh]:
-        return self.models.meshes
-
-    @property
-    def dataflow(self) -> Dataflow:
-        return self.models.flow
-
-    @property
-    def device(self) -> torch.device:
-        return self.models.device
-
-    @property
-    def temperature(self) -> float:
-        return self.models.temperature
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.models.max_seq_len
-
     def _make_ref(self, spec: ModelSpec, ref_mesh: RoleMesh) -> torch.nn.Module:
         """π_ref, frozen, forward only, sharded by its own placement. At a fresh start on the actor's
         ranks it is resharded from the actor's just-loaded weights (:func:`reshard`: no second HF
@@ -228,11 +177,11 @@ class Trainer:
         c = self.config
         if ref_is_lora_base(c.placement, c.build.lora, self.world):
             self.ref_source = "actor"
-            return self.model
+            return self.models.actor
         ref = self.build.model(spec, "ref")
         same = not self.lora  # a LoRA actor's parameters are the base's and its adapters'
-        if same and not self.resumed and ref_mesh.ranks == self.meshes["actor"].ranks:
-            moved = reshard(self.model, ref)
+        if same and not self.resumed and ref_mesh.ranks == self.models.meshes["actor"].ranks:
+            moved = reshard(self.models.actor, ref)
             self.ref_source = "reshard"
             log.info(
                 "π_ref: resharded from the actor's initial weights (tensor_parallel %d -> %d, "
@@ -268,10 +217,6 @@ class Trainer:
     # Checkpoints
     # ------------------------------------------------------------------------------------------
 
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.checkpoints.folder
-
     def latest_checkpoint_step(self) -> int:
         """The highest complete ``step-N`` in the run's checkpoint folder, or -1."""
         return self.checkpoints.latest_step()
@@ -282,14 +227,14 @@ class Trainer:
         step = self.latest_checkpoint_step()
         if step >= 0 and not self.config.resume:
             raise LearnerError(
-                f"{self.checkpoint_dir} already holds checkpoints (step {step}); "
+                f"{self.checkpoints.folder} already holds checkpoints (step {step}); "
                 "set run.resume=true to continue it or pick another run.name"
             )
         self.resumed = step >= 0  # the actor holds a checkpoint's weights, not model.path's
         state = self.checkpoints.load()
-        actor = self.meshes["actor"]
+        actor = self.models.meshes["actor"]
         if actor.holds and (self.lora or (step < 0 and not actor.whole_world)):
-            self.build.load_hf(self.model, self.adapter, self.model_dir, group=actor.group)
+            self.build.load_hf(self.models.actor, self.adapter, self.model_dir, group=actor.group)
         if state is not None:
             self.version = int(state.get("version", step))
             self.source_state = state.get("source")
@@ -314,10 +259,10 @@ class Trainer:
         """Drop the last step's gradients and give their memory back before a checkpoint or an
         export needs room (a model's size in float32: 2.4 GB for Qwen3-0.6B; the next step's
         backward allocates them again). They are not part of either."""
-        if self.optimizers is not None:
-            self.optimizers.zero_grad()  # set_to_none
-        if self.critic is not None:
-            self.critic.optimizers.zero_grad()
+        if self.models.optimizers is not None:
+            self.models.optimizers.zero_grad()  # set_to_none
+        if self.models.critic is not None:
+            self.models.critic.optimizers.zero_grad()
         malloc.release_freed_memory()
 
     def wait_for_checkpoint(self) -> None:
@@ -338,8 +283,8 @@ class Trainer:
         generators hold the base). With ``all_ranks=False`` only rank 0 keeps them."""
         keep = all_ranks or self.rank == 0
         if self.lora:
-            return lora.adapter_state_dict(self.model, dtype, keep=keep)
-        return export.hf_state_dict(self.model, self.adapter, dtype, keep=keep)
+            return lora.adapter_state_dict(self.models.actor, dtype, keep=keep)
+        return export.hf_state_dict(self.models.actor, self.adapter, dtype, keep=keep)
 
     def export_hf(self, path: str | Path, *, dtype: str | None = None) -> Path:
         """The actor as an HF folder at ``path`` (:func:`export.export_hf`; collective); a reward
@@ -347,7 +292,7 @@ class Trainer:
         ``learner.lora.export`` says: a PEFT adapter folder, or the HF folder with B A merged."""
         self.free_gradients()
         out = export.export_hf(
-            self.model,
+            self.models.actor,
             self.checkpoints.manager,
             path,
             dtype=dtype or self.config.build.dtype,

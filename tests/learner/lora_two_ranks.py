@@ -43,12 +43,12 @@ def main() -> None:
     model, out = Path(sys.argv[1]), Path(sys.argv[2])
     tp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     tr = trainer(model, out / "run", tp)
-    base, start = local(tr.model, False), local(tr.model, True)
+    base, start = local(tr.models.actor, False), local(tr.models.actor, True)
     steps = []
     for _ in range(STEPS):
-        res = tr.step(rl_batch(tr.spec.model.vocab_size, seed=tr.version))
+        res = tr.step(rl_batch(tr.models.spec.model.vocab_size, seed=tr.version))
         steps.append({"loss": res.loss, **res.metrics})
-    after_base, after = local(tr.model, False), local(tr.model, True)
+    after_base, after = local(tr.models.actor, False), local(tr.models.actor, True)
     moments = [t for t in optimizer_state(tr) if t.dim() > 0]
     found = {
         "base_unchanged": all(torch.equal(after_base[k], base[k]) for k in base),
@@ -66,7 +66,7 @@ def main() -> None:
     state = optimizer_state(tr)
     tr.close()
     again = trainer(model, out / "run", tp)
-    got, got_state = local(again.model, True), optimizer_state(again)
+    got, got_state = local(again.models.actor, True), optimizer_state(again)
     found["resumed"] = (
         again.version == STEPS
         and got.keys() == after.keys()

@@ -25,21 +25,23 @@ RL = {"learner": {"lr": 1e-3, "grad_clip": 1.0}, "buffer": {"max_staleness": 8}}
 
 def run(model: Path, tmp: Path, *, offload: bool) -> tuple[dict, dict[str, torch.Tensor]]:
     tr = make_trainer(model, tmp, **RL)
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     tr.step(rl_batch(vocab, seed=0))
     found: dict = {}
     if offload:
-        opts = list(tr.optimizers)
-        before = [t.clone() for t in role_tensors(tr.model, opts)]
-        off = Offloader(model=tr.model, optimizers=opts)
+        opts = list(tr.models.optimizers)
+        before = [t.clone() for t in role_tensors(tr.models.actor, opts)]
+        off = Offloader(model=tr.models.actor, optimizers=opts)
         freed = off.offload()
-        emptied = all(t.untyped_storage().nbytes() == 0 for t in role_tensors(tr.model, opts))
+        emptied = all(
+            t.untyped_storage().nbytes() == 0 for t in role_tensors(tr.models.actor, opts)
+        )
         off.reload()
-        after = list(role_tensors(tr.model, opts))
+        after = list(role_tensors(tr.models.actor, opts))
         bitwise = len(after) == len(before) and all(
             torch.equal(a, b) for a, b in zip(after, before, strict=True)
         )
-        params = list(tr.model.parameters())
+        params = list(tr.models.actor.parameters())
         local = sum(p.to_local().numel() for p in params)
         # FSDP2 pads every rank's shard of a parameter to ceil(rows / ranks) rows (dim 0)
         world = dist.get_world_size()

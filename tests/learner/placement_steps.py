@@ -67,17 +67,17 @@ def main(recipe_path: str, batch_path: str, out_dir: str, steps: str, run_dir: s
     )
     try:
         batch = decode_batch(Path(batch_path).read_bytes())
-        if trainer.model is not None:
-            leader = trainer.meshes["actor"].leader
+        if trainer.models.actor is not None:
+            leader = trainer.models.meshes["actor"].leader
             save_on_leader(leader, trainer.hf_state_dict(), out / "actor-start.safetensors")
 
             def actor_first() -> None:  # both collective over the actor's ranks
                 save_on_leader(leader, trainer.hf_state_dict(), out / "actor-first.safetensors")
                 save_on_leader(leader, hf_grads(trainer), out / "actor-first-grads.safetensors")
 
-            after_first_update(trainer.optimizers, actor_first)
-        if trainer.critic is not None:
-            critic, c_leader = trainer.critic.model, trainer.meshes["critic"].leader
+            after_first_update(trainer.models.optimizers, actor_first)
+        if trainer.models.critic is not None:
+            critic, c_leader = trainer.models.critic.model, trainer.models.meshes["critic"].leader
             start = {n: full(p) for n, p in critic.named_parameters()}
             save_on_leader(c_leader, start, out / "critic-start.safetensors")
 
@@ -88,21 +88,27 @@ def main(recipe_path: str, batch_path: str, out_dir: str, steps: str, run_dir: s
                 grads = {n: full(p.grad) for n, p in named}
                 save_on_leader(c_leader, grads, out / "critic-first-grads.safetensors")
 
-            after_first_update(trainer.critic.optimizers, critic_first)
+            after_first_update(trainer.models.critic.optimizers, critic_first)
         metrics = []
         for _ in range(int(steps)):
             res = trainer.step(batch)
             metrics.append({"loss": res.loss, **res.metrics})
-        held = {"actor": trainer.model, "critic": trainer.critic, "ref": trainer.ref_model}
+        held = {
+            "actor": trainer.models.actor,
+            "critic": trainer.models.critic,
+            "ref": trainer.models.ref,
+        }
         roles = sorted(role for role, held_here in held.items() if held_here is not None)
         (out / f"roles-rank{trainer.rank}.json").write_text(json.dumps(roles))
         actor = trainer.hf_state_dict()  # collective over the actor's ranks
-        if trainer.meshes["actor"].leader:
+        if trainer.models.meshes["actor"].leader:
             save_file({k: v.contiguous() for k, v in actor.items()}, out / "actor.safetensors")
             (out / "metrics.json").write_text(json.dumps(metrics))
-        if trainer.critic is not None:
-            critic = {name: full(p) for name, p in trainer.critic.model.named_parameters()}
-            save_on_leader(trainer.meshes["critic"].leader, critic, out / "critic.safetensors")
+        if trainer.models.critic is not None:
+            critic = {name: full(p) for name, p in trainer.models.critic.model.named_parameters()}
+            save_on_leader(
+                trainer.models.meshes["critic"].leader, critic, out / "critic.safetensors"
+            )
         if run_dir:
             trainer.save_checkpoint(force=True)
             trainer.export_hf(out / "hf")

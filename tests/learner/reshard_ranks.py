@@ -47,24 +47,24 @@ def main(recipe_path: str, batch_path: str, out_dir: str) -> None:
         checkpointing=False,
     )
     try:
-        ref_mesh = tr.meshes["ref"]
-        hf_ref = tr.build.model(tr.spec, "ref")
+        ref_mesh = tr.models.meshes["ref"]
+        hf_ref = tr.build.model(tr.models.spec, "ref")
         tr.build.load_hf(hf_ref, tr.adapter, tr.model_dir, group=ref_mesh.group)
         hf_ref.eval().requires_grad_(False)
-        assert tr.ref_model is not None
-        resharded, loaded, actor = _full(tr.ref_model), _full(hf_ref), _full(tr.model)
+        assert tr.models.ref is not None
+        resharded, loaded, actor = _full(tr.models.ref), _full(hf_ref), _full(tr.models.actor)
         differ = sorted(k for k in loaded if not torch.equal(resharded[k], loaded[k]))
         differ_actor = sorted(k for k in actor if not torch.equal(resharded[k], actor[k]))
 
         seqs = ref_mesh.share(tr.sequences(decode_batch(Path(batch_path).read_bytes())))
         mbs = tr.micro_batches(seqs, ref_mesh.group)
-        lp_re = torch.cat([token_logprobs(tr.models, mb, tr.ref_model)[0] for mb in mbs])
+        lp_re = torch.cat([token_logprobs(tr.models, mb, tr.models.ref)[0] for mb in mbs])
         lp_hf = torch.cat([token_logprobs(tr.models, mb, hf_ref)[0] for mb in mbs])
         same = torch.tensor([float(torch.equal(lp_re, lp_hf)), float(lp_re.numel())])
         dist.all_reduce(same)  # every rank's share: equal everywhere, tokens counted per rank
 
         # once more, into the HF-loaded ref: the bytes, and the copy is a no-op on equal weights
-        moved = reshard(tr.model, hf_ref)
+        moved = reshard(tr.models.actor, hf_ref)
         again = _full(hf_ref)
         differ_again = sorted(k for k in loaded if not torch.equal(again[k], loaded[k]))
         if tr.rank == 0:

@@ -84,8 +84,8 @@ def test_kl_reward_and_vtrace_targets_by_hand():
 
 def test_the_critic_fits_the_returns_and_the_actor_trains(tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=GAE, critic={"lr": 3e-3}, **RL)
-    assert tr.critic is not None
-    batch = rl_batch(tr.spec.model.vocab_size)
+    assert tr.models.critic is not None
+    batch = rl_batch(tr.models.spec.model.vocab_size)
     actor0 = {k: v.clone() for k, v in tr.hf_state_dict().items()}
     first = tr.step(batch)
     for k in (names.VALUE_LOSS, names.EXPLAINED_VARIANCE, names.VALUE_CLIP_FRAC):
@@ -105,8 +105,8 @@ def test_micro_batch_split_does_not_change_the_critics_step(tiny_qwen3, tmp_path
     for mbt in (4096, 24):
         learner = {**RL["learner"], "micro_batch_tokens": mbt}
         tr = make_trainer(tiny_qwen3, tmp_path, algorithm=GAE, learner=learner, buffer=RL["buffer"])
-        res = tr.step(rl_batch(tr.spec.model.vocab_size, groups=4))
-        grads = {k: p.grad.detach().clone() for k, p in tr.critic.model.named_parameters()}
+        res = tr.step(rl_batch(tr.models.spec.model.vocab_size, groups=4))
+        grads = {k: p.grad.detach().clone() for k, p in tr.models.critic.model.named_parameters()}
         out.append((res, grads))
     (one, g_one), (many, g_many) = out
     assert one.metrics["learner/micro_batches"] == 1 and many.metrics["learner/micro_batches"] > 3
@@ -128,7 +128,7 @@ def test_a_value_change_beyond_the_clip_loses_its_gradient(tiny_qwen3, tmp_path)
         critic={"lr": 1e-2},
         **{"buffer": RL["buffer"]},
     )
-    res = tr.step(rl_batch(tr.spec.model.vocab_size))
+    res = tr.step(rl_batch(tr.models.spec.model.vocab_size))
     assert 0 < res.metrics[names.VALUE_CLIP_FRAC] < 1
 
 
@@ -152,12 +152,14 @@ def test_checkpoint_and_resume_continue_actor_and_critic_bitwise(tiny_qwen3, tmp
         out = []
         for v in steps:
             res = trainer.step(rl_batch(vocab, seed=v))
-            critic = {k: p.detach().clone() for k, p in trainer.critic.model.state_dict().items()}
+            critic = {
+                k: p.detach().clone() for k, p in trainer.models.critic.model.state_dict().items()
+            }
             out.append((res.loss, res.metrics[names.VALUE_LOSS], critic, trainer.hf_state_dict()))
         return out
 
     a = Trainer(TrainerConfig.from_recipe(recipe_mod.from_dict(spec)))
-    vocab = a.spec.model.vocab_size
+    vocab = a.models.spec.model.vocab_size
     run(a, [0])
     assert a.save_checkpoint(force=True)
     straight = run(a, [1, 2])
@@ -185,9 +187,9 @@ def test_a_critic_from_a_reward_models_folder_keeps_its_head(
     tr = make_trainer(
         tiny_qwen3, tmp_path, algorithm=GAE, critic={"path": str(tiny_reward_model)}, **RL
     )
-    assert torch.equal(tr.critic.model.lm_head.weight.detach().full_tensor(), head)
+    assert torch.equal(tr.models.critic.model.lm_head.weight.detach().full_tensor(), head)
     fresh = make_trainer(tiny_qwen3, tmp_path, algorithm=GAE, **RL)
-    w = fresh.critic.model.lm_head.weight.detach().full_tensor()
+    w = fresh.models.critic.model.lm_head.weight.detach().full_tensor()
     assert w.shape == head.shape and 0 < float(w.abs().max()) < 0.01
 
 
@@ -205,9 +207,9 @@ def test_the_step_runs_the_recipes_dataflow_in_dependency_order(tiny_qwen3, tmp_
         if real is not None:
             wrapped = lambda m, run, real=real, call=call: (ran.append(call), real(m, run))  # noqa: E731
             monkeypatch.setitem(calls.CALL_RUNNERS, call, wrapped)
-    res = tr.step(rl_batch(tr.spec.model.vocab_size))
+    res = tr.step(rl_batch(tr.models.spec.model.vocab_size))
     assert np.isfinite(res.loss) and res.metrics["learner/updates"] == 2
-    levels = tr.dataflow.order()
+    levels = tr.models.flow.order()
     expect = [c.name for level in levels for c in level if calls.CALL_RUNNERS[c.name] is not None]
     assert ran == expect
     assert set(ran[:3]) == {"prox", "ref", "values"}
@@ -224,8 +226,8 @@ def test_micro_batches_leave_no_unsharded_gradient_to_the_next(tiny_qwen3, tmp_p
 
     learner = {**RL["learner"], "micro_batch_tokens": 24}
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=GAE, learner=learner, buffer=RL["buffer"])
-    with held_at_each_forward([tr.model, tr.critic.model]) as held:
-        res = tr.step(rl_batch(tr.spec.model.vocab_size, groups=4))
+    with held_at_each_forward([tr.models.actor, tr.models.critic.model]) as held:
+        res = tr.step(rl_batch(tr.models.spec.model.vocab_size, groups=4))
     micro_batches = res.metrics["learner/micro_batches"]
     assert micro_batches > 3 and len(held) == 2 * micro_batches  # the actor's and the critic's
     assert held == [0] * len(held)

@@ -51,7 +51,7 @@ def adapters(model) -> dict[str, torch.Tensor]:
 def optimizer_state(tr) -> list[torch.Tensor]:
     """AdamW's state of every parameter it holds, in the optimizer's order (local shards)."""
     out = []
-    for opt in tr.optimizers:
+    for opt in tr.models.optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 for k in sorted(opt.state[p]):
@@ -79,28 +79,28 @@ def peft_logprobs(model, seqs) -> list[torch.Tensor]:
 @pytest.mark.parametrize("loss", ["ppo", "sft"])
 def test_step_zero_is_the_base_and_only_adapters_train(tiny_qwen3, tmp_path, loss):
     tr = lora_trainer(tiny_qwen3, tmp_path, algorithm={"loss": loss})
-    seqs = random_sequences(3, tr.spec.model.vocab_size)
+    seqs = random_sequences(3, tr.models.spec.model.vocab_size)
     # B = 0: the adapted model is the base model
     for got, ref in zip(learner_logprobs(tr, seqs), hf_logprobs(tiny_qwen3, seqs), strict=True):
         assert_logits_close(got, ref)
-    base, start = local(tr.model, False), adapters(tr.model)
+    base, start = local(tr.models.actor, False), adapters(tr.models.actor)
     # every target of every layer: q, k, v each their own A (r, in) and B (out, r) on wqkv
     assert len(start) == 2 * 2 * len(TARGETS)
     assert all(".lora." in n for n in start) and len(base) > 0
     for _ in range(3):
-        tr.step(rl_batch(tr.spec.model.vocab_size, seed=tr.version))
-    after = local(tr.model, False) | adapters(tr.model)
+        tr.step(rl_batch(tr.models.spec.model.vocab_size, seed=tr.version))
+    after = local(tr.models.actor, False) | adapters(tr.models.actor)
     assert all(torch.equal(after[n], base[n]) for n in base)  # bitwise: the base is frozen
     assert all(not torch.equal(after[n], start[n]) for n in start)  # every A and B moved
     # AdamW's two moments exist for the adapters only
-    state = [s for opt in tr.optimizers for s in opt.state.values()]
+    state = [s for opt in tr.models.optimizers for s in opt.state.values()]
     moments = sum(s[k].numel() for s in state for k in ("exp_avg", "exp_avg_sq"))
     assert moments == 2 * sum(p.numel() for p in start.values()) == 2 * 22_528
 
 
 def test_weight_snapshot_is_the_adapters_under_the_wire_names(tiny_qwen3, tmp_path):
     tr = lora_trainer(tiny_qwen3, tmp_path)
-    tr.step(rl_batch(tr.spec.model.vocab_size))
+    tr.step(rl_batch(tr.models.spec.model.vocab_size))
     sd = tr.hf_state_dict(torch.bfloat16)
     hidden, heads, kv, head_dim, ffn = 128, 4, 2, 32, 512
     outs = {"q_proj": heads * head_dim, "k_proj": kv * head_dim, "v_proj": kv * head_dim}
@@ -115,7 +115,7 @@ def test_weight_snapshot_is_the_adapters_under_the_wire_names(tiny_qwen3, tmp_pa
     assert {k: tuple(v.shape) for k, v in sd.items()} == want
     assert all(v.dtype == torch.bfloat16 for v in sd.values())
     # B unscaled: the parameter itself (one rank: the full tensor)
-    b = adapters(tr.model)["layers.1.feed_forward.w2.lora.pairs.down_proj.B"]
+    b = adapters(tr.models.actor)["layers.1.feed_forward.w2.lora.pairs.down_proj.B"]
     assert torch.equal(sd["model.layers.1.mlp.down_proj.lora_B.weight"], b.bfloat16())
 
 
@@ -129,8 +129,8 @@ def test_adapter_and_merged_exports_load_in_transformers_to_the_learners_logprob
     lora = LORA | {"targets": ["q_proj", "v_proj", "down_proj"]}  # PEFT's wqkv with k left out
     tr = lora_trainer(tiny_qwen3, tmp_path, learner=RL["learner"] | {"lora": lora})
     for _ in range(2):
-        tr.step(rl_batch(tr.spec.model.vocab_size, seed=tr.version))
-    seqs = random_sequences(4, tr.spec.model.vocab_size, seed=3)
+        tr.step(rl_batch(tr.models.spec.model.vocab_size, seed=tr.version))
+    seqs = random_sequences(4, tr.models.spec.model.vocab_size, seed=3)
     want = learner_logprobs(tr, seqs)
     base = hf_logprobs(tiny_qwen3, seqs)
     assert max(float((w - b).abs().max()) for w, b in zip(want, base, strict=True)) > 1e-3
@@ -182,13 +182,13 @@ def test_checkpoint_holds_what_trains_and_a_resume_gets_it_back(tiny_qwen3, tmp_
     cfg = TrainerConfig.from_recipe(recipe_mod.from_dict(data))
     tr = Trainer(cfg)
     for _ in range(2):
-        tr.step(rl_batch(tr.spec.model.vocab_size, seed=tr.version))
+        tr.step(rl_batch(tr.models.spec.model.vocab_size, seed=tr.version))
     assert tr.save_checkpoint(force=True)
     tr.wait_for_checkpoint()
-    trained = adapters(tr.model)
+    trained = adapters(tr.models.actor)
     moments = optimizer_state(tr)
     tr.close()
-    meta = FileSystemReader(str(tr.checkpoint_dir / "step-2")).read_metadata()
+    meta = FileSystemReader(str(tr.checkpoints.folder / "step-2")).read_metadata()
     model_keys = [k for k in meta.state_dict_metadata if k.startswith("layers.")]
     assert model_keys and all(".lora." in k for k in model_keys)  # no base weight saved
     assert not any(
@@ -197,7 +197,7 @@ def test_checkpoint_holds_what_trains_and_a_resume_gets_it_back(tiny_qwen3, tmp_
 
     again = Trainer(cfg)
     assert again.version == 2
-    got = adapters(again.model)
+    got = adapters(again.models.actor)
     assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k]) for k in got)
     # the base is model.path's again, and the optimizer's moments came back
     for got_lp, ref in zip(
@@ -273,7 +273,7 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(
     tr = make_trainer(tiny_qwen3, tmp_path / "one", **TWO_RANKS)
     steps = []
     for _ in range(2):
-        res = tr.step(rl_batch(tr.spec.model.vocab_size, seed=tr.version))
+        res = tr.step(rl_batch(tr.models.spec.model.vocab_size, seed=tr.version))
         steps.append({"loss": res.loss, **res.metrics})
     one = tr.hf_state_dict()
     tr.config.build.lora.export = "merged"
@@ -307,14 +307,14 @@ def test_reference_is_the_actors_base_with_its_adapters_off(tiny_qwen3, tmp_path
     for placement in ({}, {"ref": {"offload": True}}):
         tr = lora_trainer(tiny_qwen3, tmp_path, algorithm=kl, placement=placement)
         losses = [tr.step(rl_batch(99, seed=s)).loss for s in range(3)]
-        runs.append((tr, losses, adapters(tr.model)))
+        runs.append((tr, losses, adapters(tr.models.actor)))
     (shared, l1, a1), (own, l2, a2) = runs
-    assert shared.ref_model is shared.model and shared.ref_source == "actor"
-    assert own.ref_model is not own.model and own.ref_source == "hf"
+    assert shared.models.ref is shared.models.actor and shared.ref_source == "actor"
+    assert own.models.ref is not own.models.actor and own.ref_source == "hf"
     assert l1 == l2 and all(torch.equal(a1[k], a2[k]) for k in a1)
     # the reference really is the base: with the adapters on, the same pass gives other logprobs
     seqs = random_sequences(2, 99)
-    with lora_mod.disabled(shared.model):
+    with lora_mod.disabled(shared.models.actor):
         base = learner_logprobs(shared, seqs)
     for got, ref in zip(base, hf_logprobs(tiny_qwen3, seqs), strict=True):
         assert_logits_close(got, ref)
@@ -338,7 +338,7 @@ def test_dropout_acts_in_the_training_forward_only(tiny_qwen3, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     # and the training forward drops: two forwards with gradients differ
     items = [make_sequence(0, seqs[0][:1], seqs[0][1:])]
-    h1, h2 = (hidden(tr.models, pack(items), tr.model) for _ in range(2))
+    h1, h2 = (hidden(tr.models, pack(items), tr.models.actor) for _ in range(2))
     assert not torch.equal(h1, h2)
 
 

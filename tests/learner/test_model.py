@@ -51,7 +51,7 @@ def hf_logprobs(model_dir, seqs):
 def test_logprobs_match_transformers_packed_and_unpacked(fixture, request, tmp_path):
     model_dir = request.getfixturevalue(fixture)
     tr = make_trainer(model_dir, tmp_path)
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     seqs = random_sequences(5, vocab)
     # prompt = first token, completion = the rest: every position is a trained token
     items = [make_sequence(i, s[:1], s[1:]) for i, s in enumerate(seqs)]
@@ -84,7 +84,7 @@ def test_hf_state_dict_and_export_round_trip(fixture, request, tmp_path):
     from asyncrl import wire
     from asyncrl.learner.source import Batch
 
-    seqs = random_sequences(4, tr.spec.model.vocab_size, seed=1)
+    seqs = random_sequences(4, tr.models.spec.model.vocab_size, seed=1)
     samples = [
         wire.Sample(
             id=str(i),
@@ -103,7 +103,7 @@ def test_hf_state_dict_and_export_round_trip(fixture, request, tmp_path):
     ids = torch.as_tensor(seqs[0])[None]
     with torch.no_grad():
         ref = hf(ids).logits
-        got = tr.model.lm_head(tr.model(ids, torch.arange(ids.shape[1])[None]))
+        got = tr.models.actor.lm_head(tr.models.actor(ids, torch.arange(ids.shape[1])[None]))
     assert_logits_close(got, ref)
     assert not torch.equal(hf.state_dict()["model.norm.weight"], original["model.norm.weight"])
     for name in ("config.json", "tokenizer.json", "generation_config.json"):

@@ -60,25 +60,25 @@ def fsdp_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def test_offload_frees_the_roles_bytes_and_reload_is_bitwise(tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=PPO, **RL)
-    tr.step(rl_batch(tr.spec.model.vocab_size))  # gradients and AdamW state exist
-    opts = list(tr.optimizers)
-    before = snapshot(tr.model, opts)
-    params = list(tr.model.parameters())
+    tr.step(rl_batch(tr.models.spec.model.vocab_size))  # gradients and AdamW state exist
+    opts = list(tr.models.optimizers)
+    before = snapshot(tr.models.actor, opts)
+    params = list(tr.models.actor.parameters())
     p = sum(x.numel() for x in params)
     assert (
         p == ModelDims.from_hf_config(json.loads((tiny_qwen3 / "config.json").read_text())).params
     )
-    off = Offloader(model=tr.model, optimizers=opts)
+    off = Offloader(model=tr.models.actor, optimizers=opts)
 
     freed = off.offload()
     # float32 parameters, gradients and both AdamW moments (memory.py's 16·P on one rank), and
     # AdamW's float32 step counter per parameter
     assert freed == 16 * p + 4 * len(params) == 8_079_440
-    assert all(t.untyped_storage().nbytes() == 0 for t in role_tensors(tr.model, opts))
+    assert all(t.untyped_storage().nbytes() == 0 for t in role_tensors(tr.models.actor, opts))
     assert off.offload() == 0  # already on the host
 
     assert off.reload() == freed
-    after = list(role_tensors(tr.model, opts))
+    after = list(role_tensors(tr.models.actor, opts))
     assert len(after) == len(before) == 5 * len(params)  # param, grad, exp_avg, exp_avg_sq, step
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     assert off.reload() == 0
@@ -95,8 +95,8 @@ def test_the_role_offloads_into_one_host_buffer_of_its_summed_sizes(tiny_qwen3, 
     rounding per storage (torch's caching host allocator's, for a pinned tensor each); reused by
     the next offload; the round trip bitwise."""
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=PPO, **RL)
-    tr.step(rl_batch(tr.spec.model.vocab_size))
-    off = Offloader(model=tr.model, optimizers=list(tr.optimizers))
+    tr.step(rl_batch(tr.models.spec.model.vocab_size))
+    off = Offloader(model=tr.models.actor, optimizers=list(tr.models.optimizers))
     storages = off.storages()
     sizes = [s.nbytes() for s in storages]
     before = [storage_bytes(s) for s in storages]
@@ -134,18 +134,18 @@ def test_a_forward_only_role_also_frees_fsdps_gathered_parameters(tiny_qwen3, tm
     """A forward without a backward leaves TorchTitan's root unit (final norm and output
     projection, not resharded after forward) all-gathered: the offload reshards it first."""
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=PPO, **RL)
-    seqs = tr.sequences(rl_batch(tr.spec.model.vocab_size))
+    seqs = tr.sequences(rl_batch(tr.models.spec.model.vocab_size))
     mbs = tr.micro_batches(seqs)
     ref_before = tr.logprobs(mbs)
-    p = 4 * sum(x.numel() for x in tr.ref_model.parameters())
-    assert fsdp_bytes(tr.ref_model) == (p, 0)  # the actor's forward did not touch the ref
-    token_logprobs(tr.models, mbs[0], tr.ref_model)
-    assert fsdp_bytes(tr.ref_model)[1] > 0
-    off = Offloader(model=tr.ref_model)
+    p = 4 * sum(x.numel() for x in tr.models.ref.parameters())
+    assert fsdp_bytes(tr.models.ref) == (p, 0)  # the actor's forward did not touch the ref
+    token_logprobs(tr.models, mbs[0], tr.models.ref)
+    assert fsdp_bytes(tr.models.ref)[1] > 0
+    off = Offloader(model=tr.models.ref)
     assert off.offload() == p  # frozen: its parameters only
-    assert fsdp_bytes(tr.ref_model) == (0, 0)
+    assert fsdp_bytes(tr.models.ref) == (0, 0)
     off.reload()
-    assert fsdp_bytes(tr.ref_model) == (p, 0)
+    assert fsdp_bytes(tr.models.ref) == (p, 0)
     assert all(torch.equal(a, b) for a, b in zip(tr.logprobs(mbs), ref_before, strict=True))
 
 
@@ -168,25 +168,25 @@ def test_a_step_with_critic_and_ref_offloaded_trains_exactly_as_without(
                 for r in ("critic", "ref")
             ]
             assert tr.realloc.offloaders == {}
-            c = tr.critic
+            c = tr.models.critic
             tr.realloc = Reallocation(
                 offloaders={
                     "critic": Offloader(model=c.model, optimizers=list(c.optimizers)),
-                    "ref": Offloader(model=tr.ref_model),
+                    "ref": Offloader(model=tr.models.ref),
                 }
             )
         for seed in (0, 1):
-            tr.step(rl_batch(tr.spec.model.vocab_size, seed=seed))
+            tr.step(rl_batch(tr.models.spec.model.vocab_size, seed=seed))
             if offload:  # between steps both roles are on the host
                 assert tr.realloc.offloaders["critic"].offloaded
                 assert tr.realloc.offloaders["ref"].offloaded
                 assert tr.realloc.freed["ref"] == 4 * sum(
-                    x.numel() for x in tr.ref_model.parameters()
+                    x.numel() for x in tr.models.ref.parameters()
                 )
         tr.realloc.reload_all()
         runs.append(
-            snapshot(tr.model, list(tr.optimizers))
-            + snapshot(tr.critic.model, list(tr.critic.optimizers))
+            snapshot(tr.models.actor, list(tr.models.optimizers))
+            + snapshot(tr.models.critic.model, list(tr.models.critic.optimizers))
         )
     plain, offloaded = runs
     assert len(plain) == len(offloaded) > 0

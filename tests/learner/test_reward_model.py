@@ -121,7 +121,7 @@ def test_micro_batches_leave_no_unsharded_gradient_to_the_next(tiny_qwen3, tmp_p
     recipe = recipe_mod.from_dict(rm_recipe(tmp_path, tiny_qwen3, 1, micro_batch_tokens=100))
     trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
     try:
-        with held_at_each_forward([trainer.model]) as held:
+        with held_at_each_forward([trainer.models.actor]) as held:
             res = trainer.step(PreferenceSource.from_recipe(recipe).next_batch())
     finally:
         trainer.close()

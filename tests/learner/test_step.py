@@ -74,7 +74,7 @@ def test_every_loss_takes_a_finite_step(tiny_qwen3, tmp_path):
     for i, name in enumerate(LOSSES):
         alg = dataclasses.replace(tr.config.algorithm, loss=name, entropy_coef=0.01 * (i % 2))
         tr.models.config = dataclasses.replace(tr.config, algorithm=alg)  # what the step reads
-        batch = rl_batch(tr.spec.model.vocab_size, seed=i)
+        batch = rl_batch(tr.models.spec.model.vocab_size, seed=i)
         res = tr.step(batch)
         assert res.version == i + 1 and tr.version == i + 1
         assert np.isfinite(res.loss) and res.loss != 0.0, name
@@ -107,9 +107,9 @@ def test_micro_batch_split_does_not_change_the_step(tiny_qwen3, tmp_path, loss, 
             algorithm=alg,
             learner={**RL["learner"], "micro_batch_tokens": mbt},
         )
-        batch = rl_batch(tr.spec.model.vocab_size, groups=4)
+        batch = rl_batch(tr.models.spec.model.vocab_size, groups=4)
         res = tr.step(batch)
-        results.append((res, *weights_and_grads(tr.model)))
+        results.append((res, *weights_and_grads(tr.models.actor)))
     (one, w_one, g_one), (many, w_many, g_many) = results
     assert one.metrics["learner/micro_batches"] == 1 and many.metrics["learner/micro_batches"] > 3
     # GRPO advantages sum to 0 over each group: the loss sums terms of size ~1 to ~0.03, and rounds
@@ -125,9 +125,9 @@ def test_the_optimizer_step_is_adamw_with_the_recipes_settings(tiny_qwen3, tmp_p
     p ← p·(1 − lr·wd) − lr·g/(|g| + eps). Float32 arithmetic rounds it by a few ulps of p and lr."""
     learner = {"lr": 1e-3, "grad_clip": 0.5, "weight_decay": 0.1, "eps": 1e-6}
     tr = make_trainer(tiny_qwen3, tmp_path, learner=learner, buffer={"max_staleness": 8})
-    before, _ = weights_and_grads(tr.model)
-    res = tr.step(rl_batch(tr.spec.model.vocab_size))
-    after, grads = weights_and_grads(tr.model)
+    before, _ = weights_and_grads(tr.models.actor)
+    res = tr.step(rl_batch(tr.models.spec.model.vocab_size))
+    after, grads = weights_and_grads(tr.models.actor)
     lr = res.metrics["lr"]
     assert lr == learner["lr"] and res.metrics["grad_norm"] > learner["grad_clip"]
     clipped = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
@@ -149,12 +149,12 @@ def test_decoupled_ppo_on_policy_equals_ppo(tiny_qwen3, tmp_path):
         (lp,) = probe.logprobs([pack([seq])])
         return lp.numpy()
 
-    vocab = probe.spec.model.vocab_size
+    vocab = probe.models.spec.model.vocab_size
     out = {}
     for loss in ("ppo", "decoupled_ppo"):
         tr = make_trainer(tiny_qwen3, tmp_path, algorithm={"loss": loss}, **RL)
         res = tr.step(rl_batch(vocab, logp=own_logp))
-        out[loss] = (res, *weights_and_grads(tr.model))
+        out[loss] = (res, *weights_and_grads(tr.models.actor))
     (ppo, w_ppo, g_ppo), (dec, w_dec, g_dec) = out["ppo"], out["decoupled_ppo"]
     # μ is the learner's own float32 logprob of the same forward: π_prox/μ = 1 up to rounding
     assert abs(dec.metrics["loss/is_weight_mean"] - 1.0) <= LOGPROB_ATOL
@@ -169,7 +169,7 @@ def test_batch_over_the_staleness_bound_is_refused_before_any_update(tiny_qwen3,
 
     tr = make_trainer(tiny_qwen3, tmp_path, buffer={"max_staleness": 1}, learner={"lr": 1e-3})
     before = params(tr)
-    batch = rl_batch(tr.spec.model.vocab_size)
+    batch = rl_batch(tr.models.spec.model.vocab_size)
     tr.version = 2  # the batch's tokens (version 0) are now 2 versions old
     with pytest.raises(LearnerError, match="staleness 2..2"):
         tr.step(batch)
@@ -184,8 +184,8 @@ def test_kl_to_the_reference_model(tiny_qwen3, tmp_path):
     tr = make_trainer(
         tiny_qwen3, tmp_path, algorithm={"loss": "ppo", "kl_coef": 0.5, "kl_estimator": "k3"}, **RL
     )
-    assert tr.ref_model is not None
-    batch = rl_batch(tr.spec.model.vocab_size)
+    assert tr.models.ref is not None
+    batch = rl_batch(tr.models.spec.model.vocab_size)
     first = tr.step(batch)  # π = π_ref at the first step: the penalty is exactly 0
     assert first.metrics["loss/kl_ref"] == 0.0
     batch.groups = batch.groups[:2]
@@ -216,11 +216,11 @@ def test_decoupled_ppo_has_a_trust_region_only_with_several_updates(tiny_qwen3, 
                 learner={"lr": 1e-3, "minibatches": minibatches},
                 buffer={"max_staleness": 8},
             )
-            vocab = vocab or tr.spec.model.vocab_size
-            start, _ = weights_and_grads(tr.model)
+            vocab = vocab or tr.models.spec.model.vocab_size
+            start, _ = weights_and_grads(tr.models.actor)
             res = tr.step(rl_batch(vocab, groups=4))
             assert res.version == 1 and res.metrics["learner/updates"] == minibatches
-            out[minibatches, loss] = (res, start, *weights_and_grads(tr.model))
+            out[minibatches, loss] = (res, start, *weights_and_grads(tr.models.actor))
     (dec1, _, w_dec1, g_dec1), (_, start, w_tis1, g_tis1) = (
         out[1, "decoupled_ppo"],
         out[1, "tis"],
@@ -270,7 +270,7 @@ def test_staleness_0_tokens_of_a_sample_across_an_update_are_kept_apart(tiny_qwe
     came from version 0 and the rest from 1 (an in-flight update) puts its version-1 tokens, trained
     at version 1, into the kv_mixed bucket and its version-0 tokens into staleness 1."""
     tr = make_trainer(tiny_qwen3, tmp_path, buffer={"max_staleness": 2}, learner={"lr": 1e-4})
-    batch = rl_batch(tr.spec.model.vocab_size, groups=2, n=2)
+    batch = rl_batch(tr.models.spec.model.vocab_size, groups=2, n=2)
     for g in batch.groups:
         for s in g.samples:
             s.versions[:] = 1
@@ -298,10 +298,12 @@ def test_activation_checkpointing_recomputes_the_same_gradient(tiny_qwen3, tmp_p
             learner={"lr": 1e-3, "activation_checkpointing": ac},
             buffer={"max_staleness": 8},
         )
-        tr.step(rl_batch(tr.spec.model.vocab_size))
+        tr.step(rl_batch(tr.models.spec.model.vocab_size))
         wrapped = "_checkpoint_wrapped_module."  # the wrapper's prefix in parameter names
-        assert any(wrapped in n for n, _ in tr.model.named_parameters()) == (ac != "none")
-        grads[ac] = {k.replace(wrapped, ""): g for k, g in weights_and_grads(tr.model)[1].items()}
+        assert any(wrapped in n for n, _ in tr.models.actor.named_parameters()) == (ac != "none")
+        grads[ac] = {
+            k.replace(wrapped, ""): g for k, g in weights_and_grads(tr.models.actor)[1].items()
+        }
     assert_grads_close(grads["none"], grads[policy])
 
 
@@ -322,7 +324,7 @@ def test_remax_advantages_are_each_reward_minus_its_groups_greedy_reward(tiny_qw
     groups as they arrive (decoded from the wire); a group without one (its greedy episode failed)
     is centred on its own mean, and counted."""
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm={"advantage": "remax"}, **RL)
-    batch = rl_batch(tr.spec.model.vocab_size)
+    batch = rl_batch(tr.models.spec.model.vocab_size)
     for g, b in zip(batch.groups, [0.5, None, 1.0], strict=True):
         g.baseline_reward = b
     batch.groups = [wire.decode(wire.encode(g)) for g in batch.groups]
@@ -383,7 +385,7 @@ def test_per_turn_samples_weigh_their_episode_once_under_the_sequence_means(
     alg = {"advantage": "grpo", "loss": "tis", "aggregation": aggregation}
     rollout = {"turn_samples": True, "max_new_tokens": 10}
     tr = make_trainer(tiny_qwen3, tmp_path, algorithm=alg, rollout=rollout, **RL)
-    episode = episode_maker(tr.spec.model.vocab_size)
+    episode = episode_maker(tr.models.spec.model.vocab_size)
     a = split_turns(episode(0, [1, 1, 0, 1, 1, 0, 1, 1], 1.0, "stop"))
     b = split_turns(episode(1, [0, 1, 1], 0.0, "stop"))
     group = wire.Group(id="g", samples=[*a, *b])
@@ -432,7 +434,7 @@ def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_
         learner=RL["learner"],
         buffer={**RL["buffer"], "overlong_filter": True},
     )
-    episode = episode_maker(tr.spec.model.vocab_size)
+    episode = episode_maker(tr.models.spec.model.vocab_size)
     a = split_turns(episode(0, [1, 1, 0, 1, 0, 0, 1, 1], 1.0, "length"), gamma)
     b = split_turns(episode(1, [1, 1, 1], 0.0, "stop"), gamma)
     group = wire.Group(id="g", samples=[*a, *b])
@@ -446,7 +448,7 @@ def test_per_turn_samples_get_their_episodes_advantage_and_a_cut_episodes_turns_
 def distill_batch(tr, *, seed: int = 1, teacher=None):
     """:func:`rl_batch` with teacher logprobs (``teacher(seqs)``: per-position log π_T of each
     :class:`Sequence`; default: μ plus noise), through the wire as a worker sends them."""
-    batch = rl_batch(tr.spec.model.vocab_size)
+    batch = rl_batch(tr.models.spec.model.vocab_size)
     rng = np.random.default_rng(seed)
     samples = [s for g in batch.groups for s in g.samples]
     for s in samples:  # a placeholder: the step's layout refuses samples without
@@ -495,7 +497,9 @@ def test_distill_trains_on_the_teachers_per_token_advantages(tiny_qwen3, tmp_pat
     res = tr.step(batch)
     assert np.isfinite(res.loss) and res.loss != 0.0
     assert res.metrics[names.DISTILL_REVERSE_KL] == pytest.approx(kl / n, rel=1e-6)
-    bare = rl_batch(tr.spec.model.vocab_size, seed=3)  # as a worker without a teacher sends them
+    bare = rl_batch(
+        tr.models.spec.model.vocab_size, seed=3
+    )  # as a worker without a teacher sends them
     with pytest.raises(LearnerError, match="sample '0-0' has 0 teacher logprobs"):
         tr.sequences(bare)
 

@@ -37,7 +37,7 @@ def main() -> None:
     if tr.rank == 0:
         for u in urls:
             b.add_generator(wire.GeneratorInfo(url=u, kind="builtin"))
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     for v in (1, 2):
         step_and_publish(tr, b, sft_batch(v - 1, vocab, seed=v))
     assert b.wait(timeout=120), "the broadcaster did not finish its versions in 120 s"

@@ -162,7 +162,7 @@ def engines(tiny_qwen3):
 
 def test_learner_to_two_engines(engines, tiny_qwen3, tmp_path):
     tr = make_trainer(tiny_qwen3, tmp_path)
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     cfg = WeightsConfig(
         timeout_s=30.0, bucket_mb=0.1, overlap=True, load_format="flattened_bucket", verify="full"
     )
@@ -227,7 +227,7 @@ def test_killed_engine_is_dropped_and_catches_up(tiny_qwen3, tmp_path):
     """SIGKILL one engine in the middle of an update (after the first of several buckets); later
     SIGSTOP the other between updates. Each is dropped within the timeouts and rejoins when back."""
     tr = make_trainer(tiny_qwen3, tmp_path)
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     cfg = WeightsConfig(timeout_s=8.0, bucket_mb=0.1, overlap=True)
     eps = start_engines(tiny_qwen3, 2)
     victim, other = eps
@@ -304,7 +304,7 @@ def test_an_engine_silent_mid_broadcast_costs_the_other_nothing(tiny_qwen3, tmp_
     bucket of that version in the same attempt, over its own group (never rebuilt), and holds
     exactly the learner's weights; the silent one is dropped after ``timeout_s``."""
     tr = make_trainer(tiny_qwen3, tmp_path)
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     cfg = WeightsConfig(timeout_s=4.0, bucket_mb=0.1, overlap=True)
     eps = start_engines(tiny_qwen3, 2)
     victim, other = eps
@@ -397,7 +397,7 @@ def test_generators_hold_a_version_while_after_sync_runs(tiny_qwen3, tmp_path):
     runs the generators hold v, and the learner goes on: the versions it publishes meanwhile do
     not wait; the newest goes out when the hook returns (the one before it is skipped)."""
     tr = make_trainer(tiny_qwen3, tmp_path)
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     in_hook, release = threading.Event(), threading.Event()
 
     def hold(report) -> None:

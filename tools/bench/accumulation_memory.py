@@ -106,7 +106,7 @@ def worker(model_dir: str, tokens: int, micro_batches: int, out: str) -> None:
     )
     trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
     try:
-        vocab = trainer.spec.model.vocab_size
+        vocab = trainer.models.spec.model.vocab_size
         rng = np.random.default_rng(0)
         n = per_rank * dist.get_world_size()
         trainer.step(rl_batch(vocab, n, SEQ - 4, prompt_len=4, rng=rng))  # AdamW's state
@@ -114,10 +114,10 @@ def worker(model_dir: str, tokens: int, micro_batches: int, out: str) -> None:
         batch = rl_batch(vocab, n, SEQ - 4, prompt_len=4, rng=rng, tag="b")
         Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to now
         before = _status_kib("VmRSS")
-        with held_at_each_forward([trainer.model]) as held:
+        with held_at_each_forward([trainer.models.actor]) as held:
             res = trainer.step(batch)
         peak = _status_kib("VmHWM")
-        params = list(trainer.model.parameters())
+        params = list(trainer.models.actor.parameters())
         dims = memory.ModelDims.from_hf_config(
             json.loads(Path(model_dir, "config.json").read_text())
         )

@@ -111,7 +111,7 @@ def worker(a: argparse.Namespace) -> None:
     critic_s: list[tuple[float, float]] = []
     timed(disjoint, "train_actor", actor_s)
     timed(disjoint, "train_critic", critic_s)
-    vocab = shared.spec.model.vocab_size
+    vocab = shared.models.spec.model.vocab_size
     steps: dict[str, list[float]] = {"shared": [], "disjoint": []}
     for i in range(a.steps + 2):
         batch = make_batch(a.batch, a.min_len, a.max_len, vocab, seed=i)

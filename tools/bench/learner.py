@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ours = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False, run_dir=tmp / "run")
     hf = HFLoop(model_dir, lr=1e-4, micro=a.hf_micro)
-    vocab = ours.spec.model.vocab_size
+    vocab = ours.models.spec.model.vocab_size
     batches = make_batches(a.steps + 2, a.batch, a.min_len, a.max_len, vocab)
     times: dict[str, list[float]] = {"ours": [], "hf": []}
     tokens: list[int] = []

@@ -130,7 +130,7 @@ def run(name: str, work: Path) -> None:
     r = recipe_mod.from_dict(data)
     tr = learner(inputs(r) if inputs is not None else r, checkpointing=False)
     lines = []
-    vocab = tr.spec.model.vocab_size
+    vocab = tr.models.spec.model.vocab_size
     for step in range(STEPS):
         res = tr.step(batch(vocab, seed=step, n=GROUP_SIZE.get(name, 4)))
         metrics = {k: v for k, v in res.metrics.items() if not any(u in k for u in UNSTABLE)}
@@ -138,8 +138,8 @@ def run(name: str, work: Path) -> None:
         lines.append(f"{name} step {step} metrics {hashlib.sha256(text.encode()).hexdigest()[:16]}")
     actor = tr.hf_state_dict()
     critic = {}
-    if tr.critic is not None:
-        critic = {k: full(v) for k, v in tr.critic.model.state_dict().items()}
+    if tr.models.critic is not None:
+        critic = {k: full(v) for k, v in tr.models.critic.model.state_dict().items()}
     if tr.rank == 0:
         lines += [f"{name} actor {k} {digest(v)}" for k, v in sorted(actor.items())]
         lines += [f"{name} critic {k} {digest(v)}" for k, v in sorted(critic.items())]

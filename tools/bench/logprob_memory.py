@@ -95,7 +95,7 @@ def one(model_dir: str, tokens: int, chunk_mb: float) -> dict:
         }
     )
     trainer = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
-    vocab = trainer.spec.model.vocab_size
+    vocab = trainer.models.spec.model.vocab_size
     rng = np.random.default_rng(0)
 
     trainer.step(rl_batch(vocab, n, per, prompt_len=4, rng=rng))  # optimizer state, first touch

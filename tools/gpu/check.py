@@ -489,8 +489,8 @@ def learner_configs(model: Path, work: Path, dry: bool, ac: str) -> dict[str, An
     dims = ModelDims.from_hf_config(cfg)
     first = _learner_recipe(model, work, doc=docs[0], n=total // docs[0], mbs=1, ac=ac)
     trainer = Trainer(TrainerConfig.from_recipe(first), checkpointing=False)
-    figs["attention"] = type(trainer.model.layers["0"].attention.inner_attention).__name__
-    params = sum(p.numel() for p in trainer.model.parameters())
+    figs["attention"] = type(trainer.models.actor.layers["0"].attention.inner_attention).__name__
+    params = sum(p.numel() for p in trainer.models.actor.parameters())
     figs["params"] = params
     phase(figs, "build")
     figs["build_s"] = round(figs["phases"]["build"] - figs["phases"]["import"], 2)

@@ -1,0 +1,65 @@
+"""The learner's batch sources speak one protocol, and its wait for a batch answers in one type: the
+loop calls every source alike and never compares strings."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from asyncrl.buffer.service import BufferService
+from asyncrl.learner.data import PreferenceSource, SFTSource
+from asyncrl.learner.source import Batch, BatchSource, Signal, SourceError, broadcast_batch
+
+
+class Rows(BatchSource):
+    """A local data set as the learner sees one: batches at once, the service's parts left out."""
+
+    def __init__(self, batches: int = 1) -> None:
+        self.left, self.version = batches, 0
+
+    def next_batch(self, timeout_s: float) -> Batch:
+        if not self.left:
+            raise TimeoutError
+        self.left -= 1
+        return Batch(groups=[], version=self.version, stats={"n": self.left})
+
+    def set_version(self, v: int, checkpoint: str = "") -> None:
+        self.version = v
+
+    def state_dict(self) -> dict:
+        return {"left": self.left}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.left = d["left"]
+
+
+def test_every_source_is_a_batch_source() -> None:
+    """The buffer service sits below the learner and matches by its methods; the data sets
+    subclass the protocol."""
+    assert issubclass(BufferService, BatchSource)
+    assert issubclass(SFTSource, BatchSource) and issubclass(PreferenceSource, BatchSource)
+    assert isinstance(Rows(), BatchSource)
+
+
+def test_a_local_data_set_keeps_the_service_only_defaults() -> None:
+    src = Rows()
+    src.on_register(lambda worker, gens: None)
+    src.watch_generators(dict)
+    src.end_run("done")
+    src.stop()
+    assert src.stats() is None and src.waiting_cause() == ""
+
+
+def test_broadcast_batch_answers_a_batch_or_a_signal() -> None:
+    stop = threading.Event()
+    got = broadcast_batch(Rows(), timeout_s=5, stop=stop)
+    assert isinstance(got, Batch) and got.stats == {"n": 0}
+    assert broadcast_batch(Rows(0), timeout_s=5, wants_publish=lambda: True) is Signal.PUBLISH
+    stop.set()
+    assert broadcast_batch(Rows(), timeout_s=5, stop=stop) is Signal.STOP
+
+
+def test_a_timeout_names_no_cause_when_the_source_has_none() -> None:
+    with pytest.raises(SourceError, match=r"no batch within 0.01 s \(buffer.batch_timeout_s\)$"):
+        broadcast_batch(Rows(0), timeout_s=0.01)
