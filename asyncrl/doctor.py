@@ -71,8 +71,8 @@ class Device:
 
 @dataclass(kw_only=True)
 class Doctor:
-    """Runs the checks for one recipe. ``sglang_python``: SGLang's own interpreter, when it lives in
-    another environment, to read its NCCL."""
+    """Runs the checks (:data:`CHECKS`) for one recipe. ``sglang_python``: SGLang's own
+    interpreter, when it lives in another environment, to read its NCCL."""
 
     recipe: Recipe
     sglang_python: str = ""
@@ -84,23 +84,9 @@ class Doctor:
     servers: dict[str, dict] = field(default_factory=dict)  # url -> /server_info (or {})
 
     def run(self, emit: Callable[[Check], None] = lambda c: None) -> list[Check]:
-        steps = [
-            ("files", self.check_files),
-            ("device", self.check_device),
-            ("model", self.check_model),
-            ("attention", self.check_attention),
-            ("generators", self.check_generators),
-            ("logprobs", self.check_logprobs),
-            ("learner memory", self.check_learner_memory),
-            ("placement", self.check_placement),
-            ("generator memory", self.check_generator_memory),
-            ("NCCL", self.check_nccl),
-            ("ports", self.check_ports),
-            ("TLS", self.check_tls),
-        ]
-        for name, fn in steps:
+        for name, check in CHECKS:
             try:
-                results = fn()
+                results = check(self)
             except Exception as e:  # a check that cannot run is a failed check, not a traceback
                 results = [Check(name=name, ok=False, detail=f"could not run: {e!r}")]
             for c in results:
@@ -776,6 +762,24 @@ class Doctor:
                 detail=f"certificate, key (its own) and CA readable: {tls.cert}, {tls.key}, {tls.ca}",
             )
         ]
+
+
+CHECKS: tuple[tuple[str, Callable[[Doctor], list[Check]]], ...] = (
+    ("files", Doctor.check_files),
+    ("device", Doctor.check_device),
+    ("model", Doctor.check_model),
+    ("attention", Doctor.check_attention),
+    ("generators", Doctor.check_generators),
+    ("logprobs", Doctor.check_logprobs),
+    ("learner memory", Doctor.check_learner_memory),
+    ("placement", Doctor.check_placement),
+    ("generator memory", Doctor.check_generator_memory),
+    ("NCCL", Doctor.check_nccl),
+    ("ports", Doctor.check_ports),
+    ("TLS", Doctor.check_tls),
+)
+"""What :meth:`Doctor.run` checks, in order: a check reads what those before it found (the model's
+dims, the device, the servers reached). The name is the failed line's when a check cannot run."""
 
 
 # ---- helpers ---------------------------------------------------------------------------------
