@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
-import math
 import os
 import random
 import socket
@@ -33,7 +32,7 @@ from asyncrl import gpu, memory
 from asyncrl import recipe as recipe_mod
 from asyncrl.memory import GiB, ModelDims, gib
 from asyncrl.reach import HostError, engine_host
-from asyncrl.recipe import TOKEN_ADVANTAGES, Recipe
+from asyncrl.recipe import Recipe
 
 MIN_SGLANG = (0, 5, 19)
 """The first SGLang with per-token ``weight_versions`` spans (README "SGLang servers")."""
@@ -72,8 +71,8 @@ class Device:
 
 @dataclass(kw_only=True)
 class Doctor:
-    """Runs the checks for one recipe. ``sglang_python``: SGLang's own interpreter, when it lives in
-    another environment, to read its NCCL."""
+    """Runs the checks (:data:`CHECKS`) for one recipe. ``sglang_python``: SGLang's own
+    interpreter, when it lives in another environment, to read its NCCL."""
 
     recipe: Recipe
     sglang_python: str = ""
@@ -85,23 +84,9 @@ class Doctor:
     servers: dict[str, dict] = field(default_factory=dict)  # url -> /server_info (or {})
 
     def run(self, emit: Callable[[Check], None] = lambda c: None) -> list[Check]:
-        steps = [
-            ("files", self.check_files),
-            ("device", self.check_device),
-            ("model", self.check_model),
-            ("attention", self.check_attention),
-            ("generators", self.check_generators),
-            ("logprobs", self.check_logprobs),
-            ("learner memory", self.check_learner_memory),
-            ("placement", self.check_placement),
-            ("generator memory", self.check_generator_memory),
-            ("NCCL", self.check_nccl),
-            ("ports", self.check_ports),
-            ("TLS", self.check_tls),
-        ]
-        for name, fn in steps:
+        for name, check in CHECKS:
             try:
-                results = fn()
+                results = check(self)
             except Exception as e:  # a check that cannot run is a failed check, not a traceback
                 results = [Check(name=name, ok=False, detail=f"could not run: {e!r}")]
             for c in results:
@@ -376,157 +361,34 @@ class Doctor:
 
     # ---- memory ------------------------------------------------------------------------------
 
+    # Bindings of the recipe's plan (asyncrl.memory) to what the checks above found: the model's
+    # dims, the device, the servers' TP sizes; and the learner's logits chunk sizing, which the
+    # plan's floor does not import.
+
     def learner_plans(self, **changes: Any) -> tuple[memory.LearnerPlan, memory.LearnerPlan]:
-        """(rank 0's plan, another rank's plan) for this recipe, with ``changes`` to its learner
-        section (to price a fix)."""
         from asyncrl.learner.logprobs import chunk_tokens
 
         assert self.dims is not None
-        r = self.recipe
-        lc = dataclasses.replace(r.learner, **changes)
-        kw: dict[str, Any] = dict(
-            ranks=lc.ranks,
-            compute_dtype=r.model.dtype,
-            micro_batch_tokens=lc.micro_batch_tokens,
-            max_seq_len=r.model.max_seq_len,
-            checkpointing=lc.activation_checkpointing,
-            chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
-            reference_model=memory.uses_reference(r),
-            critic_model=r.algorithm.uses_rollouts and r.algorithm.advantage in TOKEN_ADVANTAGES,
-            weights_dtype=r.weights.dtype,
-            weights_overlap=r.weights.overlap,
-            samples_per_update=self.samples_per_update(),
-            checkpoint_async=lc.checkpoint_async,
-            lora_params=self.lora_params(lc),
-            lora_replicated=self.lora_params(lc, replicated=True),
-        )
-        rank0 = memory.learner_plan(self.dims, rank0=r.algorithm.uses_rollouts, **kw)
-        return rank0, memory.learner_plan(self.dims, rank0=False, **kw)
-
-    def layouts(self) -> list[memory.RoleLayout]:
-        return memory.role_layouts(self.recipe)
-
-    def phases(self) -> list[memory.Phase]:
-        """The learner's levels of the recipe's dataflow (generation and rewards run in the
-        workers); a reward model's ``train_step`` trains the learner's model, placed as the actor."""
-        from asyncrl import dataflow
-
-        out = []
-        for level in dataflow.from_recipe(self.recipe).order():
-            calls = [
-                c
-                for c in level
-                if c.role in ("actor", "critic", "ref")
-                and c.call != "generate"
-                or c.role == "reward"
-                and c.call == "train_step"
-            ]
-            if not calls:
-                continue
-            role = {c.name: "actor" if c.role == "reward" else c.role for c in calls}
-            out.append(
-                memory.Phase(
-                    label=", ".join(c.name for c in calls),
-                    roles=frozenset(role.values()),
-                    trains=frozenset(role[c.name] for c in calls if c.call == "train_step"),
-                )
-            )
-        return out
+        return memory.learner_plans_for(self.dims, self.recipe, chunk_tokens, **changes)
 
     def rank_plans(self, **changes: Any) -> list[memory.RankPlan]:
-        """Every learner rank's plan with this recipe's placement (``changes`` as for
-        :meth:`learner_plans`)."""
         from asyncrl.learner.logprobs import chunk_tokens
 
         assert self.dims is not None
-        r = self.recipe
-        lc = dataclasses.replace(r.learner, **changes)
-        layouts = self.layouts()
-        return memory.rank_plans(
-            self.dims,
-            layouts,
-            self.phases(),
-            world=lc.ranks,
-            publisher=layouts[0].ranks[0] if r.algorithm.uses_rollouts else None,
-            weights_dtype=r.weights.dtype,
-            weights_overlap=r.weights.overlap,
-            compute_dtype=r.model.dtype,
-            micro_batch_tokens=lc.micro_batch_tokens,
-            max_seq_len=r.model.max_seq_len,
-            checkpointing=lc.activation_checkpointing,
-            chunk_tokens=chunk_tokens(self.dims.vocab, lc.logits_chunk_mb),
-            samples_per_update=self.samples_per_update(),
-            lora_params=self.lora_params(lc),
-            lora_replicated=self.lora_params(lc, replicated=True),
-        )
-
-    def lora_params(self, lc: recipe_mod.LearnerConfig, *, replicated: bool = False) -> int:
-        """The actor's LoRA adapter parameters (0: no ``learner.lora``, the whole model trains);
-        ``replicated``: those tensor parallelism replicates (:meth:`ModelDims.lora_tp_replicated`)."""
-        assert self.dims is not None
-        if not lc.lora.enabled:
-            return 0
-        count = self.dims.lora_tp_replicated if replicated else self.dims.lora_params
-        return count(lc.lora.rank, lc.lora.targets)
-
-    def samples_per_update(self) -> int:
-        """Sequences one optimizer update trains on: sft's batch, or an RL batch's minibatch."""
-        r = self.recipe
-        if not r.algorithm.uses_rollouts:  # a reward model's batch is of pairs: 2 sequences each
-            return r.learner.batch_size * (2 if r.algorithm.loss == "reward_model" else 1)
-        per_batch = r.buffer.groups_per_batch * r.rollout.group_size
-        return math.ceil(per_batch / r.learner.minibatches)
+        return memory.rank_plans_for(self.dims, self.recipe, chunk_tokens, **changes)
 
     def generator_plan(self) -> memory.GeneratorPlan | None:
         assert self.dims is not None
-        r, g = self.recipe, self.recipe.generator
-        if not r.algorithm.uses_rollouts:
-            return None
-        builtin = g.kind == "builtin"
-        n = g.engines_per_worker if builtin else len(g.urls)
-        seqs = memory.in_flight_sequences(
-            max_concurrent_groups=r.rollout.max_concurrent_groups,
-            group_size=r.rollout.group_size,
-            generators=n,
-        )
-        if builtin:
-            return memory.generator_plan(
-                self.dims,
-                kind="builtin",
-                # on a GPU the built-in engine runs in model.dtype, on the CPU in float32
-                dtype_bytes=memory.DTYPE_BYTES[r.model.dtype] if self.engines_on_gpu() else 4,
-                sequences=seqs,
-                seq_len=r.model.max_seq_len,
-                max_batch_size=g.max_batch_size,
-            )
+        g = self.recipe.generator
         tps = [self.servers[u].get("tp_size", 1) for u in g.urls if self.servers.get(u)]
-        return memory.generator_plan(
-            self.dims,
-            kind="sglang",
-            dtype_bytes=memory.DTYPE_BYTES[r.weights.dtype],
-            sequences=seqs,
-            seq_len=r.model.max_seq_len,
-            tp=max(min(tps), 1) if tps else 1,
-        )
+        return memory.generator_plan_for(self.dims, self.recipe, cuda=self.cuda, server_tps=tps)
 
-    def engines_here(self) -> int:
-        """Built-in engines `asyncrl run` starts on this host."""
-        r = self.recipe
-        builtin = r.generator.kind == "builtin" and r.algorithm.uses_rollouts
-        return r.rollout.workers * r.generator.engines_per_worker if builtin else 0
+    @property
+    def cuda(self) -> bool:
+        return self.device is not None and self.device.cuda
 
     def engines_on_gpu(self) -> int:
-        """Built-in engines `asyncrl run` starts on rank 0's GPU: on a GPU host each runs on the
-        current CUDA device (the first visible, rank 0's) unless ``generator.device`` is cpu, and
-        takes its weights by CUDA IPC handle there (``weights.backend: auto``)."""
-        on_gpu = self.device is not None and self.device.cuda
-        return self.engines_here() if on_gpu and self.recipe.generator.device != "cpu" else 0
-
-    def engines_gpu_bytes(self) -> int:
-        """What the built-in engines on rank 0's GPU hold there (weights, staged copy, slots)."""
-        n = self.engines_on_gpu()
-        gen = self.generator_plan() if n and self.dims is not None else None
-        return n * gen.total if gen is not None else 0
+        return memory.engines_on_gpu(self.recipe, cuda=self.cuda)
 
     def learner_need(self, **changes: Any) -> tuple[int, int]:
         """(bytes the learner needs where it is compared, bytes there). On a GPU: the fullest
@@ -536,7 +398,7 @@ class Doctor:
         rank0, _ = self.learner_plans(**changes)
         plans = self.rank_plans(**changes)
         if self.device.cuda:
-            engines = self.engines_gpu_bytes()  # beside rank 0, on its GPU
+            engines = memory.engines_gpu_bytes(self.dims, self.recipe, cuda=True)  # rank 0's GPU
             return max(p.peak + (engines if p.rank == 0 else 0) for p in plans), (
                 self.device.learner_memory
             )
@@ -548,7 +410,7 @@ class Doctor:
         """Host bytes of the built-in engines and of every process's runtime on the host; on a GPU
         machine also the learner ranks' asynchronous checkpoint staging (host memory)."""
         gen = self.generator_plan() if self.dims is not None else None
-        engines = self.engines_here()
+        engines = memory.engines_here(self.recipe)
         gpu_ranks = min(self.recipe.learner.ranks, len(self.device.gpus)) if self.device else 0
         ranks = self.recipe.learner.ranks if not gpu_ranks else 0
         gen_total = gen.total if gen is not None and engines else 0
@@ -567,7 +429,7 @@ class Doctor:
         ac = r.learner.activation_checkpointing
         what = f"(activations: {rank0.tokens:,} tokens, checkpointing {ac})"
         if r.learner.lora.enabled:
-            adapters = self.lora_params(r.learner)
+            adapters = memory.lora_params(self.dims, r.learner)
             what += (
                 f" (LoRA rank {r.learner.lora.rank}: {adapters / 1e6:.1f} M adapter params train)"
             )
@@ -577,7 +439,7 @@ class Doctor:
         else:
             where = (
                 f"{gib(have)} GiB available on the host, with {r.learner.ranks} rank(s), "
-                f"{self.engines_here()} built-in engine(s) and a runtime each"
+                f"{memory.engines_here(r)} built-in engine(s) and a runtime each"
             )
         line = f"rank 0 needs {gib(rank0.total)} GiB = {parts} {what}"
         if self.placed():
@@ -586,10 +448,11 @@ class Doctor:
                 f"with placement the fullest rank, {top.rank}, needs {gib(top.peak)} GiB at its "
                 f"peak ({top.peak_phase or 'between calls'}; per rank below) {what}"
             )
-        if self.engines_gpu_bytes():
+        beside = memory.engines_gpu_bytes(self.dims, r, cuda=self.cuda)
+        if beside:
             line += (
                 f"; beside it on its GPU {self.engines_on_gpu()} built-in engine(s), "
-                f"{gib(self.engines_gpu_bytes())} GiB (generator memory)"
+                f"{gib(beside)} GiB (generator memory)"
             )
         line += f"; in all {gib(need)} GiB of {where}"
         if need > have:
@@ -618,7 +481,7 @@ class Doctor:
         peak over the step's phases, with and without reallocation (``offload``)."""
         if self.dims is None or self.device is None:
             return [Check(name="placement", ok=False, detail="no plan without the model")]
-        layouts = self.layouts()
+        layouts = memory.role_layouts(self.recipe)
         said = "; ".join(lay.describe() for lay in layouts)
         asked = [x for x in ("critic", "ref") if getattr(self.recipe.placement, x).offload]
         if self.recipe.placement.actor.offload:
@@ -713,11 +576,12 @@ class Doctor:
             return [Check(name="generator memory", ok=True, detail=line)]
         if r.generator.kind == "builtin":
             line = f"each built-in engine: {gib(gen.total)} GiB = {parts} ({seqs}, float32)"
-            alone = self.engines_here() * gen.total  # on CPU the learner line adds the ranks
+            engines = memory.engines_here(r)
+            alone = engines * gen.total  # on CPU the learner line adds the ranks
             host_need = self.engines_need() if self.device.cuda else alone
             if host_need > self.device.host_available:
                 line += (
-                    f"; {self.engines_here()} of them do not fit the host's "
+                    f"; {engines} of them do not fit the host's "
                     f"{gib(self.device.host_available)} GiB: lower generator.max_batch_size or "
                     "generator.engines_per_worker"
                 )
@@ -898,6 +762,24 @@ class Doctor:
                 detail=f"certificate, key (its own) and CA readable: {tls.cert}, {tls.key}, {tls.ca}",
             )
         ]
+
+
+CHECKS: tuple[tuple[str, Callable[[Doctor], list[Check]]], ...] = (
+    ("files", Doctor.check_files),
+    ("device", Doctor.check_device),
+    ("model", Doctor.check_model),
+    ("attention", Doctor.check_attention),
+    ("generators", Doctor.check_generators),
+    ("logprobs", Doctor.check_logprobs),
+    ("learner memory", Doctor.check_learner_memory),
+    ("placement", Doctor.check_placement),
+    ("generator memory", Doctor.check_generator_memory),
+    ("NCCL", Doctor.check_nccl),
+    ("ports", Doctor.check_ports),
+    ("TLS", Doctor.check_tls),
+)
+"""What :meth:`Doctor.run` checks, in order: a check reads what those before it found (the model's
+dims, the device, the servers reached). The name is the failed line's when a check cannot run."""
 
 
 # ---- helpers ---------------------------------------------------------------------------------

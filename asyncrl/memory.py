@@ -9,14 +9,18 @@ the runtime it measures on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl import dataflow
 from asyncrl.recipe import (
     TOKEN_ADVANTAGES,
     Checkpointing,
     GeneratorKind,
+    LearnerConfig,
     Recipe,
     ref_is_lora_base,
 )
@@ -582,6 +586,170 @@ def generator_plan(
         sequences=sequences,
         tokens_per_sequence=seq_len,
     )
+
+
+# ---- a recipe's plan ------------------------------------------------------------------------
+
+ChunkTokens = Callable[[int, float], int]
+"""The learner's logits chunk sizing, ``(vocab, learner.logits_chunk_mb) -> tokens``
+(:func:`asyncrl.learner.logprobs.chunk_tokens`): the caller passes it in, as this floor does not
+import the learner (tests/test_import_graph.py)."""
+
+
+def samples_per_update(recipe: Recipe) -> int:
+    """Sequences one optimizer update trains on: sft's batch, or an RL batch's minibatch."""
+    r = recipe
+    if not r.algorithm.uses_rollouts:  # a reward model's batch is of pairs: 2 sequences each
+        return r.learner.batch_size * (2 if r.algorithm.loss == "reward_model" else 1)
+    per_batch = r.buffer.groups_per_batch * r.rollout.group_size
+    return math.ceil(per_batch / r.learner.minibatches)
+
+
+def lora_params(dims: ModelDims, lc: LearnerConfig, *, replicated: bool = False) -> int:
+    """The actor's LoRA adapter parameters (0: no ``learner.lora``, the whole model trains);
+    ``replicated``: those tensor parallelism replicates (:meth:`ModelDims.lora_tp_replicated`)."""
+    if not lc.lora.enabled:
+        return 0
+    count = dims.lora_tp_replicated if replicated else dims.lora_params
+    return count(lc.lora.rank, lc.lora.targets)
+
+
+def learner_plans_for(
+    dims: ModelDims, recipe: Recipe, chunk_tokens: ChunkTokens, **changes: Any
+) -> tuple[LearnerPlan, LearnerPlan]:
+    """(rank 0's plan, another rank's plan) for ``recipe``, with ``changes`` to its learner section
+    (to price a fix)."""
+    r = recipe
+    lc = dataclasses.replace(r.learner, **changes)
+    kw: dict[str, Any] = dict(
+        ranks=lc.ranks,
+        compute_dtype=r.model.dtype,
+        micro_batch_tokens=lc.micro_batch_tokens,
+        max_seq_len=r.model.max_seq_len,
+        checkpointing=lc.activation_checkpointing,
+        chunk_tokens=chunk_tokens(dims.vocab, lc.logits_chunk_mb),
+        reference_model=uses_reference(r),
+        critic_model=r.algorithm.uses_rollouts and r.algorithm.advantage in TOKEN_ADVANTAGES,
+        weights_dtype=r.weights.dtype,
+        weights_overlap=r.weights.overlap,
+        samples_per_update=samples_per_update(r),
+        checkpoint_async=lc.checkpoint_async,
+        lora_params=lora_params(dims, lc),
+        lora_replicated=lora_params(dims, lc, replicated=True),
+    )
+    rank0 = learner_plan(dims, rank0=r.algorithm.uses_rollouts, **kw)
+    return rank0, learner_plan(dims, rank0=False, **kw)
+
+
+def phases(recipe: Recipe) -> list[Phase]:
+    """The learner's levels of the recipe's dataflow (generation and rewards run in the
+    workers); a reward model's ``train_step`` trains the learner's model, placed as the actor."""
+    out = []
+    for level in dataflow.from_recipe(recipe).order():
+        calls = [
+            c
+            for c in level
+            if c.role in ("actor", "critic", "ref")
+            and c.call != "generate"
+            or c.role == "reward"
+            and c.call == "train_step"
+        ]
+        if not calls:
+            continue
+        role = {c.name: "actor" if c.role == "reward" else c.role for c in calls}
+        out.append(
+            Phase(
+                label=", ".join(c.name for c in calls),
+                roles=frozenset(role.values()),
+                trains=frozenset(role[c.name] for c in calls if c.call == "train_step"),
+            )
+        )
+    return out
+
+
+def rank_plans_for(
+    dims: ModelDims, recipe: Recipe, chunk_tokens: ChunkTokens, **changes: Any
+) -> list[RankPlan]:
+    """Every learner rank's plan with ``recipe``'s placement (``changes`` as for
+    :func:`learner_plans_for`)."""
+    r = recipe
+    lc = dataclasses.replace(r.learner, **changes)
+    layouts = role_layouts(r)
+    return rank_plans(
+        dims,
+        layouts,
+        phases(r),
+        world=lc.ranks,
+        publisher=layouts[0].ranks[0] if r.algorithm.uses_rollouts else None,
+        weights_dtype=r.weights.dtype,
+        weights_overlap=r.weights.overlap,
+        compute_dtype=r.model.dtype,
+        micro_batch_tokens=lc.micro_batch_tokens,
+        max_seq_len=r.model.max_seq_len,
+        checkpointing=lc.activation_checkpointing,
+        chunk_tokens=chunk_tokens(dims.vocab, lc.logits_chunk_mb),
+        samples_per_update=samples_per_update(r),
+        lora_params=lora_params(dims, lc),
+        lora_replicated=lora_params(dims, lc, replicated=True),
+    )
+
+
+def engines_here(recipe: Recipe) -> int:
+    """Built-in engines `asyncrl run` starts on this host."""
+    r = recipe
+    builtin = r.generator.kind == "builtin" and r.algorithm.uses_rollouts
+    return r.rollout.workers * r.generator.engines_per_worker if builtin else 0
+
+
+def engines_on_gpu(recipe: Recipe, *, cuda: bool) -> int:
+    """Built-in engines `asyncrl run` starts on rank 0's GPU (``cuda``: a GPU host): on a GPU host
+    each runs on the current CUDA device (the first visible, rank 0's) unless ``generator.device``
+    is cpu, and takes its weights by CUDA IPC handle there (``weights.backend: auto``)."""
+    return engines_here(recipe) if cuda and recipe.generator.device != "cpu" else 0
+
+
+def generator_plan_for(
+    dims: ModelDims, recipe: Recipe, *, cuda: bool, server_tps: list[int] | tuple[int, ...] = ()
+) -> GeneratorPlan | None:
+    """One generator's plan for ``recipe`` (None: sft, no generators). ``cuda``: a GPU host (where
+    the built-in engines run in ``model.dtype``); ``server_tps``: the reached SGLang servers'
+    ``tp_size`` (the smallest splits the least)."""
+    r, g = recipe, recipe.generator
+    if not r.algorithm.uses_rollouts:
+        return None
+    builtin = g.kind == "builtin"
+    n = g.engines_per_worker if builtin else len(g.urls)
+    seqs = in_flight_sequences(
+        max_concurrent_groups=r.rollout.max_concurrent_groups,
+        group_size=r.rollout.group_size,
+        generators=n,
+    )
+    if builtin:
+        return generator_plan(
+            dims,
+            kind="builtin",
+            # on a GPU the built-in engine runs in model.dtype, on the CPU in float32
+            dtype_bytes=DTYPE_BYTES[r.model.dtype] if engines_on_gpu(r, cuda=cuda) else 4,
+            sequences=seqs,
+            seq_len=r.model.max_seq_len,
+            max_batch_size=g.max_batch_size,
+        )
+    return generator_plan(
+        dims,
+        kind="sglang",
+        dtype_bytes=DTYPE_BYTES[r.weights.dtype],
+        sequences=seqs,
+        seq_len=r.model.max_seq_len,
+        tp=max(min(server_tps), 1) if server_tps else 1,
+    )
+
+
+def engines_gpu_bytes(dims: ModelDims | None, recipe: Recipe, *, cuda: bool) -> int:
+    """What the built-in engines on rank 0's GPU hold there (weights, staged copy, slots); 0
+    without ``dims``."""
+    n = engines_on_gpu(recipe, cuda=cuda)
+    gen = generator_plan_for(dims, recipe, cuda=cuda) if n and dims is not None else None
+    return n * gen.total if gen is not None else 0
 
 
 def gib(n: float) -> str:
