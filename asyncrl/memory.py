@@ -614,6 +614,25 @@ def lora_params(dims: ModelDims, lc: LearnerConfig, *, replicated: bool = False)
     return count(lc.lora.rank, lc.lora.targets)
 
 
+def _step_inputs(
+    dims: ModelDims, r: Recipe, lc: LearnerConfig, chunk_tokens: ChunkTokens
+) -> dict[str, Any]:
+    """What both the one-role plan and the per-rank plans read of a recipe's step (``lc``: its
+    learner section, perhaps with a fix's changes)."""
+    return dict(
+        compute_dtype=r.model.dtype,
+        micro_batch_tokens=lc.micro_batch_tokens,
+        max_seq_len=r.model.max_seq_len,
+        checkpointing=lc.activation_checkpointing,
+        chunk_tokens=chunk_tokens(dims.vocab, lc.logits_chunk_mb),
+        weights_dtype=r.weights.dtype,
+        weights_overlap=r.weights.overlap,
+        samples_per_update=samples_per_update(r),
+        lora_params=lora_params(dims, lc),
+        lora_replicated=lora_params(dims, lc, replicated=True),
+    )
+
+
 def learner_plans_for(
     dims: ModelDims, recipe: Recipe, chunk_tokens: ChunkTokens, **changes: Any
 ) -> tuple[LearnerPlan, LearnerPlan]:
@@ -621,21 +640,11 @@ def learner_plans_for(
     (to price a fix)."""
     r = recipe
     lc = dataclasses.replace(r.learner, **changes)
-    kw: dict[str, Any] = dict(
+    kw = _step_inputs(dims, r, lc, chunk_tokens) | dict(
         ranks=lc.ranks,
-        compute_dtype=r.model.dtype,
-        micro_batch_tokens=lc.micro_batch_tokens,
-        max_seq_len=r.model.max_seq_len,
-        checkpointing=lc.activation_checkpointing,
-        chunk_tokens=chunk_tokens(dims.vocab, lc.logits_chunk_mb),
         reference_model=uses_reference(r),
         critic_model=r.algorithm.uses_rollouts and r.algorithm.advantage in TOKEN_ADVANTAGES,
-        weights_dtype=r.weights.dtype,
-        weights_overlap=r.weights.overlap,
-        samples_per_update=samples_per_update(r),
         checkpoint_async=lc.checkpoint_async,
-        lora_params=lora_params(dims, lc),
-        lora_replicated=lora_params(dims, lc, replicated=True),
     )
     rank0 = learner_plan(dims, rank0=r.algorithm.uses_rollouts, **kw)
     return rank0, learner_plan(dims, rank0=False, **kw)
@@ -681,16 +690,7 @@ def rank_plans_for(
         phases(r),
         world=lc.ranks,
         publisher=layouts[0].ranks[0] if r.algorithm.uses_rollouts else None,
-        weights_dtype=r.weights.dtype,
-        weights_overlap=r.weights.overlap,
-        compute_dtype=r.model.dtype,
-        micro_batch_tokens=lc.micro_batch_tokens,
-        max_seq_len=r.model.max_seq_len,
-        checkpointing=lc.activation_checkpointing,
-        chunk_tokens=chunk_tokens(dims.vocab, lc.logits_chunk_mb),
-        samples_per_update=samples_per_update(r),
-        lora_params=lora_params(dims, lc),
-        lora_replicated=lora_params(dims, lc, replicated=True),
+        **_step_inputs(dims, r, lc, chunk_tokens),
     )
 
 
