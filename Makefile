@@ -20,7 +20,7 @@ venv: $(STAMP)
 
 # Tests run in WORKERS processes (pytest-xdist; 2, this kind of machine's cores). Most tests start
 # processes and wait on them, so two at a time take the suite 1.3x (default tier) to 1.6x (faults)
-# less wall time on 2 cores (BENCHMARKS.md "CI time"). WORKERS=0 runs them in this process, one by
+# less wall time on 2 cores (BENCHMARKS.md, Session 18). WORKERS=0 runs them in this process, one by
 # one. The SGLang tier stays serial: its servers are shared, and the tests that kill one go last.
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist worksteal

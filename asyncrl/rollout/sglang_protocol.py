@@ -7,7 +7,8 @@ version per token. A token's version is the one its generator stated, never a gu
 with a token no numeric span covers (a server that was never labelled says ``"default"``; SGLang
 older than 0.5.19 sends no spans) is refused with :class:`UnlabelledTokens`. A label's format
 (:func:`~asyncrl.generator_http.parse_version_label`) is the generator layer's, which the weight
-broadcaster's calls share. The built-in engine serves the same protocol, so these functions are tested on recorded SGLang responses and serve both.
+broadcaster's calls share. The built-in engine serves the same protocol, so these functions are
+tested on recorded SGLang responses and serve both.
 """
 
 from __future__ import annotations
