@@ -37,14 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from asyncrl.rollout.engine import model as this_model  # noqa: E402
-from asyncrl.rollout.engine import sampling as this_sampling  # noqa: E402
+from asyncrl.engine import model as this_model  # noqa: E402
+from asyncrl.engine import sampling as this_sampling  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 
 def _load(checkout: Path, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(
-        f"other_{name}", checkout / f"asyncrl/rollout/engine/{name}.py"
+        f"other_{name}", checkout / f"asyncrl/engine/{name}.py"
     )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
