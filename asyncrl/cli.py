@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "generate: one rollout worker feeding the learner's buffer",
     ),
     "run": ("asyncrl.launch", "everything on one machine: learner, rollout workers, engines"),
-    "engine": ("asyncrl.rollout.engine.server", "serve the built-in generator (SGLang's HTTP API)"),
+    "engine": ("asyncrl.engine.server", "serve the built-in generator (SGLang's HTTP API)"),
     "check": ("asyncrl.check", "validate a recipe and print it resolved"),
     "graph": ("asyncrl.graph", "print and draw a recipe's dataflow: its model calls, by level"),
     "doctor": (

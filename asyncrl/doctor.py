@@ -180,7 +180,7 @@ class Doctor:
     # ---- generators --------------------------------------------------------------------------
 
     def check_generators(self) -> list[Check]:
-        from asyncrl.rollout.engine.sampling import ORIGINAL_LOGPROB_ENV, original_logprob
+        from asyncrl.engine.sampling import ORIGINAL_LOGPROB_ENV, original_logprob
 
         g = self.recipe.generator
         if g.kind == "builtin":

@@ -29,7 +29,7 @@ def evaluate_model(
     A LoRA adapter export (``learner.lora.export: adapter``) is served over the recipe's
     ``model.path`` by the engine's own adapter path (``--weights``), as a LoRA run's engines are.
     Raises RuntimeError if the engine does not start."""
-    from asyncrl.rollout.engine import start_engine_process
+    from asyncrl.engine import start_engine_process
     from asyncrl.weights.exports import ADAPTER_CONFIG, is_adapter_export
 
     evaluation = Evaluation.from_recipe(r)

@@ -51,8 +51,8 @@ def tiny_llama_tied(tmp_path_factory) -> Path:
 def rollout_engine(tiny_qwen3):
     """One built-in engine on tiny_qwen3, served from this process, shared by the rollout tests
     (which must not change its weights or leave it paused)."""
-    from asyncrl.rollout.engine.api import EngineConfig
-    from asyncrl.rollout.engine.server import serve
+    from asyncrl.engine.api import EngineConfig
+    from asyncrl.engine.server import serve
 
     srv = serve(EngineConfig(model=str(tiny_qwen3), max_batch_size=16))
     yield srv

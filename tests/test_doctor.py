@@ -414,9 +414,9 @@ def test_a_server_with_the_learners_logprobs_at_the_temperature_passes(tiny_qwen
 def original_logprob_engine(tiny_qwen3, monkeypatch):
     """A built-in engine started with SGLANG_RETURN_ORIGINAL_LOGPROB=1: like SGLang so launched, it
     reports log softmax(z) before the temperature."""
-    from asyncrl.rollout.engine.api import EngineConfig
-    from asyncrl.rollout.engine.sampling import ORIGINAL_LOGPROB_ENV
-    from asyncrl.rollout.engine.server import serve
+    from asyncrl.engine.api import EngineConfig
+    from asyncrl.engine.sampling import ORIGINAL_LOGPROB_ENV
+    from asyncrl.engine.server import serve
 
     monkeypatch.setenv(ORIGINAL_LOGPROB_ENV, "1")
     srv = serve(EngineConfig(model=str(tiny_qwen3), max_batch_size=4))
@@ -438,8 +438,8 @@ def test_untempered_logprobs_are_named_with_the_env_var(tiny_qwen3, original_log
 
 def test_a_server_with_other_weights_matches_neither(tiny_qwen3, tiny_qwen3_untied):
     """tiny_qwen3_untied: the same architecture and vocabulary, its own output projection."""
-    from asyncrl.rollout.engine.api import EngineConfig
-    from asyncrl.rollout.engine.server import serve
+    from asyncrl.engine.api import EngineConfig
+    from asyncrl.engine.server import serve
 
     with serve(EngineConfig(model=str(tiny_qwen3_untied), max_batch_size=4)) as other:
         c = _logprob_check(tiny_qwen3, other.url)

@@ -102,25 +102,29 @@ FLOORS: dict[int, tuple[str, ...]] = {
     0: ("__init__", "wire"),  # the package's version; the messages between processes
     1: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
         "backoff cluster control dataflow generator_http gpu learner_info malloc memory"
-        " metric_names metrics plots progress reach recipe stacks tasks transport".split()
+        " metric_names metrics openai_shapes plots progress reach recipe stacks tasks tool_calls"
+        " transport".split()
     ),
     2: ("buffer", "weights"),  # siblings: the buffer's service and client; the weight path
-    3: ("rollout",),  # a worker puts to the buffer; its engine receives weights as weights/ sends
-    4: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
-    5: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
-    6: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
-    7: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands and the demo: anything below
+    3: ("engine",),  # the built-in generator's process: receives weights as weights/ sends them
+    4: ("rollout",),  # a worker puts to the buffer and starts its engines
+    5: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
+    6: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
+    7: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
+    8: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands and the demo: anything below
 }
 """Each room of asyncrl/ by floor, lowest first (docs/design.md §9). A module imports its own room
 and rooms on lower floors; two modules directly in asyncrl/ on one floor may import each other,
 two subpackages on one floor (buffer/, weights/) are siblings and never do. The order is the graph's
-own: rollout/ sits on buffer/ and weights/ (its engine receives weight buckets in weights/'
-layout), and learner/ on rollout/ because its rank 0 runs the held-out evaluation through
-rollout/evaluation.py (design §6); the commands on top import what they check or start."""
+own: engine/ sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC handle
+or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns its
+engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation
+through rollout/evaluation.py (design §6); the commands on top import what they check or start.
+What engine/ and rollout/ share (Qwen's tool-call format, OpenAI-shaped replies) is on floor 1."""
 
 
 def _room(module: str) -> str:
-    """``asyncrl.rollout.engine.api`` -> ``rollout``; ``asyncrl.summary`` -> ``summary``."""
+    """``asyncrl.engine.api`` -> ``engine``; ``asyncrl.summary`` -> ``summary``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -38,7 +38,7 @@ def check_reward_model(r: Recipe) -> None:
     rm = r.rollout.reward_model
     if not rm.path or not r.algorithm.uses_rollouts:
         return
-    from asyncrl.rollout.engine.classify import is_classifier
+    from asyncrl.engine.classify import is_classifier
 
     if not is_classifier(r.resolve(rm.path)):
         raise RecipeError(

@@ -10,5 +10,6 @@
 - :mod:`asyncrl.rollout.rewards`: exact match, math-verify, user rewards, run with timeouts.
 - :mod:`asyncrl.rollout.data`: local datasets with a resumable position.
 - :mod:`asyncrl.rollout.worker`: the trio worker; :mod:`asyncrl.rollout.main`: ``asyncrl rollout``.
-- :mod:`asyncrl.rollout.engine`: the built-in generator.
+- the built-in generator is a room of its own, :mod:`asyncrl.engine` (a process of its own:
+  :func:`asyncrl.rollout.main.spawn_engines` starts a worker's engines).
 """

@@ -154,7 +154,7 @@ def spawn_engines(
     """Launch this worker's built-in engines from ``weights`` (a model folder and its version;
     default ``model.path``, version 0) and return at once: each loads the model while the worker
     loads its tokenizer and metrics (:func:`wait_engines` then waits for them)."""
-    from asyncrl.rollout.engine import spawn_engine_process
+    from asyncrl.engine import spawn_engine_process
 
     if r.generator.engines_per_worker < 1:
         raise UsageError("generator.engines_per_worker: a builtin worker needs at least 1")

@@ -41,10 +41,10 @@ from typing import Any
 
 import trio
 
+from asyncrl.openai_shapes import finish, tool_call_json, usage
 from asyncrl.rollout.client import Completion
-from asyncrl.rollout.openai_shapes import finish, tool_call_json, usage
-from asyncrl.rollout.tools import parse_qwen_tool_calls
 from asyncrl.rollout.workflows import Episode, EpisodeContext
+from asyncrl.tool_calls import parse_qwen_tool_calls
 
 
 class TrajectoryMismatch(ValueError):

@@ -40,8 +40,8 @@ STEPS = 10_000  # far more than needed: the test stops the learner (SIGTERM) onc
 def test_generator_killed_mid_generation_is_dropped_and_rejoins(tmp_path: Path, tiny_qwen3):
     import trio
 
+    from asyncrl.engine import start_engine_process
     from asyncrl.generator_http import WeightsClient, async_client
-    from asyncrl.rollout.engine import start_engine_process
     from asyncrl.wire import GeneratorInfo
 
     t_start = time.monotonic()

@@ -20,8 +20,8 @@ from asyncrl.rollout.model_reward import CombinedReward, ScoreNorm, build_reward
 
 @pytest.fixture(scope="module")
 def rm_server(tiny_reward_model):
-    from asyncrl.rollout.engine.api import EngineConfig
-    from asyncrl.rollout.engine.server import serve
+    from asyncrl.engine.api import EngineConfig
+    from asyncrl.engine.server import serve
 
     srv = serve(EngineConfig(model=str(tiny_reward_model)))
     yield srv

@@ -94,7 +94,7 @@ def test_no_call_is_no_episode():
 def served(tool_caller_dir):
     from transformers import AutoTokenizer
 
-    from asyncrl.rollout.engine import EngineConfig, serve
+    from asyncrl.engine import EngineConfig, serve
 
     srv = serve(EngineConfig(model=str(tool_caller_dir), max_batch_size=8))
     yield srv, AutoTokenizer.from_pretrained(tool_caller_dir)

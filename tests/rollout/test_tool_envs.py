@@ -182,7 +182,7 @@ def mcp_schemas():
 
 @pytest.fixture(scope="module")
 def mcp_engine(tiny_qwen3_chat, tmp_path_factory, mcp_schemas):
-    from asyncrl.rollout.engine import EngineConfig, serve
+    from asyncrl.engine import EngineConfig, serve
     from tests.tool_caller import fit_tool_caller
 
     folder = fit_tool_caller(tiny_qwen3_chat, tmp_path_factory.mktemp("mcp_caller"), mcp_schemas)

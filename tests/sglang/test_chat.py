@@ -20,7 +20,7 @@ import openai
 import pytest
 from conftest import START_TIMEOUT_S
 
-from asyncrl.rollout.engine import EngineConfig, serve
+from asyncrl.engine import EngineConfig, serve
 from tests.json_shape import json_shape
 from tests.tool_caller import CHAT, TOOLS, fit_tool_caller
 from tools.sglang_cpu.server import SGLangServer, SGLangSetupError

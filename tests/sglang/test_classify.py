@@ -40,8 +40,8 @@ def sglang_rm(sglang_python, rm_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def builtin_rm(rm_dir):
-    from asyncrl.rollout.engine.api import EngineConfig
-    from asyncrl.rollout.engine.server import serve
+    from asyncrl.engine.api import EngineConfig
+    from asyncrl.engine.server import serve
 
     srv = serve(EngineConfig(model=str(rm_dir)))
     yield srv

@@ -19,9 +19,9 @@ import torch
 from asyncrl import recipe as recipe_mod
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
+from asyncrl.engine import start_engine_process
 from asyncrl.metrics import MetricsSink, read_metrics
 from asyncrl.recipe import WeightsConfig
-from asyncrl.rollout.engine import start_engine_process
 from asyncrl.weights.broadcaster import WeightBroadcaster
 from asyncrl.weights.buckets import checksum
 from asyncrl.weights.snapshot import drop_tied

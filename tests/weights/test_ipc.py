@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl import wire
+from asyncrl.engine import start_engine_process
+from asyncrl.engine.server import _same_host
 from asyncrl.recipe import WeightsConfig
-from asyncrl.rollout.engine import start_engine_process
-from asyncrl.rollout.engine.server import _same_host
 from asyncrl.weights import buckets, ipc
 from asyncrl.weights.broadcaster import WeightBroadcaster
 from asyncrl.weights.snapshot import drop_tied

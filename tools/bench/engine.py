@@ -37,7 +37,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from asyncrl.rollout.engine import start_engine_process  # noqa: E402
+from asyncrl.engine import start_engine_process  # noqa: E402
 from asyncrl.transport import free_port  # noqa: E402
 from asyncrl.weights import buckets, rendezvous  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402

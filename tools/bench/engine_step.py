@@ -37,15 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from asyncrl.rollout.engine import model as this_model  # noqa: E402
-from asyncrl.rollout.engine import sampling as this_sampling  # noqa: E402
+from asyncrl.engine import model as this_model  # noqa: E402
+from asyncrl.engine import sampling as this_sampling  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 
 def _load(checkout: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        f"other_{name}", checkout / f"asyncrl/rollout/engine/{name}.py"
-    )
+    path = checkout / f"asyncrl/engine/{name}.py"
+    if not path.exists():  # a checkout from before the engine left rollout/ (issue #47)
+        path = checkout / f"asyncrl/rollout/engine/{name}.py"
+        old = "asyncrl.rollout.engine"  # its imports of its siblings: this checkout's
+        for m in [k for k in sys.modules if k.startswith("asyncrl.engine.")]:
+            sys.modules.setdefault(old + m.removeprefix("asyncrl.engine"), sys.modules[m])
+    spec = importlib.util.spec_from_file_location(f"other_{name}", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there

@@ -51,8 +51,8 @@ START = {
         AutoTokenizer.from_pretrained(RECIPE.model.path)
     """,
     "engine": """
-        import asyncrl.rollout.engine.server
-        from asyncrl.rollout.engine.api import Engine, EngineConfig
+        import asyncrl.engine.server
+        from asyncrl.engine.api import Engine, EngineConfig
 
         Engine.load(EngineConfig(model=RECIPE.model.path)).close()
     """,

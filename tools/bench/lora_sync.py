@@ -44,8 +44,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from asyncrl import wire  # noqa: E402
+from asyncrl.engine import start_engine_process  # noqa: E402
 from asyncrl.recipe import WeightsConfig  # noqa: E402
-from asyncrl.rollout.engine import start_engine_process  # noqa: E402
 from asyncrl.weights.broadcaster import WeightBroadcaster  # noqa: E402
 from tools.make_tiny_model import FLAVOURS  # noqa: E402
 
@@ -129,8 +129,8 @@ def decode_rows(d: Path, rank: int, alpha: float, batch: int, n: int) -> dict:
     the merge per version."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.rollout.engine.lora import Adapters, LoraSpec
-    from asyncrl.rollout.engine.model import BatchedLM
+    from asyncrl.engine.lora import Adapters, LoraSpec
+    from asyncrl.engine.model import BatchedLM
 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     lm = BatchedLM(hf)

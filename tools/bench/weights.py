@@ -161,7 +161,7 @@ def compare_ipc(model_dir: Path, named, a: argparse.Namespace, nbytes: int) -> N
     """gloo against handles (``--ipc``), an engine each, alternating versions."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.rollout.engine import start_engine_process
+    from asyncrl.engine import start_engine_process
 
     with ThreadPoolExecutor(2) as pool:
         engines = list(
@@ -246,7 +246,7 @@ def main() -> None:
     )
     a = p.parse_args()
     torch.set_num_threads(1)
-    from asyncrl.rollout.engine import start_engine_process
+    from asyncrl.engine import start_engine_process
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-weights-")
     model_dir, named = make_model(Path(tmp.name) / "model", a.hidden, a.layers)

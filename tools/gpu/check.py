@@ -639,8 +639,8 @@ def _engine_decode(
 
     import torch
 
-    from asyncrl.rollout.engine.model import BatchedLM
-    from asyncrl.rollout.engine.sampling import EngineSamplingParams, sample
+    from asyncrl.engine.model import BatchedLM
+    from asyncrl.engine.sampling import EngineSamplingParams, sample
 
     lm = BatchedLM(hf)
     cuda = lm.device.type == "cuda"
@@ -820,8 +820,8 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from asyncrl import wire
+    from asyncrl.engine import start_engine_process
     from asyncrl.recipe import WeightsConfig
-    from asyncrl.rollout.engine import start_engine_process
     from asyncrl.weights.broadcaster import WeightBroadcaster
 
     cuda = _cuda(dry)
@@ -1149,8 +1149,8 @@ def _teacher(work: Path, dry: bool, figs: dict[str, Any]) -> bool:
     import trio
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.engine import start_engine_process
     from asyncrl.recipe import TeacherConfig
-    from asyncrl.rollout.engine import start_engine_process
     from asyncrl.rollout.teacher import TeacherLogprobs
     from tools.make_demo import make_demo
 

@@ -1,36 +1,7 @@
-"""The built-in generator: SGLang's HTTP API on HuggingFace transformers models, on the CPU or a GPU.
+"""The built-in engine's old import path. The engine is a process of its own and moved to a room
+of its own, :mod:`asyncrl.engine` (issue #47); code written against this path fails here with one
+line naming the new one (``python -m asyncrl.rollout.engine.server`` too)."""
 
-Start one as a child process (``start_engine_process``; ``spawn_engine_process`` returns before it
-is healthy) or in this process (``serve``); both give a ``.url`` that any SGLang client can talk to,
-and a ``.stop()``.
-"""
-
-from __future__ import annotations
-
-from asyncrl.rollout.engine.process import (
-    EngineProcess,
-    spawn_engine_process,
-    start_engine_process,
+raise ImportError(
+    "asyncrl.rollout.engine moved to asyncrl.engine: import asyncrl.engine instead", name=__name__
 )
-
-__all__ = [
-    "EngineProcess",
-    "spawn_engine_process",
-    "start_engine_process",
-    "serve",
-    "EngineConfig",
-    "EngineServer",
-]
-
-
-def __getattr__(name: str):
-    # serve/EngineConfig pull in torch and transformers; import them only when asked for
-    if name in ("serve", "EngineServer"):
-        from asyncrl.rollout.engine import server
-
-        return getattr(server, name)
-    if name == "EngineConfig":
-        from asyncrl.rollout.engine.api import EngineConfig
-
-        return EngineConfig
-    raise AttributeError(name)

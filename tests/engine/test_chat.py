@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from asyncrl.rollout.engine import EngineConfig, serve
+from asyncrl.engine import EngineConfig, serve
 from tests.tool_caller import ANSWER, CHAT, TOOLS
 
 

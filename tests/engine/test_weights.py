@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.rollout.engine import EngineConfig, serve, start_engine_process
+from asyncrl.engine import EngineConfig, serve, start_engine_process
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from tests.engine_streams import GenerateStream, PostInThread

@@ -1,6 +1,6 @@
-"""Rank 0 of a weight group, broadcasting what it is told (tests/rollout/engine/test_fused.py).
+"""Rank 0 of a weight group, broadcasting what it is told (tests/engine/test_fused.py).
 
-    python tests/rollout/engine/rank0_peer.py PORT GROUP_NAME
+    python tests/engine/rank0_peer.py PORT GROUP_NAME
 
 Joins as rank 0 of a 2-rank gloo group through the learner's rendezvous
 (:func:`asyncrl.weights.rendezvous.init_custom_process_group`), then reads lines ``FORMAT PATH``
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.rollout.engine.replies import BadRequest, Reply, is_int
+from asyncrl.engine.replies import BadRequest, Reply, is_int
 
 
 def is_classifier(model_dir: str | Path) -> bool:

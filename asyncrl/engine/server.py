@@ -1,5 +1,5 @@
 """`asyncrl engine`: serve a HuggingFace causal LM over SGLang's HTTP API, or a sequence-classification
-model (a reward model) over SGLang's ``/classify`` (:mod:`asyncrl.rollout.engine.classify`).
+model (a reward model) over SGLang's ``/classify`` (:mod:`asyncrl.engine.classify`).
 
     asyncrl engine --model HF_DIR [--host 127.0.0.1] [--port P] [--port-file F] [--max-batch-size N]
                    [--weight-version default] [--seed S] [--device auto|cpu|cuda] [--dtype D]
@@ -9,7 +9,7 @@ Stdlib ``ThreadingHTTPServer``: HTTP threads parse JSON and wait on events; all 
 the scheduler's one decode thread (and weight receives in the weight store's receiver thread).
 ``--port 0`` binds a free port; the bound port is printed and, with ``--port-file``, written there.
 ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` in its environment makes it report logprobs before the
-temperature, as it makes SGLang (:mod:`asyncrl.rollout.engine.sampling`).
+temperature, as it makes SGLang (:mod:`asyncrl.engine.sampling`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 from urllib.parse import parse_qs, urlparse
 
+from asyncrl.engine import openai
+from asyncrl.engine.generate_api import GenerateAPI
+from asyncrl.engine.replies import BadRequest, Reply
+from asyncrl.engine.weight_api import WeightAPI
 from asyncrl.recipe import Dtype, EngineDevice
-from asyncrl.rollout.engine import openai
-from asyncrl.rollout.engine.generate_api import GenerateAPI
-from asyncrl.rollout.engine.replies import BadRequest, Reply
-from asyncrl.rollout.engine.weight_api import WeightAPI
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.engine.api import Engine, EngineConfig
-    from asyncrl.rollout.engine.classify import Classifier
+    from asyncrl.engine.api import Engine, EngineConfig
+    from asyncrl.engine.classify import Classifier
 
 MAX_BODY = 256 << 20
 
@@ -250,8 +250,8 @@ class EngineServer:
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
     """Load the model and serve it on ``host:port`` from background threads; returns at once."""
-    from asyncrl.rollout.engine.api import Engine
-    from asyncrl.rollout.engine.classify import Classifier, is_classifier
+    from asyncrl.engine.api import Engine
+    from asyncrl.engine.classify import Classifier, is_classifier
 
     engine: Engine | Classifier
     if is_classifier(config.model):
@@ -334,7 +334,7 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
 
-    from asyncrl.rollout.engine.api import EngineConfig
+    from asyncrl.engine.api import EngineConfig
 
     torch.set_num_threads(1)
     # HTTP threads hold the GIL only briefly; a short switch interval lets the decode thread get it
@@ -388,7 +388,7 @@ def main(argv: list[str]) -> int:
     os._exit(code)
 
 
-if __name__ == "__main__":  # how rollout/engine/process.py starts it: as `asyncrl engine` would
+if __name__ == "__main__":  # how engine/process.py starts it: as `asyncrl engine` would
     from asyncrl.stacks import dump_stacks_on_usr1
 
     dump_stacks_on_usr1()

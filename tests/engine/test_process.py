@@ -1,4 +1,4 @@
-"""`asyncrl engine` CLI errors (the child-process helper is exercised by tests/rollout/engine/test_weights.py)."""
+"""`asyncrl engine` CLI errors (the child-process helper is exercised by tests/engine/test_weights.py)."""
 
 from __future__ import annotations
 

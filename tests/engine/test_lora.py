@@ -14,9 +14,9 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from asyncrl import wire
+from asyncrl.engine import EngineConfig, serve, start_engine_process
+from asyncrl.engine.lora import PEFT_PREFIX
 from asyncrl.recipe import WeightsConfig
-from asyncrl.rollout.engine import EngineConfig, serve, start_engine_process
-from asyncrl.rollout.engine.lora import PEFT_PREFIX
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.broadcaster import WeightBroadcaster

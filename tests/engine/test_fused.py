@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.rollout.engine import EngineConfig, serve
+from asyncrl.engine import EngineConfig, serve
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets
 from tests.engine_streams import PostInThread

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl import gpu, recipe
-from asyncrl.rollout.engine.api import placement
-from asyncrl.rollout.engine.model import BatchedLM
+from asyncrl.engine.api import placement
+from asyncrl.engine.model import BatchedLM
 from asyncrl.rollout.main import engine_env
 
 
@@ -72,7 +72,7 @@ def test_the_engine_refuses_cuda_it_cannot_use(model, says, request):
     on the CPU): one line naming the device, exit status 2, not a silent CPU engine."""
     path = request.getfixturevalue(model)
     p = subprocess.run(
-        [sys.executable, "-m", "asyncrl.rollout.engine.server", "--model", str(path)]
+        [sys.executable, "-m", "asyncrl.engine.server", "--model", str(path)]
         + ["--port", "0", "--device", "cuda"],
         capture_output=True,
         text=True,

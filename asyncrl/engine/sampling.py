@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from asyncrl.rollout.engine.transfer import to_device, to_host
+from asyncrl.engine.transfer import to_device, to_host
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 

@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from asyncrl.rollout.engine import EngineConfig, serve
+from asyncrl.engine import EngineConfig, serve
 from tests.engine_streams import GenerateStream
 
 LONG = {

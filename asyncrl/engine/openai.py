@@ -17,16 +17,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.rollout.engine.replies import BadRequest, Reply, is_int
-from asyncrl.rollout.engine.sampling import EngineSamplingParams, SamplingError
-from asyncrl.rollout.openai_shapes import finish as _finish
-from asyncrl.rollout.openai_shapes import tool_call_json as _tool_call_json
-from asyncrl.rollout.openai_shapes import usage as _usage
-from asyncrl.rollout.tools import QwenToolCallStream, parse_qwen_tool_calls
+from asyncrl.engine.replies import BadRequest, Reply, is_int
+from asyncrl.engine.sampling import EngineSamplingParams, SamplingError
+from asyncrl.openai_shapes import finish as _finish
+from asyncrl.openai_shapes import tool_call_json as _tool_call_json
+from asyncrl.openai_shapes import usage as _usage
+from asyncrl.tool_calls import QwenToolCallStream, parse_qwen_tool_calls
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.engine.api import Engine
-    from asyncrl.rollout.engine.generate_api import GenerateAPI
+    from asyncrl.engine.api import Engine
+    from asyncrl.engine.generate_api import GenerateAPI
 
 
 def v1_models(engine: Engine) -> Reply:

@@ -24,9 +24,9 @@ from typing import Any, get_args
 
 import torch
 
+from asyncrl.engine.model import BatchedLM
+from asyncrl.engine.sampling import EngineSamplingParams, sample
 from asyncrl.recipe import PauseMode
-from asyncrl.rollout.engine.model import BatchedLM
-from asyncrl.rollout.engine.sampling import EngineSamplingParams, sample
 
 # "abort" is SGLang's third mode; the recipe offers only the two that keep the work.
 PAUSE_MODES: tuple[str, ...] = ("abort", *get_args(PauseMode))

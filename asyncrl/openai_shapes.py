@@ -7,7 +7,7 @@ import json
 import uuid
 from typing import Any
 
-from asyncrl.rollout.tools import ToolCall
+from asyncrl.tool_calls import ToolCall
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

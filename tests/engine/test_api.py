@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncrl.rollout.engine import EngineConfig, serve
+from asyncrl.engine import EngineConfig, serve
 from tests.json_shape import json_shape
 
-RECORDED = Path(__file__).parents[2] / "data" / "sglang-recorded"  # real SGLang 0.5.23 responses
+RECORDED = Path(__file__).parents[1] / "data" / "sglang-recorded"  # real SGLang 0.5.23 responses
 
 
 @pytest.fixture(scope="module")

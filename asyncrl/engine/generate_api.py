@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.rollout.engine.replies import BadRequest, Reply, is_int
-from asyncrl.rollout.engine.sampling import EngineSamplingParams, SamplingError
-from asyncrl.rollout.engine.scheduler import PAUSE_MODES, Request
+from asyncrl.engine.replies import BadRequest, Reply, is_int
+from asyncrl.engine.sampling import EngineSamplingParams, SamplingError
+from asyncrl.engine.scheduler import PAUSE_MODES, Request
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.engine.api import Engine
+    from asyncrl.engine.api import Engine
 
 FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "

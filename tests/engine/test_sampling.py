@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.rollout.engine.sampling import (
+from asyncrl.engine.sampling import (
     TOP_K_OFF,
     EngineSamplingParams,
     SamplingError,

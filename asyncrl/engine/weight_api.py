@@ -1,7 +1,7 @@
 """The weight endpoints: update groups, the begin/update/end session, disk loads, versions, checks.
 
 JSON in, ``Reply`` out, no HTTP here. Each handler checks its request's fields and calls the weight
-store, which holds the update session's state (``asyncrl.rollout.engine.weights``). Fields and
+store, which holds the update session's state (``asyncrl.engine.weights``). Fields and
 response shapes follow SGLang 0.5.23 (python/sglang/srt/entrypoints/http_server.py,
 managers/io_struct.py); a refused request answers ``success: false`` with the reason.
 """
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.rollout.engine.replies import BadRequest, Reply, fail, field, is_int, ok
-from asyncrl.rollout.engine.weights import WeightError
+from asyncrl.engine.replies import BadRequest, Reply, fail, field, is_int, ok
+from asyncrl.engine.weights import WeightError
 from asyncrl.weights import buckets, ipc
 from asyncrl.weights.buckets import parse_dtype
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.engine.api import Engine
+    from asyncrl.engine.api import Engine
 
 NOT_FLUSHED = (
     "Weights were updated, but the cache was not flushed because requests are still running or "

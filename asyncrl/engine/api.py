@@ -15,14 +15,14 @@ from typing import Any, get_args
 import torch
 
 from asyncrl import malloc
+from asyncrl.engine.lora import LoraSpec
+from asyncrl.engine.model import BatchedLM
+from asyncrl.engine.replies import BadRequest
+from asyncrl.engine.sampling import original_logprob
+from asyncrl.engine.scheduler import Scheduler
+from asyncrl.engine.weights import WeightStore
 from asyncrl.gpu import cuda_uuid, engine_device
 from asyncrl.recipe import Dtype
-from asyncrl.rollout.engine.lora import LoraSpec
-from asyncrl.rollout.engine.model import BatchedLM
-from asyncrl.rollout.engine.replies import BadRequest
-from asyncrl.rollout.engine.sampling import original_logprob
-from asyncrl.rollout.engine.scheduler import Scheduler
-from asyncrl.rollout.engine.weights import WeightStore
 
 
 @dataclass

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from asyncrl.rollout.engine.fused import FUSED, Fused, Group, ReceiveBuffers, fuse, ptrs
-from asyncrl.rollout.engine.transfer import to_device
+from asyncrl.engine.fused import FUSED, Fused, Group, ReceiveBuffers, fuse, ptrs
+from asyncrl.engine.transfer import to_device
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only

@@ -107,7 +107,7 @@ def spawn_engine_process(
     lora_alpha: float = 16.0,
     weights: str | os.PathLike | None = None,
 ) -> EngineProcess:
-    """Launch ``python -m asyncrl.rollout.engine.server`` and return at once: the caller does its
+    """Launch ``python -m asyncrl.engine.server`` and return at once: the caller does its
     own start-up work while the engine loads, then calls :meth:`EngineProcess.wait_healthy`.
     stdout and stderr go to ``log_path`` (a temporary file when None). ``device``: auto, cpu or
     cuda (the recipe's ``generator.device``); ``dtype``: its dtype on CUDA (``model.dtype``).
@@ -119,7 +119,7 @@ def spawn_engine_process(
     cmd = [
         sys.executable,
         "-m",
-        "asyncrl.rollout.engine.server",
+        "asyncrl.engine.server",
         "--model",
         str(model_dir),
         "--host",

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from asyncrl.rollout.engine.fused import ReceiveBuffers
-from asyncrl.rollout.engine.lora import (
+from asyncrl.engine.fused import ReceiveBuffers
+from asyncrl.engine.lora import (
     Adapters,
     LoraSpec,
     adapter_target,

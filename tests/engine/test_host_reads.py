@@ -13,10 +13,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
-from asyncrl.rollout.engine import model as engine_model
-from asyncrl.rollout.engine import transfer
-from asyncrl.rollout.engine.model import BatchedLM
-from asyncrl.rollout.engine.sampling import EngineSamplingParams, sample
+from asyncrl.engine import model as engine_model
+from asyncrl.engine import transfer
+from asyncrl.engine.model import BatchedLM
+from asyncrl.engine.sampling import EngineSamplingParams, sample
 
 READS = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu"}
 
