@@ -15,9 +15,11 @@ added in another order and rounds differently. A test compares what its claim is
 Where the bounds were checked: on 2-core AMD EPYC machines (Zen 4, AVX-512) with their native
 kernels, and on the same machines with the kernel paths of other x86 CPUs forced: torch's ATen
 kernels (``ATEN_CPU_CAPABILITY=avx2``, ``=default``), oneDNN (``ONEDNN_MAX_CPU_ISA``) and MKL
-(``MKL_ENABLE_INSTRUCTIONS``). The tests that compare float32 results across kernels, ranks or
-layouts carry the ``numerics`` marker, and ``make test`` runs them once more under the AVX2 paths
-and once more under the generic ones (Makefile ``test-kernels``). CI once failed on an AVX2-only AMD
+(``MKL_ENABLE_INSTRUCTIONS``). The tests that compare float32 results within a tolerance across
+kernels, ranks or layouts carry the ``numerics`` marker (a bitwise comparison of one computation
+done two ways, with and without offload or a reshard, does not: other kernels change both sides
+alike), and ``make test`` runs them once more under the AVX2 paths and once more under the
+generic ones (Makefile ``test-kernels``). CI once failed on an AVX2-only AMD
 EPYC (Zen 3) whose kernels the AVX2 run reproduces (tests/learner/test_placement.py: 1.48e-5, the
 same figure to the last digit).
 """

@@ -129,6 +129,11 @@ class SGLangServer:
             "8192",
             "--tp",
             "1",
+            # An idle scheduler polls its sockets in a busy loop: ~1 core per server on CPU, taken
+            # from the tests and the learner beside it (measured: 0.80 core idle without the flag,
+            # 0.01 with it). With it, an idle scheduler blocks in zmq's poll, which returns as soon
+            # as a request or a control call arrives, so nothing waits longer.
+            "--sleep-on-idle",
             *self.extra_args,
         ]
 
