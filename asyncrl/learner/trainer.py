@@ -42,7 +42,8 @@ from asyncrl.learner.reward_model import RewardModelSteps
 from asyncrl.learner.scalar_model import scalar_spec, write_seq_cls_config
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.learner.step import StepResult, sequences, train_step
-from asyncrl.recipe import RecipeError, check_critic_placement, check_placement, ref_is_lora_base
+from asyncrl.recipe import RecipeError
+from asyncrl.recipe.layout import check_critic_placement, check_placement, ref_is_lora_base
 
 log = logging.getLogger("asyncrl.learner")
 
