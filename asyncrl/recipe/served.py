@@ -12,20 +12,22 @@ from pathlib import Path
 from asyncrl.recipe.fields import RecipeError
 from asyncrl.recipe.schema import Recipe
 
+_SERVED = {
+    "reward_model": (
+        "reward model folder",
+        "an HF sequence-classification folder, e.g. a reward_model run's hf/latest",
+    ),
+    "teacher": ("teacher folder", "an HF causal LM folder, e.g. a run's hf/latest"),
+}
+"""Each served model's section of ``rollout`` -> (what its folder is called, what it must be)."""
 
-def _check_model_servers(
-    r: Recipe,
-    key: str,
-    path: str,
-    urls: list[str],
-    *,
-    what: str,
-    kind: str,
-    file: str | None,
-    check_files: bool,
-) -> None:
-    """A model served for the rollouts (the reward model, the teacher): urls of servers the user
-    started, or a folder `asyncrl run` serves; never both, the folder an HF one, the urls http(s)."""
+
+def _check_model_servers(r: Recipe, name: str, file: str | None, check_files: bool) -> None:
+    """A model served for the rollouts (``rollout.<name>``: the reward model, the teacher): urls of
+    servers the user started, or a folder `asyncrl run` serves; never both, the folder an HF one,
+    the urls http(s)."""
+    key, (what, kind) = f"rollout.{name}", _SERVED[name]
+    path, urls = getattr(r.rollout, name).path, getattr(r.rollout, name).urls
     if path and urls:
         raise RecipeError(
             "give urls (servers you started) or path (`asyncrl run` starts servers on it), "
@@ -46,17 +48,7 @@ def _check_model_servers(
 
 def reward_model_servers(r: Recipe, file: str | None, check_files: bool) -> None:
     """``rollout.reward_model``: urls or an HF sequence-classification folder, not both."""
-    rm = r.rollout.reward_model
-    _check_model_servers(
-        r,
-        "rollout.reward_model",
-        rm.path,
-        rm.urls,
-        what="reward model folder",
-        kind="an HF sequence-classification folder, e.g. a reward_model run's hf/latest",
-        file=file,
-        check_files=check_files,
-    )
+    _check_model_servers(r, "reward_model", file, check_files)
 
 
 def _distill(r: Recipe) -> bool:
@@ -125,17 +117,7 @@ def distill_dynamic_sampling(r: Recipe, file: str | None, check_files: bool) -> 
 
 def teacher_servers(r: Recipe, file: str | None, check_files: bool) -> None:
     """``rollout.teacher``: urls or an HF causal LM folder, not both."""
-    t = r.rollout.teacher
-    _check_model_servers(
-        r,
-        "rollout.teacher",
-        t.path,
-        t.urls,
-        what="teacher folder",
-        kind="an HF causal LM folder, e.g. a run's hf/latest",
-        file=file,
-        check_files=check_files,
-    )
+    _check_model_servers(r, "teacher", file, check_files)
 
 
 def teacher_tokenizer(r: Recipe, file: str | None, check_files: bool) -> None:
