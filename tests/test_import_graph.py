@@ -100,27 +100,31 @@ def import_circles(modules: dict[str, Path]) -> list[list[str]]:
 
 FLOORS: dict[int, tuple[str, ...]] = {
     0: ("__init__", "wire"),  # the package's version; the messages between processes
-    1: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
+    1: ("recipe",),  # the schema every process reads, its loader and its checks
+    2: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
         "backoff cluster control dataflow generator_http gpu learner_info malloc memory"
-        " metric_names metrics openai_shapes plots progress reach recipe stacks tasks tool_calls"
+        " metric_names metrics openai_shapes plots progress reach stacks tasks tool_calls"
         " transport".split()
     ),
-    2: ("buffer", "weights"),  # siblings: the buffer's service and client; the weight path
-    3: ("engine",),  # the built-in generator's process: receives weights as weights/ sends them
-    4: ("rollout",),  # a worker puts to the buffer and starts its engines
-    5: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
-    6: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
-    7: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
-    8: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands and the demo: anything below
+    3: ("buffer", "weights"),  # siblings: the buffer's service and client; the weight path
+    4: ("engine",),  # the built-in generator's process: receives weights as weights/ sends them
+    5: ("rollout",),  # a worker puts to the buffer and starts its engines
+    6: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
+    7: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
+    8: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
+    9: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands and the demo: anything below
 }
 """Each room of asyncrl/ by floor, lowest first (docs/design.md §9). A module imports its own room
 and rooms on lower floors; two modules directly in asyncrl/ on one floor may import each other,
-two subpackages on one floor (buffer/, weights/) are siblings and never do. The order is the graph's
-own: engine/ sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC handle
-or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns its
-engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation
-through rollout/evaluation.py (design §6); the commands on top import what they check or start.
-What engine/ and rollout/ share (Qwen's tool-call format, OpenAI-shaped replies) is on floor 1."""
+two subpackages on one floor (buffer/, weights/) are siblings and never do, and neither do a
+subpackage and a module directly in asyncrl/ on one floor. The order is the graph's own: recipe/
+has a floor of its own below the small modules because it is a subpackage that some of them
+(dataflow.py, memory.py, generator_http.py) import, and it imports nothing of asyncrl's; engine/
+sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC handle or in a group
+it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns its engines) and
+buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation through
+rollout/evaluation.py (design §6); the commands on top import what they check or start. What
+engine/ and rollout/ share (Qwen's tool-call format, OpenAI-shaped replies) is on floor 2."""
 
 
 def _room(module: str) -> str:

@@ -84,23 +84,23 @@ class Builder:
         with torch.device("meta"):
             model = spec.model.build()
         c = self.config
-        with_lora = role == "actor" and c.lora.enabled
+        with_lora = role == "actor" and c.learner.lora.enabled
         if with_lora:
             tp = mesh.parallel_dims.get_optional_mesh("tp")
-            n = lora.attach(model, c.lora, spec.name, tp)
+            n = lora.attach(model, c.learner.lora, spec.name, tp)
             log.info(
                 "learner.lora: %.1f M adapter parameters train (rank %d on %s), the base is frozen",
                 n / 1e6,
-                c.lora.rank,
-                ", ".join(c.lora.targets),
+                c.learner.lora.rank,
+                ", ".join(c.learner.lora.targets),
             )
         model = spec.parallelize_fn(
             model,
             parallel_dims=mesh.parallel_dims,
             training=TrainingConfig(mixed_precision_param=c.dtype),
             parallelism=mesh.parallelism,
-            compile_config=CompileConfig(enable=c.compile, components=["model"]),
-            ac_config=AC_CONFIGS[c.activation_checkpointing](),
+            compile_config=CompileConfig(enable=c.learner.compile, components=["model"]),
+            ac_config=AC_CONFIGS[c.learner.activation_checkpointing](),
             dump_folder=str(self.dump_folder),
         )
         cpu_shims.force_sum_reduction(model)
@@ -140,9 +140,9 @@ class Builder:
                     optimizer_name="AdamW",
                     optimizer_kwargs={
                         "lr": lr,
-                        "betas": c.betas,
-                        "eps": c.eps,
-                        "weight_decay": c.weight_decay,
+                        "betas": tuple(c.learner.betas),
+                        "eps": c.learner.eps,
+                        "weight_decay": c.learner.weight_decay,
                     },
                 )
             ],
@@ -154,9 +154,9 @@ class Builder:
         per_version = c.updates_per_version
         total = max(c.versions, 1) * per_version
         sched = LRSchedulersContainer.Config(
-            warmup_steps=c.warmup_steps * per_version,
-            total_steps=total if c.lr_schedule != "constant" else 1 << 40,
-            decay_ratio=None if c.lr_schedule != "constant" else 0.0,
-            decay_type="cosine" if c.lr_schedule == "cosine" else "linear",
+            warmup_steps=c.learner.warmup_steps * per_version,
+            total_steps=total if c.learner.lr_schedule != "constant" else 1 << 40,
+            decay_ratio=None if c.learner.lr_schedule != "constant" else 0.0,
+            decay_type="cosine" if c.learner.lr_schedule == "cosine" else "linear",
         )
         return optimizers, sched.build(optimizers=optimizers, training_steps=total)

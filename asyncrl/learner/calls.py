@@ -51,8 +51,8 @@ def minibatches(models: Models, mine: list[Sequence], version: int) -> list[list
     c = models.config
     return [
         part
-        for epoch in range(c.epochs)
-        for part in split_minibatches(mine, c.minibatches, seed=(c.seed, version, epoch))
+        for epoch in range(c.learner.epochs)
+        for part in split_minibatches(mine, c.learner.minibatches, seed=(c.seed, version, epoch))
     ]
 
 

@@ -17,8 +17,8 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpoint import MODEL, CheckpointManager, ModelWrapper
 
-from asyncrl.learner.config import CheckpointPolicy
 from asyncrl.learner.lora import is_adapter
+from asyncrl.recipe import LearnerConfig
 
 
 class _Absent(Stateful):
@@ -64,7 +64,7 @@ class Checkpoints:
 
     def __init__(
         self,
-        policy: CheckpointPolicy,
+        learner: LearnerConfig,
         *,
         model: torch.nn.Module | None,
         optimizers: Any,
@@ -78,18 +78,18 @@ class Checkpoints:
     ) -> None:
         self.enabled = enabled
         self._state = _LearnerState()
-        keep = policy.keep
+        keep = learner.keep_checkpoints
         extra = {k: v if v is not None else _Absent() for k, v in extra_states.items()}
         self.manager = CheckpointManager.Config(
             enable=True,
             folder="checkpoints",
-            interval=policy.every or (1 << 40),
+            interval=learner.checkpoint_every or (1 << 40),
             keep_latest_k=0 if keep == 0 else max(keep, 2),
             initial_load_path=str(hf_folder.resolve()) if hf_folder is not None else None,
             initial_load_in_hf=hf_folder is not None,
             initial_load_model_only=True,
             last_save_model_only=False,
-            async_mode="async" if policy.asynchronous else "disabled",
+            async_mode="async" if learner.checkpoint_async else "disabled",
             load_only=not enabled,
         ).build(
             dataloader=None,

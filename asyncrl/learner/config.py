@@ -5,7 +5,11 @@ the :class:`~asyncrl.learner.build.Builder`, the step's :mod:`.calls` and :mod:`
 critic, the reward model's steps, the checkpoints) read the recipe; they take this config, or their
 part of it, as TorchTitan's components take their own config and its Trainer assembles them. So a
 component's inputs are named in one dataclass, with the values derived from several sections (the
-sampling temperature of log π, the collective timeout, the critic's folder) computed once.
+sampling temperature of log π, the collective timeout, the critic's folder) computed once. A
+section the learner alone reads is carried whole, not copied field by field (``learner``,
+``critic``, ``algorithm``, ``placement``): each setting exists once, in the recipe's schema, and a
+component reads it there (``c.learner.lr``, the Builder's ``c.learner.betas``, the checkpoints'
+``learner.checkpoint_every``).
 The process's edges (the buffer, the weights, logging, data and evaluation: :mod:`.main`) keep
 reading the recipe.
 
@@ -22,10 +26,10 @@ from asyncrl import dataflow
 from asyncrl.learner.distributed import collective_timeout_s
 from asyncrl.recipe import (
     AlgorithmConfig,
-    Checkpointing,
+    CriticConfig,
     DataConfig,
     Dtype,
-    LoraConfig,
+    LearnerConfig,
     PlacementConfig,
     Recipe,
     learner_roles,
@@ -34,30 +38,19 @@ from asyncrl.recipe import (
 
 @dataclass(frozen=True, kw_only=True)
 class BuildConfig:
-    """How a role's model and optimizer are built (:class:`~asyncrl.learner.build.Builder`)."""
+    """How a role's model and optimizer are built (:class:`~asyncrl.learner.build.Builder`): the
+    recipe's ``learner`` section (the optimizer, its schedule, compile, activation checkpointing,
+    ``lora``: adapters on the actor) and what it reads of other sections."""
 
+    learner: LearnerConfig
     dtype: Dtype  # model.dtype: the parameters' (FSDP's mixed precision) and the exports'
-    compile: bool
-    activation_checkpointing: Checkpointing
-    betas: tuple[float, ...]
-    eps: float
-    weight_decay: float
-    warmup_steps: int  # in versions
-    lr_schedule: str
-    updates_per_version: int  # learner.minibatches × learner.epochs: the schedule counts updates
     versions: int  # run.steps
-    lora: LoraConfig  # learner.lora: adapters on the actor (rank 0: none)
     seed: int  # run.seed: the adapters' initial A
 
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointPolicy:
-    """When the learner writes DCP checkpoints and HF exports, and how many it keeps."""
-
-    every: int  # learner.checkpoint_every (0: only at the end)
-    asynchronous: bool
-    keep: int
-    export_every: int  # learner.export_every (0: at the end)
+    @property
+    def updates_per_version(self) -> int:
+        """learner.minibatches × learner.epochs: the schedule counts updates."""
+        return self.learner.minibatches * self.learner.epochs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,19 +81,13 @@ class TrainerConfig:
     placement: PlacementConfig
     algorithm: AlgorithmConfig
     temperature: float  # of log π: rollout.logprob_temperature (1 for sft)
-    lr: float
-    critic_lr: float
-    grad_clip: float
-    epochs: int
-    minibatches: int
-    micro_batch_tokens: int
-    logits_chunk_mb: float
+    learner: LearnerConfig  # lr, grad_clip, epochs, minibatches, micro-batches, checkpoints, lora
+    critic: CriticConfig  # its lr (its folder, resolved: critic_dir)
     max_staleness: int
     overlong_filter: bool
     max_new_tokens: int  # the normaliser's fixed length (``seq_mean_token_sum_norm``)
     turn_discount: float
     build: BuildConfig
-    checkpoints: CheckpointPolicy
     held_out: HeldOutPairs
 
     @property
@@ -125,36 +112,14 @@ class TrainerConfig:
             placement=r.placement,
             algorithm=alg,
             temperature=1.0 if alg.loss == "sft" else r.rollout.logprob_temperature,
-            lr=lc.lr,
-            critic_lr=r.critic.lr,
-            grad_clip=lc.grad_clip,
-            epochs=lc.epochs,
-            minibatches=lc.minibatches,
-            micro_batch_tokens=lc.micro_batch_tokens,
-            logits_chunk_mb=lc.logits_chunk_mb,
+            learner=lc,
+            critic=r.critic,
             max_staleness=r.buffer.max_staleness,
             overlong_filter=r.buffer.overlong_filter,
             max_new_tokens=r.rollout.max_new_tokens,
             turn_discount=r.rollout.turn_discount,
             build=BuildConfig(
-                dtype=r.model.dtype,
-                compile=lc.compile,
-                activation_checkpointing=lc.activation_checkpointing,
-                betas=tuple(lc.betas),
-                eps=lc.eps,
-                weight_decay=lc.weight_decay,
-                warmup_steps=lc.warmup_steps,
-                lr_schedule=lc.lr_schedule,
-                updates_per_version=lc.minibatches * lc.epochs,
-                versions=r.run.steps,
-                lora=lc.lora,
-                seed=r.run.seed,
-            ),
-            checkpoints=CheckpointPolicy(
-                every=lc.checkpoint_every,
-                asynchronous=lc.checkpoint_async,
-                keep=lc.keep_checkpoints,
-                export_every=lc.export_every,
+                learner=lc, dtype=r.model.dtype, versions=r.run.steps, seed=r.run.seed
             ),
             held_out=HeldOutPairs(
                 path=r.resolve(r.data.eval_path) if r.data.eval_path else None,

@@ -156,7 +156,7 @@ class Critic:
 
     def __init__(self, c: TrainerConfig, build: Builder) -> None:
         self.alg = c.algorithm
-        self.grad_clip = c.grad_clip
+        self.grad_clip = c.learner.grad_clip
         self.folder = c.critic_dir
         self.spec = scalar_spec(self.folder, attention=c.attention, max_seq_len=c.max_seq_len)
         self.model = build.model(self.spec, "critic")
@@ -165,7 +165,7 @@ class Critic:
         build.load_hf(self.model, self.adapter, self.folder, group=build.meshes["critic"].group)
         if not self.adapter.include_head:  # a causal LM's backbone: a fresh head from the seed
             init_head(self.model, c.seed)
-        self.optimizers, self.lr_schedulers = build.optimizer(self.model, c.critic_lr)
+        self.optimizers, self.lr_schedulers = build.optimizer(self.model, c.critic.lr)
 
     def states(self) -> dict[str, Any]:
         """The critic's part of the learner's checkpoint (resumed from it, not from the folder)."""

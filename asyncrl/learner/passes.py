@@ -56,7 +56,7 @@ def micro_batches(
     """This rank's sequences, packed; every rank of the role (``group``, default every rank)
     runs the same number of micro-batches (FSDP's collectives must pair up), padding with empty
     rows that carry no loss."""
-    bins = split_micro_batches(mine, models.config.micro_batch_tokens)
+    bins = split_micro_batches(mine, models.config.learner.micro_batch_tokens)
     n = torch.tensor([len(bins)], dtype=torch.int64)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     bins += [[] for _ in range(int(n) - len(bins))]
@@ -251,7 +251,7 @@ def update_actor(
     models.optimizers.zero_grad()
     for mb in mbs:
         actor_micro_batch(models, mb, norm, totals, version=version, measure_drift=measure_drift)
-    clip = models.config.grad_clip
+    clip = models.config.learner.grad_clip
     grad_norm = dist_utils.clip_grad_norm_(
         list(actor.parameters()), clip if clip > 0 else math.inf, foreach=True
     )

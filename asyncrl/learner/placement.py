@@ -9,6 +9,12 @@ Roles on the same ranks share one mesh and run their calls in the dataflow's ord
 disjoint ranks run theirs at the same time, each splitting the batch over its own ranks. What one
 role needs from another crosses the global group (:func:`exchanges` says which keys, before which
 call).
+
+The rules a layout obeys (each role's ranks exist, split into its tensor-parallel groups, equal or
+miss another role's; a critic beside the actor shares its tensor parallelism; when π_ref is the
+LoRA actor's base) are in asyncrl/recipe/layout.py, under the recipe: a recipe is checked against
+them when it loads, without torch, and trainer.py checks them again with the world size before
+this module builds the meshes.
 """
 
 from __future__ import annotations

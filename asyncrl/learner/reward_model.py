@@ -107,7 +107,10 @@ class RewardModelSteps:
         """This rank's pairs in micro-batches; every rank runs as many (FSDP's collectives pair up),
         padding with empty ones."""
         lengths = [len(c) + len(r) for c, r in pairs]
-        bins = [[pairs[i] for i in b] for b in pair_bins(lengths, self.config.micro_batch_tokens)]
+        bins = [
+            [pairs[i] for i in b]
+            for b in pair_bins(lengths, self.config.learner.micro_batch_tokens)
+        ]
         n = torch.tensor([len(bins)], dtype=torch.int64)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return bins + [[] for _ in range(int(n) - len(bins))]
@@ -144,7 +147,7 @@ class RewardModelSteps:
                 ],
                 dtype=torch.float64,
             )
-        clip = self.config.grad_clip
+        clip = self.config.learner.grad_clip
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True
         )

@@ -214,7 +214,7 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
         shares={role: m.share(seqs) for role, m in models.meshes.items()},
         version=version,
         totals=totals,
-        several=c.minibatches * c.epochs > 1,
+        several=c.learner.minibatches * c.learner.epochs > 1,
     )
     run_calls(models, realloc, run)
     summed = reduce_totals(models, totals)
@@ -231,7 +231,7 @@ def step_metrics(
     """The step's metrics from its reduced totals (``dt``: its seconds; ``info``: what the batch
     and the calls reported)."""
     c = models.config
-    updates = c.minibatches * c.epochs
+    updates = c.learner.minibatches * c.learner.epochs
     tokens = float(summed["counted/tokens"])
     stats = {k.removeprefix("counted/stat/"): float(v) for k, v in summed.items() if "/stat/" in k}
     out = {

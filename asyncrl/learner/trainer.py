@@ -42,7 +42,8 @@ from asyncrl.learner.reward_model import RewardModelSteps
 from asyncrl.learner.scalar_model import scalar_spec, write_seq_cls_config
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.learner.step import StepResult, sequences, train_step
-from asyncrl.recipe import RecipeError, check_critic_placement, check_placement, ref_is_lora_base
+from asyncrl.recipe import RecipeError
+from asyncrl.recipe.layout import check_critic_placement, check_placement, ref_is_lora_base
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -78,7 +79,7 @@ class Trainer:
         self.version = 0
         self.source_state: dict | None = None
         self.last_export = ""
-        self.lora = c.build.lora.enabled  # the actor trains adapters on a frozen base
+        self.lora = c.learner.lora.enabled  # the actor trains adapters on a frozen base
 
         # Each role's ranks and parallel dims (asyncrl/learner/placement.py), checked first.
         flow, roles = c.flow, c.roles
@@ -108,7 +109,7 @@ class Trainer:
         # actor's and π_ref's projections share the chunk, so the smaller degree sizes it)
         tp = min(c.placement.actor.tensor_parallel, c.placement.ref.tensor_parallel)
         vocab = -(-spec.model.vocab_size // tp)
-        if c.build.compile and cpu_shims.ON_CPU:
+        if c.learner.compile and cpu_shims.ON_CPU:
             log.warning(
                 "learner.compile on CPU: every new batch layout recompiles the blocks (measured on "
                 "the tiny test model: 38-60 s per step against 0.3 s eager); it is meant for GPUs"
@@ -123,14 +124,14 @@ class Trainer:
             ),
             spec=spec,
             temperature=c.temperature,
-            chunk_tokens=chunk_tokens(vocab, c.logits_chunk_mb),
+            chunk_tokens=chunk_tokens(vocab, c.learner.logits_chunk_mb),
         )
         m = self.models
         # A rank outside the actor's ranks holds no actor (model, optimizer: None).
         if actor.holds:
             m.actor = self.build.model(spec, "actor")
             m.actor.train()
-            m.optimizers, m.lr_schedulers = self.build.optimizer(m.actor, c.lr)
+            m.optimizers, m.lr_schedulers = self.build.optimizer(m.actor, c.learner.lr)
 
         self.adapter = spec.state_dict_adapter(spec.model, str(self.model_dir))
         # PPO with a critic: the value model on its ranks, checkpointed with the actor (its keys)
@@ -143,7 +144,7 @@ class Trainer:
         elif m.with_critic:  # on other ranks
             critic_states = dict.fromkeys(CRITIC_STATES)
         self.checkpoints = Checkpoints(
-            c.checkpoints,
+            c.learner,
             model=m.actor,
             optimizers=m.optimizers,
             lr_schedulers=m.lr_schedulers,
@@ -175,7 +176,7 @@ class Trainer:
         LoRA and laid out as the actor, it is the actor, whose frozen base it is (``call_ref`` turns
         the adapters off). Collective over the ref's ranks."""
         c = self.config
-        if ref_is_lora_base(c.placement, c.build.lora, self.world):
+        if ref_is_lora_base(c.placement, c.learner.lora, self.world):
             self.ref_source = "actor"
             return self.models.actor
         ref = self.build.model(spec, "ref")
@@ -298,7 +299,7 @@ class Trainer:
             dtype=dtype or self.config.build.dtype,
             source=self.model_dir,
             rank=self.rank,
-            lora=self.config.build.lora,
+            lora=self.config.learner.lora,
             version=self.version,
         )
         if self.reward_model is not None:
@@ -309,7 +310,7 @@ class Trainer:
 
     def maybe_export(self) -> str:
         """HF export every ``learner.export_every`` versions into ``run_dir/hf/v{version}``."""
-        k = self.config.checkpoints.export_every
+        k = self.config.learner.export_every
         if k and self.version % k == 0:
             self.last_export = str(self.export_hf(self.run_dir / "hf" / f"v{self.version}"))
             return self.last_export

@@ -59,7 +59,7 @@ def main() -> None:
     }
     snapshot = tr.hf_state_dict(all_ranks=False)
     tr.export_hf(out / "export", dtype="float32")
-    tr.config.build.lora.export = "merged"
+    tr.config.learner.lora.export = "merged"
     tr.export_hf(out / "merged", dtype="float32")
     assert tr.save_checkpoint(force=True)
     tr.wait_for_checkpoint()

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from asyncrl import recipe as recipe_mod
-from asyncrl.learner.config import BuildConfig, CheckpointPolicy, HeldOutPairs, TrainerConfig
+from asyncrl.learner.config import BuildConfig, HeldOutPairs, TrainerConfig
 from asyncrl.recipe import LoraConfig
 
 # every value differs from the recipe's default, so a field read from the wrong place (or left at
@@ -78,32 +78,13 @@ def test_from_recipe_carries_what_a_step_with_a_critic_and_a_reference_reads(tmp
         "placement": r.placement,
         "algorithm": r.algorithm,
         "temperature": 0.7,
-        "lr": 2e-4,
-        "critic_lr": 3e-3,
-        "grad_clip": 0.5,
-        "epochs": 3,
-        "minibatches": 2,
-        "micro_batch_tokens": 77,
-        "logits_chunk_mb": 9.0,
+        "learner": r.learner,  # the recipe's section, read where it is (checked below)
+        "critic": r.critic,
         "max_staleness": 3,
         "overlong_filter": True,
         "max_new_tokens": 33,
         "turn_discount": 0.9,
-        "build": BuildConfig(
-            dtype="bfloat16",
-            compile=True,
-            activation_checkpointing="full",
-            betas=(0.8, 0.95),
-            eps=1e-7,
-            weight_decay=0.1,
-            warmup_steps=2,
-            lr_schedule="cosine",
-            updates_per_version=6,
-            versions=11,
-            lora=LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "down_proj"]),
-            seed=7,
-        ),
-        "checkpoints": CheckpointPolicy(every=4, asynchronous=False, keep=5, export_every=6),
+        "build": BuildConfig(learner=r.learner, dtype="bfloat16", versions=11, seed=7),
         "held_out": HeldOutPairs(path=base / "pairs.jsonl", limit=5, every=3, data=r.data),
     }
     assert {f.name for f in dataclasses.fields(c)} == set(expected)  # a new field is tested here
@@ -113,6 +94,19 @@ def test_from_recipe_carries_what_a_step_with_a_critic_and_a_reference_reads(tmp
     assert {"prox", "ref", "values", "advantages", "train_actor", "train_critic"} <= calls
     assert c.algorithm.value_clip == 0.3 and c.algorithm.kl_coef == 0.05
     assert c.placement.ref.offload and c.held_out.data.chosen_key == "good"
+    lc = c.learner
+    assert (lc.lr, c.critic.lr, lc.grad_clip, lc.epochs, lc.minibatches) == (2e-4, 3e-3, 0.5, 3, 2)
+    assert (lc.micro_batch_tokens, lc.logits_chunk_mb, lc.compile) == (77, 9.0, True)
+    assert (lc.activation_checkpointing, lc.betas, lc.eps, lc.weight_decay) == (
+        "full",
+        [0.8, 0.95],
+        1e-7,
+        0.1,
+    )
+    assert (lc.warmup_steps, lc.lr_schedule, c.build.updates_per_version) == (2, "cosine", 6)
+    assert lc.lora == LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "down_proj"])
+    assert (lc.checkpoint_every, lc.checkpoint_async, lc.keep_checkpoints) == (4, False, 5)
+    assert lc.export_every == 6 and c.build.learner is lc
 
 
 def test_sft_takes_log_pi_at_temperature_1_and_no_held_out_pairs_without_a_file(tmp_path):

@@ -154,7 +154,7 @@ def test_adapter_and_merged_exports_load_in_transformers_to_the_learners_logprob
         for got, ref in zip(peft_logprobs(model, seqs), want, strict=True):
             assert_logits_close(got, ref)
 
-    tr.config.build.lora.export = "merged"  # the same trainer, the other export
+    tr.config.learner.lora.export = "merged"  # the same trainer, the other export
     merged = tr.export_hf(tmp_path / "merged", dtype="float32")
     assert (merged / "config.json").is_file() and not is_adapter_export(merged)
     for got, ref in zip(hf_logprobs(merged, seqs), want, strict=True):
@@ -276,7 +276,7 @@ def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(
         res = tr.step(rl_batch(tr.models.spec.model.vocab_size, seed=tr.version))
         steps.append({"loss": res.loss, **res.metrics})
     one = tr.hf_state_dict()
-    tr.config.build.lora.export = "merged"
+    tr.config.learner.lora.export = "merged"
     merged_one = tr.export_hf(tmp_path / "merged", dtype="float32")
     for mine, theirs in zip(steps, found[0]["steps"], strict=True):
         assert mine.keys() == theirs.keys()

@@ -503,7 +503,10 @@ def learner_configs(model: Path, work: Path, dry: bool, ac: str) -> dict[str, An
             tag = f"doc{doc}_mb{mbs}"
             r = _learner_recipe(model, work, doc=doc, n=n, mbs=mbs, ac=ac)
             trainer.models.config = dataclasses.replace(
-                trainer.config, micro_batch_tokens=r.learner.micro_batch_tokens
+                trainer.config,
+                learner=dataclasses.replace(
+                    trainer.config.learner, micro_batch_tokens=r.learner.micro_batch_tokens
+                ),
             )
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
