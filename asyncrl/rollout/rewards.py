@@ -27,7 +27,7 @@ import trio
 
 from asyncrl import tasks
 from asyncrl.progress import Throttle
-from asyncrl.rollout.plugins import PluginError, load_object
+from asyncrl.plugins import PluginError, load_object
 
 if TYPE_CHECKING:
     from asyncrl.rollout.workflows import Episode, EpisodeContext

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
-from asyncrl.rollout.plugins import PluginError
+from asyncrl.plugins import PluginError
 from asyncrl.rollout.tools import ToolCall, ToolRegistry, ToolResult, load_tools
 
 MCP_PREFIX = "mcp:"

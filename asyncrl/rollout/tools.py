@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from asyncrl.rollout.plugins import PluginError, load_object
+from asyncrl.plugins import PluginError, load_object
 from asyncrl.tool_calls import (  # here too: plugins and tests import them from rollout.tools
     QWEN_CALL_CLOSE,
     QWEN_CALL_OPEN,

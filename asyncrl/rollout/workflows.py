@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import trio
 
 from asyncrl.rollout.client import Batcher, Completion, GeneratorPool
-from asyncrl.rollout.plugins import PluginError, load_object
+from asyncrl.plugins import PluginError, load_object
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.tool_envs import LocalToolingEnv, ToolingEnv, ToolSet, opened
 from asyncrl.rollout.tools import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from asyncrl.rollout.plugins import PluginError
+from asyncrl.plugins import PluginError
 from asyncrl.rollout.rewards import RewardRunner, exact_match, load_reward, math_verify_reward
 from tests import rollout_plugins
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from asyncrl.rollout.plugins import PluginError
+from asyncrl.plugins import PluginError
 from asyncrl.rollout.tool_envs import (
     MCPServer,
     MCPToolingEnv,
