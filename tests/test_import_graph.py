@@ -101,7 +101,7 @@ def import_circles(modules: dict[str, Path]) -> list[list[str]]:
 FLOORS: dict[int, tuple[str, ...]] = {
     0: ("__init__", "wire"),  # the package's version; the messages between processes
     1: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
-        "backoff cluster control dataflow generator_http gpu learner_info malloc memory"
+        "backoff cluster contract control dataflow generator_http gpu learner_info malloc memory"
         " metric_names metrics openai_shapes plots plugins progress reach recipe stacks tasks tool_calls"
         " transport".split()
     ),

@@ -20,8 +20,8 @@ from typing import Any
 import h11
 import trio
 
+from asyncrl.contract import Episode, EpisodeContext
 from asyncrl.rollout.recording import RecordingClient
-from asyncrl.rollout.workflows import Episode, EpisodeContext
 
 MAX_BODY = 64 << 20
 log = logging.getLogger("asyncrl.rollout.worker")

@@ -35,15 +35,14 @@ import inspect
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from asyncrl.contract import Agent, Completion, Episode, EpisodeContext
 from asyncrl.openai_shapes import finish, tool_call_json, usage
-from asyncrl.rollout.client import Completion
-from asyncrl.rollout.workflows import Episode, EpisodeContext
 from asyncrl.tool_calls import parse_qwen_tool_calls
 
 
@@ -312,9 +311,6 @@ def _response(
         ],
         "usage": usage(len(prompt), len(c.output_ids)),
     }
-
-
-Agent = Callable[[RecordingClient, dict[str, Any]], Awaitable[Any]]
 
 
 class AgentWorkflow:

@@ -26,15 +26,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from asyncrl import tasks
-from asyncrl.progress import Throttle
+from asyncrl.contract import RewardFn  # here too: plugins import it from here
 from asyncrl.plugins import PluginError, load_object
+from asyncrl.progress import Throttle
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.workflows import Episode, EpisodeContext
+    from asyncrl.contract import Episode, EpisodeContext
 
 log = logging.getLogger(__name__)
-
-RewardFn = Callable[..., Any]
 
 _RESERVED = ("prompt", "completion", "prompt_ids", "completion_ids")
 

@@ -3,7 +3,8 @@
 A :class:`ToolingEnv` lives for one episode (``initialise`` → ``list_tools`` / ``execute`` ... →
 ``close``), so a stateful tool (a sandbox, a browser session) is the episode's own. Two kinds:
 
-- :class:`LocalToolingEnv`: the recipe's Python functions (a :class:`ToolRegistry`).
+- :class:`~asyncrl.rollout.tools.LocalToolingEnv`: the recipe's Python functions (a
+  :class:`ToolRegistry`).
 - :class:`MCPToolingEnv`: MCP servers (the ``mcp`` SDK, optional extra ``agents``), one session per
   server per episode, over stdio (``mcp:stdio:<command line>``) or streamable HTTP
   (``mcp:http://host:port/mcp``). Each session runs in its own task and every call waits for it with
@@ -20,26 +21,15 @@ import shlex
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
+from asyncrl.contract import ToolCall, ToolingEnv, ToolResult  # ToolingEnv here too, for plugins
 from asyncrl.plugins import PluginError
-from asyncrl.rollout.tools import ToolCall, ToolRegistry, ToolResult, load_tools
+from asyncrl.rollout.tools import ToolRegistry, load_tools
 
 MCP_PREFIX = "mcp:"
-
-
-class ToolingEnv(Protocol):
-    async def initialise(self) -> None: ...
-
-    def list_tools(self) -> list[dict[str, Any]]:
-        """OpenAI-style function schemas, as chat templates take them."""
-        ...
-
-    async def execute(self, call: ToolCall) -> ToolResult: ...
-
-    async def close(self) -> None: ...
 
 
 @contextlib.asynccontextmanager
@@ -50,25 +40,6 @@ async def opened(env: ToolingEnv) -> AsyncIterator[ToolingEnv]:
         yield env
     finally:
         await env.close()
-
-
-class LocalToolingEnv:
-    """Python tools: stateless functions, so one registry serves every episode."""
-
-    def __init__(self, registry: ToolRegistry) -> None:
-        self.registry = registry
-
-    async def initialise(self) -> None:
-        pass
-
-    def list_tools(self) -> list[dict[str, Any]]:
-        return self.registry.schemas()
-
-    async def execute(self, call: ToolCall) -> ToolResult:
-        return await self.registry.execute(call)
-
-    async def close(self) -> None:
-        pass
 
 
 # ---- recipe specs (pure) ---------------------------------------------------------------------------
@@ -421,7 +392,7 @@ class ToolSet:
 
     def open(self) -> ToolingEnv:
         if not self.servers:
-            return LocalToolingEnv(self.registry)
+            return self.registry.open()
         return MCPToolingEnv(
             self.servers, timeout_s=self.timeout_s, local=self.registry, stats=self.stats
         )

@@ -16,11 +16,11 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from asyncrl.contract import Tool, ToolingEnv, ToolResult  # here too: plugins import them from here
 from asyncrl.plugins import PluginError, load_object
 from asyncrl.tool_calls import (  # here too: plugins and tests import them from rollout.tools
     QWEN_CALL_CLOSE,
@@ -70,25 +70,6 @@ def _json_type(tp: Any) -> dict[str, Any]:
         return {"type": "object"}
     t = _JSON_TYPES.get(tp)
     return {"type": t} if t else {}
-
-
-@dataclass(kw_only=True)
-class Tool:
-    name: str
-    description: str
-    parameters: dict[str, Any]  # JSON schema of the arguments object
-    fn: Callable[..., Any]
-
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI-style function schema chat templates take (``tools=[...]``)."""
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
 
 
 def tool_from_function(fn: Callable[..., Any], *, name: str | None = None) -> Tool:
@@ -153,32 +134,6 @@ def parse_tagged_tool_call(text: str) -> ToolCall | None:
     return ToolCall(name=body["name"], arguments=args)
 
 
-@dataclass(kw_only=True)
-class ToolResult:
-    """What one tool call gave: the text the model sees (``error: ...`` on failure) and why."""
-
-    text: str
-    ok: bool = True
-    error: str = ""
-    timed_out: bool = False
-    seconds: float = 0.0
-
-    @classmethod
-    def failed(cls, error: str, *, timed_out: bool = False) -> ToolResult:
-        return cls(text=f"error: {error}", ok=False, error=error, timed_out=timed_out)
-
-    def record(self, name: str, turn: int) -> dict[str, Any]:
-        """The entry of an episode's ``metadata["tool_calls"]``."""
-        return {
-            "turn": turn,
-            "name": name,
-            "ok": self.ok,
-            "error": self.error,
-            "timed_out": self.timed_out,
-            "seconds": round(self.seconds, 4),
-        }
-
-
 class ToolRegistry:
     """Runs tool calls by name: sync tools in a thread, all with a timeout; never raises."""
 
@@ -190,6 +145,10 @@ class ToolRegistry:
 
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
+
+    def open(self) -> ToolingEnv:
+        """An episode's :class:`LocalToolingEnv` of these tools."""
+        return LocalToolingEnv(self)
 
     async def call(self, call: ToolCall) -> tuple[str, bool]:
         """(result text, ok). Errors come back as ``error: ...`` text with ok False."""
@@ -249,3 +208,22 @@ class ToolRegistry:
 
 def _takes_kwargs(fn: Callable[..., Any]) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
+class LocalToolingEnv:
+    """Python tools: stateless functions, so one registry serves every episode."""
+
+    def __init__(self, registry: ToolRegistry) -> None:
+        self.registry = registry
+
+    async def initialise(self) -> None:
+        pass
+
+    def list_tools(self) -> list[dict[str, Any]]:
+        return self.registry.schemas()
+
+    async def execute(self, call: ToolCall) -> ToolResult:
+        return await self.registry.execute(call)
+
+    async def close(self) -> None:
+        pass
