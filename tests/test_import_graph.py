@@ -105,18 +105,20 @@ FLOORS: dict[int, tuple[str, ...]] = {
         " metric_names metrics openai_shapes plots plugins progress reach recipe stacks tasks tool_calls"
         " transport".split()
     ),
-    2: ("buffer", "weights"),  # siblings: the buffer's service and client; the weight path
+    2: ("agents", "buffer", "weights"),  # siblings: tools and agents; the buffer; the weight path
     3: ("engine",),  # the built-in generator's process: receives weights as weights/ sends them
     4: ("rollout",),  # a worker puts to the buffer and starts its engines
     5: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
     6: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
     7: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
-    8: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands and the demo: anything below
+    8: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands; demo_agent: agents/' old name
 }
 """Each room of asyncrl/ by floor, lowest first (docs/design.md §9). A module imports its own room
 and rooms on lower floors; two modules directly in asyncrl/ on one floor may import each other,
 two subpackages on one floor (buffer/, weights/) are siblings and never do. The order is the graph's
-own: engine/ sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC handle
+own: agents/ (tools, MCP, the recording client and proxy) needs only floor 1 (the contract, the
+plug-in loader, Qwen's tool-call format) and sits below rollout/ because a worker's workflows call
+its tools; engine/ sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC handle
 or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns its
 engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation
 through rollout/evaluation.py (design §6); the commands on top import what they check or start.

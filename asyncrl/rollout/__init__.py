@@ -5,8 +5,9 @@
   :mod:`asyncrl.rollout.sglang_protocol`: the protocol itself, pure (requests, parsed responses,
   per-token versions); the HTTP calls go through :mod:`asyncrl.generator_http`, as the weight
   broadcaster's and the reward model's do.
-- :mod:`asyncrl.rollout.workflows` and :mod:`asyncrl.rollout.tools`: single-turn and multi-turn
-  (tool-calling) episodes; user workflows and tools by import path.
+- :mod:`asyncrl.rollout.workflows`: single-turn and multi-turn (tool-calling) episodes; user
+  workflows by import path. The types they are written against: :mod:`asyncrl.contract`; the tools
+  they call (Python functions, MCP servers) and agents on the OpenAI API: :mod:`asyncrl.agents`.
 - :mod:`asyncrl.rollout.rewards`: exact match, math-verify, user rewards, run with timeouts.
 - :mod:`asyncrl.rollout.data`: local datasets with a resumable position.
 - :mod:`asyncrl.rollout.worker`: the trio worker; :mod:`asyncrl.rollout.main`: ``asyncrl rollout``.

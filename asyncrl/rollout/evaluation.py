@@ -21,6 +21,8 @@ from typing import Any
 import trio
 
 from asyncrl import metric_names as names
+from asyncrl.agents.tool_envs import ToolSet
+from asyncrl.agents.tools import ToolRegistry
 from asyncrl.control import ControlPlane
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe
@@ -29,8 +31,6 @@ from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.model_reward import Reward, build_reward
 from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.workflows import (
     EpisodeContext,
     Workflow,

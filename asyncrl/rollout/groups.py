@@ -35,14 +35,14 @@ import numpy as np
 import trio
 
 from asyncrl import wire
+from asyncrl.agents.tool_envs import ToolSet
+from asyncrl.agents.tools import Tool, ToolRegistry
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.teacher import TeacherLogprobs
-from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.turns import split_turns
 from asyncrl.rollout.workflows import EpisodeContext, Workflow, gives_tools, play
 

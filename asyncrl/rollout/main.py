@@ -39,6 +39,7 @@ import trio
 
 from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
+from asyncrl.agents.tool_envs import ToolSet
 from asyncrl.generator_http import GeneratorError
 from asyncrl.gpu import trainer_nccl_env
 from asyncrl.plugins import PluginError
@@ -49,7 +50,6 @@ from asyncrl.rollout.data import PromptDataError, PromptSource
 from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.teacher import build_teacher
-from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.worker import GeneratorUnreachable, RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.workflows import load_workflow

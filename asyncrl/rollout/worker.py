@@ -50,6 +50,8 @@ import trio
 
 from asyncrl import backoff, wire
 from asyncrl import metric_names as names
+from asyncrl.agents.tool_envs import ToolSet
+from asyncrl.agents.tools import ToolRegistry
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import GeneratorPool
@@ -60,8 +62,6 @@ from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.teacher import TeacherLogprobs
-from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.worker_stats import WorkerStats
 from asyncrl.rollout.workflows import Workflow

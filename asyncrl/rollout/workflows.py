@@ -26,14 +26,8 @@ from typing import Any
 
 import trio
 
-from asyncrl.contract import (  # here too: plugins import them from here (asyncrl.contract's)
-    Episode,
-    EpisodeContext,
-    Workflow,
-)
-from asyncrl.plugins import PluginError, load_object
-from asyncrl.rollout.tool_envs import ToolingEnv, ToolSet, opened
-from asyncrl.rollout.tools import (
+from asyncrl.agents.tool_envs import ToolingEnv, ToolSet, opened
+from asyncrl.agents.tools import (
     QWEN_CALL_OPEN,
     Tool,
     ToolCall,
@@ -41,6 +35,12 @@ from asyncrl.rollout.tools import (
     parse_qwen_tool_calls,
     parse_tagged_tool_call,
 )
+from asyncrl.contract import (  # here too: plugins import them from here (asyncrl.contract's)
+    Episode,
+    EpisodeContext,
+    Workflow,
+)
+from asyncrl.plugins import PluginError, load_object
 
 log = logging.getLogger("asyncrl.rollout.worker")
 
@@ -130,7 +130,7 @@ class MultiTurn:
         max_turns: int | None = None,
         turn_max_new_tokens: int | None = None,
     ) -> None:
-        from asyncrl.rollout.tools import tool_from_function
+        from asyncrl.agents.tools import tool_from_function
 
         self.tools = (
             None

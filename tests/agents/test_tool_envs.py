@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from asyncrl.plugins import PluginError
-from asyncrl.rollout.tool_envs import (
+from asyncrl.agents.tool_envs import (
     MCPServer,
     MCPToolingEnv,
     ToolSet,
     opened,
     split_tool_specs,
 )
-from asyncrl.rollout.tools import ToolCall, ToolRegistry
+from asyncrl.agents.tools import ToolCall, ToolRegistry
+from asyncrl.plugins import PluginError
 
 pytest.importorskip("mcp")
 
