@@ -102,10 +102,10 @@ FLOORS: dict[int, tuple[str, ...]] = {
     0: ("__init__", "wire"),  # the package's version; the messages between processes
     1: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
         "backoff cluster contract control dataflow generator_http gpu learner_info malloc memory"
-        " metric_names metrics openai_shapes plots plugins progress reach recipe stacks tasks tool_calls"
-        " transport".split()
+        " metric_names metrics openai_shapes plots plugins progress reach recipe rewards stacks tasks"
+        " tool_calls transport".split()
     ),
-    2: ("agents", "buffer", "weights"),  # siblings: tools and agents; the buffer; the weight path
+    2: ("agents", "buffer", "served", "weights"),  # siblings (each needs only floor 1)
     3: ("engine",),  # the built-in generator's process: receives weights as weights/ sends them
     4: ("rollout",),  # a worker puts to the buffer and starts its engines
     5: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
@@ -116,13 +116,18 @@ FLOORS: dict[int, tuple[str, ...]] = {
 """Each room of asyncrl/ by floor, lowest first (docs/design.md §9). A module imports its own room
 and rooms on lower floors; two modules directly in asyncrl/ on one floor may import each other,
 two subpackages on one floor (buffer/, weights/) are siblings and never do. The order is the graph's
-own: agents/ (tools, MCP, the recording client and proxy) needs only floor 1 (the contract, the
-plug-in loader, Qwen's tool-call format) and sits below rollout/ because a worker's workflows call
-its tools; engine/ sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC handle
-or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns its
-engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation
-through rollout/evaluation.py (design §6); the commands on top import what they check or start.
-What engine/ and rollout/ share (Qwen's tool-call format, OpenAI-shaped replies) is on floor 1."""
+own. Floor 1 holds what several rooms share: the contract a plug-in writes against (contract.py),
+the loader of user code by import path (plugins.py), the rule rewards (rewards.py: rollout/ runs
+them, served/'s reward model adds to them), Qwen's tool-call format and OpenAI-shaped replies (the
+engine's and the agents'). agents/ (tools, MCP, the recording client and proxy) and served/ (the
+reward model's and the teacher's clients) need nothing above floor 1 and sit below rollout/, whose
+workflows call the tools and whose worker scores episodes with the served models; starting those
+servers is the launcher's own code (launch/model_servers.py: children, the launch plan, the run's
+end) and stays in launch/. engine/ sits on weights/ (it receives weight buckets in weights/' layout,
+by CUDA IPC handle or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a
+worker spawns its engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the
+held-out evaluation through rollout/evaluation.py (design §6); the commands on top import what they
+check or start. demo_agent.py on top is the agent demo's old name, a shim over agents/."""
 
 
 def _room(module: str) -> str:

@@ -26,10 +26,9 @@ from asyncrl.agents.tools import ToolRegistry
 from asyncrl.control import ControlPlane
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe
+from asyncrl.rewards import RewardRunner, load_reward
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
-from asyncrl.rollout.model_reward import Reward, build_reward
-from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.workflows import (
     EpisodeContext,
@@ -38,6 +37,7 @@ from asyncrl.rollout.workflows import (
     load_workflow,
     play,
 )
+from asyncrl.served.model_reward import Reward, build_reward
 
 log = logging.getLogger(__name__)
 

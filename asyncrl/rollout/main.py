@@ -47,12 +47,12 @@ from asyncrl.reach import LOOPBACK, HostError, dial_host, engine_host
 from asyncrl.recipe import Recipe, RecipeError
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptDataError, PromptSource
-from asyncrl.rollout.model_reward import build_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.teacher import build_teacher
 from asyncrl.rollout.worker import GeneratorUnreachable, RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.workflows import load_workflow
+from asyncrl.served.model_reward import build_reward
+from asyncrl.served.teacher import build_teacher
 
 log = logging.getLogger("asyncrl.rollout")
 

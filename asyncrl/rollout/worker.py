@@ -58,13 +58,13 @@ from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.groups import GroupMaker, RewardsFailed
 from asyncrl.rollout.leases import LeaseBook, Start
-from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.teacher import TeacherLogprobs
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.worker_stats import WorkerStats
 from asyncrl.rollout.workflows import Workflow
+from asyncrl.served.model_reward import Reward
+from asyncrl.served.teacher import TeacherLogprobs
 from asyncrl.transport import Subscriber, TransportTimeout
 
 log = logging.getLogger(__name__)

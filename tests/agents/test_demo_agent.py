@@ -292,7 +292,7 @@ def test_the_agent_recipes_name_what_make_demo_agent_builds_and_the_packaged_ser
 
     from asyncrl import recipe
     from asyncrl.agents.tool_envs import split_tool_specs
-    from asyncrl.rollout.rewards import load_reward
+    from asyncrl.rewards import load_reward
 
     root = Path(__file__).resolve().parents[2]
     for name in ("demo_agent_sft.yaml", "demo_agent.yaml"):

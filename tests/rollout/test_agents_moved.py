@@ -45,7 +45,7 @@ def test_a_plugin_on_the_old_path_fails_with_one_line_naming_the_new_one(
 def test_the_demo_agents_old_name_is_the_new_module() -> None:
     from asyncrl import demo_agent
     from asyncrl.agents import demo_agent as new
-    from asyncrl.rollout.rewards import load_reward
+    from asyncrl.rewards import load_reward
 
     assert demo_agent.reward is new.reward and demo_agent.LOOKUP is new.LOOKUP
     assert load_reward("asyncrl.demo_agent:reward") is new.reward

@@ -13,7 +13,7 @@ import trio
 from sglang_helpers import PROMPT, TOL, Served, served_model_dir
 
 from asyncrl.recipe import TeacherConfig
-from asyncrl.rollout.teacher import TeacherLogprobs
+from asyncrl.served.teacher import TeacherLogprobs
 
 pytestmark = pytest.mark.sglang
 

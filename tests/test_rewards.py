@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from asyncrl.plugins import PluginError
-from asyncrl.rollout.rewards import RewardRunner, exact_match, load_reward, math_verify_reward
+from asyncrl.rewards import RewardRunner, exact_match, load_reward, math_verify_reward
 from tests import rollout_plugins
 
 
