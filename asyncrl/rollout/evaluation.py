@@ -23,6 +23,7 @@ import trio
 from asyncrl import metric_names as names
 from asyncrl.agents.tool_envs import ToolSet
 from asyncrl.agents.tools import ToolRegistry
+from asyncrl.contract import EpisodeContext, Workflow
 from asyncrl.control import ControlPlane
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe
@@ -30,13 +31,7 @@ from asyncrl.rewards import RewardRunner, load_reward
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.workflows import (
-    EpisodeContext,
-    Workflow,
-    gives_tools,
-    load_workflow,
-    play,
-)
+from asyncrl.rollout.workflows import gives_tools, load_workflow, play
 from asyncrl.served.model_reward import Reward, build_reward
 
 log = logging.getLogger(__name__)

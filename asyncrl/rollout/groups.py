@@ -36,13 +36,14 @@ import trio
 
 from asyncrl import wire
 from asyncrl.agents.tool_envs import ToolSet
-from asyncrl.agents.tools import Tool, ToolRegistry
+from asyncrl.agents.tools import ToolRegistry
+from asyncrl.contract import EpisodeContext, Tool, Workflow
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.turns import split_turns
-from asyncrl.rollout.workflows import EpisodeContext, Workflow, gives_tools, play
+from asyncrl.rollout.workflows import gives_tools, play
 from asyncrl.served.model_reward import Reward
 from asyncrl.served.teacher import TeacherLogprobs
 

@@ -53,6 +53,7 @@ from asyncrl import metric_names as names
 from asyncrl.agents.tool_envs import ToolSet
 from asyncrl.agents.tools import ToolRegistry
 from asyncrl.buffer.client import BufferClient, BufferRefused
+from asyncrl.contract import Workflow
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
@@ -62,7 +63,6 @@ from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.worker_stats import WorkerStats
-from asyncrl.rollout.workflows import Workflow
 from asyncrl.served.model_reward import Reward
 from asyncrl.served.teacher import TeacherLogprobs
 from asyncrl.transport import Subscriber, TransportTimeout

@@ -26,18 +26,19 @@ from typing import Any
 
 import trio
 
-from asyncrl.agents.tool_envs import ToolingEnv, ToolSet, opened
+from asyncrl.agents.tool_envs import ToolSet, opened
 from asyncrl.agents.tools import (
     QWEN_CALL_OPEN,
-    Tool,
-    ToolCall,
     ToolRegistry,
     parse_qwen_tool_calls,
     parse_tagged_tool_call,
 )
-from asyncrl.contract import (  # here too: plugins import them from here (asyncrl.contract's)
+from asyncrl.contract import (  # Episode, EpisodeContext, Workflow here too: plugins import them
     Episode,
     EpisodeContext,
+    Tool,
+    ToolCall,
+    ToolingEnv,
     Workflow,
 )
 from asyncrl.plugins import PluginError, load_object
