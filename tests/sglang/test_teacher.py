@@ -2,7 +2,7 @@
 and input logprobs from the prompt's last token gives, for each completion token, transformers'
 log_softmax(logits) of that token. SGLang does not scale input logprobs by the request's
 temperature (at T = 0.7 they are still the untempered ones), which the built-in engine follows
-(tests/rollout/test_teacher.py) and docs/distill.md states."""
+(tests/served/test_teacher.py) and docs/distill.md states."""
 
 from __future__ import annotations
 
