@@ -118,8 +118,8 @@ demo-lora: $(STAMP)
 	@echo "summary: runs/demo_lora/summary.json   plots: runs/demo_lora/plots/   adapter: runs/demo_lora/hf/latest/"
 
 # The agent demo (docs/agents.md): the tiny Qwen3 learns to call a tool, served over MCP (stdio, one
-# `python -m asyncrl.demo_agent` per episode), to answer lookups it cannot know. 1. model + data,
-# 2. SFT warm start (the tool called for some keys), 3. async GRPO with the multi_turn workflow;
+# `python -m asyncrl.agents.demo_agent` per episode), to answer lookups it cannot know. 1. model +
+# data, 2. SFT warm start (the tool called for some keys), 3. async GRPO with the multi_turn workflow;
 # runs/demo_agent/summary.json: held-out success and tool-call rate at the start and the end.
 demo-agent: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py --task lookup --out build/demo_agent

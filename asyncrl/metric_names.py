@@ -94,7 +94,8 @@ EVAL_TOOL_CALL_RATE = "eval/tool_call_rate"  # held-out; summary.json's tool_cal
 ROLLOUT_TOOL_CALL_RATE = "rollout/tool_call_rate"  # the worker's episodes over the interval
 
 READ_WHEN_TOOLS = (EVAL_TOOL_CALL_RATE, ROLLOUT_TOOL_CALL_RATE)
-"""Every tools name above: a real run with tools logs each (tests/test_demo_agent.py checks)."""
+"""Every tools name above: a real run with tools logs each (tests/agents/test_demo_agent.py
+checks)."""
 
 # -- on-policy distillation only (algorithm.advantage: distill), one record per version ----------
 DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean of log μ_t − log π_teacher,t over trained tokens

@@ -66,7 +66,7 @@ def _answer(rng: random.Random, prompt: str, answer: str) -> str:
     return answer
 
 
-# -- lookup: the agent demo's task (asyncrl/demo_agent.py serves the table over MCP) --------------
+# -- lookup: the agent demo's task (asyncrl/agents/demo_agent.py serves the table over MCP) -------
 
 LOOKUP_TOOL = "lookup"
 LOOKUP_KEY_LETTERS = 3

@@ -1,6 +1,6 @@
 """A model's tool calls as text: :class:`ToolCall`, and Qwen's ``<tool_call>`` format parsed whole
 and as a stream. Shared by the built-in engine's ``/v1/chat/completions`` (asyncrl/engine/openai.py)
-and the rollout side (asyncrl/rollout/: workflows, the recording client); asyncrl.rollout.tools
+and the rollout side (asyncrl/rollout/: workflows, the recording client); asyncrl.agents.tools
 re-exports these names for code written against it."""
 
 from __future__ import annotations

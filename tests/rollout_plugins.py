@@ -74,7 +74,7 @@ async def async_reward(prompt, completion, prompt_ids, completion_ids, *, answer
 # A random model never writes a well-formed tool call, so this parser turns whatever the model wrote
 # in a turn into a call deterministically: the tool runs on the model's own first characters.
 
-from asyncrl.rollout.tools import ToolCall  # noqa: E402
+from asyncrl.agents.tools import ToolCall  # noqa: E402
 from asyncrl.rollout.workflows import MultiTurn  # noqa: E402
 
 
@@ -117,7 +117,7 @@ greedy_fails = GreedyFails()
 
 import json  # noqa: E402
 
-from asyncrl.rollout.recording import AgentWorkflow  # noqa: E402
+from asyncrl.agents.recording import AgentWorkflow  # noqa: E402
 
 
 async def add_agent(client, row):

@@ -102,29 +102,36 @@ FLOORS: dict[int, tuple[str, ...]] = {
     0: ("__init__", "wire"),  # the package's version; the messages between processes
     1: ("recipe",),  # the schema every process reads, its loader and its checks
     2: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
-        "backoff cluster control dataflow generator_http gpu learner_info malloc memory"
-        " metric_names metrics openai_shapes plots progress reach stacks tasks tool_calls"
-        " transport".split()
+        "backoff cluster contract control dataflow generator_http gpu learner_info malloc memory"
+        " metric_names metrics openai_shapes plots plugins progress reach rewards stacks tasks"
+        " tool_calls transport".split()
     ),
-    3: ("buffer", "weights"),  # siblings: the buffer's service and client; the weight path
+    3: ("agents", "buffer", "served", "weights"),  # siblings (each needs only the floors below)
     4: ("engine",),  # the built-in generator's process: receives weights as weights/ sends them
     5: ("rollout",),  # a worker puts to the buffer and starts its engines
     6: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
     7: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
     8: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
-    9: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands and the demo: anything below
+    9: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands; demo_agent: agents/' old name
 }
 """Each room of asyncrl/ by floor, lowest first (docs/design.md §9). A module imports its own room
 and rooms on lower floors; two modules directly in asyncrl/ on one floor may import each other,
 two subpackages on one floor (buffer/, weights/) are siblings and never do, and neither do a
-subpackage and a module directly in asyncrl/ on one floor. The order is the graph's own: recipe/
+subpackage and a module directly in asyncrl/ on one floor. The order is the graph's own. recipe/
 has a floor of its own below the small modules because it is a subpackage that some of them
-(dataflow.py, memory.py, generator_http.py) import, and it imports nothing of asyncrl's; engine/
-sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC handle or in a group
-it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns its engines) and
-buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation through
-rollout/evaluation.py (design §6); the commands on top import what they check or start. What
-engine/ and rollout/ share (Qwen's tool-call format, OpenAI-shaped replies) is on floor 2."""
+(dataflow.py, memory.py, generator_http.py) import, and it imports nothing of asyncrl's. Floor 2
+holds what several rooms share: the contract a plug-in writes against (contract.py), the loader of
+user code by import path (plugins.py), the rule rewards (rewards.py: rollout/ runs them, served/'s
+reward model adds to them), Qwen's tool-call format and OpenAI-shaped replies (the engine's and the
+agents'). agents/ (tools, MCP, the recording client and proxy) and served/ (the reward model's and
+the teacher's clients) need nothing above floor 2 and sit below rollout/, whose workflows call the
+tools and whose worker scores episodes with the served models; starting those servers is the
+launcher's own code (launch/model_servers.py: children, the launch plan, the run's end) and stays
+in launch/. engine/ sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC
+handle or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns
+its engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation
+through rollout/evaluation.py (design §6); the commands on top import what they check or start.
+demo_agent.py on top is the agent demo's old name, a shim over agents/."""
 
 
 def _room(module: str) -> str:

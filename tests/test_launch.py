@@ -325,7 +325,7 @@ def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_
     restarted by the supervisor on the same port, so the urls the workers hold stay right."""
     from asyncrl.generator_http import healthy, sync_client
     from asyncrl.launch.model_servers import server_children, start_servers, url_overrides
-    from asyncrl.rollout.model_reward import build_reward
+    from asyncrl.served.model_reward import build_reward
 
     r = _recipe(
         tmp_path,
@@ -421,7 +421,7 @@ def test_the_teachers_servers_are_children_beside_the_reward_models_and_get_thei
     named after their section; each section's urls replace its path in the children's recipe,
     which the learner and the workers then load (the teacher client built, no "needs urls")."""
     from asyncrl.launch.model_servers import server_children, url_overrides
-    from asyncrl.rollout.teacher import build_teacher
+    from asyncrl.served.teacher import build_teacher
 
     r = _recipe(
         tmp_path,

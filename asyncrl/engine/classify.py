@@ -1,5 +1,5 @@
 """The built-in engine on a sequence-classification folder: SGLang's ``/classify``, the endpoint real
-SGLang serves reward models on, so a rollout's model reward (:mod:`asyncrl.rollout.model_reward`)
+SGLang serves reward models on, so a rollout's model reward (:mod:`asyncrl.served.model_reward`)
 talks to either.
 
 Shape (SGLang 0.5.23, python/sglang/srt/entrypoints/http_server.py ``classify_request``, which takes

@@ -10,7 +10,7 @@ unless ``rollout.eval_reward`` names a rule).
 Ports: each server binds port 0 and writes the port it got to a file (no port race); once it is
 known, the child's argv names it, so a restarted server binds the same port and the urls the workers
 hold stay right. While one restarts, its batches go to the next server, or fail as any reward does
-(a recorded failure: :mod:`asyncrl.rollout.server_batches`).
+(a recorded failure: :mod:`asyncrl.served.server_batches`).
 """
 
 from __future__ import annotations

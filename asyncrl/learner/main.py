@@ -330,8 +330,8 @@ def _evaluator(recipe: Recipe, report: LearnerReport | None) -> Any:
     from asyncrl.learner.evaluator import Evaluator
     from asyncrl.learner.trainer import LearnerError
     from asyncrl.metrics import MetricsSink
+    from asyncrl.plugins import PluginError
     from asyncrl.rollout.data import PromptDataError
-    from asyncrl.rollout.plugins import PluginError
 
     if not recipe.data.eval_path or not recipe.run.eval_prompts:
         return None

@@ -5,9 +5,12 @@
   :mod:`asyncrl.rollout.sglang_protocol`: the protocol itself, pure (requests, parsed responses,
   per-token versions); the HTTP calls go through :mod:`asyncrl.generator_http`, as the weight
   broadcaster's and the reward model's do.
-- :mod:`asyncrl.rollout.workflows` and :mod:`asyncrl.rollout.tools`: single-turn and multi-turn
-  (tool-calling) episodes; user workflows and tools by import path.
-- :mod:`asyncrl.rollout.rewards`: exact match, math-verify, user rewards, run with timeouts.
+- :mod:`asyncrl.rollout.workflows`: single-turn and multi-turn (tool-calling) episodes; user
+  workflows by import path. The types they are written against: :mod:`asyncrl.contract`; the tools
+  they call (Python functions, MCP servers) and agents on the OpenAI API: :mod:`asyncrl.agents`.
+- the rewards the worker runs: the rule rewards (:mod:`asyncrl.rewards`: exact match, math-verify,
+  user rewards, run with timeouts, a floor down, shared with the reward model) and the served
+  models' (:mod:`asyncrl.served`: a reward model's scores, a distillation teacher's logprobs).
 - :mod:`asyncrl.rollout.data`: local datasets with a resumable position.
 - :mod:`asyncrl.rollout.worker`: the trio worker; :mod:`asyncrl.rollout.main`: ``asyncrl rollout``.
 - the built-in generator is a room of its own, :mod:`asyncrl.engine` (a process of its own:

@@ -32,6 +32,7 @@ from typing import Any
 import trio
 
 from asyncrl import backoff
+from asyncrl.contract import Completion  # here too: tests and plugins import it from here
 from asyncrl.generator_http import (
     GeneratorError,
     acall,
@@ -78,20 +79,6 @@ class Batcher:
 # --------------------------------------------------------------------------------------------------
 # The pool
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class Completion:
-    """What one :meth:`GeneratorPool.generate` call produced, possibly over several requests."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str  # stop | length | abort (abort only when resuming gave up)
-    matched_stop: int | str | None = None
-    num_resumes: int = 0  # requests re-sent after an abort
-    num_retractions: int = 0
-    generator: str = ""  # URL of the generator that produced the last tokens
 
 
 @dataclass(kw_only=True)

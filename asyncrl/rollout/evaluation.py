@@ -21,23 +21,18 @@ from typing import Any
 import trio
 
 from asyncrl import metric_names as names
+from asyncrl.agents.tool_envs import ToolSet
+from asyncrl.agents.tools import ToolRegistry
+from asyncrl.contract import EpisodeContext, Workflow
 from asyncrl.control import ControlPlane
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe
+from asyncrl.rewards import RewardRunner, load_reward
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import load_prompt_rows, render_prompt
-from asyncrl.rollout.model_reward import Reward, build_reward
-from asyncrl.rollout.rewards import RewardRunner, load_reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.tools import ToolRegistry
-from asyncrl.rollout.workflows import (
-    EpisodeContext,
-    Workflow,
-    gives_tools,
-    load_workflow,
-    play,
-)
+from asyncrl.rollout.workflows import gives_tools, load_workflow, play
+from asyncrl.served.model_reward import Reward, build_reward
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ group goes without a baseline (``None``, the reason in its metadata, counted in
 as good as any, and a failed reward's 0 would be a wrong baseline, not a missing one.
 
 A sampled episode whose reward failed (raised, timed out, not a finite number: a
-:class:`~asyncrl.rollout.rewards.RewardResult` with a ``failure``) has no reward, and a 0 in its place
+:class:`~asyncrl.rewards.RewardResult` with a ``failure``) has no reward, and a 0 in its place
 would enter the group's baseline and the critic's targets as if it were one. So it leaves the group
 (counted in ``reward_failures``, logged at most once a minute): the group is sent with the others,
 whose advantages are then computed over them alone. A group left with fewer than
 :func:`min_scored` episodes (2, or 1 with a greedy baseline) has nothing to compare them with and
 is dropped (:class:`RewardsFailed`; the worker counts and logs it, and counts its prompt as used).
 
-With a teacher (``rollout.teacher``, :mod:`asyncrl.rollout.teacher`) each scored episode also gets
+With a teacher (``rollout.teacher``, :mod:`asyncrl.served.teacher`) each scored episode also gets
 the teacher's logprobs of its completion tokens (``Sample.teacher_logprobs``), asked beside its
 reward. An episode whose teacher logprobs could not be had is a failure of its scoring, left out of
 its group as a failed reward is (its failure says ``teacher: ...``)."""
@@ -35,16 +35,17 @@ import numpy as np
 import trio
 
 from asyncrl import wire
+from asyncrl.agents.tool_envs import ToolSet
+from asyncrl.agents.tools import ToolRegistry
+from asyncrl.contract import EpisodeContext, Tool, Workflow
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import Batcher, GeneratorPool
 from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
-from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.teacher import TeacherLogprobs
-from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.tools import Tool, ToolRegistry
 from asyncrl.rollout.turns import split_turns
-from asyncrl.rollout.workflows import EpisodeContext, Workflow, gives_tools, play
+from asyncrl.rollout.workflows import gives_tools, play
+from asyncrl.served.model_reward import Reward
+from asyncrl.served.teacher import TeacherLogprobs
 
 if TYPE_CHECKING:
     from asyncrl.rollout.worker_config import WorkerConfig

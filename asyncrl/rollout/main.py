@@ -39,20 +39,20 @@ import trio
 
 from asyncrl import progress, wire
 from asyncrl import recipe as recipe_mod
+from asyncrl.agents.tool_envs import ToolSet
 from asyncrl.generator_http import GeneratorError
 from asyncrl.gpu import trainer_nccl_env
+from asyncrl.plugins import PluginError
 from asyncrl.reach import LOOPBACK, HostError, dial_host, engine_host
 from asyncrl.recipe import Recipe, RecipeError
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptDataError, PromptSource
-from asyncrl.rollout.model_reward import build_reward
-from asyncrl.rollout.plugins import PluginError
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.teacher import build_teacher
-from asyncrl.rollout.tool_envs import ToolSet
 from asyncrl.rollout.worker import GeneratorUnreachable, RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.workflows import load_workflow
+from asyncrl.served.model_reward import build_reward
+from asyncrl.served.teacher import build_teacher
 
 log = logging.getLogger("asyncrl.rollout")
 

@@ -4,7 +4,7 @@ By default a multi-turn episode (``multi_turn``, an agent on the recording clien
 the whole conversation, with loss_mask 1 on the model's tokens. ``rollout.turn_samples`` trains
 each model turn as its own sample instead (AReaL's "individual" export): turn t's prompt is the
 conversation before it (the tokens the engine saw for that call: the token-consistency rule of
-:mod:`asyncrl.rollout.recording` makes them a prefix of the trajectory), its completion the tokens
+:mod:`asyncrl.agents.recording` makes them a prefix of the trajectory), its completion the tokens
 the model produced in that turn. The trajectory's reward R goes to its last turn, and each earlier
 turn gets it discounted by the turns after it: turn t of T gets γ^(T-1-t)·R
 (``rollout.turn_discount``; AReaL's ``apply_reward_discount`` with the reward on the last call).

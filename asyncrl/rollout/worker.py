@@ -50,21 +50,21 @@ import trio
 
 from asyncrl import backoff, wire
 from asyncrl import metric_names as names
+from asyncrl.agents.tool_envs import ToolSet
+from asyncrl.agents.tools import ToolRegistry
 from asyncrl.buffer.client import BufferClient, BufferRefused
+from asyncrl.contract import Workflow
 from asyncrl.progress import Throttle
 from asyncrl.rollout.client import GeneratorPool
 from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.groups import GroupMaker, RewardsFailed
 from asyncrl.rollout.leases import LeaseBook, Start
-from asyncrl.rollout.model_reward import Reward
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.teacher import TeacherLogprobs
-from asyncrl.rollout.tool_envs import ToolSet
-from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.worker_stats import WorkerStats
-from asyncrl.rollout.workflows import Workflow
+from asyncrl.served.model_reward import Reward
+from asyncrl.served.teacher import TeacherLogprobs
 from asyncrl.transport import Subscriber, TransportTimeout
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 A workflow owns the loop, as AReaL's ``RolloutWorkflow.arun_episode`` does: it gets an
 :class:`EpisodeContext` (the prompt, the generators, the tokenizer, the tools) and returns an
-:class:`Episode` (the completion's tokens with one logprob, version and loss-mask entry each).
+:class:`Episode` (the completion's tokens with one logprob, version and loss-mask entry each). Those
+types, and :class:`Workflow`, are :mod:`asyncrl.contract`'s (the file a plug-in author reads first).
 
 - :class:`SingleTurn`: one generation.
 - :class:`MultiTurn`: generate, parse a tool call, run the tool, append its result with loss_mask 0
@@ -18,129 +19,31 @@ A workflow owns the loop, as AReaL's ``RolloutWorkflow.arun_episode`` does: it g
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
-from asyncrl.rollout.client import Batcher, Completion, GeneratorPool
-from asyncrl.rollout.plugins import PluginError, load_object
-from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.tool_envs import LocalToolingEnv, ToolingEnv, ToolSet, opened
-from asyncrl.rollout.tools import (
+from asyncrl.agents.tool_envs import ToolSet, opened
+from asyncrl.agents.tools import (
     QWEN_CALL_OPEN,
-    Tool,
-    ToolCall,
     ToolRegistry,
     parse_qwen_tool_calls,
     parse_tagged_tool_call,
 )
-from asyncrl.wire import FINISH_REASONS
+from asyncrl.contract import (  # Episode, EpisodeContext, Workflow here too: plugins import them
+    Episode,
+    EpisodeContext,
+    Tool,
+    ToolCall,
+    ToolingEnv,
+    Workflow,
+)
+from asyncrl.plugins import PluginError, load_object
 
 log = logging.getLogger("asyncrl.rollout.worker")
-
-
-@dataclass(kw_only=True)
-class Episode:
-    """One finished completion, before its reward. Per-token lists all have the same length."""
-
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    finish_reason: str = "stop"  # stop | length | abort
-    metadata: dict[str, Any] = field(default_factory=dict)
-    # Set by a workflow that renders its own prompt (the recording client): the sample's prompt
-    # instead of ctx.prompt_ids, and its reward instead of the recipe's reward function.
-    prompt_ids: list[int] | None = None
-    reward: float | None = None
-
-    def add_generated(self, c: Completion) -> None:
-        self.completion_ids += c.output_ids
-        self.logprobs += c.logprobs
-        self.versions += c.versions
-        self.loss_mask += [1] * len(c.output_ids)
-
-    def add_external(self, ids: list[int]) -> None:
-        """Tokens the policy did not produce (tool output): masked out of the loss."""
-        v = self.versions[-1] if self.versions else 0
-        self.completion_ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [v] * len(ids)
-        self.loss_mask += [0] * len(ids)
-
-    @property
-    def made_tool_call(self) -> bool:
-        """Whether the episode made at least one valid tool call: one the tool answered without an
-        error (``metadata["tool_calls"]``, as :class:`MultiTurn` records them). The tool-call rate
-        counts these episodes."""
-        calls = self.metadata.get("tool_calls") or []
-        return any(isinstance(c, dict) and c.get("ok") for c in calls)
-
-    def check(self) -> None:
-        n = len(self.completion_ids)
-        for name in ("logprobs", "versions", "loss_mask"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"episode.{name} has {len(getattr(self, name))} entries, not {n}")
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"episode.finish_reason {self.finish_reason!r}")
-
-
-@dataclass(kw_only=True)
-class EpisodeContext:
-    """Everything a workflow may use for one episode."""
-
-    prompt_ids: list[int]
-    prompt_text: str
-    row: dict[str, Any]
-    pool: GeneratorPool
-    params: SamplingParams
-    tokenizer: Any
-    tools: ToolRegistry
-    max_turns: int
-    rid: str  # prefix of this episode's SGLang request ids (its group's id comes first)
-    requests: int = 0  # generate calls so far
-    batcher: Batcher | None = None  # shared by the group's episodes: same-tick calls go as one
-    tool_set: ToolSet | None = None  # the recipe's tools (MCP servers too); else ``tools``
-    chat_template: bool = False  # the prompt was rendered with the tokenizer's chat template
-
-    def open_tools(self) -> ToolingEnv:
-        """A new :class:`ToolingEnv` for this episode (initialise it, close it after)."""
-        return self.tool_set.open() if self.tool_set else LocalToolingEnv(self.tools)
-
-    async def generate(
-        self, input_ids: list[int], *, max_new_tokens: int | None = None, **overrides: Any
-    ) -> Completion:
-        """One completion from the generators with the recipe's sampling (``overrides`` replace
-        fields of :class:`SamplingParams`, e.g. ``stop=[...]``)."""
-        params = dataclasses.replace(self.params, **overrides) if overrides else self.params
-        self.requests += 1
-        return await self.pool.generate(
-            input_ids,
-            params,
-            max_new_tokens=max_new_tokens,
-            rid=f"{self.rid}.{self.requests}",
-            batcher=self.batcher,
-        )
-
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens), off the event loop."""
-        return await trio.to_thread.run_sync(
-            lambda: list(self.tokenizer.encode(text, add_special_tokens=False))
-        )
-
-    async def decode(self, ids: list[int]) -> str:
-        return await trio.to_thread.run_sync(
-            lambda: self.tokenizer.decode(ids, skip_special_tokens=True)
-        )
-
-
-class Workflow(Protocol):
-    async def run_episode(self, ctx: EpisodeContext) -> Episode: ...
 
 
 def gives_tools(workflow: Workflow, tools: ToolRegistry, tool_set: ToolSet | None) -> bool:
@@ -228,7 +131,7 @@ class MultiTurn:
         max_turns: int | None = None,
         turn_max_new_tokens: int | None = None,
     ) -> None:
-        from asyncrl.rollout.tools import tool_from_function
+        from asyncrl.agents.tools import tool_from_function
 
         self.tools = (
             None
@@ -244,7 +147,7 @@ class MultiTurn:
 
     def _env(self, ctx: EpisodeContext) -> ToolingEnv:
         if self.tools:
-            return LocalToolingEnv(ToolRegistry(self.tools, timeout_s=ctx.tools.timeout_s))
+            return ToolRegistry(self.tools, timeout_s=ctx.tools.timeout_s).open()
         return ctx.open_tools()
 
     async def run_episode(self, ctx: EpisodeContext) -> Episode:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from asyncrl.rollout.tools import ToolCall
+from asyncrl.agents.tools import ToolCall
 from asyncrl.rollout.workflows import MultiTurn
 
 _NEVER = threading.Event()

@@ -1,4 +1,4 @@
-"""Qwen's ``<tool_call>`` format, parsed whole and as a stream (asyncrl.rollout.tools)."""
+"""Qwen's ``<tool_call>`` format, parsed whole and as a stream (asyncrl.agents.tools)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncrl.rollout.tools import QwenToolCallStream, ToolCall, parse_qwen_tool_calls
+from asyncrl.agents.tools import QwenToolCallStream, ToolCall, parse_qwen_tool_calls
 
 NAMES = {"add", "echo"}
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'

@@ -16,7 +16,7 @@ import trio
 from sglang_helpers import healthy
 
 from asyncrl import recipe as recipe_mod
-from asyncrl.rollout.model_reward import build_reward
+from asyncrl.served.model_reward import build_reward
 from tests.json_shape import json_shape
 from tools.sglang_cpu.server import SGLangServer
 

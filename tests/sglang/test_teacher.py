@@ -2,7 +2,7 @@
 and input logprobs from the prompt's last token gives, for each completion token, transformers'
 log_softmax(logits) of that token. SGLang does not scale input logprobs by the request's
 temperature (at T = 0.7 they are still the untempered ones), which the built-in engine follows
-(tests/rollout/test_teacher.py) and docs/distill.md states."""
+(tests/served/test_teacher.py) and docs/distill.md states."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import trio
 from sglang_helpers import PROMPT, TOL, Served, served_model_dir
 
 from asyncrl.recipe import TeacherConfig
-from asyncrl.rollout.teacher import TeacherLogprobs
+from asyncrl.served.teacher import TeacherLogprobs
 
 pytestmark = pytest.mark.sglang
 

@@ -81,7 +81,7 @@ def test_trl_side_scores_as_asyncrl_exact_match() -> None:
     import importlib.util
 
     from asyncrl import tasks
-    from asyncrl.rollout.rewards import exact_match
+    from asyncrl.rewards import exact_match
 
     spec = importlib.util.spec_from_file_location("trl_grpo", BENCH / "trl_grpo.py")
     mod = importlib.util.module_from_spec(spec)

@@ -1142,7 +1142,7 @@ so the teacher's tolerance is 2 · that · max|logit|."""
 
 
 def _teacher(work: Path, dry: bool, figs: dict[str, Any]) -> bool:
-    """The distillation teacher as a run asks it (asyncrl/rollout/teacher.py's client, batched, over
+    """The distillation teacher as a run asks it (asyncrl/served/teacher.py's client, batched, over
     ``/generate`` with no new tokens) from a built-in engine started as a run starts it
     (``generator.device: auto``, ``model.dtype: bfloat16``): its logprobs of given completions
     against transformers' log_softmax on the same tokens, on the engine's device and dtype."""
@@ -1154,7 +1154,7 @@ def _teacher(work: Path, dry: bool, figs: dict[str, Any]) -> bool:
 
     from asyncrl.engine import start_engine_process
     from asyncrl.recipe import TeacherConfig
-    from asyncrl.rollout.teacher import TeacherLogprobs
+    from asyncrl.served.teacher import TeacherLogprobs
     from tools.make_demo import make_demo
 
     model = make_demo(work / "demo", train=2000, eval=64) / "model"

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from asyncrl import recipe as recipe_mod
-from asyncrl.rollout.model_reward import CombinedReward, ScoreNorm, build_reward, parse_scores
+from asyncrl.served.model_reward import CombinedReward, ScoreNorm, build_reward, parse_scores
 
 
 @pytest.fixture(scope="module")

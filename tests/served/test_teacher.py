@@ -13,7 +13,7 @@ import torch
 import trio
 
 from asyncrl.recipe import TeacherConfig
-from asyncrl.rollout.teacher import TeacherLogprobs, parse_logprobs
+from asyncrl.served.teacher import TeacherLogprobs, parse_logprobs
 from tests.labels import set_label
 from tests.numerics import assert_logits_close
 

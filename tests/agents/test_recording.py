@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import trio
 
+from asyncrl.agents.recording import AgentWorkflow, Trajectory, TrajectoryMismatch
+from asyncrl.agents.tools import ToolRegistry
 from asyncrl.rollout.client import Completion, GeneratorPool
-from asyncrl.rollout.recording import AgentWorkflow, Trajectory, TrajectoryMismatch
 from asyncrl.rollout.sglang_protocol import SamplingParams
-from asyncrl.rollout.tools import ToolRegistry
 from asyncrl.rollout.turns import turn_of
 from asyncrl.rollout.workflows import EpisodeContext, play
 from tests.tool_caller import CHAT, TOOLS
@@ -207,7 +207,7 @@ def three_turns_over_http(endpoint, row):
 
 
 def test_an_agent_over_http_makes_the_same_sample(served):
-    from asyncrl.rollout.proxy import ProxyAgentWorkflow
+    from asyncrl.agents.proxy import ProxyAgentWorkflow
 
     async def agent(endpoint, row):
         return await trio.to_thread.run_sync(three_turns_over_http, endpoint, row)
@@ -235,9 +235,9 @@ def test_a_mismatched_call_changes_nothing():
 
 def make_group(srv, tok, **config):
     """One group of the recipe-named agent through the worker's group maker."""
+    from asyncrl.rewards import RewardRunner, load_reward
     from asyncrl.rollout.data import PromptSource
     from asyncrl.rollout.groups import GroupMaker
-    from asyncrl.rollout.rewards import RewardRunner, load_reward
     from asyncrl.rollout.worker_config import WorkerConfig
     from asyncrl.rollout.worker_stats import WorkerStats
     from asyncrl.rollout.workflows import load_workflow
@@ -323,7 +323,7 @@ def test_text_between_turns_past_the_budget_is_cut():
 def test_proxy_routes_answer_in_openais_error_shape():
     from types import SimpleNamespace
 
-    from asyncrl.rollout.proxy import _route
+    from asyncrl.agents.proxy import _route
 
     async def create(**req):
         if req.get("messages") == "boom":

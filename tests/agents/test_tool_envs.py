@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from asyncrl.rollout.plugins import PluginError
-from asyncrl.rollout.tool_envs import (
+from asyncrl.agents.tool_envs import (
     MCPServer,
     MCPToolingEnv,
     ToolSet,
     opened,
     split_tool_specs,
 )
-from asyncrl.rollout.tools import ToolCall, ToolRegistry
+from asyncrl.agents.tools import ToolCall, ToolRegistry
+from asyncrl.plugins import PluginError
 
 pytest.importorskip("mcp")
 
@@ -263,9 +263,9 @@ def test_a_worker_with_a_hanging_mcp_tool_keeps_delivering_groups(mcp_engine):
     from transformers import AutoTokenizer
 
     from asyncrl.buffer.client import BufferClient
+    from asyncrl.rewards import RewardRunner, load_reward
     from asyncrl.rollout.client import GeneratorPool
     from asyncrl.rollout.data import PromptSource
-    from asyncrl.rollout.rewards import RewardRunner, load_reward
     from asyncrl.rollout.sglang_protocol import SamplingParams
     from asyncrl.rollout.worker import RolloutWorker
     from asyncrl.rollout.worker_config import WorkerConfig
@@ -325,8 +325,8 @@ def test_held_out_evaluation_runs_the_mcp_servers_tools(mcp_engine):
     """Evaluation goes the rollout's way: the MCP server's tools in the prompt and in the episode."""
     from transformers import AutoTokenizer
 
+    from asyncrl.rewards import RewardRunner, load_reward
     from asyncrl.rollout.evaluation import Evaluation
-    from asyncrl.rollout.rewards import RewardRunner, load_reward
     from asyncrl.rollout.sglang_protocol import SamplingParams
     from asyncrl.rollout.workflows import MultiTurn
     from tests.labels import set_label

@@ -12,9 +12,9 @@ import pytest
 import trio
 
 from asyncrl import demo_agent, tasks
-from asyncrl.rollout.mcp_server import METHOD_NOT_FOUND, PROTOCOL_VERSIONS, StdioServer
-from asyncrl.rollout.tool_envs import MCPServer, MCPToolingEnv, opened, stdio_command
-from asyncrl.rollout.tools import ToolCall, parse_tagged_tool_call
+from asyncrl.agents.mcp_server import METHOD_NOT_FOUND, PROTOCOL_VERSIONS, StdioServer
+from asyncrl.agents.tool_envs import MCPServer, MCPToolingEnv, opened, stdio_command
+from asyncrl.agents.tools import ToolCall, parse_tagged_tool_call
 
 # ---- the task ------------------------------------------------------------------------------------
 
@@ -111,20 +111,20 @@ def test_the_server_answers_the_protocol_it_knows_and_refuses_the_rest():
 
 
 def test_a_python_command_runs_in_this_interpreter():
-    assert stdio_command(("python", "-m", "asyncrl.demo_agent")) == (
+    assert stdio_command(("python", "-m", "asyncrl.agents.demo_agent")) == (
         sys.executable,
         "-m",
-        "asyncrl.demo_agent",
+        "asyncrl.agents.demo_agent",
     )
     assert stdio_command(("python3", "x.py"))[0] == sys.executable
     assert stdio_command(("node", "srv.js")) == ("node", "srv.js")
 
 
 def test_the_real_mcp_client_looks_keys_up_through_the_recipes_command():
-    """`python -m asyncrl.demo_agent`, as the recipe names it, started by the ``mcp`` SDK's stdio
+    """`python -m asyncrl.agents.demo_agent`, as the recipe names it, started by the ``mcp`` SDK's stdio
     client: the tool is listed, a key is looked up, and bad calls are error results."""
     pytest.importorskip("mcp")
-    server = MCPServer(command=("python", "-m", "asyncrl.demo_agent"))
+    server = MCPServer(command=("python", "-m", "asyncrl.agents.demo_agent"))
 
     async def go():
         async with opened(MCPToolingEnv([server], timeout_s=10.0)) as env:
@@ -189,7 +189,7 @@ def test_the_agent_recipe_runs_end_to_end_through_the_mcp_server(
 
     from asyncrl import launch, metric_names, metrics
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     model = lookup_caller
     rows = [{"prompt": f"{k}?", "answer": tasks.lookup_value(k)} for k in KEYS]
     data = tasks.write_jsonl(tmp_path / "rows.jsonl", rows)
@@ -257,7 +257,7 @@ def test_a_run_without_generators_evaluates_its_models_tool_call_rates(tmp_path,
     from asyncrl import metric_names, metrics, recipe, summary
     from asyncrl.rollout.evaluation import EvalReport
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     r = recipe.load(root / "recipes/demo_agent_sft.yaml", check_files=False)
     evaluated: list[Path | None] = []
 
@@ -291,15 +291,15 @@ def test_the_agent_recipes_name_what_make_demo_agent_builds_and_the_packaged_ser
     from pathlib import Path
 
     from asyncrl import recipe
-    from asyncrl.rollout.rewards import load_reward
-    from asyncrl.rollout.tool_envs import split_tool_specs
+    from asyncrl.agents.tool_envs import split_tool_specs
+    from asyncrl.rewards import load_reward
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for name in ("demo_agent_sft.yaml", "demo_agent.yaml"):
         r = recipe.load(root / "recipes" / name, check_files=False)
         data = r.resolve(r.data.path).resolve()
         assert data == (root / "build/demo_agent/data/train.jsonl").resolve()
         _, (server,) = split_tool_specs(r.rollout.tools)
-        assert server.command == ("python", "-m", "asyncrl.demo_agent")
+        assert server.command == ("python", "-m", "asyncrl.agents.demo_agent")
         assert r.rollout.workflow == "multi_turn"
         assert load_reward(r.rollout.reward) is demo_agent.reward

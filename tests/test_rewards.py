@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from asyncrl.rollout.plugins import PluginError
-from asyncrl.rollout.rewards import RewardRunner, exact_match, load_reward, math_verify_reward
+from asyncrl.plugins import PluginError
+from asyncrl.rewards import RewardRunner, exact_match, load_reward, math_verify_reward
 from tests import rollout_plugins
 
 
