@@ -5,7 +5,7 @@ A recipe names user code by import path (``module:attr``, loaded by :mod:`asyncr
 ``async def episode(ctx: EpisodeContext) -> Episode``); ``rollout.reward`` a :data:`RewardFn`;
 ``rollout.tools`` functions (each a :class:`Tool`, from its signature and docstring), :class:`Tool`
 objects or MCP servers. An :data:`Agent` on the OpenAI API is a workflow as
-``asyncrl.agents.recording.AgentWorkflow(agent)``. These types import nothing above floor 1 (the
+``asyncrl.agents.recording.AgentWorkflow(agent)``. These types import nothing above floor 2 (the
 wire format, Qwen's tool calls), so every room uses them; the machinery they name (the generators,
 the tools) is typed by what a workflow may call on it.
 """

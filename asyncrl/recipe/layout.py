@@ -7,7 +7,7 @@ the LoRA actor's own base (:func:`ref_is_lora_base`).
 asyncrl/learner/placement.py builds the meshes that obey them, and the learner checks them again
 with its world size; they live here, under the recipe, because :func:`asyncrl.recipe.checks.validate`
 applies them when a recipe loads (without the world), and the recipe (floor 1 of
-tests/test_import_graph.py) cannot import the learner (floor 6). Only the recipe's own types are
+tests/test_import_graph.py) cannot import the learner (floor 7). Only the recipe's own types are
 read, so `asyncrl check`, the memory plan and the launcher apply them without torch.
 """
 
