@@ -19,6 +19,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before tests/sglang's hook, which puts the server killers last
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``slow`` (a run, a torchrun of several ranks, a whole check: 15-230 s each)
+    first. Two workers (pytest-xdist's worksteal) each take half of this order and steal the tail
+    of the other's queue when idle, so the long tests start early and the short ones fill the gaps
+    at the end; in collection order a 230 s test that started last kept one core busy alone."""
+    items.sort(key=lambda it: it.get_closest_marker("slow") is None)  # stable: otherwise as found
+
+
 def _make(tmp_path_factory, name: str, **kw) -> Path:
     from tools.make_tiny_model import make_tiny_model
 

@@ -185,6 +185,7 @@ exec {py} "$@"
 """
 
 
+@pytest.mark.slow
 def test_a_step_past_its_limit_dumps_its_stacks_keeps_what_it_reached_and_leaves_nothing(tmp_path):
     """check.sh at a step's limit: SIGUSR1 first (the step's Python stacks land in its log), then
     TERM and KILL to every process of the check, whatever its session; the record is timed out

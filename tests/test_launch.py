@@ -317,6 +317,7 @@ def _classify(url: str, text: str) -> float:
         return json.loads(resp.read())[0]["embedding"][0]
 
 
+@pytest.mark.slow
 def test_reward_model_servers_start_healthy_serve_classify_and_restart_on_their_port(
     tmp_path, tiny_qwen3, tiny_reward_model
 ):

@@ -107,6 +107,7 @@ def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 
 
 @pytest.mark.numerics
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_on_the_same_global_batch(runs, tmp_path):
     from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.data import SFTSource
@@ -155,6 +156,7 @@ CRITIC_KL_REWARD = {"loss": "ppo", "advantage": "gae", "kl_reward_coef": 0.1}
         ("tiny_qwen3", 256.0, CRITIC_KL_REWARD),  # a critic and a KL reward
     ],
 )
+@pytest.mark.slow
 def test_a_rank_without_trained_tokens_steps_with_the_others(
     fixture, chunk_mb, alg, request, tmp_path
 ):

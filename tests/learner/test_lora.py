@@ -235,6 +235,7 @@ TIMINGS = ("learner/step_s", "learner/trained_tokens_per_s", "learner/max_rss_gi
     ],
     ids=["fsdp2", "tp2", "tp2-fsdp2"],
 )
+@pytest.mark.slow
 def test_two_ranks_shard_the_adapters_and_train_them_as_one_rank(
     tiny_qwen3, tmp_path, ranks, tp, elements
 ):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from asyncrl import tasks
@@ -94,6 +95,7 @@ def test_user_mistakes_are_one_line_errors(tiny_qwen3, tmp_path, capsys):
     assert len(err) == 1 and "row 1 has no 'prompt'" in err[0]
 
 
+@pytest.mark.slow
 def test_a_wait_for_a_batch_with_every_generator_dropped_ends_with_the_cause(tiny_qwen3, tmp_path):
     """A worker registered a generator the learner cannot reach (as after a learner restart: no
     check at that registration), so the broadcaster drops it and, idle for data, publishes again

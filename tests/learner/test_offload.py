@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -194,6 +195,7 @@ def test_a_step_with_critic_and_ref_offloaded_trains_exactly_as_without(
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded, strict=True))
 
 
+@pytest.mark.slow
 def test_two_ranks_offload_their_own_shards_and_train_on(tiny_qwen3, tmp_path):
     """2 ranks under torchrun (gloo): each rank frees its own shards, gradients and AdamW state,
     gets them back bitwise, and the next step equals a run's that did not offload."""

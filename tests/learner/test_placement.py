@@ -140,6 +140,7 @@ def runs(tiny_qwen3, tmp_path_factory) -> Path:
 
 
 @pytest.mark.numerics
+@pytest.mark.slow
 def test_actor_and_critic_on_their_own_ranks_train_as_on_shared_ranks(runs):
     def roles(run: str, rank: int) -> list[str]:
         return json.loads((runs / run / f"roles-rank{rank}.json").read_text())
@@ -267,6 +268,7 @@ def test_only_the_roles_a_run_uses_are_placed():
         check_placement(p, 2, roles=("actor", "critic"))
 
 
+@pytest.mark.slow
 def test_the_cli_runs_and_resumes_with_a_rank_that_holds_no_model(tiny_qwen3, tmp_path):
     """`asyncrl learner` under torchrun, SFT with the actor on rank 0 of 2 (rank 1 holds nothing but
     joins every global collective): it checkpoints and exports each version, ends cleanly, and a

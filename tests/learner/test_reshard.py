@@ -50,6 +50,7 @@ def _spec(tmp_path: Path, model: Path, placement: dict) -> dict:
     ],
     ids=["qwen3-tp2-to-tp1", "llama-tp1-to-tp2", "llama-tp2dp2-to-dp4"],
 )
+@pytest.mark.slow
 def test_a_resharded_ref_is_bitwise_the_hf_loaded_one(fixture, placement, ranks, request, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_spec(tmp_path, request.getfixturevalue(fixture), placement)))

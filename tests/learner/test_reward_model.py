@@ -141,6 +141,7 @@ def test_preferences_prefer_the_right_answer():
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("tp", [1, 2], ids=["fsdp", "tensor-parallel"])
+@pytest.mark.slow
 def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
     """Under torchrun (2 ranks, gloo, FSDP2, several micro-batches each; or one tensor-parallel
     group of two, the head replicated over it): each step's losses, gradient norms and accuracy,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from asyncrl import recipe as recipe_mod
@@ -13,6 +14,7 @@ from asyncrl.evaluate import evaluate_model
 from asyncrl.metrics import read_metrics
 
 
+@pytest.mark.slow
 def test_sft_learns_reverse_on_held_out_prompts(tiny_qwen3, tmp_path):
     from asyncrl.learner.main import main
 

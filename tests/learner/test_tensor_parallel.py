@@ -75,6 +75,7 @@ CRITIC = {"loss": "ppo", "advantage": "gae", "kl_reward_coef": 0.1}
     ],
     ids=["qwen3-tied", "llama-untied-chunks", "qwen3-critic", "llama-dp2-tp2"],
 )
+@pytest.mark.slow
 def test_tensor_parallel_step_equals_one_rank(fixture, chunk_mb, alg, tp, ranks, request, tmp_path):
     from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
