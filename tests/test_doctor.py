@@ -18,7 +18,22 @@ import trustme
 
 from asyncrl import gpu
 from asyncrl import recipe as recipe_mod
-from asyncrl.doctor import Check, Device, Doctor, judge_logprobs
+from asyncrl.doctor import (
+    Check,
+    Device,
+    Doctor,
+    check_device,
+    check_generator_memory,
+    check_generators,
+    check_learner_memory,
+    check_logprobs,
+    check_model,
+    check_nccl,
+    check_placement,
+    check_ports,
+    check_tls,
+    judge_logprobs,
+)
 from asyncrl.memory import GiB, gib
 from tests.labels import get_label
 from tests.test_memory_plan import QWEN3_0_6B, QWEN3_8B
@@ -136,7 +151,7 @@ def _multinode(tmp_path: Path, *overrides: str) -> Doctor:
         ROOT / "recipes/multinode.yaml", [f"model.path={model}", *overrides], check_files=False
     )
     d = Doctor(recipe=r)
-    d.check_model()
+    check_model(d)
     return d
 
 
@@ -158,7 +173,7 @@ def _gpu(free_gib: float, host_gib: float = 2048) -> Device:
 def test_8b_on_16_ranks_fits_an_80_gib_gpu_with_full_checkpointing(tmp_path):
     d = _multinode(tmp_path)  # the recipe as shipped: activation_checkpointing full
     d.device = _gpu(80)
-    (c,) = d.check_learner_memory()
+    (c,) = check_learner_memory(d)
     assert c.ok, c.detail
     assert c.detail.startswith("rank 0 needs 73.8 GiB")  # 78,448,718,848 bytes (test_memory_plan)
     # at its 256 MiB logits chunk, + (441 − 110) × 151,936 × 16 at the default 1024 MiB
@@ -177,7 +192,7 @@ def test_one_gpu_prices_the_engine_beside_the_learner(tmp_path):
             ROOT / "recipes/one_gpu.yaml", [f"model.path={model}", *overrides], check_files=False
         )
         d = Doctor(recipe=r)
-        d.check_model()
+        check_model(d)
         free = int(free_gib * GiB)
         d.device = Device(
             cuda=True,
@@ -191,15 +206,15 @@ def test_one_gpu_prices_the_engine_beside_the_learner(tmp_path):
     gen = d.generator_plan()
     assert d.engines_on_gpu() == 1 and gen.weights == d.dims.params * 2  # bfloat16 on the GPU
     assert gen.sequences == 64 and gen.tokens_per_sequence == 2048  # generator.max_batch_size
-    (c,) = d.check_learner_memory()
+    (c,) = check_learner_memory(d)
     rank0, _ = d.learner_plans()
     assert c.ok and d.learner_need()[0] == rank0.total + gen.total, c.detail
     assert f"beside it on its GPU 1 built-in engine(s), {gib(gen.total)} GiB" in c.detail
-    (g,) = d.check_generator_memory()
+    (g,) = check_generator_memory(d)
     assert g.ok and "on rank 0's GPU, priced with the learner there" in g.detail
-    (c,) = doctor(rank0.total / GiB + 1).check_learner_memory()  # the learner alone would fit
+    (c,) = check_learner_memory(doctor(rank0.total / GiB + 1))  # the learner alone would fit
     assert not c.ok and "a smaller generator.max_batch_size" in c.detail, c.detail
-    (c,) = doctor(rank0.total / GiB + 1, "generator.device=cpu").check_learner_memory()
+    (c,) = check_learner_memory(doctor(rank0.total / GiB + 1, "generator.device=cpu"))
     assert c.ok and "built-in engine" not in c.detail, c.detail
 
 
@@ -207,18 +222,18 @@ def test_async_checkpoint_staging_must_fit_the_host(tmp_path):
     """8 ranks per node each stage 12·P/16 = 6.1 GB of float32 shards on the host for a save."""
     d = _multinode(tmp_path)
     d.device = _gpu(80, host_gib=32)
-    (c,) = d.check_learner_memory()
+    (c,) = check_learner_memory(d)
     assert not c.ok and "set learner.checkpoint_async=false" in c.detail
     d = _multinode(tmp_path, "learner.checkpoint_async=false")
     d.device = _gpu(80, host_gib=32)
-    (c,) = d.check_learner_memory()
+    (c,) = check_learner_memory(d)
     assert c.ok, c.detail
 
 
 def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
     d = _multinode(tmp_path, "learner.activation_checkpointing=none")
     d.device = _gpu(80)
-    (c,) = d.check_learner_memory()
+    (c,) = check_learner_memory(d)
     assert not c.ok
     # 401.4 GiB needed, activations 356.5 GiB of it; one 8,192-token sequence alone does not fit 80 GiB
     # next to the rest (room for 6,445 tokens), so only checkpointing is offered
@@ -227,7 +242,7 @@ def test_8b_without_checkpointing_does_not_fit_and_the_fix_is_priced(tmp_path):
     assert "set learner.activation_checkpointing=full (73.8 GiB)" in c.detail
     assert "micro_batch_tokens" not in c.detail
     d.device = _gpu(120)
-    (c,) = d.check_learner_memory()
+    (c,) = check_learner_memory(d)
     # (120 GiB − 48,249,076,736 bytes) // 5,840,896 bytes per token = 13,799 tokens
     assert "set learner.micro_batch_tokens=13799" in c.detail
 
@@ -237,7 +252,7 @@ def _placed(tmp_path: Path, *placement: str) -> tuple[Doctor, dict[str, Check]]:
     checks by name."""
     d = _multinode(tmp_path, "learner.ranks=8", *PPO_8B, *placement)
     d.device = _gpu(80)
-    return d, {c.name: c for c in d.check_placement()}
+    return d, {c.name: c for c in check_placement(d)}
 
 
 def test_placement_per_rank_on_8_gpus(tmp_path):
@@ -259,12 +274,12 @@ def test_placement_per_rank_on_8_gpus(tmp_path):
     six = by_name["ranks 6-7"]
     assert not six.ok and six.detail.startswith("critic: states critic 61.0 GiB; peak 95.7 GiB")
     assert six.detail.endswith("does not fit the smallest GPU's 80.0 GiB free")
-    (c,) = d.check_learner_memory()
+    (c,) = check_learner_memory(d)
     assert not c.ok
     assert c.detail.startswith("with placement the fullest rank, 6, needs 95.7 GiB at its peak")
     assert "(largest: critic states 61.0 GiB on rank 6)" in c.detail
     d.device = _gpu(96)
-    assert all(c.ok for c in d.check_placement() + d.check_learner_memory())
+    assert all(c.ok for c in check_placement(d) + check_learner_memory(d))
 
 
 def test_reallocation_lowers_the_peak_it_can(tmp_path):
@@ -279,7 +294,7 @@ def test_reallocation_lowers_the_peak_it_can(tmp_path):
     )
     assert "peak 66.2 GiB with offload, 70.0 GiB without;" in by_name["ranks 1-7"].detail
     d.device = Device(cuda=False, gpus=[], host_available=2048 * GiB, host_total=2048 * GiB)
-    (said, *_) = d.check_placement()
+    (said, *_) = check_placement(d)
     assert said.detail.endswith(
         "on CPU nothing is offloaded (the device is host memory): a CPU run needs the peaks without offload"
     )
@@ -299,7 +314,7 @@ def _demo(model: Path, *overrides: str) -> Doctor:
 def test_a_real_server_is_reached_and_described(tiny_qwen3, rollout_engine):
     """The built-in engine serves SGLang's API (no /server_info: one rank, no radix cache)."""
     d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[{rollout_engine.url}]")
-    (c,) = d.check_generators()
+    (c,) = check_generators(d)
     assert c.ok, c.detail
     assert c.name == f"SGLang {rollout_engine.url}"
     # the shared engine says "default" until a rollout test labels it (test order must not matter)
@@ -313,7 +328,7 @@ def test_an_unreachable_server_is_named_with_the_fix(tiny_qwen3):
         port = s.getsockname()[1]  # closed again: nothing listens there
     d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[http://127.0.0.1:{port}]")
     d.timeout_s = 2
-    (c,) = d.check_generators()
+    (c,) = check_generators(d)
     assert not c.ok and "unreachable" in c.detail and "fix generator.urls" in c.detail
 
 
@@ -349,7 +364,7 @@ def fake_sglang():
 def _server_check(tiny_qwen3, url: str, info: dict, label: str = "0", *overrides: str):
     _FakeSGLang.server_info, _FakeSGLang.label = info, label
     d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[{url}]", *overrides)
-    (c,) = d.check_generators()
+    (c,) = check_generators(d)
     return c, d
 
 
@@ -361,7 +376,7 @@ def test_server_layout_radix_cache_version_and_label(tiny_qwen3, fake_sglang):
     c, d = _server_check(tiny_qwen3, url, info, "0", "weights.pause_mode=retract")
     assert c.ok and "sglang 0.5.23, tp 4, radix cache on" in c.detail
     # the generator plan splits weights over the server's 4 GPUs
-    d.check_model()
+    check_model(d)
     assert d.generator_plan().weights == d.dims.params * 4 // 4  # float32 over 4 GPUs
     c, _ = _server_check(tiny_qwen3, url, {**info, "disable_radix_cache": True, "dp_size": 2})
     assert not c.ok and "dp_size 2" in c.detail
@@ -385,11 +400,11 @@ def _logprob_check(model: Path, url: str, temperature: float = 0.7) -> Check:
         f"generator.urls=[{url}]",
         f"rollout.temperature={temperature}",
     )
-    d.check_model()
-    d.check_device()
-    (reached,) = d.check_generators()
+    check_model(d)
+    check_device(d)
+    (reached,) = check_generators(d)
     assert reached.ok, reached.detail
-    (c,) = d.check_logprobs()
+    (c,) = check_logprobs(d)
     assert c.name == f"logprobs {url}"
     return c
 
@@ -454,14 +469,14 @@ def test_the_env_var_here_is_named_for_built_in_engines(tiny_qwen3):
     """The rollout workers' engines inherit the doctor's environment (it runs where they will)."""
     d = _demo(tiny_qwen3, "rollout.temperature=0.7")
     d.environ = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "True"}  # SGLang's reading: "1" or "true"
-    (c,) = d.check_generators()
+    (c,) = check_generators(d)
     assert not c.ok and c.detail.startswith("SGLANG_RETURN_ORIGINAL_LOGPROB=True here")
     assert c.detail.endswith("unset SGLANG_RETURN_ORIGINAL_LOGPROB")
     d.environ = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
-    assert all(c.ok for c in d.check_generators())
+    assert all(c.ok for c in check_generators(d))
     d = _demo(tiny_qwen3, "rollout.temperature=1.0")  # untempered is tempered: nothing to refuse
     d.environ = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
-    assert all(c.ok for c in d.check_generators())
+    assert all(c.ok for c in check_generators(d))
 
 
 def test_a_temperature_too_near_1_to_tell_is_not_refused():
@@ -543,7 +558,7 @@ SGLANG = ("generator.kind=sglang", "generator.urls=[http://127.0.0.1:30000]")
 def test_nccl_backend_on_a_machine_without_gpu_is_named(tiny_qwen3):
     d = _demo(tiny_qwen3, "weights.backend=nccl", *SGLANG)
     d.device = Device(cuda=False, gpus=[], host_available=GiB, host_total=GiB)
-    (c,) = d.check_nccl()
+    (c,) = check_nccl(d)
     assert not c.ok and "needs a GPU" in c.detail and "weights.backend=gloo" in c.detail
 
 
@@ -552,7 +567,7 @@ def test_auto_sends_to_built_in_engines_over_gloo_on_a_gpu_host(tiny_qwen3):
     (generator.device cpu), which receives into CPU tensors (asyncrl.gpu.weight_backend)."""
     d = _demo(tiny_qwen3, "weights.backend=auto", "generator.kind=builtin", "generator.device=cpu")
     d.device = Device(cuda=True, gpus=[], host_available=GiB, host_total=GiB)
-    (c,) = d.check_nccl()
+    (c,) = check_nccl(d)
     assert c.ok and "not used: weights go over gloo" in c.detail, c.detail
     assert "built-in engines receive on CPU" in c.detail
 
@@ -563,7 +578,7 @@ def test_built_in_engines_on_cuda_may_take_nccl(tiny_qwen3):
     d = _demo(tiny_qwen3, "weights.backend=auto", "generator.kind=builtin")
     d.device = Device(cuda=True, gpus=[], host_available=GiB, host_total=GiB)
     d.environ = {}
-    (c,) = d.check_nccl()
+    (c,) = check_nccl(d)
     assert c.ok and "not used" not in c.detail, c.detail
     assert "NCCL from another GPU, and take CUDA IPC handles on rank 0's own" in c.detail
 
@@ -607,10 +622,10 @@ def test_ports_in_use_free_and_elsewhere(tiny_qwen3):
             "weights.master_addr=no-such-host.invalid",
             "weights.master_port=29610",
         )
-        (c,) = d.check_ports()
+        (c,) = check_ports(d)
         assert c.ok and f"free: buffer.address 127.0.0.1:{free}" in c.detail
         assert "not this host's" in c.detail and "no-such-host.invalid:29610" in c.detail
-        (c,) = _demo(tiny_qwen3, f"buffer.pub_address=tcp://127.0.0.1:{busy}").check_ports()
+        (c,) = check_ports(_demo(tiny_qwen3, f"buffer.pub_address=tcp://127.0.0.1:{busy}"))
         assert not c.ok and f"in use: buffer.pub_address 127.0.0.1:{busy}" in c.detail
 
 
@@ -623,7 +638,7 @@ def _tls(tmp_path: Path, tiny_qwen3: Path, key: str) -> Check:
         f"buffer.tls.key={tmp_path / key}",
         f"buffer.tls.ca={tmp_path / 'ca.pem'}",
     )
-    (c,) = d.check_tls()
+    (c,) = check_tls(d)
     return c
 
 
@@ -652,6 +667,6 @@ def test_lora_on_a_llama_model_fails_the_model_check_in_one_line(tmp_path):
             [f"model.path={model}", f"learner.lora.rank={lora}"],
             check_files=False,
         )
-        (check,) = Doctor(recipe=r).check_model()
+        (check,) = check_model(Doctor(recipe=r))
         assert check.ok is ok, check.detail
     assert check.detail.startswith("learner.lora: only Qwen3 models") and "\n" not in check.detail

@@ -112,7 +112,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
     6: ("evaluate", "summary"),  # a run's end: held-out evaluation on rollout's code, summary.json
     7: ("learner",),  # hosts buffer and broadcaster, evaluates through rollout, ends the run
     8: ("launch",),  # `asyncrl run`: starts everything below, ends the run if the learner could not
-    9: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands; demo_agent: agents/' old name
+    9: ("check", "cli", "demo_agent", "doctor", "graph"),  # commands; doctor/ a subpackage
 }
 """Each room of asyncrl/ by floor, lowest first (docs/design.md §9). A module imports its own room
 and rooms on lower floors; two modules directly in asyncrl/ on one floor may import each other,
@@ -131,7 +131,9 @@ in launch/. engine/ sits on weights/ (it receives weight buckets in weights/' la
 handle or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns
 its engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation
 through rollout/evaluation.py (design §6); the commands on top import what they check or start.
-demo_agent.py on top is the agent demo's old name, a shim over agents/."""
+doctor/ is a subpackage among the commands' modules, so it and they never import each other:
+cli.py starts it by name (``importlib``, as every command), and its checks import only floors
+below. demo_agent.py on top is the agent demo's old name, a shim over agents/."""
 
 
 def _room(module: str) -> str:

@@ -13,7 +13,14 @@ from conftest import START_TIMEOUT_S
 from sglang_helpers import TOL, Served, healthy, served_model_dir
 
 from asyncrl import recipe as recipe_mod
-from asyncrl.doctor import Check, Doctor
+from asyncrl.doctor import (
+    Check,
+    Doctor,
+    check_device,
+    check_generators,
+    check_logprobs,
+    check_model,
+)
 from tools.sglang_cpu.server import SGLangServer
 
 pytestmark = pytest.mark.sglang
@@ -34,10 +41,10 @@ def _doctor_checks(model: Path, url: str) -> tuple[Check, Check]:
         check_files=False,
     )
     d = Doctor(recipe=r, timeout_s=120)
-    d.check_model()
-    d.check_device()
-    (server,) = d.check_generators()
-    (logprobs,) = d.check_logprobs()
+    check_model(d)
+    check_device(d)
+    (server,) = check_generators(d)
+    (logprobs,) = check_logprobs(d)
     return server, logprobs
 
 

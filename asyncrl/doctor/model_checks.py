@@ -1,0 +1,63 @@
+"""The doctor's checks of ``model.path``: the model the learner can build from its config.json
+(its dims, which every later plan reads; LoRA's support for it), and the attention it will train
+with on this device. Config only: no weights are read."""
+
+from __future__ import annotations
+
+from asyncrl import memory
+from asyncrl.doctor.context import Check, Doctor
+from asyncrl.memory import ModelDims
+
+
+def check_model(d: Doctor) -> list[Check]:
+    from asyncrl.learner.model import ModelConfigError, build_spec, read_hf_config
+
+    path = d.recipe.resolve(d.recipe.model.path)
+    try:
+        cfg = read_hf_config(path)
+        d.dims = ModelDims.from_hf_config(cfg)
+        spec = build_spec(path, attention="auto", max_seq_len=1)  # attention below
+        if d.recipe.learner.lora.enabled:
+            from asyncrl.learner.lora import check_supported
+
+            check_supported(spec.name)
+    except (ModelConfigError, memory.PlanError) as e:
+        return [Check(name="model", ok=False, detail=str(e))]
+    m = d.dims
+    tied = "tied" if m.tied else "untied"
+    return [
+        Check(
+            name="model",
+            ok=True,
+            detail=f"{m.arch}, {_count(m.params)} parameters (hidden {m.hidden}, "
+            f"{m.layers} layers, {m.heads}/{m.kv_heads} heads, vocabulary {m.vocab:,}, "
+            f"{tied} embeddings)",
+        )
+    ]
+
+
+def check_attention(d: Doctor) -> list[Check]:
+    from asyncrl.learner import cpu_shims
+    from asyncrl.learner.attention import choose_attention, module_importable
+    from asyncrl.learner.model import ModelConfigError, build_spec
+
+    if d.dims is None:
+        return [Check(name="attention", ok=False, detail="cannot tell without the model")]
+    kind = d.recipe.model.attention
+    on_cpu = cpu_shims.ON_CPU
+    try:  # what the learner will refuse (flex or varlen on CPU, varlen without its kernels)
+        build_spec(d.recipe.resolve(d.recipe.model.path), attention=kind, max_seq_len=1)
+    except ModelConfigError as e:
+        return [Check(name="attention", ok=False, detail=str(e))]
+    cap = None if on_cpu or not d.device or not d.device.gpus else d.device.gpus[0][3]
+    try:
+        chosen, why = choose_attention(
+            kind, on_cpu=on_cpu, capability=cap, importable=module_importable
+        )
+    except ValueError as e:
+        return [Check(name="attention", ok=False, detail=str(e))]
+    return [Check(name="attention", ok=True, detail=f"{chosen}: {why}")]
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
