@@ -73,7 +73,7 @@ import copy, sys
 from types import SimpleNamespace
 from torchtitan.config import ParallelismConfig
 from asyncrl.learner.build import update_from_config
-from asyncrl.learner.model import build_spec
+from asyncrl.learner.model_spec import build_spec
 
 spec = build_spec({str(tiny_qwen3)!r}, max_seq_len=64)
 par = ParallelismConfig()

@@ -10,7 +10,7 @@ from asyncrl.memory import ModelDims
 
 
 def check_model(d: Doctor) -> list[Check]:
-    from asyncrl.learner.model import ModelConfigError, build_spec, read_hf_config
+    from asyncrl.learner.model_spec import ModelConfigError, build_spec, read_hf_config
 
     path = d.recipe.resolve(d.recipe.model.path)
     try:
@@ -39,7 +39,7 @@ def check_model(d: Doctor) -> list[Check]:
 def check_attention(d: Doctor) -> list[Check]:
     from asyncrl.learner import cpu_shims
     from asyncrl.learner.attention import choose_attention, module_importable
-    from asyncrl.learner.model import ModelConfigError, build_spec
+    from asyncrl.learner.model_spec import ModelConfigError, build_spec
 
     if d.dims is None:
         return [Check(name="attention", ok=False, detail="cannot tell without the model")]

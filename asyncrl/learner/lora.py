@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from asyncrl.learner.model import ModelConfigError
+from asyncrl.learner.model_spec import ModelConfigError
 from asyncrl.recipe import LoraConfig
 
 HF_TARGETS: dict[str, tuple[str, str, str]] = {

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         _say_error(e)
         return 2
     from asyncrl.learner.data import DataError
-    from asyncrl.learner.model import ModelConfigError
+    from asyncrl.learner.model_spec import ModelConfigError
     from asyncrl.learner.trainer import LearnerError
 
     try:

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torchtitan.models.common import Linear
 from torchtitan.protocols.model_spec import ModelSpec
 
-from asyncrl.learner.model import ModelConfigError, build_spec, read_hf_config
+from asyncrl.learner.model_spec import ModelConfigError, build_spec, read_hf_config
 
 HEAD = "lm_head.weight"
 """The head's name in the TorchTitan model (the decoder's output projection, one output)."""

@@ -33,7 +33,7 @@ from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import CRITIC_STATES, Critic
 from asyncrl.learner.distributed import ensure_distributed
 from asyncrl.learner.logprobs import chunk_tokens
-from asyncrl.learner.model import build_spec
+from asyncrl.learner.model_spec import build_spec
 from asyncrl.learner.models import LearnerError, Models, reallocation
 from asyncrl.learner.packing import MicroBatch, Sequence
 from asyncrl.learner.placement import RoleMesh, build_role_meshes, exchanges

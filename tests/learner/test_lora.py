@@ -213,7 +213,7 @@ def test_checkpoint_holds_what_trains_and_a_resume_gets_it_back(tiny_qwen3, tmp_
 
 
 def test_llama_with_lora_is_a_one_line_error(tiny_llama, tmp_path):
-    from asyncrl.learner.model import ModelConfigError
+    from asyncrl.learner.model_spec import ModelConfigError
 
     with pytest.raises(ModelConfigError, match=r"^learner\.lora: only Qwen3 .* permutes"):
         lora_trainer(tiny_llama, tmp_path)

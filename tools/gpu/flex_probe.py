@@ -37,7 +37,7 @@ def _model(folder: Path, kind: str, seq: int):  # type: ignore[no-untyped-def]
     import torch
 
     from asyncrl.learner.attention import inner_attention_config
-    from asyncrl.learner.model import build_spec
+    from asyncrl.learner.model_spec import build_spec
 
     spec = build_spec(folder, attention="sdpa", max_seq_len=seq)
     for layer in spec.model.layers:

@@ -125,7 +125,7 @@ import json, sys
 from pathlib import Path
 
 results, probe_rc = Path(sys.argv[1]), int(sys.argv[2])
-REFUSED = "cannot train on CPU"  # asyncrl's refusal of flex on CPU (asyncrl/learner/model.py)
+REFUSED = "cannot train on CPU"  # asyncrl's refusal of flex on CPU (asyncrl/learner/model_spec.py)
 out = {
     "python": "$pyver", "torch": "$torch_ver", "venv": "$built",
     "seconds": {"venv": $venv_s, "bundle": $bundle_s, "install": $install_s,
