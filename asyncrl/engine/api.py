@@ -15,8 +15,8 @@ from typing import Any, get_args
 import torch
 
 from asyncrl import malloc
+from asyncrl.engine.batched_model import BatchedLM
 from asyncrl.engine.lora import LoraSpec
-from asyncrl.engine.model import BatchedLM
 from asyncrl.engine.replies import BadRequest
 from asyncrl.engine.sampling import original_logprob
 from asyncrl.engine.scheduler import Scheduler

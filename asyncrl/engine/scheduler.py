@@ -24,7 +24,7 @@ from typing import Any, get_args
 
 import torch
 
-from asyncrl.engine.model import BatchedLM
+from asyncrl.engine.batched_model import BatchedLM
 from asyncrl.engine.sampling import EngineSamplingParams, sample
 from asyncrl.recipe import PauseMode
 

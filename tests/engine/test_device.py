@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl import gpu, recipe
 from asyncrl.engine.api import placement
-from asyncrl.engine.model import BatchedLM
+from asyncrl.engine.batched_model import BatchedLM
 from asyncrl.rollout.main import engine_env
 
 

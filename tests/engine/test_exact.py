@@ -130,7 +130,7 @@ def test_other_llama_family_models_decode_exactly(arch):
     """Qwen2 (q/k/v biases) and Mistral run through the same slot-cache forward, exactly."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from asyncrl.engine.model import BatchedLM
+    from asyncrl.engine.batched_model import BatchedLM
 
     cls, cfg_cls = {
         "qwen2": (Qwen2ForCausalLM, Qwen2Config),
@@ -164,7 +164,7 @@ def test_swapped_weights_reach_the_fused_projections(tiny_qwen3):
     re-points parameters: prepared (the engine's path) or not, the forward must follow it."""
     import copy
 
-    from asyncrl.engine.model import BatchedLM
+    from asyncrl.engine.batched_model import BatchedLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     ref = copy.deepcopy(model)
@@ -216,7 +216,7 @@ def test_a_prepared_swap_carries_qkv_biases():
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from asyncrl.engine.model import BatchedLM
+    from asyncrl.engine.batched_model import BatchedLM
 
     torch.manual_seed(0)
     cfg = _tiny_config(Qwen2Config)

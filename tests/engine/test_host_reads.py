@@ -13,9 +13,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
-from asyncrl.engine import model as engine_model
+from asyncrl.engine import batched_model as engine_model
 from asyncrl.engine import transfer
-from asyncrl.engine.model import BatchedLM
+from asyncrl.engine.batched_model import BatchedLM
 from asyncrl.engine.sampling import EngineSamplingParams, sample
 
 READS = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu"}

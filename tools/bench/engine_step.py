@@ -11,7 +11,7 @@ tokens read back as the decode loop reads them) over ``--steps`` steps after a w
 and in this thread's CPU ms. Each row decodes positions ``prompt .. prompt + window`` and starts
 over there, so that every step attends to as many positions on average, however many steps. Greedy unless ``--sampled`` (temperature 1, the engine's generator).
 
-``--against CHECKOUT``: the same steps with another checkout's ``engine/model.py`` and
+``--against CHECKOUT``: the same steps with another checkout's ``engine/batched_model.py`` and
 ``engine/sampling.py`` (loaded from there; what they import from asyncrl comes from this one),
 interleaved step by step with this checkout's on the same weights, so that the load of the moment
 falls on both alike (each goes first every other step); it reports both medians and the median of
@@ -37,13 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from asyncrl.engine import model as this_model  # noqa: E402
+from asyncrl.engine import batched_model as this_model  # noqa: E402
 from asyncrl.engine import sampling as this_sampling  # noqa: E402
 from tools.make_tiny_model import make_tiny_model  # noqa: E402
 
 
-def _load(checkout: Path, name: str) -> ModuleType:
+def _load(checkout: Path, name: str, before: str | None = None) -> ModuleType:
+    """``before``: the module's name in a checkout from before issue #47 item 7 renamed it."""
     path = checkout / f"asyncrl/engine/{name}.py"
+    if not path.exists() and before is not None:
+        name = before
+        path = checkout / f"asyncrl/engine/{name}.py"
     if not path.exists():  # a checkout from before the engine left rollout/ (issue #47)
         path = checkout / f"asyncrl/rollout/engine/{name}.py"
         old = "asyncrl.rollout.engine"  # its imports of its siblings: this checkout's
@@ -104,7 +108,10 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     versions = {"this": (this_model, this_sampling)}
     if a.against is not None:
-        versions["other"] = (_load(a.against, "model"), _load(a.against, "sampling"))
+        versions["other"] = (
+            _load(a.against, "batched_model", "model"),
+            _load(a.against, "sampling"),
+        )
     result: dict = {"bench": "engine_step", "sampled": a.sampled, "steps": a.steps}
     with torch.no_grad():
         for b in a.batch:

@@ -129,8 +129,8 @@ def decode_rows(d: Path, rank: int, alpha: float, batch: int, n: int) -> dict:
     the merge per version."""
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.engine.batched_model import BatchedLM
     from asyncrl.engine.lora import Adapters, LoraSpec
-    from asyncrl.engine.model import BatchedLM
 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     lm = BatchedLM(hf)

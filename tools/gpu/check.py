@@ -642,7 +642,7 @@ def _engine_decode(
 
     import torch
 
-    from asyncrl.engine.model import BatchedLM
+    from asyncrl.engine.batched_model import BatchedLM
     from asyncrl.engine.sampling import EngineSamplingParams, sample
 
     lm = BatchedLM(hf)
