@@ -153,7 +153,7 @@ class Tools(Protocol):
 
 
 class Generators(Protocol):
-    """The policy's generators (:class:`asyncrl.rollout.client.GeneratorPool`)."""
+    """The policy's generators (:class:`asyncrl.rollout.generator_pool.GeneratorPool`)."""
 
     async def generate(self, input_ids: list[int], params: Any, **kw: Any) -> Completion: ...
 

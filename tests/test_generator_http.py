@@ -238,7 +238,7 @@ def test_the_pool_moves_a_request_off_a_5xx_generator_but_not_off_a_refusal(
     """What the pool does with the one error: an answer of 5xx (a server in trouble) marks that
     generator down and the request goes to another; a 4xx says the request itself is bad, and
     another generator would refuse it too, so it fails where it is."""
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
     from asyncrl.rollout.sglang_protocol import SamplingParams
     from tests.labels import get_label, set_label
 

@@ -1,6 +1,6 @@
 """Rollout workers (docs/design.md §6): prompts → workflows → generators → rewards → whole groups to the buffer.
 
-- :mod:`asyncrl.rollout.client`: the generator pool, SGLang ``/generate`` over HTTP (version bound,
+- :mod:`asyncrl.rollout.generator_pool`: the generator pool, SGLang ``/generate`` over HTTP (version bound,
   abort resume, load spreading, batching) for SGLang servers and the built-in engine alike;
   :mod:`asyncrl.rollout.sglang_protocol`: the protocol itself, pure (requests, parsed responses,
   per-token versions); the HTTP calls go through :mod:`asyncrl.generator_http`, as the weight

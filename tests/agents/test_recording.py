@@ -12,7 +12,7 @@ import trio
 
 from asyncrl.agents.recording import AgentWorkflow, Trajectory, TrajectoryMismatch
 from asyncrl.agents.tools import ToolRegistry
-from asyncrl.rollout.client import Completion, GeneratorPool
+from asyncrl.rollout.generator_pool import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.turns import turn_of
 from asyncrl.rollout.workflows import EpisodeContext, play

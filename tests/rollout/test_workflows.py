@@ -7,7 +7,7 @@ import torch
 import trio
 
 from asyncrl.agents.tools import ToolCall, ToolRegistry, parse_tagged_tool_call, tool_from_function
-from asyncrl.rollout.client import GeneratorPool
+from asyncrl.rollout.generator_pool import GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.workflows import EpisodeContext, SingleTurn, load_workflow
 from tests.numerics import assert_logits_close

@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from asyncrl.rollout.client import Completion, GeneratorPool
+from asyncrl.rollout.generator_pool import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from tools.sglang_cpu.server import SGLangServer, SGLangSetupError
 

@@ -10,7 +10,7 @@ import torch
 import trio
 from sglang_helpers import PROMPT, TOL, Served, reference_logprobs
 
-from asyncrl.rollout.client import Completion, GeneratorPool
+from asyncrl.rollout.generator_pool import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams, parse_generate_response
 
 pytestmark = pytest.mark.sglang

@@ -9,7 +9,7 @@ import torch
 import trio
 from sglang_helpers import PROMPT, TOL, Served, generate, reference_logprobs
 
-from asyncrl.rollout.client import GeneratorPool
+from asyncrl.rollout.generator_pool import GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
 
 pytestmark = pytest.mark.sglang
@@ -107,7 +107,7 @@ def test_client_wait_ready(served: Served):
 def test_client_batched_group_matches_single_requests(served: Served):
     """A group's same-tick requests go to SGLang as one batched call (lists of input_ids,
     sampling_params and rids); each sample equals the same request sent alone (greedy)."""
-    from asyncrl.rollout.client import Batcher
+    from asyncrl.rollout.generator_pool import Batcher
 
     params = SamplingParams(max_new_tokens=16, temperature=0.0)
     prompts = [PROMPT, PROMPT[:-1], PROMPT[1:]]

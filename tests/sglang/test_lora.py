@@ -17,7 +17,7 @@ from sglang_helpers import TOL, healthy, label_at_join
 
 from asyncrl import wire
 from asyncrl.recipe import LoraConfig, WeightsConfig
-from asyncrl.rollout.client import GeneratorPool
+from asyncrl.rollout.generator_pool import GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams, parse_generate_response
 from asyncrl.weights.broadcaster import WeightBroadcaster
 from tests.engine.test_lora import ALPHA, PROMPTS, RANK, TARGETS, peft_model

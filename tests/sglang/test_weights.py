@@ -28,7 +28,7 @@ from sglang_helpers import (
 
 from asyncrl.generator_http import WeightsClient, async_client
 from asyncrl.recipe import WeightsConfig
-from asyncrl.rollout.client import Completion, GeneratorPool
+from asyncrl.rollout.generator_pool import Completion, GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.weights.broadcaster import WeightBroadcaster
 from asyncrl.weights.sync import SyncReport

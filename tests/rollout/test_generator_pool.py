@@ -193,7 +193,7 @@ def test_abort_and_resume_equals_one_uninterrupted_stream(engine):
     import httpx
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     prompt = [10, 11, 12, 13, 14]
     params = SamplingParams(max_new_tokens=400, temperature=0.0)
@@ -245,7 +245,7 @@ def test_unreachable_generator_is_marked_down_and_requests_move(engine):
 
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
@@ -278,7 +278,7 @@ def test_wait_ready_returns_for_a_serving_engine_and_names_one_that_never_answer
     import httpx
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
@@ -302,7 +302,7 @@ def test_wait_ready_returns_for_a_serving_engine_and_names_one_that_never_answer
 def test_requests_spread_by_load():
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     async def go():
         async with GeneratorPool(["http://a", "http://b", "http://c"]) as pool:
@@ -324,7 +324,7 @@ def test_a_groups_same_tick_requests_go_as_one_batched_call(engine):
     engine (SGLang's list form), and each gets exactly what it gets when sent alone."""
     import trio
 
-    from asyncrl.rollout.client import Batcher, GeneratorPool
+    from asyncrl.rollout.generator_pool import Batcher, GeneratorPool
 
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -381,7 +381,7 @@ def test_label_at_join_names_the_base_weights_without_aborting(engine):
     import httpx
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     set_label(engine.url, "default")  # as launched: the fixture labelled it "0"
     body = {
@@ -416,7 +416,7 @@ def test_label_at_join_names_the_base_weights_without_aborting(engine):
 def test_a_label_that_names_no_version_is_refused_at_join(engine):
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     set_label(engine.url, "latest")
 
@@ -433,7 +433,7 @@ def test_requests_wait_for_a_generator_within_the_version_bound(engine, caplog):
     wait (polling /model_info) until the broadcaster's label says it holds 3 or newer."""
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
 
@@ -462,7 +462,7 @@ def test_requests_wait_for_a_generator_within_the_version_bound(engine, caplog):
                 await pool.generate([5, 6, 7], params)
             return out["c"], g.version
 
-    with caplog.at_level("INFO", logger="asyncrl.rollout.client"):
+    with caplog.at_level("INFO", logger="asyncrl.rollout.generator_pool"):
         c, held = trio.run(go)
     assert held == 3 and c.versions == [3] * len(c.output_ids)
     waiting = caplog.text.index(f"waiting for the learner's weights: {engine.url} holds v0")
@@ -477,7 +477,7 @@ def test_tokens_without_a_version_are_refused_and_the_request_resubmitted(engine
     and the request, resubmitted, equals one clean completion."""
     import trio
 
-    from asyncrl.rollout.client import GeneratorPool
+    from asyncrl.rollout.generator_pool import GeneratorPool
 
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
 
