@@ -39,7 +39,7 @@ restored; a service runs as a task of ``plane``, rank 0's control plane."""
 
 
 def sft_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource:
-    from asyncrl.learner.data import SFTSource
+    from asyncrl.learner.dataset_sources import SFTSource
 
     src = SFTSource.from_recipe(recipe)
     if trainer.source_state is not None:
@@ -48,7 +48,7 @@ def sft_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource
 
 
 def preference_source(recipe: Recipe, trainer: Any, plane: ControlPlane) -> BatchSource:
-    from asyncrl.learner.data import PreferenceSource
+    from asyncrl.learner.dataset_sources import PreferenceSource
 
     src = PreferenceSource.from_recipe(recipe)
     if trainer.source_state is not None:
@@ -331,7 +331,7 @@ def _evaluator(recipe: Recipe, report: LearnerReport | None) -> Any:
     from asyncrl.learner.trainer import LearnerError
     from asyncrl.metrics import MetricsSink
     from asyncrl.plugins import PluginError
-    from asyncrl.rollout.data import PromptDataError
+    from asyncrl.rollout.prompts import PromptDataError
 
     if not recipe.data.eval_path or not recipe.run.eval_prompts:
         return None
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     except recipe_mod.RecipeError as e:
         _say_error(e)
         return 2
-    from asyncrl.learner.data import DataError
+    from asyncrl.learner.dataset_sources import DataError
     from asyncrl.learner.model_spec import ModelConfigError
     from asyncrl.learner.trainer import LearnerError
 

@@ -1,7 +1,7 @@
 """``algorithm.loss: reward_model``: Bradley–Terry training of a scalar-head model on preference pairs.
 
 The same kind of run as sft (a local data set, no rollouts): the batch source is
-:class:`~asyncrl.learner.data.PreferenceSource` (a group of two samples per pair, chosen first), and
+:class:`~asyncrl.learner.dataset_sources.PreferenceSource` (a group of two samples per pair, chosen first), and
 the learner is the policy's :class:`~asyncrl.learner.trainer.Trainer` with the scalar head of
 :mod:`asyncrl.learner.scalar_model` and :class:`RewardModelSteps` for its step: every sequence's
 score is the head's value at its last token, and the loss is ``-log σ(r_chosen - r_rejected)``
@@ -185,7 +185,7 @@ class RewardModelSteps:
     # -- held-out pairs --------------------------------------------------------------------------
 
     def _load_eval_pairs(self) -> list[Pair]:
-        from asyncrl.learner.data import PreferenceSource, load_preference_rows
+        from asyncrl.learner.dataset_sources import PreferenceSource, load_preference_rows
 
         held = self.config.held_out
         assert held.path is not None

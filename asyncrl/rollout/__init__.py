@@ -11,7 +11,7 @@
 - the rewards the worker runs: the rule rewards (:mod:`asyncrl.rewards`: exact match, math-verify,
   user rewards, run with timeouts, a floor down, shared with the reward model) and the served
   models' (:mod:`asyncrl.served`: a reward model's scores, a distillation teacher's logprobs).
-- :mod:`asyncrl.rollout.data`: local datasets with a resumable position.
+- :mod:`asyncrl.rollout.prompts`: local datasets with a resumable position.
 - :mod:`asyncrl.rollout.worker`: the trio worker; :mod:`asyncrl.rollout.main`: ``asyncrl rollout``.
 - the built-in generator is a room of its own, :mod:`asyncrl.engine` (a process of its own:
   :func:`asyncrl.rollout.main.spawn_engines` starts a worker's engines).

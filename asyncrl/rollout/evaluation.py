@@ -28,8 +28,8 @@ from asyncrl.control import ControlPlane
 from asyncrl.generator_http import GeneratorError
 from asyncrl.recipe import Recipe
 from asyncrl.rewards import RewardRunner, load_reward
-from asyncrl.rollout.data import load_prompt_rows, render_prompt
 from asyncrl.rollout.generator_pool import Batcher, GeneratorPool
+from asyncrl.rollout.prompts import load_prompt_rows, render_prompt
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.workflows import gives_tools, load_workflow, play
 from asyncrl.served.model_reward import Reward, build_reward

@@ -39,8 +39,8 @@ from asyncrl.agents.tool_envs import ToolSet
 from asyncrl.agents.tools import ToolRegistry
 from asyncrl.contract import EpisodeContext, Tool, Workflow
 from asyncrl.progress import Throttle
-from asyncrl.rollout.data import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.generator_pool import Batcher, GeneratorPool
+from asyncrl.rollout.prompts import PromptItem, PromptSource, render_prompt
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.turns import split_turns
 from asyncrl.rollout.workflows import gives_tools, play

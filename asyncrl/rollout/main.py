@@ -45,8 +45,8 @@ from asyncrl.gpu import trainer_nccl_env
 from asyncrl.plugins import PluginError
 from asyncrl.reach import LOOPBACK, HostError, dial_host, engine_host
 from asyncrl.recipe import Recipe, RecipeError
-from asyncrl.rollout.data import PromptDataError, PromptSource
 from asyncrl.rollout.generator_pool import GeneratorPool
+from asyncrl.rollout.prompts import PromptDataError, PromptSource
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.worker import GeneratorUnreachable, RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig

@@ -14,7 +14,7 @@ import trio
 from asyncrl import wire
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.progress import Throttle
-from asyncrl.rollout.data import PromptSource
+from asyncrl.rollout.prompts import PromptSource
 from asyncrl.transport import TransportTimeout
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class Sender:
             state["seq"] = counters["put_messages"]  # later snapshots win
             sent = {g.prompt_index for g in groups}
             state["outstanding"] = [i for i in state["outstanding"] if i not in sent]
-            for g in groups:  # the data position as if these were delivered (see data.py)
+            for g in groups:  # the data position as if these were delivered (see prompts.py)
                 g.data_state = state
             try:
                 counters["put_messages"] += 1

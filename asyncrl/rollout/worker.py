@@ -55,10 +55,10 @@ from asyncrl.agents.tools import ToolRegistry
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.contract import Workflow
 from asyncrl.progress import Throttle
-from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.generator_pool import GeneratorPool
 from asyncrl.rollout.groups import GroupMaker, RewardsFailed
 from asyncrl.rollout.leases import LeaseBook, Start
+from asyncrl.rollout.prompts import PromptSource
 from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.worker_config import WorkerConfig

@@ -236,8 +236,8 @@ def test_a_mismatched_call_changes_nothing():
 def make_group(srv, tok, **config):
     """One group of the recipe-named agent through the worker's group maker."""
     from asyncrl.rewards import RewardRunner, load_reward
-    from asyncrl.rollout.data import PromptSource
     from asyncrl.rollout.groups import GroupMaker
+    from asyncrl.rollout.prompts import PromptSource
     from asyncrl.rollout.worker_config import WorkerConfig
     from asyncrl.rollout.worker_stats import WorkerStats
     from asyncrl.rollout.workflows import load_workflow

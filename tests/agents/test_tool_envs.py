@@ -194,8 +194,8 @@ def mcp_engine(tiny_qwen3_chat, tmp_path_factory, mcp_schemas):
 def _rollout(engine, folder, tool_set: ToolSet, n: int):
     from transformers import AutoTokenizer
 
-    from asyncrl.rollout.data import render_prompt
     from asyncrl.rollout.generator_pool import GeneratorPool
+    from asyncrl.rollout.prompts import render_prompt
     from asyncrl.rollout.sglang_protocol import SamplingParams
     from asyncrl.rollout.workflows import EpisodeContext, MultiTurn, play
     from tests.tool_caller import CHAT
@@ -264,8 +264,8 @@ def test_a_worker_with_a_hanging_mcp_tool_keeps_delivering_groups(mcp_engine):
 
     from asyncrl.buffer.client import BufferClient
     from asyncrl.rewards import RewardRunner, load_reward
-    from asyncrl.rollout.data import PromptSource
     from asyncrl.rollout.generator_pool import GeneratorPool
+    from asyncrl.rollout.prompts import PromptSource
     from asyncrl.rollout.sglang_protocol import SamplingParams
     from asyncrl.rollout.worker import RolloutWorker
     from asyncrl.rollout.worker_config import WorkerConfig

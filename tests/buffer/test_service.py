@@ -342,8 +342,8 @@ def test_a_restarted_worker_resumes_its_prompts_from_the_learner_checkpoint() ->
     """docs/design.md §6: the data position is shared through the learner's checkpoint. Groups carry the
     worker's position; the buffer state (saved with the learner) keeps the newest; after a learner
     restart, a new worker with the same id loads it and serves exactly the prompts not yet done."""
-    from asyncrl.rollout.data import PromptSource
     from asyncrl.rollout.main import load_data_state
+    from asyncrl.rollout.prompts import PromptSource
 
     rows = [{"prompt": f"p{i}"} for i in range(10)]
     address = free_tcp_address()

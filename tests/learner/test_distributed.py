@@ -110,7 +110,7 @@ def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_on_the_same_global_batch(runs, tmp_path):
     from asyncrl.learner.config import TrainerConfig
-    from asyncrl.learner.data import SFTSource
+    from asyncrl.learner.dataset_sources import SFTSource
     from asyncrl.learner.trainer import Trainer
 
     recipe = recipe_mod.load(runs["recipe"], ["learner.micro_batch_tokens=4096"])

@@ -114,7 +114,7 @@ def test_micro_batches_leave_no_unsharded_gradient_to_the_next(tiny_qwen3, tmp_p
     """The reward model's gradient accumulation reduce-scatters at every micro-batch, as the
     actor's (tests/learner/test_critic.py): no forward starts with an unsharded gradient held."""
     from asyncrl.learner.config import TrainerConfig
-    from asyncrl.learner.data import PreferenceSource
+    from asyncrl.learner.dataset_sources import PreferenceSource
     from asyncrl.learner.trainer import Trainer
     from tools.bench.accumulation_memory import held_at_each_forward
 
@@ -157,7 +157,7 @@ def test_two_ranks_match_one_rank(tp, tiny_qwen3, tmp_path):
     from safetensors.torch import load_file
 
     from asyncrl.learner.config import TrainerConfig
-    from asyncrl.learner.data import PreferenceSource
+    from asyncrl.learner.dataset_sources import PreferenceSource
     from asyncrl.learner.trainer import Trainer
     from tests.learner.test_distributed import finish, torchrun
     from tests.numerics import assert_adam_steps_agree, assert_close_rel, hf_grads

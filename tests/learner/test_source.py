@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from asyncrl.buffer.service import BufferService
-from asyncrl.learner.data import PreferenceSource, SFTSource
+from asyncrl.learner.dataset_sources import PreferenceSource, SFTSource
 from asyncrl.learner.source import Batch, BatchSource, Signal, SourceError, broadcast_batch
 
 

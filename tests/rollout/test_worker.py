@@ -13,8 +13,8 @@ from asyncrl import wire
 from asyncrl.buffer.client import BufferClient
 from asyncrl.recipe import BufferConfig
 from asyncrl.rewards import RewardRunner, load_reward
-from asyncrl.rollout.data import PromptSource
 from asyncrl.rollout.generator_pool import GeneratorPool
+from asyncrl.rollout.prompts import PromptSource
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.worker import RolloutWorker, WorkerError
 from asyncrl.rollout.worker_config import WorkerConfig

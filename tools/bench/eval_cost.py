@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 from asyncrl import launch  # noqa: E402
 from asyncrl import recipe as recipe_mod  # noqa: E402
 from asyncrl.engine import start_engine_process  # noqa: E402
-from asyncrl.rollout.data import load_prompt_rows  # noqa: E402
 from asyncrl.rollout.evaluation import Evaluation  # noqa: E402
+from asyncrl.rollout.prompts import load_prompt_rows  # noqa: E402
 from tools.bench.async_vs_sync import ensure_sft  # noqa: E402
 
 MODEL = ROOT / "runs/demo_sft/hf/latest"

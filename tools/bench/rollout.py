@@ -46,8 +46,8 @@ from asyncrl.buffer.service import BufferService  # noqa: E402
 from asyncrl.engine import start_engine_process  # noqa: E402
 from asyncrl.recipe import BufferConfig  # noqa: E402
 from asyncrl.rewards import RewardRunner, exact_match  # noqa: E402
-from asyncrl.rollout.data import PromptSource  # noqa: E402
 from asyncrl.rollout.generator_pool import GeneratorPool  # noqa: E402
+from asyncrl.rollout.prompts import PromptSource  # noqa: E402
 from asyncrl.rollout.sglang_protocol import SamplingParams  # noqa: E402
 from asyncrl.rollout.worker import RolloutWorker  # noqa: E402
 from asyncrl.rollout.worker_config import WorkerConfig  # noqa: E402

@@ -1,4 +1,6 @@
-"""The sft batch source: (prompt, completion) rows from a local file, tokenized with the model's tokenizer.
+"""The learner's batch sources over a local data set: sft's (prompt, completion) rows and, for a
+reward model, (prompt, chosen, rejected) pairs (:class:`PreferenceSource`), from a local file,
+tokenized with the model's tokenizer.
 
 It is a :class:`~asyncrl.learner.source.BatchSource`, as the RL buffer is: each row
 becomes a group of one sample whose completion is the target (``loss_mask`` 1, plus EOS), so sft runs

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from asyncrl.rollout.data import PromptDataError, PromptSource, load_prompt_rows, render_prompt
+from asyncrl.rollout.prompts import PromptDataError, PromptSource, load_prompt_rows, render_prompt
 
 
 def _write(path, lines):
@@ -183,7 +183,7 @@ def test_rows_read_without_datasets_are_the_rows_datasets_gives_back():
     nearly one shape, against ``datasets.Dataset.from_list`` itself."""
     import random
 
-    from asyncrl.rollout.data import _plain_rows
+    from asyncrl.rollout.prompts import _plain_rows
 
     rng = random.Random(0)
     plain_seen = fallback_seen = 0
