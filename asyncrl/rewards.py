@@ -9,7 +9,7 @@ Rewards run off the event loop (a thread, under a limiter) within ``timeout_s``.
 times out, or returns something that is not a finite number is a failure, never a crash: the result
 says why (``RewardResult.failure``, its ``value`` a placeholder 0 that is no reward), and a line is
 logged at most once a minute per reward. A rollout leaves that sample out of its group rather than
-train on the 0 (:mod:`asyncrl.rollout.groups`); the held-out evaluation counts it as failed. A
+train on the 0 (:mod:`asyncrl.rollout.group_maker`); the held-out evaluation counts it as failed. A
 timed-out thread cannot be killed; it is abandoned and counted (``stats["abandoned"]``) and holds its
 limiter slot until it ends.
 """

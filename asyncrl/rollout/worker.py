@@ -19,7 +19,7 @@ Before anything else every generator is labelled with the version of the weights
 - ``group-*``: one prompt → ``group_size`` episodes run concurrently by the workflow → rewards →
   one whole ``wire.Group`` (with ReMax, and one greedy episode whose reward is the group's baseline).
   An episode whose reward failed is left out of it; a group left with too few is dropped, its prompt
-  counted as used (``groups_dropped_reward_failures``; :mod:`asyncrl.rollout.groups`).
+  counted as used (``groups_dropped_reward_failures``; :mod:`asyncrl.rollout.group_maker`).
 - ``sender``: puts finished groups to the buffer (``wire.Put``, several per message), resending the
   SAME group ids until each is acknowledged or rejected: with the buffer's dedup by id, exactly once.
 - ``metrics``: throughput, episodes in flight, generator idle fraction, reward, length, failures.
@@ -30,7 +30,7 @@ A group is "in flight" from the moment it takes a granted start until the buffer
 rejected it, or it was cancelled and its start released (the accounting, pure:
 :class:`~asyncrl.rollout.leases.LeaseBook`). A group whose lease expires while it is still generating
 is cancelled too (the buffer has taken the start back). Making a group is
-:class:`~asyncrl.rollout.groups.GroupMaker`; delivering it, :class:`~asyncrl.rollout.sender.Sender`.
+:class:`~asyncrl.rollout.group_maker.GroupMaker`; delivering it, :class:`~asyncrl.rollout.buffer_sender.Sender`.
 
 The worker runs until the learner ends the run (``wire.End`` on Pub/Sub, or a ``run_ended`` reply):
 then it cancels what is in flight, gives the starts back and returns. A learner that goes away
@@ -55,11 +55,11 @@ from asyncrl.agents.tools import ToolRegistry
 from asyncrl.buffer.client import BufferClient, BufferRefused
 from asyncrl.contract import Workflow
 from asyncrl.progress import Throttle
+from asyncrl.rollout.buffer_sender import Sender
 from asyncrl.rollout.generator_pool import GeneratorPool
-from asyncrl.rollout.groups import GroupMaker, RewardsFailed
+from asyncrl.rollout.group_maker import GroupMaker, RewardsFailed
 from asyncrl.rollout.leases import LeaseBook, Start
 from asyncrl.rollout.prompts import PromptSource
-from asyncrl.rollout.sender import Sender
 from asyncrl.rollout.sglang_protocol import SamplingParams
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.rollout.worker_stats import WorkerStats

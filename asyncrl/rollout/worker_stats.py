@@ -22,7 +22,7 @@ class WorkerStats:
                 "groups_cancelled_stale",
                 "groups_cancelled_lease",
                 "groups_failed",
-                "groups_dropped_reward_failures",  # too few rewards computed (groups.py)
+                "groups_dropped_reward_failures",  # too few rewards computed (group_maker.py)
                 "episodes",
                 "tokens_generated",
                 "greedy_tokens_generated",  # ReMax's baseline episodes (not trained on)

@@ -8,7 +8,7 @@ tokenizer). A request is bounded by ``timeout_s``; one that a server cannot take
 error, an answer without a finite score) goes to the next server. A batch that no server scored
 within the bound fails each of its samples as any reward does
 (:mod:`asyncrl.rewards`): a recorded ``failure``, and a rollout leaves the sample out of its
-group (:mod:`asyncrl.rollout.groups`).
+group (:mod:`asyncrl.rollout.group_maker`).
 
 The sample's reward is ``reward_weight · rule + weight · normalised score``; ``rollout.reward: model``
 leaves the rule out. Normalisation: none, fixed ``(s - shift) / scale``, or running ``(s - mean) /

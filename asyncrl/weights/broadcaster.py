@@ -3,7 +3,7 @@
 This module is the training thread's face of the weight path; the parts it puts together are
 modules of their own: what a version sends (:mod:`asyncrl.weights.snapshot`), the registered
 generators (:mod:`asyncrl.weights.members`), one weight group per generator
-(:mod:`asyncrl.weights.groups`), HTTP calls beside rank 0's collective
+(:mod:`asyncrl.weights.process_groups`), HTTP calls beside rank 0's collective
 (:mod:`asyncrl.weights.fanout`), one version's sync with its retries and verification
 (:mod:`asyncrl.weights.sync`, docs/design.md §4) and the sender's state machine
 (:mod:`asyncrl.weights.sender`).
@@ -51,8 +51,8 @@ from asyncrl.gpu import cuda_uuid
 from asyncrl.recipe import LoraConfig, WeightsConfig
 from asyncrl.weights import adapters, buckets
 from asyncrl.weights.fanout import FanOut
-from asyncrl.weights.groups import Groups
 from asyncrl.weights.members import Members
+from asyncrl.weights.process_groups import Groups
 from asyncrl.weights.sender import Sender
 from asyncrl.weights.snapshot import Snapshot, cuda_ready, make_snapshot
 from asyncrl.weights.sync import Sync, SyncReport

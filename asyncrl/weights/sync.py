@@ -30,8 +30,8 @@ from asyncrl.recipe import WeightsConfig
 from asyncrl.weights import adapters, buckets, ipc
 from asyncrl.weights.exports import is_adapter_export, latest_export
 from asyncrl.weights.fanout import Failed, FanOut
-from asyncrl.weights.groups import Groups, Refused, ask_server, broadcast_bucket
 from asyncrl.weights.members import Member, Members
+from asyncrl.weights.process_groups import Groups, Refused, ask_server, broadcast_bucket
 from asyncrl.weights.snapshot import Snapshot
 
 log = logging.getLogger("asyncrl.weights")

@@ -236,7 +236,7 @@ def test_a_mismatched_call_changes_nothing():
 def make_group(srv, tok, **config):
     """One group of the recipe-named agent through the worker's group maker."""
     from asyncrl.rewards import RewardRunner, load_reward
-    from asyncrl.rollout.groups import GroupMaker
+    from asyncrl.rollout.group_maker import GroupMaker
     from asyncrl.rollout.prompts import PromptSource
     from asyncrl.rollout.worker_config import WorkerConfig
     from asyncrl.rollout.worker_stats import WorkerStats

@@ -287,7 +287,7 @@ def test_a_failed_reward_leaves_its_sample_out_and_the_group_goes_on(
 
 
 def test_a_group_needs_two_rewards_or_one_and_its_greedy_baseline():
-    from asyncrl.rollout.groups import min_scored
+    from asyncrl.rollout.group_maker import min_scored
 
     assert [min_scored(n) for n in (1, 2, 8)] == [1, 2, 2]  # a group of one: a critic's sample
     assert min_scored(8, baseline=True) == 1  # ReMax: r - b needs no second sample

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from asyncrl.transport import free_port
 from asyncrl.weights import rendezvous
-from asyncrl.weights.groups import broadcast_bucket
+from asyncrl.weights.process_groups import broadcast_bucket
 
 pytestmark = pytest.mark.slow  # real processes
 

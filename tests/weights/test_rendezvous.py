@@ -14,8 +14,8 @@ import trio
 from asyncrl import gpu
 from asyncrl.generator_http import WeightsClient, async_client
 from asyncrl.weights import rendezvous
-from asyncrl.weights.groups import ask_server, backend_for
 from asyncrl.weights.members import Member
+from asyncrl.weights.process_groups import ask_server, backend_for
 from asyncrl.wire import GeneratorInfo
 
 

@@ -1,4 +1,4 @@
-"""The weight groups: one per generator (learner rank 0 and that generator's ranks).
+"""The weight process groups: one per generator (learner rank 0 and that generator's ranks).
 
 All of a bucket's broadcasts are in flight at once, a group each: a peer that dies takes down its
 own group only. SGLang builds its side of a group with a 30-minute timeout and aborts the server
