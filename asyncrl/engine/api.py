@@ -16,7 +16,7 @@ import torch
 
 from asyncrl import malloc
 from asyncrl.engine.batched_model import BatchedLM
-from asyncrl.engine.lora import LoraSpec
+from asyncrl.engine.lora_serving import LoraSpec
 from asyncrl.engine.replies import BadRequest
 from asyncrl.engine.sampling import original_logprob
 from asyncrl.engine.scheduler import Scheduler

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.engine.fused import ReceiveBuffers
-from asyncrl.engine.lora import (
+from asyncrl.engine.lora_serving import (
     Adapters,
     LoraSpec,
     adapter_target,
@@ -107,7 +107,7 @@ class WeightStore:
     ):
         """``receive_buffers``: a session's buffers for the fused members (the engine's model
         gives them, ``BatchedLM.receive_buffers``); None: every tensor is received on its own.
-        ``lora``: the engine serves adapters (``lora.py``): updates hold adapter tensors only, and
+        ``lora``: the engine serves adapters (``lora_serving.py``): updates hold adapter tensors only, and
         the model's weights as loaded stay the base."""
         self.model = model
         self.loop = loop

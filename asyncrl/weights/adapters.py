@@ -3,7 +3,7 @@
 With ``learner.lora`` on, a version's snapshot holds only adapter tensors
 (``model.layers.{i}.self_attn.q_proj.lora_A.weight`` (r, in), ``...lora_B.weight`` (out, r)). The
 built-in engine receives them over the weight group like full weights and merges them
-(asyncrl/engine/lora.py). SGLang serves adapters by name instead (``--enable-lora``): rank 0
+(asyncrl/engine/lora_serving.py). SGLang serves adapters by name instead (``--enable-lora``): rank 0
 writes the version's adapter as a PEFT folder (under the run folder, where a rejoining generator
 already reads the exports from) and each SGLang member loads it as ``v{version}``
 (``/load_lora_adapter``), then is labelled with the version (``/update_weight_version``, nothing

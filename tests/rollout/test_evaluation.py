@@ -90,7 +90,7 @@ def test_greedy_scores_match_transformers_prompt_by_prompt(tiny_qwen3, tmp_path)
 def test_a_lora_adapter_export_is_evaluated_over_the_base(tiny_qwen3, tmp_path):
     """A LoRA run's `export: adapter` (a PEFT folder) is served over model.path: the score is
     transformers + PEFT's with that adapter, prompt by prompt."""
-    from tests.engine.test_lora import peft_model
+    from tests.engine.test_lora_serving import peft_model
 
     pm, _ = peft_model(tiny_qwen3, seed=5)
     pm.save_pretrained(tmp_path / "adapter")

@@ -307,7 +307,7 @@ def test_a_lora_workers_engines_start_from_the_base_and_the_adapter_export(tmp_p
 
     from asyncrl import recipe as recipe_mod
     from asyncrl.weights.exports import VERSION_FILE
-    from tests.engine.test_lora import ALPHA, RANK, assert_serves, peft_model
+    from tests.engine.test_lora_serving import ALPHA, RANK, assert_serves, peft_model
 
     r = recipe_mod.from_dict(
         {

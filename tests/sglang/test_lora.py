@@ -20,7 +20,7 @@ from asyncrl.recipe import LoraConfig, WeightsConfig
 from asyncrl.rollout.generator_pool import GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams, parse_generate_response
 from asyncrl.weights.broadcaster import WeightBroadcaster
-from tests.engine.test_lora import ALPHA, PROMPTS, RANK, TARGETS, peft_model
+from tests.engine.test_lora_serving import ALPHA, PROMPTS, RANK, TARGETS, peft_model
 from tests.engine_streams import GenerateStream
 from tools.sglang_cpu.server import SGLangServer, lora_args, lora_env
 

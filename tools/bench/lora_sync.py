@@ -130,7 +130,7 @@ def decode_rows(d: Path, rank: int, alpha: float, batch: int, n: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.engine.batched_model import BatchedLM
-    from asyncrl.engine.lora import Adapters, LoraSpec
+    from asyncrl.engine.lora_serving import Adapters, LoraSpec
 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     lm = BatchedLM(hf)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl import wire
 from asyncrl.engine import EngineConfig, serve, start_engine_process
-from asyncrl.engine.lora import PEFT_PREFIX
+from asyncrl.engine.lora_serving import PEFT_PREFIX
 from asyncrl.recipe import WeightsConfig
 from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
