@@ -1,13 +1,13 @@
 """Held-out evaluation of a model folder on a built-in engine of its own.
 
-During an RL run the learner evaluates on the run's generators (:mod:`asyncrl.learner.evaluator`).
+During an RL run the learner evaluates on the run's generators (:mod:`asyncrl.learner.eval_schedule`).
 This is for a model no generator holds: an SFT run's first and last model, an RL run whose
 generators were gone at its end (:func:`asyncrl.summary.finish_run`), or by hand::
 
     python -m asyncrl.evaluate RECIPE [--model DIR] [key=value ...]
 
 The same prompts, chat template, stop rules, workflow and reward as the in-run evaluation
-(:class:`asyncrl.rollout.evaluation.Evaluation`), greedy, on one engine labelled version 0.
+(:class:`asyncrl.rollout.held_out_eval.Evaluation`), greedy, on one engine labelled version 0.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from asyncrl import recipe as recipe_mod
 from asyncrl.recipe import Recipe
-from asyncrl.rollout.evaluation import EvalReport, Evaluation
+from asyncrl.rollout.held_out_eval import EvalReport, Evaluation
 
 
 def evaluate_model(

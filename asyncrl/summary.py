@@ -20,7 +20,7 @@ from asyncrl.learner_info import write_whole
 from asyncrl.recipe import Recipe
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.evaluation import EvalReport
+    from asyncrl.rollout.held_out_eval import EvalReport
 
 SUMMARY_FILE = "summary.json"
 
@@ -249,7 +249,7 @@ def finish_run(
     run_dir = Path(run_dir)
     if outcome == "completed":
         link_latest_export(run_dir)
-    # the generators evaluated the versions they held (asyncrl.learner.evaluator); what they did
+    # the generators evaluated the versions they held (asyncrl.learner.eval_schedule); what they did
     # not (an SFT run, generators gone at the end) is evaluated here on an engine of its own
     scores = held_out(run_dir, names.EVAL_SUCCESS)
     rates = held_out(run_dir, names.EVAL_TOOL_CALL_RATE)

@@ -130,7 +130,7 @@ launcher's own code (launch/model_servers.py: children, the launch plan, the run
 in launch/. engine/ sits on weights/ (it receives weight buckets in weights/' layout, by CUDA IPC
 handle or in a group it joins through weights/rendezvous.py), rollout/ on engine/ (a worker spawns
 its engines) and buffer/, and learner/ on rollout/ because its rank 0 runs the held-out evaluation
-through rollout/evaluation.py (design §6); the commands on top import what they check or start.
+through rollout/held_out_eval.py (design §6); the commands on top import what they check or start.
 doctor/ is a subpackage among the commands' modules, so it and they never import each other:
 cli.py starts it by name (``importlib``, as every command), and its checks import only floors
 below. demo_agent.py on top is the agent demo's old name, a shim over agents/."""

@@ -28,7 +28,7 @@ from asyncrl.learner.source import Batch, BatchSource, Signal, SourceError
 from asyncrl.recipe import Recipe
 
 if TYPE_CHECKING:
-    from asyncrl.learner.evaluator import Evaluator
+    from asyncrl.learner.eval_schedule import Evaluator
     from asyncrl.learner.trainer import Trainer
     from asyncrl.metrics import MetricsSink
     from asyncrl.weights.broadcaster import WeightBroadcaster
@@ -327,7 +327,7 @@ def _announce_the_end(svc: _Services, recipe: Recipe, trainer: Trainer, outcome:
 def _evaluator(recipe: Recipe, report: LearnerReport | None) -> Any:
     """Rank 0's held-out evaluator (None without held-out prompts); its scores go to the metrics
     as process ``eval`` at step = the version evaluated."""
-    from asyncrl.learner.evaluator import Evaluator
+    from asyncrl.learner.eval_schedule import Evaluator
     from asyncrl.learner.trainer import LearnerError
     from asyncrl.metrics import MetricsSink
     from asyncrl.plugins import PluginError

@@ -86,7 +86,7 @@ class WeightBroadcaster:
         called in the control plane's loop: it must be quick.
         ``after_sync(report)``: runs in a worker thread after each version, before the next one
         goes out, so the generators hold ``report.version`` while it runs (the held-out
-        evaluation, asyncrl.learner.evaluator).
+        evaluation, asyncrl.learner.eval_schedule).
         ``plane``: the control plane whose nursery runs the sender task (rank 0); without one the
         broadcaster runs its own.
         ``lora``: the recipe's ``learner.lora``; when on, SGLang generators load each version's

@@ -255,7 +255,7 @@ def test_a_run_without_generators_evaluates_its_models_tool_call_rates(tmp_path,
     from pathlib import Path
 
     from asyncrl import metric_names, metrics, recipe, summary
-    from asyncrl.rollout.evaluation import EvalReport
+    from asyncrl.rollout.held_out_eval import EvalReport
 
     root = Path(__file__).resolve().parents[2]
     r = recipe.load(root / "recipes/demo_agent_sft.yaml", check_files=False)

@@ -326,7 +326,7 @@ def test_held_out_evaluation_runs_the_mcp_servers_tools(mcp_engine):
     from transformers import AutoTokenizer
 
     from asyncrl.rewards import RewardRunner, load_reward
-    from asyncrl.rollout.evaluation import Evaluation
+    from asyncrl.rollout.held_out_eval import Evaluation
     from asyncrl.rollout.sglang_protocol import SamplingParams
     from asyncrl.rollout.workflows import MultiTurn
     from tests.labels import set_label

@@ -302,7 +302,7 @@ def test_a_path_without_urls_is_for_asyncrl_run_to_serve(tiny_reward_model):
 def test_held_out_evaluation_scores_the_ground_truth_with_eval_reward(rm_server):
     """A policy trained on the reward model alone is judged by rollout.eval_reward's rule against
     the data's answers, not by the model's score; unset, the evaluation scores as the rollouts do."""
-    from asyncrl.rollout.evaluation import eval_reward
+    from asyncrl.rollout.held_out_eval import eval_reward
 
     def score(reward, completion: str) -> float:
         async def go():

@@ -393,7 +393,7 @@ def engine_version(url: str) -> str:
 
 
 def test_generators_hold_a_version_while_after_sync_runs(tiny_qwen3, tmp_path):
-    """The held-out evaluation's guarantee (asyncrl.learner.evaluator): while ``after_sync(v)``
+    """The held-out evaluation's guarantee (asyncrl.learner.eval_schedule): while ``after_sync(v)``
     runs the generators hold v, and the learner goes on: the versions it publishes meanwhile do
     not wait; the newest goes out when the hook returns (the one before it is skipped)."""
     tr = make_trainer(tiny_qwen3, tmp_path)

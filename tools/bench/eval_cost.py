@@ -2,7 +2,7 @@
 
 On one built-in engine holding the demo's SFT model, alternating, ``--repeats`` times each:
 - ``eval``: the demo's held-out evaluation (``run.eval_prompts`` prompts, greedy, the recipe's reward:
-  asyncrl.rollout.evaluation);
+  asyncrl.rollout.held_out_eval);
 - ``batch``: one training batch of the demo, ``groups_per_batch`` x ``group_size`` samples at the
   recipe's temperature (what the rollout side makes per learner step);
 - ``batch_same_n``: as many samples at the recipe's temperature as the evaluation has prompts;
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from asyncrl import launch  # noqa: E402
 from asyncrl import recipe as recipe_mod  # noqa: E402
 from asyncrl.engine import start_engine_process  # noqa: E402
-from asyncrl.rollout.evaluation import Evaluation  # noqa: E402
+from asyncrl.rollout.held_out_eval import Evaluation  # noqa: E402
 from asyncrl.rollout.prompts import load_prompt_rows  # noqa: E402
 from tools.bench.async_vs_sync import ensure_sft  # noqa: E402
 

@@ -38,7 +38,7 @@ START = {
         import asyncrl.learner.main
         from asyncrl.learner.config import TrainerConfig
         from asyncrl.learner.trainer import Trainer
-        from asyncrl.rollout.evaluation import eval_rows
+        from asyncrl.rollout.held_out_eval import eval_rows
 
         Trainer(TrainerConfig.from_recipe(RECIPE), checkpointing=False)
         assert eval_rows(RECIPE)

@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from asyncrl.recipe import Recipe
-from asyncrl.rollout.evaluation import EvalReport, Evaluation
+from asyncrl.rollout.held_out_eval import EvalReport, Evaluation
 
 log = logging.getLogger("asyncrl.learner")
 

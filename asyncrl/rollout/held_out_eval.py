@@ -4,7 +4,7 @@ workflow and reward, decoded greedily (docs/design.md §6).
 It runs the same path as a rollout (render the prompt, ``workflow.run_episode``, the reward
 function) with temperature 0 and one sample per prompt, so a held-out score means what the training
 reward means. The learner evaluates a version while its generators hold it
-(:mod:`asyncrl.learner.evaluator`); :mod:`asyncrl.evaluate` evaluates an export on a built-in
+(:mod:`asyncrl.learner.eval_schedule`); :mod:`asyncrl.evaluate` evaluates an export on a built-in
 engine of its own. Every token's version is checked: a sample with a token of another version is
 not scored (counted in ``other_version``), so a score is always the score of one version.
 """

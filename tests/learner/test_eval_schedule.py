@@ -1,9 +1,9 @@
 """Which versions the learner evaluates: the first one, every ``run.eval_every``-th, the last; each
-once. (Evaluating on real generators: tests/rollout/test_evaluation.py and tests/test_e2e.py.)"""
+once. (Evaluating on real generators: tests/rollout/test_held_out_eval.py and tests/test_e2e.py.)"""
 
 from __future__ import annotations
 
-from asyncrl.learner.evaluator import Evaluator
+from asyncrl.learner.eval_schedule import Evaluator
 
 
 def schedule(every: int, last: int, versions: list[int]) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 from sglang_helpers import Served
 
 from asyncrl import recipe as recipe_mod
-from asyncrl.rollout.evaluation import Evaluation
+from asyncrl.rollout.held_out_eval import Evaluation
 
 pytestmark = pytest.mark.sglang
 

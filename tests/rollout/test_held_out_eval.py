@@ -17,7 +17,7 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.engine import start_engine_process
 from asyncrl.evaluate import evaluate_model, main
 from asyncrl.generator_http import GeneratorError
-from asyncrl.rollout.evaluation import DOWN_S, Evaluation
+from asyncrl.rollout.held_out_eval import DOWN_S, Evaluation
 
 pytestmark = pytest.mark.slow
 
