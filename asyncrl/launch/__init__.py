@@ -20,7 +20,7 @@ child's whole process group (torchrun's ranks, a worker's engines), then SIGKILL
 The parts: ``plan`` (the run folder; which processes, with which arguments), ``model_servers``
 (the reward model's and the teacher's servers and their urls), ``children``
 (supervising them: start, restart the dead, stop), ``watch`` (the progress display) and
-``run_summary`` (summary.json at the end).
+``amend_summary`` (summary.json at the end: the learner's, amended with what only the launcher knows).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 from asyncrl import recipe as recipe_mod
 from asyncrl import summary as summary_mod
+from asyncrl.launch.amend_summary import write_run_summary
 from asyncrl.launch.children import CHILD_ENV, STOP_GRACE_S, USAGE_EXIT, child_env, supervise
 from asyncrl.launch.model_servers import (
     check_reward_model,
@@ -45,7 +46,6 @@ from asyncrl.launch.model_servers import (
     url_overrides,
 )
 from asyncrl.launch.plan import LaunchError, make_plan, prepare_run_dir
-from asyncrl.launch.run_summary import write_run_summary
 from asyncrl.launch.watch import RunWatch
 
 # CHILD_ENV: the environment test harnesses give the processes they start, as the launcher does
