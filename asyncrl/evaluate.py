@@ -1,7 +1,7 @@
 """Held-out evaluation of a model folder on a built-in engine of its own.
 
-During an RL run the learner evaluates on the run's generators (:mod:`asyncrl.learner.eval_schedule`).
-This is for a model no generator holds: an SFT run's first and last model, an RL run whose
+During an RL run the learner evaluates on the run's generators
+(:mod:`asyncrl.learner.eval_schedule`). This is for a model no generator holds: an SFT run's first and last model, an RL run whose
 generators were gone at its end (:func:`asyncrl.summary.finish_run`), or by hand::
 
     python -m asyncrl.evaluate RECIPE [--model DIR] [key=value ...]

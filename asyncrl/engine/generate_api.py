@@ -330,7 +330,8 @@ class GenerateAPI:
             "disable_radix_cache": True,
             "max_running_requests": e.config.max_batch_size,
             "context_length": e.context_length,
-            # SGLang's server arguments for LoRA: whether weight updates carry adapters (lora_serving.py)
+            # SGLang's server arguments for LoRA: whether weight updates carry adapters
+            # (lora_serving.py)
             "enable_lora": bool(e.config.lora_rank),
             "max_lora_rank": e.config.lora_rank or None,
         }

@@ -107,8 +107,8 @@ class WeightStore:
     ):
         """``receive_buffers``: a session's buffers for the fused members (the engine's model
         gives them, ``BatchedLM.receive_buffers``); None: every tensor is received on its own.
-        ``lora``: the engine serves adapters (``lora_serving.py``): updates hold adapter tensors only, and
-        the model's weights as loaded stay the base."""
+        ``lora``: the engine serves adapters (``lora_serving.py``): updates hold adapter tensors
+        only, and the model's weights as loaded stay the base."""
         self.model = model
         self.loop = loop
         self.device = next(model.parameters()).device

@@ -1,8 +1,8 @@
 """``algorithm.loss: reward_model``: Bradley–Terry training of a scalar-head model on preference pairs.
 
 The same kind of run as sft (a local data set, no rollouts): the batch source is
-:class:`~asyncrl.learner.dataset_sources.PreferenceSource` (a group of two samples per pair, chosen first), and
-the learner is the policy's :class:`~asyncrl.learner.trainer.Trainer` with the scalar head of
+:class:`~asyncrl.learner.dataset_sources.PreferenceSource` (a group of two samples per pair, chosen
+first), and the learner is the policy's :class:`~asyncrl.learner.trainer.Trainer` with the scalar head of
 :mod:`asyncrl.learner.scalar_model` and :class:`RewardModelSteps` for its step: every sequence's
 score is the head's value at its last token, and the loss is ``-log σ(r_chosen - r_rejected)``
 averaged over the batch's pairs. Checkpoints and resume are the Trainer's; exports are HF

@@ -41,8 +41,8 @@ class BatchSource(Protocol):
 
     The RL buffer service (:class:`~asyncrl.buffer.service.BufferService`) speaks all of it; it
     lives below the learner, so it matches this protocol by its methods rather than by subclassing
-    it. A local data set (:mod:`asyncrl.learner.dataset_sources`) subclasses it and keeps the defaults of
-    what only a service has (workers to tell, generators to watch, a task to stop), so the learner
+    it. A local data set (:mod:`asyncrl.learner.dataset_sources`) subclasses it and keeps the
+    defaults of what only a service has (workers to tell, generators to watch, a task to stop), so the learner
     calls every method on every source and never asks which kind it has."""
 
     def next_batch(self, timeout_s: float) -> Batch:

@@ -30,7 +30,8 @@ A group is "in flight" from the moment it takes a granted start until the buffer
 rejected it, or it was cancelled and its start released (the accounting, pure:
 :class:`~asyncrl.rollout.leases.LeaseBook`). A group whose lease expires while it is still generating
 is cancelled too (the buffer has taken the start back). Making a group is
-:class:`~asyncrl.rollout.group_maker.GroupMaker`; delivering it, :class:`~asyncrl.rollout.buffer_sender.Sender`.
+:class:`~asyncrl.rollout.group_maker.GroupMaker`; delivering it,
+:class:`~asyncrl.rollout.buffer_sender.Sender`.
 
 The worker runs until the learner ends the run (``wire.End`` on Pub/Sub, or a ``run_ended`` reply):
 then it cancels what is in flight, gives the starts back and returns. A learner that goes away

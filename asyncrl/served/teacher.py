@@ -12,8 +12,8 @@ student's tempered sampler μ with the teacher's untempered distribution (docs/d
 
 Sequences travel in batches to the teacher's servers (:mod:`asyncrl.served.server_batches`). A
 sample whose teacher logprobs could not be had leaves its group as a sample whose reward failed
-does (:mod:`asyncrl.rollout.group_maker`): a distillation advantage without the teacher has nothing to
-be.
+does (:mod:`asyncrl.rollout.group_maker`): a distillation advantage without the teacher has
+nothing to be.
 """
 
 from __future__ import annotations

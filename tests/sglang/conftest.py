@@ -13,8 +13,8 @@ server (fixture ``doomed``) run after all others.
 
 Fields of SGLang's responses that asyncrl reads, and the tests that check them on the live server:
 
-- ``/generate`` (asyncrl/rollout/generator_pool.py): ``output_ids``, ``meta_info.output_token_logprobs``
-  (``[logprob, id, text]``), ``meta_info.finish_reason`` (``type``; ``matched`` for stop;
+- ``/generate`` (asyncrl/rollout/generator_pool.py): ``output_ids``,
+  ``meta_info.output_token_logprobs`` (``[logprob, id, text]``), ``meta_info.finish_reason`` (``type``; ``matched`` for stop;
   ``message`` for abort), ``meta_info.weight_versions`` (``version``/``start``/``end``),
   ``meta_info.prompt_tokens``, ``meta_info.num_retractions``: test_generate.py (all, for stop,
   length and greedy/sampled), test_abort_resume.py (the abort finish with its ``message``, partial
