@@ -9,7 +9,8 @@ by all estimators (each is tested):
 
 The advantage is per sample; the learner broadcasts it to the sample's completion tokens.
 ``dr_grpo`` advantages are meant to pair with the ``seq_mean_token_sum_norm`` aggregation in
-:mod:`asyncrl.learner.aggregation` (no std and no length normalisation: Dr. GRPO's two bias fixes).
+:mod:`asyncrl.learner.losses.aggregation` (no std and no length normalisation: Dr. GRPO's two bias
+fixes).
 
 Token-level estimators (:func:`gae`, :func:`vtrace`) need a critic's per-token values V(x_t). They
 take padded ``[B, T]`` tensors, one row per sample's completion, and a ``mask`` of the tokens
@@ -346,8 +347,9 @@ def vtrace(
     V-trace's stay right when the tokens are several versions stale.
 
     IMPALA's policy gradient is ρ_t·∇log π_t·A_t with ONE importance weight. Every policy loss of
-    :mod:`asyncrl.learner.policy_losses` already weights each token by its own π/μ (tis's min(π/μ, C),
-    ppo's ratio, ...), so A_t leaves ρ_t out: the loss's weight is the one ρ (docs/off-policy.md)."""
+    :mod:`asyncrl.learner.losses.policy` already weights each token by its own π/μ (tis's
+    min(π/μ, C), ppo's ratio, ...), so A_t leaves ρ_t out: the loss's weight is the one ρ
+    (docs/off-policy.md)."""
     if rho_bar <= 0 or c_bar <= 0:
         raise ValueError(f"rho_bar and c_bar must be > 0, got {rho_bar}, {c_bar}")
     m, x = masked_rows(mask, rewards=rewards, values=values, log_pi=log_pi, log_mu=log_mu)

@@ -15,7 +15,7 @@ critic's ranks):
    over the whole batch (every rank's tokens);
 2. at each actor update, one critic update on the same micro-batches (on the actor's ranks; on its
    own, the same mini-batch draws at the same time as the actor's): the clipped value loss of
-   :func:`~asyncrl.learner.scalar_losses.value_loss` against R_t, with V_old the values of step 1.
+   :func:`~asyncrl.learner.losses.scalar.value_loss` against R_t, with V_old the values of step 1.
 
 Values sit at the positions the actor's logprobs do: the hidden state that predicts completion
 token t has read the prompt and tokens < t, the state in which the policy chose token t.
@@ -35,9 +35,9 @@ from torchtitan.distributed import utils as dist_utils
 
 from asyncrl import metric_names as names
 from asyncrl.learner.advantages import gae, kl_shaped_rewards, last_token_rewards, vtrace
-from asyncrl.learner.aggregation import Normaliser
+from asyncrl.learner.losses.aggregation import Normaliser
+from asyncrl.learner.losses.scalar import explained_variance_from_sums, value_loss, variance_sums
 from asyncrl.learner.packing import MicroBatch, Sequence
-from asyncrl.learner.scalar_losses import explained_variance_from_sums, value_loss, variance_sums
 from asyncrl.learner.scalar_model import init_head, scalar_spec, token_values
 from asyncrl.recipe import AlgorithmConfig
 

@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed import utils as dist_utils
 
-from asyncrl.learner.aggregation import Normaliser, count_tokens_and_seqs
 from asyncrl.learner.attention import attention_masks
 from asyncrl.learner.distill import distill
 from asyncrl.learner.drift import drift_sums
 from asyncrl.learner.logprobs import chunked_backward, chunked_logprobs, local_hidden
-from asyncrl.learner.loss_stats import zero_stats
+from asyncrl.learner.losses.aggregation import Normaliser, count_tokens_and_seqs
+from asyncrl.learner.losses.policy import needs_prox, policy_loss
+from asyncrl.learner.losses.stats import zero_stats
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import MicroBatch, Sequence, pack, split_micro_batches
 from asyncrl.learner.placement import RoleMesh
-from asyncrl.learner.policy_losses import needs_prox, policy_loss
 
 
 @dataclass(kw_only=True)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torchtitan.distributed import utils as dist_utils
 
 from asyncrl import metric_names as names
+from asyncrl.learner.losses.scalar import bradley_terry
 from asyncrl.learner.models import LearnerError, Models
-from asyncrl.learner.scalar_losses import bradley_terry
 from asyncrl.learner.scalar_model import (
     init_head,
     token_values,

@@ -26,7 +26,7 @@ from asyncrl.learner import cpu_shims
 from asyncrl.learner.calls import CALL_RUNNERS, Step, exchange
 from asyncrl.learner.critic import critic_zero_stats
 from asyncrl.learner.drift import finalize_drift
-from asyncrl.learner.loss_stats import finalize_stats
+from asyncrl.learner.losses.stats import finalize_stats
 from asyncrl.learner.models import LearnerError, Models
 from asyncrl.learner.offload import Reallocation
 from asyncrl.learner.packing import Sequence, make_sequence
@@ -119,8 +119,8 @@ def sequences(
 def episode_weights(groups: list, seqs: list[Sequence]) -> None:
     """Each per-turn sample's ``seq_weight``: its share of its episode's trained tokens in the
     batch, so that under the sequence-mean aggregations an episode weighs as one sequence
-    (:func:`~asyncrl.learner.aggregation.token_weights`); whole samples keep 1. ``seqs`` are the
-    samples of ``groups`` in order."""
+    (:func:`~asyncrl.learner.losses.aggregation.token_weights`); whole samples keep 1. ``seqs`` are
+    the samples of ``groups`` in order."""
     samples = [(gi, s) for gi, g in enumerate(groups) for s in g.samples]
     episodes: dict[tuple[int, str], list[Sequence]] = {}
     for (gi, s), seq in zip(samples, seqs, strict=True):

@@ -451,8 +451,8 @@ def test_distill_with_the_sampler_in_the_advantage_moves_away_from_the_teacher()
     - A from log μ (the old code): A = [−0.588, +1.609], expected logit step [−0.549, +0.549],
       away from the optimum (it follows ∇KL(π ‖ μ));
     - A from log π_prox: A = [0, 0], step 0."""
-    from asyncrl.learner.aggregation import Normaliser
-    from asyncrl.learner.policy_losses import policy_loss
+    from asyncrl.learner.losses.aggregation import Normaliser
+    from asyncrl.learner.losses.policy import policy_loss
     from asyncrl.recipe import AlgorithmConfig
 
     log_t = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))

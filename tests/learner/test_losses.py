@@ -12,19 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl import recipe
-from asyncrl.learner.aggregation import Normaliser, count_tokens_and_seqs, token_weights
 from asyncrl.learner.critic import assign_targets, token_targets
-from asyncrl.learner.kl_penalty import KL_CLAMP, kl_penalty
-from asyncrl.learner.loss_stats import STAT_KEYS, finalize_stats, zero_stats
-from asyncrl.learner.packing import make_sequence, pack
-from asyncrl.learner.policy_losses import LOSSES, needs_prox, policy_loss
-from asyncrl.learner.scalar_losses import (
+from asyncrl.learner.losses.aggregation import Normaliser, count_tokens_and_seqs, token_weights
+from asyncrl.learner.losses.kl_penalty import KL_CLAMP, kl_penalty
+from asyncrl.learner.losses.policy import LOSSES, needs_prox, policy_loss
+from asyncrl.learner.losses.scalar import (
     bradley_terry,
     explained_variance,
     explained_variance_from_sums,
     value_loss,
     variance_sums,
 )
+from asyncrl.learner.losses.stats import STAT_KEYS, finalize_stats, zero_stats
+from asyncrl.learner.packing import make_sequence, pack
 from asyncrl.recipe import AlgorithmConfig
 
 F64 = torch.float64

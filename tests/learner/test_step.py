@@ -13,7 +13,7 @@ from asyncrl import metric_names as names
 from asyncrl import wire
 from asyncrl.buffer.store import Batch
 from asyncrl.learner.calls import distill_advantages, group_advantages
-from asyncrl.learner.policy_losses import LOSSES
+from asyncrl.learner.losses.policy import LOSSES
 from tests.learner.test_model import make_trainer
 from tests.numerics import (
     F32_EPS,
@@ -379,7 +379,7 @@ def test_per_turn_samples_weigh_their_episode_once_under_the_sequence_means(
     episodes (2), not the turns (4). The weights are read off the real loss's gradient: with
     π = μ, tis's ∂L/∂log π_t = −A_t · c_t."""
     from asyncrl.learner import passes
-    from asyncrl.learner.policy_losses import policy_loss
+    from asyncrl.learner.losses.policy import policy_loss
     from asyncrl.rollout.turns import split_turns
 
     alg = {"advantage": "grpo", "loss": "tis", "aggregation": aggregation}

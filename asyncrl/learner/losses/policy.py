@@ -10,9 +10,10 @@ start of the step; A = advantage; sg[·] = stop-gradient.
 
 Each loss is one function returning the per-token loss ℓ_t and where its clipping was active.
 :func:`policy_loss` weights them with the step's global denominators
-(:mod:`asyncrl.learner.aggregation`: micro-batch losses add up to the batch's) and returns its
-statistics as additive sums (:mod:`asyncrl.learner.loss_stats`). Sequence-level parts (``gspo``,
-the sequence mask, sequence-level IS weights) need each sequence whole inside one micro-batch.
+(:mod:`asyncrl.learner.losses.aggregation`: micro-batch losses add up to the batch's) and returns
+its statistics as additive sums (:mod:`asyncrl.learner.losses.stats`). Sequence-level parts
+(``gspo``, the sequence mask, sequence-level IS weights) need each sequence whole inside one
+micro-batch.
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ from typing import get_args
 import torch
 from torch import Tensor
 
-from asyncrl.learner.aggregation import Normaliser, count_tokens_and_seqs, seq_sum, token_weights
-from asyncrl.learner.kl_penalty import kl_penalty
+from asyncrl.learner.losses.aggregation import (
+    Normaliser,
+    count_tokens_and_seqs,
+    seq_sum,
+    token_weights,
+)
+from asyncrl.learner.losses.kl_penalty import kl_penalty
 from asyncrl.recipe import AlgorithmConfig, Loss
 
 LOSSES: tuple[str, ...] = tuple(x for x in get_args(Loss) if x != "reward_model")
 """The token losses :func:`policy_loss` computes (reward_model's pairwise loss is
-:func:`~asyncrl.learner.scalar_losses.bradley_terry`, on scores, not tokens)."""
+:func:`~asyncrl.learner.losses.scalar.bradley_terry`, on scores, not tokens)."""
 
 
 def needs_prox(name: str) -> bool:
@@ -202,7 +208,7 @@ def policy_loss(
         L = Σ_t c_t · m_t · (ℓ_t + β·KL_t − α·H_t)
 
     with c_t from ``cfg.aggregation_used`` and ``norm``, ℓ_t the per-token loss, β = ``kl_coef``
-    (KL_t from :func:`~asyncrl.learner.kl_penalty.kl_penalty`: the estimator's value,
+    (KL_t from :func:`~asyncrl.learner.losses.kl_penalty.kl_penalty`: the estimator's value,
     KL(π ‖ π_ref)'s gradient), α = ``entropy_coef``, H_t the caller's per-token entropy (with
     gradient). m_t drops tokens whose
     IS ratio ρ_t = π_prox/μ (π/μ without π_prox) lies outside [ratio_mask_low, ratio_mask_high]
@@ -213,9 +219,9 @@ def policy_loss(
     (per token) weigh sequences under the sequence-mean aggregations (:func:`token_weights`).
 
     Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch, always
-    keyed by :data:`~asyncrl.learner.loss_stats.STAT_KEYS`: add them up over micro-batches and
-    ranks (start from :func:`~asyncrl.learner.loss_stats.zero_stats`), then call
-    :func:`~asyncrl.learner.loss_stats.finalize_stats`.
+    keyed by :data:`~asyncrl.learner.losses.stats.STAT_KEYS`: add them up over micro-batches and
+    ranks (start from :func:`~asyncrl.learner.losses.stats.zero_stats`), then call
+    :func:`~asyncrl.learner.losses.stats.finalize_stats`.
     """
     name = cfg.loss
     if name not in LOSSES:

@@ -1,7 +1,7 @@
 """The KL penalty toward the reference policy π_ref (``algorithm.kl_coef``, ``kl_estimator``;
 docs/off-policy.md, "The KL penalty").
 
-A regulariser, not a loss: :func:`~asyncrl.learner.policy_losses.policy_loss` adds β·KL_t to
+A regulariser, not a loss: :func:`~asyncrl.learner.losses.policy.policy_loss` adds β·KL_t to
 whichever loss the recipe trains, so it stands apart from the losses. Its value and its gradient
 are chosen apart (the estimator's value, the reverse KL's gradient; :func:`kl_penalty` says why).
 """

@@ -4,9 +4,9 @@ which judges a critic's values.
 
 They train a value per token or a score per sequence, not a policy, and only the critic
 (:mod:`asyncrl.learner.critic`) and the reward model (:mod:`asyncrl.learner.reward_model`) call
-them. They follow the policy loss's rules: global denominators (:mod:`asyncrl.learner.aggregation`),
-so micro-batch losses add up to the batch's, and float64 stats that add up over micro-batches and
-ranks (:mod:`asyncrl.learner.loss_stats`).
+them. They follow the policy loss's rules: global denominators
+(:mod:`asyncrl.learner.losses.aggregation`), so micro-batch losses add up to the batch's, and
+float64 stats that add up over micro-batches and ranks (:mod:`asyncrl.learner.losses.stats`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from asyncrl.learner.aggregation import Normaliser, token_weights
+from asyncrl.learner.losses.aggregation import Normaliser, token_weights
 
 
 def value_loss(
@@ -38,7 +38,8 @@ def value_loss(
     loss's. The clip keeps one step's value change near V_old, as the ratio clip does for π; taking
     the max makes it pessimistic. Stats are float64 sums: ``value_tokens`` and ``value_clipped``
     (tokens where the clipped term was larger, so the gradient is gone);
-    :func:`~asyncrl.learner.loss_stats.finalize_stats` turns them into ``loss/value_clip_frac``."""
+    :func:`~asyncrl.learner.losses.stats.finalize_stats` turns them into
+    ``loss/value_clip_frac``."""
     valid = mask.bool()
     for name, x in (("old_values", old_values), ("returns", returns)):
         if x.shape != values.shape:
@@ -74,7 +75,7 @@ def bradley_terry(
     differences are learnt. N = ``pairs``, the step's global count (as :class:`Normaliser`'s, so
     micro-batch losses add up to the batch's); default: this micro-batch's pairs. Stats are float64
     sums: ``rm_pairs``, ``rm_correct`` (s_c > s_r strictly: a tie is not a correct ranking) and
-    ``rm_margin`` (Σ s_c − s_r); :func:`~asyncrl.learner.loss_stats.finalize_stats` gives
+    ``rm_margin`` (Σ s_c − s_r); :func:`~asyncrl.learner.losses.stats.finalize_stats` gives
     ``loss/rm_accuracy`` and ``loss/rm_margin``."""
     if chosen.shape != rejected.shape or chosen.dim() != 1:
         raise ValueError(

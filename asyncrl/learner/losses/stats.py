@@ -1,8 +1,8 @@
 """A step's loss statistics: what the losses return as sums, and the logged metrics made of them.
 
-Each micro-batch's loss (:func:`~asyncrl.learner.policy_losses.policy_loss`,
-:func:`~asyncrl.learner.scalar_losses.value_loss`,
-:func:`~asyncrl.learner.scalar_losses.bradley_terry`) returns additive float64 sums. The step sums
+Each micro-batch's loss (:func:`~asyncrl.learner.losses.policy.policy_loss`,
+:func:`~asyncrl.learner.losses.scalar.value_loss`,
+:func:`~asyncrl.learner.losses.scalar.bradley_terry`) returns additive float64 sums. The step sums
 them over micro-batches and ranks (one all-reduce of the same keys on every rank: start from
 :func:`zero_stats`), then :func:`finalize_stats` turns them into the logged means. Finalising
 happens once a step, after every rank's sums are in, so it belongs to no one loss.
@@ -19,8 +19,8 @@ def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
     trained sequences; ESS = (Σw)² / (N·Σw²)).
 
     Over no tokens every fraction is 0 and ESS is 1 (nothing to weight). The stats of
-    :func:`~asyncrl.learner.scalar_losses.value_loss` and
-    :func:`~asyncrl.learner.scalar_losses.bradley_terry` may be summed in too (or alone)."""
+    :func:`~asyncrl.learner.losses.scalar.value_loss` and
+    :func:`~asyncrl.learner.losses.scalar.bradley_terry` may be summed in too (or alone)."""
     s = {k: float(v) for k, v in stats.items()}
     out = _critic_metrics(s)
     if "tokens" not in s:  # a critic's or a reward model's step: no policy stats
@@ -86,5 +86,5 @@ STAT_KEYS = (
 def zero_stats() -> dict[str, Tensor]:
     """The stats of a micro-batch with no tokens: the starting point of a sum, so that every rank
     all-reduces the same keys (:data:`STAT_KEYS`, which
-    :func:`~asyncrl.learner.policy_losses.policy_loss` always returns)."""
+    :func:`~asyncrl.learner.losses.policy.policy_loss` always returns)."""
     return {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}

@@ -3,8 +3,8 @@ micro-batches.
 
 Every tensor is 1-D over the completion tokens of one micro-batch (packed, no padding); ``seq_ids``
 says which sequence each token belongs to and ``mask`` which tokens are trained on. A step's loss
-(the policy's, :mod:`asyncrl.learner.policy_losses`; a critic's,
-:mod:`asyncrl.learner.scalar_losses`) is a weighted sum ``L = Σ_t c_t · ℓ_t`` whose weights c_t
+(the policy's, :mod:`asyncrl.learner.losses.policy`; a critic's,
+:mod:`asyncrl.learner.losses.scalar`) is a weighted sum ``L = Σ_t c_t · ℓ_t`` whose weights c_t
 (:func:`token_weights`, ``algorithm.aggregation``) use GLOBAL denominators (:class:`Normaliser`,
 counted over every rank and micro-batch of the step). So a micro-batch's loss is its own
 contribution, and summing the micro-batch losses of all ranks gives the full-batch loss exactly: the
