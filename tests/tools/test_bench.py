@@ -70,6 +70,17 @@ def test_weights_ipc_bench_times_both_ways() -> None:
     assert out["gloo_sync_s"] > 0 and out["ipc_sync_s"] > 0 and out["ipc_speedup"] > 0
 
 
+def test_tree_cpu_counts_a_grandchild_that_computes_and_not_one_that_sleeps() -> None:
+    """``tree_cpu.py`` adds up every descendant's CPU seconds: a grandchild that spins for ~2 s
+    (under a shell that only waits) is counted; a tree that only sleeps is not."""
+    spin = f"{sys.executable} -c 'import time; t = time.process_time(); exec(\"while time.process_time() - t < 2: pass\")'"
+    busy = _last_json(_run("tree_cpu", "--", "bash", "-c", f"{spin} & wait"))
+    assert busy["bench"] == "tree_cpu" and busy["rc"] == 0
+    assert 1.0 <= busy["cpu_s"] <= busy["wall_s"] + 0.5
+    idle = _last_json(_run("tree_cpu", "--", "bash", "-c", "sleep 2 & wait"))
+    assert idle["wall_s"] >= 2.0 and idle["cpu_s"] < 0.5 and idle["cores"] < 0.25
+
+
 @pytest.mark.parametrize("name", HELP_ONLY)
 def test_bench_starts(name: str) -> None:
     r = _run(name, "--help")
