@@ -3,7 +3,9 @@
 Each subcommand lives in its own module and is imported only when run, so `asyncrl check` starts
 fast and a part that is not built yet is reported, not crashed on. Every process starts with
 asyncrl's malloc settings (:mod:`asyncrl.malloc`): its messages are a megabyte or so, and dumps its
-stacks on SIGUSR1 (:mod:`asyncrl.stacks`).
+stacks on SIGUSR1 (:mod:`asyncrl.stacks`). Run as the program (no ``argv``: the console script,
+``python -m asyncrl.cli``), it ends the process itself once the command returns, without the
+interpreter's teardown of torch (:mod:`asyncrl.quick_exit`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib
 import sys
 
 from asyncrl import malloc
+from asyncrl.quick_exit import quick_exit
 from asyncrl.stacks import dump_stacks_on_usr1
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -36,7 +39,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:  # the program: its files are closed when the command returns
+        quick_exit(run_command(sys.argv[1:]))
+    return run_command(argv)
+
+
+def run_command(argv: list[str]) -> int:
     malloc.keep_freed_memory()
     dump_stacks_on_usr1()
     parser = argparse.ArgumentParser(

@@ -32,6 +32,7 @@ from asyncrl.engine import openai
 from asyncrl.engine.generate_api import GenerateAPI
 from asyncrl.engine.replies import BadRequest, Reply
 from asyncrl.engine.weight_api import WeightAPI
+from asyncrl.quick_exit import quick_exit
 from asyncrl.recipe import Dtype, EngineDevice
 
 if TYPE_CHECKING:
@@ -382,10 +383,7 @@ def main(argv: list[str]) -> int:
     srv.stop()
     for name in list(getattr(srv.engine, "store", None) and srv.engine.store.groups or []):
         srv.engine.store.destroy_group(name)
-    # everything is closed; skip the interpreter's slow teardown of torch (seconds on a loaded box)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    quick_exit(code)  # everything is closed: skip the interpreter's slow teardown of torch
 
 
 if __name__ == "__main__":  # how engine/process.py starts it: as `asyncrl engine` would
