@@ -153,7 +153,9 @@ def spawn_engines(
 ) -> list[Any]:
     """Launch this worker's built-in engines from ``weights`` (a model folder and its version;
     default ``model.path``, version 0) and return at once: each loads the model while the worker
-    loads its tokenizer and metrics (:func:`wait_engines` then waits for them)."""
+    loads its tokenizer and metrics (:func:`wait_engines` then waits for them). On the CPU they are
+    forked from this process once it has imported their modules (:mod:`asyncrl.engine.process`);
+    nothing here has started a thread yet."""
     from asyncrl.engine import spawn_engine_process
 
     if r.generator.engines_per_worker < 1:
@@ -185,6 +187,7 @@ def spawn_engines(
             lora_rank=lora.rank,
             lora_alpha=lora.alpha,
             weights=start,
+            fork=True,  # on the CPU: from here, where torch and transformers load once for both
         )
         for i in range(r.generator.engines_per_worker)
     ]
