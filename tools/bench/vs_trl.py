@@ -8,9 +8,11 @@ one torch thread per process (asyncrl's learner, rollout worker and engine are p
 own, so it can keep both of a 2-core machine's cores busy; ``--trl-threads 2`` lets TRL's one process
 use two), for the same number of steps. asyncrl runs ``recipes/demo.yaml`` (its
 algorithm: decoupled PPO, eta = 4) with ``buffer.dynamic_sampling=false`` so that each step trains
-16 x 8 samples as TRL's does, and without held-out evaluations during the run (``run.eval_prompts=0``;
-TRL evaluates none either). TRL runs tools/bench/trl_grpo.py in its own venv (tools/bench/trl_env.sh,
-built once and cached outside the repository). Afterwards both final models are scored by
+16 x 8 samples as TRL's does, without held-out evaluations during the run (``run.eval_prompts=0``;
+TRL evaluates none either) and without W&B (``logging.wandb=false``: TRL's side has
+``report_to="none"``; each side writes its metrics to a jsonl file all the same). TRL runs
+tools/bench/trl_grpo.py in its own venv (tools/bench/trl_env.sh, built once and cached outside the
+repository). Afterwards both final models are scored by
 ``python -m asyncrl.evaluate`` on the same held-out prompts (greedy).
 
 Per run: wall seconds of the whole process measured from outside (spawn to exit: start-up, model
@@ -155,11 +157,11 @@ def heldout(model: Path, log: Path) -> float | None:
     return float(json.loads(r.stdout.strip().splitlines()[-1])["score"])
 
 
-def run_trl(py: str, start: Path, steps: int, threads: int, tag: str) -> dict:
+def run_trl(py: str, start: Path, steps: int, threads: int, tag: str, seed: int = 0) -> dict:
     out = OUT / tag
     cmd = [py, str(ROOT / "tools/bench/trl_grpo.py"), "--model", str(start)]
     cmd += ["--train", str(DATA / "train.jsonl"), "--out", str(out), "--steps", str(steps)]
-    cmd += ["--threads", str(threads)]
+    cmd += ["--threads", str(threads), "--seed", str(seed)]
     t_spawn, wall, rc = _spawn(cmd, _env(OMP_NUM_THREADS=str(threads)), out / "stdout.log")
     if rc != 0:
         raise SystemExit(f"vs_trl: TRL's run failed (exit {rc}): see {out / 'stdout.log'}")
@@ -189,6 +191,7 @@ def run_asyncrl(start: Path, steps: int, overrides: list[str], tag: str) -> dict
         "run.timeout_s=3600",
         "buffer.dynamic_sampling=false",  # every step trains 16 x 8 samples, as TRL's
         "learner.checkpoint_every=0",
+        "logging.wandb=false",  # TRL's side reports to none; both write their metrics as jsonl
         f"model.path={start}",
         *overrides,
     ]
