@@ -14,12 +14,16 @@ the demo's held-out prompts (greedy):
   version being updated), seed 0 every time: timing without staleness (only the order of groups and
   which engine slot draws which random numbers are left to vary).
 
+Two more, not run unless named, try remedies at seed 0: ``staleness1-one-seed``
+(``buffer.max_staleness=1``) and ``minibatches2-one-seed`` (``learner.minibatches=2``: two updates
+per batch, so decoupled PPO's clip around π_prox acts; with one, the demo's loss is truncated IS).
+
 Prints per condition the held-out rewards, their median, range and standard deviation, and the
 batch reward's last 5-step mean; the last line is JSON. Conditions run interleaved (one run of each
 in turn) so that load from elsewhere falls on all of them.
 
     python tools/bench/spread.py [--size demo|mid] [--runs 5] [--steps 60]
-        [--conditions trl-seeds,async-one-seed,async-seeds,onpolicy-one-seed]
+        [--conditions trl-seeds,async-one-seed,async-seeds,onpolicy-one-seed]  # the default
 """
 
 from __future__ import annotations
@@ -43,19 +47,25 @@ from tools.bench.vs_trl import (  # noqa: E402
     running_mean,
 )
 
-CONDITIONS = ("trl-seeds", "async-one-seed", "async-seeds", "onpolicy-one-seed")
+CONDITIONS: dict[str, tuple[list[str], bool] | None] = {
+    "trl-seeds": None,  # TRL, seed i
+    "async-one-seed": ([], False),  # asyncrl: its overrides, and whether run i takes seed i
+    "async-seeds": ([], True),
+    "onpolicy-one-seed": (["buffer.max_staleness=0"], False),
+    "staleness1-one-seed": (["buffer.max_staleness=1"], False),
+    "minibatches2-one-seed": (["learner.minibatches=2"], False),
+}
+DEFAULT = ("trl-seeds", "async-one-seed", "async-seeds", "onpolicy-one-seed")
 
 
 def run_one(condition: str, i: int, *, py: str, start: Path, steps: int, size: str) -> dict:
     tag = f"spread_{size}_{condition}_{i}"
-    if condition == "trl-seeds":
+    spec = CONDITIONS[condition]
+    if spec is None:
         r = run_trl(py, start, steps, 1, tag, seed=i)
     else:
-        seed = i if condition == "async-seeds" else 0
-        ov = [f"run.seed={seed}"]
-        if condition == "onpolicy-one-seed":
-            ov.append("buffer.max_staleness=0")
-        r = run_asyncrl(start, steps, ov, tag)
+        overrides, seeds = spec
+        r = run_asyncrl(start, steps, [f"run.seed={i if seeds else 0}", *overrides], tag)
     return {
         "heldout": heldout(r["model"], OUT / f"{tag}_eval.log"),
         "reward_last": running_mean(r["reward"], 5)[-1] if r["reward"] else None,
@@ -77,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=["demo", "mid"], default="demo")
     p.add_argument("--runs", type=int, default=5, help="runs per condition")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--conditions", default=",".join(CONDITIONS))
+    p.add_argument("--conditions", default=",".join(DEFAULT), help=", ".join(CONDITIONS))
     a = p.parse_args(argv)
     conditions = [c for c in a.conditions.split(",") if c]
     unknown = sorted(set(conditions) - set(CONDITIONS))
     if unknown:
         p.error(f"--conditions: unknown {', '.join(unknown)} (choose from {', '.join(CONDITIONS)})")
-    py = ensure_trl_env() if "trl-seeds" in conditions else ""
+    py = ensure_trl_env() if any(CONDITIONS[c] is None for c in conditions) else ""
     start = ensure_start(a.size)
     OUT.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {c: [] for c in conditions}
