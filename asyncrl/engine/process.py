@@ -7,7 +7,7 @@ With ``fork=True`` (the rollout worker's engines) a child on the CPU is forked f
 the caller has imported what the engine imports (torch, transformers and the model's classes: ~3.5 s
 of CPU, most of an engine's start on these cores; the worker needs torch and transformers for its
 tokenizer anyway), rather than started as a fresh interpreter that imports them all again: on two
-cores shared by three starting processes that is the demo's first step 1.5–2 s sooner
+cores shared by three starting processes that is the demo's first step ~2.2 s sooner
 (BENCHMARKS.md, session 20). A CUDA engine is always a fresh interpreter: a process that has asked
 the driver anything cannot hand CUDA to a forked child. ``ASYNCRL_ENGINE_FORK=0`` turns forking off
 (the benchmarks' side-by-side).

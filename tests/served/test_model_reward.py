@@ -30,14 +30,18 @@ def rm_server(tiny_reward_model):
 
 @pytest.fixture(scope="module")
 def hf_scores(tiny_reward_model):
-    """transformers' own scores of the folder, one unpadded sequence at a time."""
+    """transformers' model of the folder, one unpadded sequence at a time, its head at the last
+    token (SGLang's Pooler(LAST)). Not the model's own ``logits``: transformers pools at the last
+    token that is not ``pad_token_id``, so a sampled completion that ends in the pad token (the tiny
+    models' vocabulary has it, and sampling can draw it) would be scored one token early."""
     from transformers import AutoModelForSequenceClassification
 
     m = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model, dtype=torch.float32)
 
     def score(ids: list[int]) -> float:
         with torch.no_grad():
-            return float(m(torch.tensor([ids])).logits[0, 0])
+            h = m.model(input_ids=torch.tensor([ids])).last_hidden_state
+            return float(m.score(h[0, -1]).float()[0])
 
     return score
 
@@ -50,11 +54,16 @@ def tok(tiny_reward_model):
 
 
 def test_classify_answers_in_sglang_shape_with_the_models_scores(rm_server, hf_scores, tok):
-    seqs = [tok("dcab=")["input_ids"] + tok("abcd")["input_ids"], tok("x")["input_ids"]]
+    pad = tok.pad_token_id  # a completion may end in it: scored at it, as SGLang does
+    seqs = [
+        tok("dcab=")["input_ids"] + tok("abcd")["input_ids"],
+        tok("x")["input_ids"],
+        tok("ab=")["input_ids"] + [pad],
+    ]
     r = httpx.post(f"{rm_server.url}/classify", json={"input_ids": seqs})
     assert r.status_code == 200
     body = r.json()
-    assert isinstance(body, list) and len(body) == 2
+    assert isinstance(body, list) and len(body) == 3
     for item, ids in zip(body, seqs, strict=True):
         assert set(item) == {"embedding", "meta_info"}
         assert item["meta_info"]["prompt_tokens"] == len(ids)
