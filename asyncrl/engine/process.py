@@ -15,6 +15,7 @@ the driver anything cannot hand CUDA to a forked child. ``ASYNCRL_ENGINE_FORK=0`
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -266,6 +267,7 @@ def _fork(args: list[str], log: Path, env: dict[str, str]) -> ForkedChild | None
         return ForkedChild(pid)
     code = 1  # the child: it never returns into the caller's code
     try:
+        atexit._clear()  # the caller's exit handlers (its temporary folders' clean-up) are not ours
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(fd, 1)

@@ -20,11 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys, threading
+    import atexit, json, os, sys, threading
     import httpx
     from asyncrl.engine.process import spawn_engine_process
 
     model, log, thread = sys.argv[1], sys.argv[2], sys.argv[3] == "thread"
+    # an exit handler of this process's own: it must run at this process's exit, never the child's
+    atexit.register(lambda: open(log + ".exits", "a").write(f"{os.getpid()}\\n"))
     if thread:  # a thread that runs on while the engine starts: no fork from here
         stop = threading.Event()
         threading.Thread(target=stop.wait, daemon=True).start()
@@ -44,7 +46,7 @@ SCRIPT = textwrap.dedent(
         }
     finally:
         seen_code = ep.stop()
-    print(json.dumps({**seen, "code": seen_code, "alive": ep.alive()}))
+    print(json.dumps({**seen, "code": seen_code, "alive": ep.alive(), "pid": os.getpid()}))
     """
 )
 
@@ -79,6 +81,8 @@ def test_a_forked_engine_serves_what_a_fresh_one_does_and_stops(tiny_qwen3, tmp_
     assert forked["ids"] == spawned["ids"] and len(forked["ids"]) == 6
     assert forked["code"] == 0 and not forked["alive"]  # SIGTERM: a clean stop, reaped
     assert "serving" in log.read_text()  # its output went to its own log
+    # the caller's exit handler ran once, at the caller's exit; the child ran none of the caller's
+    assert log.with_name("engine.log.exits").read_text().split() == [str(forked["pid"])]
 
 
 def test_no_fork_from_a_process_with_another_thread(tiny_qwen3, tmp_path, spawned):
