@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools.bench.vs_trl import (  # noqa: E402
     OUT,
+    _f,
     ensure_start,
     ensure_trl_env,
     heldout,
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             r = run_one(c, i, py=py, start=start, steps=a.steps, size=a.size)
             results[c].append(r)
             print(
-                f"{c:20} run {i}: held-out {r['heldout']:.3f}  batch reward (last 5) "
-                f"{r['reward_last']:.3f}  wall {r['wall']:.1f} s",
+                f"{c:20} run {i}: held-out {_f(r['heldout'], '.3f')}  batch reward (last 5) "
+                f"{_f(r['reward_last'], '.3f')}  wall {r['wall']:.1f} s",
                 flush=True,
             )
     summary = {}
