@@ -11,7 +11,9 @@ its first assertion.
 
 `default` is `make test` (the default tier and its numerics passes, as CI runs it), `faults` and
 `sglang` the other tiers, `ci` the whole `.ci/run`. Each run's log is kept under --workdir; one
-line per run is appended to --results (TSV), from which BENCHMARKS.md's soak table is written.
+line per run is appended to --results (TSV: start, commit, tier, busy processes, the 15-min load
+average at its end, exit status, wall seconds, pytest's closing line, the failing tests, the CPU),
+from which BENCHMARKS.md's soak table is written.
 Standard library only; the clones build their own venvs.
 """
 
@@ -163,19 +165,22 @@ def main(argv: list[str] | None = None) -> int:
             stop(load)
         text = log.read_text(errors="replace")
         found = parse(text)
+        load15 = Path("/proc/loadavg").read_text().split()[2]  # what else ran beside it
         for f in found:
             failures[f.nodeid].append(f)
         r = dict(run=i, tier=a.tier, load=a.load, rc=rc, wall=wall, closing=closing_line(text))
+        r["loadavg15"] = load15
         runs.append(r)
         print(
-            f"[{i}/{a.n}] exit {rc} in {wall:.0f} s: {r['closing'] or 'no closing line'}"
+            f"[{i}/{a.n}] exit {rc} in {wall:.0f} s (15-min load average {load15}): "
+            f"{r['closing'] or 'no closing line'}"
             + "".join(f"\n      {f.kind} {f.nodeid}: {f.message[:200]}" for f in found),
             flush=True,
         )
         with results.open("a") as out:
             names = ";".join(f.nodeid for f in found) or "-"
             out.write(
-                "\t".join([stamp, commit, a.tier, str(a.load), str(rc), f"{wall:.0f}",
+                "\t".join([stamp, commit, a.tier, str(a.load), load15, str(rc), f"{wall:.0f}",
                            r["closing"] or "-", names, machine]) + "\n"
             )  # fmt: skip
         if not a.keep:
