@@ -3,7 +3,7 @@ tracebacks, which `.ci/run` prints at its end and `tools/ci/soak.py` counts acro
 
 The logs are made by running pytest, as `make test` does (`-q`, two xdist workers), on a small
 test file written here: two failures (one in a class, parametrized), an error in a fixture's
-set-up, and passing tests."""
+set-up, a failure two frames deep under a name as long as pytest's rule, and passing tests."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tools.ci.failures import closing_line, parse, report
 from tools.ci.soak import summarize
 
 ROOT = Path(__file__).resolve().parents[2]
+LONG = "test_a_name_so_long_that_pytest_rules_it_with_one_underscore_on_each_side_of_it_x"
 
 SAMPLE = """
 import pytest
@@ -39,6 +40,12 @@ class TestGroup:
 
 def test_uses_broken(broken):
     pass
+
+def _deeper(x):
+    assert x == 0, "a frame below the test"
+
+def test_a_name_so_long_that_pytest_rules_it_with_one_underscore_on_each_side_of_it_x():
+    _deeper(3)
 """
 
 
@@ -62,6 +69,7 @@ def test_names_each_failure_with_its_first_assertion(pytest_log):
         "test_sample.py::test_compares",
         "test_sample.py::TestGroup::test_small[7]",
         "test_sample.py::test_uses_broken",
+        f"test_sample.py::{LONG}",
     }
     assert got["test_sample.py::test_compares"].kind == "FAILED"
     assert "the third differs" in got["test_sample.py::test_compares"].message
@@ -73,10 +81,14 @@ def test_names_each_failure_with_its_first_assertion(pytest_log):
     assert "x < 5" in got["test_sample.py::TestGroup::test_small[7]"].traceback
     assert "the fixture broke" in err.traceback
     assert "x < 5" not in got["test_sample.py::test_compares"].traceback
+    # a name as long as pytest's rule, and a traceback of two frames (`_ _ _` between them)
+    long = got[f"test_sample.py::{LONG}"]
+    assert long.message.startswith("AssertionError: a frame below the test")
+    assert "_deeper(3)" in long.traceback and "assert x == 0" in long.traceback
 
 
 def test_closing_line_and_a_clean_log(pytest_log):
-    assert "2 failed" in closing_line(pytest_log) and "1 error" in closing_line(pytest_log)
+    assert "3 failed" in closing_line(pytest_log) and "1 error" in closing_line(pytest_log)
     clean = "....\n==== 4 passed in 0.1s ====\n"
     assert parse(clean) == [] and closing_line(clean) == "4 passed in 0.1s"
 
@@ -86,7 +98,7 @@ def test_report_ends_with_the_names(pytest_log, tmp_path):
     log.write_text(pytest_log)
     out = report([log, tmp_path / "missing.log"]).splitlines()
     names = out[out.index("==== failing tests ====") + 1 :]
-    assert len(names) == 3 and names[-1].startswith("  ERROR test_sample.py::test_uses_broken")
+    assert len(names) == 4 and names[-1].startswith("  ERROR test_sample.py::test_uses_broken")
     assert any("assert got == [1, 2, 4]" in ln for ln in out[: out.index(names[0])])
     ok = tmp_path / "ok.log"
     ok.write_text("==== 4 passed in 0.1s ====\n")

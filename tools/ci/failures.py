@@ -22,8 +22,9 @@ from pathlib import Path
 _SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$")
 # a section header: `====== FAILURES ======`, `==== short test summary info ====`
 _HEADER = re.compile(r"^={3,} (.+?) ={3,}$")
-# one test's traceback inside FAILURES / ERRORS: `____ test_b[x] ____`, `__ ERROR at setup of t __`
-_TEST_RULE = re.compile(r"^_{3,} (.+?) _{3,}$")
+# one test's traceback inside FAILURES / ERRORS: `____ test_b[x] ____`, `__ ERROR at setup of t __`,
+# `_ test_with_a_name_as_long_as_the_line _`; not a traceback's `_ _ _ _` between two frames
+_TEST_RULE = re.compile(r"^_+ ([^_ ].*?) _+$")
 # its closing line, bare under -q (`1 failed, 1089 passed in 962.10s (0:16:02)`), else in rules
 _CLOSING = re.compile(r"^=*\s*((?:\d+ [a-z]+, )*\d+ [a-z]+ in [\d.]+s.*?|no tests ran.*?)\s*=*$")
 
