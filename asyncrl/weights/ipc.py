@@ -44,6 +44,17 @@ FLATTENED = "flattened_bucket"
 _DEVICE_ARG = 6
 """Where torch's ``rebuild_cuda_tensor`` arguments hold the device (an index; here a UUID)."""
 
+_CUDA_ARGS = 15
+"""How many arguments torch's ``rebuild_cuda_tensor`` takes (``reduce_tensor``'s CUDA branch:
+tensor class, size, stride, offset, storage class, dtype, device, handle, storage bytes, storage
+offset, requires_grad, ref-counter handle and offset, event handle, event sync), as read from
+torch 2.13's reductions.py; tests/weights/test_ipc_cuda_payload.py holds it against the installed
+torch's signature, so the GPU host's torch is checked by running that test there."""
+
+_STORAGE_ARG = 4
+"""Where those arguments hold the storage class: ``type(tensor._typed_storage())``, which is
+``torch.storage.TypedStorage`` (so a CUDA payload names that global, as the unpickler allows)."""
+
 
 class PayloadError(ValueError):
     """A payload the engine refuses (the message names what is wrong)."""
@@ -149,7 +160,15 @@ class _Record:
 
 
 def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
-    """torch's ``rebuild_cuda_tensor`` with the device given by UUID (or index)."""
+    """torch's ``rebuild_cuda_tensor`` with the device given by UUID (or index), after checking
+    the classes it will call: the payload chooses them, among the allowed globals."""
+    if len(args) != _CUDA_ARGS:
+        raise PayloadError(f"a CUDA handle has {_CUDA_ARGS} arguments, this one {len(args)}")
+    if args[0] is not torch.Tensor or args[_STORAGE_ARG] not in (
+        torch.storage.TypedStorage,
+        torch.UntypedStorage,
+    ):
+        raise PayloadError("a CUDA handle rebuilds a torch.Tensor on a torch storage")
     device = args[_DEVICE_ARG]
     if isinstance(device, str):
         index = next(
@@ -178,6 +197,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "UntypedStorage"): torch.UntypedStorage,
     ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,  # a CUDA handle's storage class
     ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
     (
