@@ -30,6 +30,7 @@ import io
 import math
 import pickle
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,36 @@ def _reduce_cpu_storage(s: torch.UntypedStorage) -> tuple:
     manager, handle, size = s._share_filename_cpu_()
     s._shared_incref()
     return reductions.rebuild_storage_filename, (torch.UntypedStorage, manager, handle, size)
+
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+"""torch's CUDA allocator settings (read once, at the first CUDA allocation; torch also reads
+``PYTORCH_ALLOC_CONF`` when this is unset)."""
+
+
+def alloc_conf_problem(environ: Mapping[str, str]) -> str | None:
+    """Why rank 0's CUDA memory cannot be passed by handle under this environment's allocator
+    settings, or None. ``expandable_segments:True`` maps memory with the driver's virtual memory
+    API, whose blocks torch shares as file descriptors fetched from the learner's process
+    (``pidfd_getfd``, which needs ptrace rights over it, and yama's ``ptrace_scope`` refuses
+    them between unrelated processes) instead of ``cudaIpcGetMemHandle``; ``backend:
+    cudaMallocAsync`` cannot share its blocks at all. Either fails every handle the engine opens."""
+    name = ALLOC_CONF_ENV if environ.get(ALLOC_CONF_ENV) else "PYTORCH_ALLOC_CONF"
+    conf = environ.get(name) or ""
+    pairs = dict(
+        (k.strip().lower(), v.strip().lower())
+        for k, _, v in (item.partition(":") for item in conf.split(","))
+    )
+    if pairs.get("expandable_segments") == "true":
+        why = "expandable segments are shared through the learner's file descriptors, not CUDA IPC"
+    elif pairs.get("backend") == "cudamallocasync":
+        why = "torch cannot share cudaMallocAsync's blocks"
+    else:
+        return None
+    return (
+        f"{name}={conf} breaks weights by CUDA IPC handle ({why}): unset it for the learner, "
+        "or set weights.backend to gloo or nccl"
+    )
 
 
 def share(flat: torch.Tensor) -> None:

@@ -138,3 +138,28 @@ def test_a_cuda_handle_naming_other_classes_is_refused(bucket, monkeypatch, chan
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: pytest.fail("rebuilt"))
     with pytest.raises(ipc.PayloadError, match=words):
         ipc.load_payload(data, ipc.FLATTENED)
+
+
+def test_the_learner_refuses_ipc_under_allocator_settings_that_break_handles(monkeypatch):
+    """``weights.backend: ipc`` with expandable segments: one line naming the field, before the
+    model is built. ``torch.cuda.is_available`` is made to answer True (no CUDA here): only on a
+    GPU does the allocator share rank 0's memory; on the CPU handles are shared-memory files."""
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.main import refuse_ipc_allocator
+
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    ipc_recipe = recipe_mod.from_dict(
+        {"model": {"path": "m"}, "weights": {"backend": "ipc"}}, check_files=False
+    )
+    refuse_ipc_allocator(ipc_recipe, env)  # no GPU: nothing to refuse
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(recipe_mod.RecipeError) as e:
+        refuse_ipc_allocator(ipc_recipe, env)
+    assert str(e.value).startswith("weights.backend: PYTORCH_CUDA_ALLOC_CONF=expandable_segments")
+    refuse_ipc_allocator(ipc_recipe, {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    gloo = recipe_mod.from_dict(
+        {"model": {"path": "m"}, "weights": {"backend": "gloo"}}, check_files=False
+    )
+    refuse_ipc_allocator(gloo, env)  # not by handle: the setting is the user's
+    assert ipc.alloc_conf_problem({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert ipc.alloc_conf_problem({}) is None
