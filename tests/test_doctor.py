@@ -388,6 +388,21 @@ def test_server_layout_radix_cache_version_and_label(tiny_qwen3, fake_sglang):
     assert not c.ok and "relaunch it with --weight-version 0" in c.detail
 
 
+def test_a_tensor_parallel_server_cannot_take_weights_by_handle(tiny_qwen3, fake_sglang):
+    """weights.backend ipc sends one payload per bucket, and SGLang reads
+    ``serialized_named_tensors[tp_rank]``: a TP-2 server would fail at rank 1 (IndexError), so
+    the doctor names it (as the broadcaster refuses it: tests/weights/test_ipc_tp.py)."""
+    url = f"http://127.0.0.1:{fake_sglang.server_address[1]}"
+    info = {"version": "0.5.23", "tp_size": 2, "dp_size": 1, "disable_radix_cache": True}
+    c, _ = _server_check(tiny_qwen3, url, info, "0", "weights.backend=ipc")
+    assert not c.ok and c.detail == (
+        "weights.backend ipc sends one handle per bucket, which SGLang indexes by TP rank: a "
+        "server of tp 2 cannot take it; set weights.backend to nccl"
+    )
+    c, _ = _server_check(tiny_qwen3, url, {**info, "tp_size": 1}, "0", "weights.backend=ipc")
+    assert c.ok, c.detail
+
+
 # ---- the servers' logprobs against the learner's ------------------------------------------------
 
 
@@ -670,3 +685,51 @@ def test_lora_on_a_llama_model_fails_the_model_check_in_one_line(tmp_path):
         (check,) = check_model(Doctor(recipe=r))
         assert check.ok is ok, check.detail
     assert check.detail.startswith("learner.lora: only Qwen3 models") and "\n" not in check.detail
+
+
+def test_float32_with_grouped_query_attention_on_a_gpu_is_warned(tiny_qwen3):
+    """The default model.dtype (float32) on a GPU, with the tiny Qwen3's 4 query / 2 KV heads:
+    SDPA's fused kernels refuse it and the math kernel builds L×L scores per document, so the
+    attention line warns and names the fix; bf16, or the CPU, say nothing more."""
+    from asyncrl.doctor.model_checks import float32_attention_warning
+
+    d = _demo(tiny_qwen3)
+    assert d.recipe.model.dtype == "float32"  # the recipe default
+    (m,) = check_model(d)
+    assert m.ok and d.dims.heads == 4 and d.dims.kv_heads == 2
+    warning = float32_attention_warning(d, "sdpa", on_cpu=False)
+    assert "math kernel" in warning and warning.endswith("set model.dtype=bfloat16")
+    assert float32_attention_warning(d, "sdpa", on_cpu=True) == ""
+    assert float32_attention_warning(_bf16(tiny_qwen3), "sdpa", on_cpu=False) == ""
+
+
+def _bf16(model: Path) -> Doctor:
+    d = _demo(model, "model.dtype=bfloat16")
+    check_model(d)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("env", "backend", "named"),
+    [
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "ipc", "PYTORCH_CUDA_ALLOC_CONF"),
+        ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, "auto", "PYTORCH_ALLOC_CONF"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "gloo", None),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, "ipc", None),
+    ],
+    ids=["expandable-ipc", "malloc-async-auto", "gloo", "harmless"],
+)
+def test_allocator_settings_that_break_cuda_ipc_are_named(tiny_qwen3, env, backend, named):
+    """Weights by CUDA IPC handle (ipc, or auto with built-in engines that may share rank 0's
+    GPU) under allocator settings whose blocks torch cannot pass by handle: one failed line
+    naming the variable and the fix; other backends and harmless settings add no line."""
+    d = _demo(tiny_qwen3, f"weights.backend={backend}", "generator.kind=builtin")
+    d.device = Device(cuda=True, gpus=[], host_available=GiB, host_total=GiB)
+    d.environ = env
+    lines = check_nccl(d)
+    extra = [c for c in lines if c.name == "weights by handle"]
+    if named is None:
+        assert extra == [], lines
+        return
+    (c,) = extra
+    assert not c.ok and c.detail.startswith(f"{named}=") and "weights.backend" in c.detail

@@ -19,22 +19,26 @@ sys.path.insert(0, str(ROOT))
 from tools.gpu import check  # noqa: E402
 
 FIGURES = {
-    "env": {"torch", "device", "attention", "attention_why", "nccl", "transformers", "torchtitan"},
-    "models": {"model_s", "demo_s", "model_mib"},
-    "nccl": {"default_backend", "weight_group_backend", "bounded_wait_ok", "broadcast_intact"},
-    "logprobs": {
-        "vocab",
-        "chunk_tokens",
-        "full_s",
-        "chunked_s",
-        "full_peak_mib",
-        "chunked_peak_mib",
-        "logp_max_abs_diff",
-        "grad_hidden_rel_diff",
-        "grad_head_rel_diff",
-        "chunked_by_budget",
+    "env": {
+        "torch",
+        "device",
+        "attention",
+        "attention_why",
+        "nccl",
+        "transformers",
+        "torchtitan",
+        "pytorch_cuda_alloc_conf",
+        "compute_mode",
+        "ptrace_scope",
     },
-    "learner": {"ac_none", "ac_full", "best_tokens_per_s", "peak_over_plan_range", "plan_band"},
+    "learner": {
+        "model_s",
+        "ac_none",
+        "ac_full",
+        "best_tokens_per_s",
+        "peak_over_plan_range",
+        "plan_band",
+    },
     "weights": {
         "v1_sync_s",
         "v2_sync_s",
@@ -46,18 +50,8 @@ FIGURES = {
         "backend",
         "generate_tokens",
     },
-    "engine": {
-        "engine_cpu_fp32_tok_s",
-        "hf_cpu_fp32_tok_s",
-        "engine_cpu_over_hf_cpu",
-        "cpu_fp32_prefill_logits_rel_diff",
-        "cpu_fp32_rows_equal_to_generate",
-        "engine_cpu_fp32_host_ms",
-        *(f"engine_cpu_fp32_b{b}_{k}" for b in (2, 4, 8) for k in ("tok_s", "host_ms", "step_ms")),
-        "engine_cpu_fp32_b4_over_b2",
-    },
-    "run": {"outcome", "steps", "run_s"},
     "one_gpu": {"eta4", "eta0"},
+    "run": {"outcome", "steps", "run_s"},
     "lora": {
         "outcome",
         "steps",
@@ -72,6 +66,29 @@ FIGURES = {
         "teacher_tolerance",
         "teacher_s",
     },
+    "engine": {
+        "engine_cpu_fp32_tok_s",
+        "hf_cpu_fp32_tok_s",
+        "engine_cpu_over_hf_cpu",
+        "cpu_fp32_prefill_logits_rel_diff",
+        "cpu_fp32_rows_equal_to_generate",
+        "engine_cpu_fp32_host_ms",
+        *(f"engine_cpu_fp32_b{b}_{k}" for b in (2, 4, 8) for k in ("tok_s", "host_ms", "step_ms")),
+        "engine_cpu_fp32_b4_over_b2",
+    },
+    "logprobs": {
+        "vocab",
+        "chunk_tokens",
+        "full_s",
+        "chunked_s",
+        "full_peak_mib",
+        "chunked_peak_mib",
+        "logp_max_abs_diff",
+        "grad_hidden_rel_diff",
+        "grad_head_rel_diff",
+        "chunked_by_budget",
+    },
+    "nccl": {"default_backend", "weight_group_backend", "bounded_wait_ok", "broadcast_intact"},
 }
 """What each step must report: the figures docs/gpu.md's results table is filled from."""
 
@@ -107,6 +124,7 @@ def test_dry_check_runs_every_step_and_records_its_figures(tmp_path):
         timeout_s=1600,
     )
     assert p.returncode == 0, p.stderr[-3000:]
+    _assert_plan_printed_first(p.stdout, list(check.STEPS))
     recs = _records(tmp_path / "results")
     assert [r["step"] for r in recs] == list(check.STEPS) == list(FIGURES)
     for r in recs:
@@ -116,6 +134,7 @@ def test_dry_check_runs_every_step_and_records_its_figures(tmp_path):
         assert (tmp_path / f"results/logs/{r['step']}.log").exists()
     figs = {r["step"]: r["figures"] for r in recs}
     assert figs["env"]["device"] == "cpu" and figs["env"]["attention"] == "sdpa"
+    assert "flex" not in figs["learner"]  # flex runs only when named
     # several chunks, and the chunked path computes what the whole logits do
     lp = figs["logprobs"]
     assert lp["tokens"] // lp["chunk_tokens"] >= 4
@@ -151,6 +170,118 @@ def test_dry_check_runs_every_step_and_records_its_figures(tmp_path):
     assert (lo["teacher_device"], lo["teacher_dtype"]) == ("cpu", "float32")
     assert lo["teacher_logprob_max_abs_diff"] <= lo["teacher_tolerance"] < 1e-3
     assert f"{len(check.STEPS)} of {len(check.STEPS)} records ok" in p.stdout
+
+
+def _assert_plan_printed_first(stdout: str, steps: list[str]) -> None:
+    """check.sh's plan: one line per step, in the order run, before any step's record."""
+    lines = stdout.splitlines()
+    first_record = next(i for i, x in enumerate(lines) if x.startswith(("[ok  ]", "[FAIL]")))
+    planned = [x.split()[2] for x in lines[:first_record] if x.startswith("plan: ") and ". " in x]
+    assert planned == steps, lines[: first_record + 1]
+    for x in lines[:first_record]:
+        if x.startswith("plan: ") and ". " in x:
+            assert " expected " in x and " s, limit " in x, x
+
+
+def test_the_plan_fits_the_window_and_flex_runs_only_by_name():
+    """The default steps in the order the window must bring them back, their expected seconds
+    within the 480 s budget, each limit at least its expected seconds; flex (and models) only
+    when named, env first whatever the order asked."""
+    assert check.STEPS == (
+        "env",
+        "learner",
+        "weights",
+        "one_gpu",
+        "run",
+        "lora",
+        "engine",
+        "logprobs",
+        "nccl",
+    )
+    rows = check.plan([], check.BUDGET_S)
+    assert [r["step"] for r in rows] == list(check.STEPS)
+    assert sum(r["expected_s"] for r in rows) <= check.BUDGET_S == 480
+    assert all(0 < r["expected_s"] <= r["limit_s"] for r in rows)
+    assert "flex" not in check.STEPS and "models" not in check.STEPS
+    named = check.plan(["lora", "flex", "env"], check.BUDGET_S, scale=3)
+    assert [(r["step"], r["by_name"]) for r in named] == [
+        ("env", False),
+        ("lora", False),
+        ("flex", True),
+    ]
+    assert named[2]["limit_s"] == 3 * check.BY_NAME["flex"].limit
+    assert check.plan(["nope"], 480)[1] == {
+        "step": "nope",
+        "expected_s": 0,
+        "limit_s": check.UNKNOWN.limit,
+        "by_name": False,
+        "known": False,
+        "starts_by_s": check.PLAN["env"].expected,
+    }
+
+
+def test_a_step_that_raises_keeps_its_partial_figures(tmp_path):
+    """A step's figures survive its exception: what it printed as partial lines, under the
+    final line's ``ok: false`` and the error (before: a bare ``{"ok": false}`` hid them). A
+    child's partial lines (learner-configs streams into the learner step's log) are not the
+    step's."""
+    log = tmp_path / "learner.log"
+    lines = [
+        {"partial": "learner", "phase": "ac_none", "figures": {"ac_none": {"doc1024_mb1": 1}}},
+        {"partial": "learner-configs", "phase": "build", "figures": {"params": 5}},
+        {"step": "learner", "figures": {"ok": False, "raised": "RuntimeError: boom"}},
+    ]
+    log.write_text("starting\n" + "".join(json.dumps(x) + "\n" for x in lines))
+    rec = check.record(tmp_path, "learner", 1, 3.0, log)
+    assert not rec["ok"] and rec["reached"] is None
+    assert rec["figures"] == {
+        "ac_none": {"doc1024_mb1": 1},
+        "ok": False,
+        "raised": "RuntimeError: boom",
+    }
+
+
+BOOM = """#!/usr/bin/env bash
+# A test fake of the check's python for one step, `boom`, which no real step does on purpose: a
+# step that measures one configuration (a phase line) and then raises, run by check.py's own main.
+# Every other call is the real interpreter's.
+if [ "$2" = boom ]; then
+  shift 2
+  exec {py} -c '
+import sys
+sys.path.insert(0, "{root}")
+from tools.gpu import check
+def boom(work, dry):
+    figs = {{"first": {{"tokens_per_s": 123.0}}}}
+    check.phase(figs, "first")
+    figs["second"] = {{"started": True}}
+    raise RuntimeError("the second configuration failed")
+check.RUNNERS["boom"] = boom
+sys.argv[0] = "check.py"
+sys.exit(check.main(["boom", *sys.argv[1:]]))
+' "$@"
+fi
+exec {py} "$@"
+"""
+
+
+def test_check_sh_records_what_a_raising_step_measured(tmp_path):
+    """Through check.sh: the raising step's record keeps its first configuration's figures, the
+    ones set after its last phase, and the exception; the plan is printed before env."""
+    py = tmp_path / "python"
+    py.write_text(BOOM.format(py=sys.executable, root=ROOT))
+    py.chmod(0o755)
+    p = _check(tmp_path / "r", "--dry", "boom", ASYNCRL_CHECK_PYTHON=str(py))
+    assert p.returncode == 0, p.stderr
+    _assert_plan_printed_first(p.stdout, ["env", "boom"])
+    env, boom = _records(tmp_path / "r")
+    assert env["ok"] and {"pytorch_cuda_alloc_conf", "ptrace_scope"} <= set(env["figures"])
+    assert not boom["ok"] and boom["rc"] == 1 and not boom["timed_out"]
+    figs = boom["figures"]
+    assert figs["first"] == {"tokens_per_s": 123.0} and figs["second"] == {"started": True}
+    assert figs["raised"] == "RuntimeError: the second configuration failed"
+    assert "Traceback" in boom["error"]
+    assert json.loads((tmp_path / "r/plan.json").read_text())[1]["step"] == "boom"
 
 
 def test_a_failed_step_is_recorded_with_its_output_and_the_next_one_runs(tmp_path):
@@ -193,8 +324,10 @@ def test_a_step_past_its_limit_dumps_its_stacks_keeps_what_it_reached_and_leaves
     py = tmp_path / "python"
     py.write_text(HANG.format(py=sys.executable))
     py.chmod(0o755)
+    # env runs first, up to its 60 s limit on a loaded 2-core machine (30 s seen): what it leaves
+    # of 85 s is hang's limit, at least the 20 s under which check.sh skips a step
     p = _check(
-        tmp_path / "r", "--dry", "hang", ASYNCRL_CHECK_BUDGET_S="45", ASYNCRL_CHECK_PYTHON=str(py)
+        tmp_path / "r", "--dry", "hang", ASYNCRL_CHECK_BUDGET_S="85", ASYNCRL_CHECK_PYTHON=str(py)
     )
     assert p.returncode == 0, p.stderr
     env, hang = _records(tmp_path / "r")

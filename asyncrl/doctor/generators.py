@@ -75,7 +75,13 @@ def check_server(d: Doctor, url: str) -> Check:
                 f"sglang {version} has no per-token weight versions: use SGLang >= 0.5.19"
             )
         try:
-            facts.append(f"tp {server_ranks(server)}")
+            tp = server_ranks(server)
+            facts.append(f"tp {tp}")
+            if tp > 1 and d.recipe.weights.backend == "ipc":  # the broadcaster refuses it too
+                problems.append(
+                    f"weights.backend ipc sends one handle per bucket, which SGLang indexes by TP "
+                    f"rank: a server of tp {tp} cannot take it; set weights.backend to nccl"
+                )
         except LayoutError as e:
             problems.append(str(e))
         radix_off = bool(server.get("disable_radix_cache", False))

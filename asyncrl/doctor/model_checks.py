@@ -56,7 +56,25 @@ def check_attention(d: Doctor) -> list[Check]:
         )
     except ValueError as e:
         return [Check(name="attention", ok=False, detail=str(e))]
-    return [Check(name="attention", ok=True, detail=f"{chosen}: {why}")]
+    warning = float32_attention_warning(d, chosen, on_cpu=on_cpu)
+    return [Check(name="attention", ok=True, detail=f"{chosen}: {why}{warning}")]
+
+
+def float32_attention_warning(d: Doctor, chosen: str, *, on_cpu: bool) -> str:
+    """A warning (not a failure: float32 trains, correctly) for ``model.dtype: float32`` on a GPU
+    with grouped-query attention, the recipe default: SDPA's flash kernel takes only half precision
+    and its memory-efficient one no ``enable_gqa``, so the per-document SDPA falls back to the math
+    kernel, which builds each document's L×L scores (time, and memory the plan does not count)."""
+    m = d.dims
+    if on_cpu or d.recipe.model.dtype != "float32" or m is None or m.kv_heads >= m.heads:
+        return ""
+    if chosen not in ("sdpa", "varlen"):
+        return ""
+    return (
+        f"; warning: model.dtype float32 on a GPU with grouped-query attention ({m.heads}/"
+        f"{m.kv_heads} heads): SDPA falls back to its math kernel (L×L scores per document, "
+        "not in the memory plan) and varlen needs half precision: set model.dtype=bfloat16"
+    )
 
 
 def _count(n: int) -> str:

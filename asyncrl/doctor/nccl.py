@@ -9,6 +9,29 @@ from asyncrl.doctor.context import Check, Doctor
 
 
 def check_nccl(d: Doctor) -> list[Check]:
+    return _nccl_line(d) + handle_allocator(d)
+
+
+def handle_allocator(d: Doctor) -> list[Check]:
+    """On a GPU host where weights may go by CUDA IPC handle (``weights.backend: ipc``, or
+    ``auto`` with built-in engines that may run on rank 0's own GPU): a failed line when the
+    learner's allocator settings break those handles (asyncrl.weights.ipc.alloc_conf_problem;
+    ``asyncrl learner`` refuses them for ``ipc`` at start), else nothing."""
+    from asyncrl.weights.ipc import alloc_conf_problem
+
+    g, backend = d.recipe.generator, d.recipe.weights.backend
+    if not (d.device and d.device.cuda):
+        return []
+    by_handle = backend == "ipc" or (
+        backend == "auto" and g.kind == "builtin" and g.device in ("auto", "cuda")
+    )
+    problem = alloc_conf_problem(d.environ) if by_handle else None
+    if problem is None:
+        return []
+    return [Check(name="weights by handle", ok=False, detail=problem)]
+
+
+def _nccl_line(d: Doctor) -> list[Check]:
     cuda = bool(d.device and d.device.cuda)
     backend = d.recipe.weights.backend
     here = gpu.this_torch()

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
@@ -114,6 +114,23 @@ def match_sglang_nccl(recipe: Recipe) -> dict[str, str]:
     return env
 
 
+def refuse_ipc_allocator(recipe: Recipe, environ: Mapping[str, str]) -> None:
+    """``weights.backend: ipc`` on a GPU with allocator settings under which torch cannot pass
+    rank 0's memory by handle: refused before the model is built (every update would fail at the
+    engine, which would stay on version 0 and hold the learner at the staleness bound). Unsetting
+    it here would change the memory behaviour asked for; ``auto`` is the doctor's to warn about
+    (whether it takes handles depends on where the engines run)."""
+    if recipe.weights.backend != "ipc":
+        return
+    import torch
+
+    from asyncrl.weights.ipc import alloc_conf_problem
+
+    problem = alloc_conf_problem(environ) if torch.cuda.is_available() else None
+    if problem:
+        raise recipe_mod.RecipeError(problem, key="weights.backend")
+
+
 @dataclasses.dataclass
 class _Services:
     """What the loop talks to besides the trainer, each None where this rank or run has none; set
@@ -143,6 +160,7 @@ def train(
     from asyncrl.learner.trainer import Trainer
 
     t0 = time.monotonic()
+    refuse_ipc_allocator(recipe, os.environ)
     match_sglang_nccl(recipe)
     config = TrainerConfig.from_recipe(recipe)  # what the Trainer reads of the recipe
     rank, _ = ensure_distributed(config.collective_timeout_s)

@@ -30,6 +30,7 @@ import io
 import math
 import pickle
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,17 @@ FLATTENED = "flattened_bucket"
 
 _DEVICE_ARG = 6
 """Where torch's ``rebuild_cuda_tensor`` arguments hold the device (an index; here a UUID)."""
+
+_CUDA_ARGS = 15
+"""How many arguments torch's ``rebuild_cuda_tensor`` takes (``reduce_tensor``'s CUDA branch:
+tensor class, size, stride, offset, storage class, dtype, device, handle, storage bytes, storage
+offset, requires_grad, ref-counter handle and offset, event handle, event sync), as read from
+torch 2.13's reductions.py; tests/weights/test_ipc_cuda_payload.py holds it against the installed
+torch's signature, so the GPU host's torch is checked by running that test there."""
+
+_STORAGE_ARG = 4
+"""Where those arguments hold the storage class: ``type(tensor._typed_storage())``, which is
+``torch.storage.TypedStorage`` (so a CUDA payload names that global, as the unpickler allows)."""
 
 
 class PayloadError(ValueError):
@@ -101,6 +113,36 @@ def _reduce_cpu_storage(s: torch.UntypedStorage) -> tuple:
     return reductions.rebuild_storage_filename, (torch.UntypedStorage, manager, handle, size)
 
 
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+"""torch's CUDA allocator settings (read once, at the first CUDA allocation; torch also reads
+``PYTORCH_ALLOC_CONF`` when this is unset)."""
+
+
+def alloc_conf_problem(environ: Mapping[str, str]) -> str | None:
+    """Why rank 0's CUDA memory cannot be passed by handle under this environment's allocator
+    settings, or None. ``expandable_segments:True`` maps memory with the driver's virtual memory
+    API, whose blocks torch shares as file descriptors fetched from the learner's process
+    (``pidfd_getfd``, which needs ptrace rights over it, and yama's ``ptrace_scope`` refuses
+    them between unrelated processes) instead of ``cudaIpcGetMemHandle``; ``backend:
+    cudaMallocAsync`` cannot share its blocks at all. Either fails every handle the engine opens."""
+    name = ALLOC_CONF_ENV if environ.get(ALLOC_CONF_ENV) else "PYTORCH_ALLOC_CONF"
+    conf = environ.get(name) or ""
+    pairs = dict(
+        (k.strip().lower(), v.strip().lower())
+        for k, _, v in (item.partition(":") for item in conf.split(","))
+    )
+    if pairs.get("expandable_segments") == "true":
+        why = "expandable segments are shared through the learner's file descriptors, not CUDA IPC"
+    elif pairs.get("backend") == "cudamallocasync":
+        why = "torch cannot share cudaMallocAsync's blocks"
+    else:
+        return None
+    return (
+        f"{name}={conf} breaks weights by CUDA IPC handle ({why}): unset it for the learner, "
+        "or set weights.backend to gloo or nccl"
+    )
+
+
 def share(flat: torch.Tensor) -> None:
     """Put a CPU buffer in shared memory now (a copy, once; none for one made there:
     :func:`asyncrl.weights.buckets.flatten`'s ``shared``), so that building its handles later
@@ -149,7 +191,15 @@ class _Record:
 
 
 def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
-    """torch's ``rebuild_cuda_tensor`` with the device given by UUID (or index)."""
+    """torch's ``rebuild_cuda_tensor`` with the device given by UUID (or index), after checking
+    the classes it will call: the payload chooses them, among the allowed globals."""
+    if len(args) != _CUDA_ARGS:
+        raise PayloadError(f"a CUDA handle has {_CUDA_ARGS} arguments, this one {len(args)}")
+    if args[0] is not torch.Tensor or args[_STORAGE_ARG] not in (
+        torch.storage.TypedStorage,
+        torch.UntypedStorage,
+    ):
+        raise PayloadError("a CUDA handle rebuilds a torch.Tensor on a torch storage")
     device = args[_DEVICE_ARG]
     if isinstance(device, str):
         index = next(
@@ -178,6 +228,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "UntypedStorage"): torch.UntypedStorage,
     ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,  # a CUDA handle's storage class
     ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
     (

@@ -8,7 +8,8 @@ into one record of ``RESULTS/check.jsonl`` (``record``). With ``--dry`` every st
 sizes (a small vocabulary, the tiny test model, gloo), so the script is exercised by the default test
 tier and does not rot before a GPU is lent.
 
-    python tools/gpu/check.py STEP WORK [--dry]     # STEP: one of STEPS
+    python tools/gpu/check.py STEP WORK [--dry]     # STEP: one of STEPS or BY_NAME
+    python tools/gpu/check.py plan RESULTS BUDGET SCALE [STEP ...]
     python tools/gpu/check.py record RESULTS STEP RC SECONDS LOG
 
 ``WORK`` is a scratch folder for models and run folders (not the results: they come back over the
@@ -32,6 +33,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,20 +45,89 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12
 """Dense bf16 tensor-core peak (FLOP/s) by device-name fragment, the MFU denominator (vendor sheets,
 SXM parts). A device not listed gets no MFU."""
 
-STEPS = (
-    "env",
-    "models",
-    "nccl",
-    "logprobs",
-    "learner",
-    "weights",
-    "engine",
-    "run",
-    "one_gpu",
-    "lora",
-)
-"""check.sh's order: the cheap facts first, then the paths by how much a result is worth (LoRA and
-the distillation teacher last: the newest paths, which the others' budget comes before)."""
+BUDGET_S = 480
+"""The whole check's seconds on the GPU host (``ASYNCRL_CHECK_BUDGET_S``): the device tool's command
+runs at most 540 s, and on_device.sh needs the rest to pack what came back."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One step's seconds on the GPU host: ``expected``, what it should take (the plan adds these
+    up against :data:`BUDGET_S`), and ``limit``, where check.sh cuts it (or at what is left of
+    the budget, if less). Estimates from the steps' parts (model loads, engine starts, ``asyncrl
+    run`` starts, the work itself at the H100's rates), not measured as a whole on a GPU: the
+    first GPU run's learner, run and lora steps failed before they timed anything, and its
+    one_gpu step did not exist yet."""
+
+    expected: int
+    limit: int
+
+
+PLAN: dict[str, Budget] = {
+    "env": Budget(10, 60),
+    "learner": Budget(130, 200),
+    "weights": Budget(45, 90),
+    "one_gpu": Budget(100, 180),
+    "run": Budget(45, 100),
+    "lora": Budget(60, 120),
+    "engine": Budget(45, 90),
+    "logprobs": Budget(20, 60),
+    "nccl": Budget(15, 45),
+}
+"""The default steps, in check.sh's order: by what the GPU window must bring back (issue #54): the
+facts every record is read against, the learner's speed (Qwen3-0.6B, bf16, no activation
+checkpointing and full), the co-located weight sync (CUDA IPC against gloo), the one-GPU run
+(asynchronous and synchronous), a run, LoRA and the teacher, the engine's decode, the chunked
+logprobs, NCCL's options. Expected seconds add up to at most BUDGET_S (tests/test_gpu_check.py)."""
+
+STEPS = tuple(PLAN)
+
+BY_NAME: dict[str, Budget] = {
+    "flex": Budget(150, 240),
+    "models": Budget(30, 120),
+}
+"""Steps that run only when named (``check.sh RESULTS flex``): flex attention's learner (TorchTitan
+compiles it with max-autotune, minutes per shape: it took whatever was left of the learner step's
+limit before), and the models made alone (each step makes what it needs, cached in WORK: the
+learner step Qwen3-0.6B's, the run steps the demo's)."""
+
+UNKNOWN = Budget(0, 120)
+"""What the plan gives a step name it does not know (check.py then refuses it: a failed record)."""
+
+
+def plan(steps: list[str], budget_s: int, scale: int = 1) -> list[dict[str, Any]]:
+    """The steps check.sh runs and the seconds of each (limits times ``scale``): the named ones in
+    their order, else :data:`STEPS`; ``env`` first either way. Each step's limit is capped by what
+    the expected seconds of the steps before it leave of ``budget_s`` (so the plan says where the
+    budget would cut a step, before it runs)."""
+    order = ["env", *(s for s in steps or STEPS if s != "env")]
+    rows, before = [], 0
+    for s in order:
+        b = PLAN.get(s) or BY_NAME.get(s) or UNKNOWN
+        rows.append(
+            {
+                "step": s,
+                "expected_s": b.expected * scale,
+                "limit_s": b.limit * scale,
+                "by_name": s in BY_NAME,
+                "known": s in PLAN or s in BY_NAME,
+                "starts_by_s": before,
+            }
+        )
+        before += b.expected * scale
+    return rows
+
+
+def print_plan(rows: list[dict[str, Any]], budget_s: int) -> None:
+    total = sum(r["expected_s"] for r in rows)
+    print(f"plan: {len(rows)} steps, expected {total} s of the {budget_s} s budget", flush=True)
+    for i, r in enumerate(rows, 1):
+        note = " (by name)" if r["by_name"] else "" if r["known"] else " (not a step)"
+        print(
+            f"plan: {i:2d}. {r['step']:<9} expected {r['expected_s']:4d} s, "
+            f"limit {r['limit_s']:4d} s{note}",
+            flush=True,
+        )
 
 
 # ---- shared helpers ------------------------------------------------------------------------------
@@ -73,8 +144,27 @@ RUN_STOP_GRACE_S = 10
 run.timeout_s + stop grace < the child's timeout < the step's limit."""
 
 
-def step_limit(default: float) -> float:
-    return float(os.environ.get(LIMIT_ENV, default))
+def step_limit(step: str | None = None) -> float:
+    """This step's limit: check.sh's, else the plan's."""
+    b = PLAN.get(step or STEP) or BY_NAME.get(step or STEP) or UNKNOWN
+    return float(os.environ.get(LIMIT_ENV, b.limit))
+
+
+LAST_FIGS: dict[str, Any] = {}
+"""The figures of the last phase reached: what main records when the step raises after it."""
+
+
+@contextlib.contextmanager
+def part(figs: dict[str, Any], name: str) -> Iterator[None]:
+    """One configuration of a step: if it raises, its traceback goes to the log, the error to
+    ``figs["failed"][name]``, and the step goes on to its next configuration (one that fails does
+    not cost the others their figures)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - any failure of a configuration is its record
+        traceback.print_exc()
+        figs.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"[-500:]
+        phase(figs, f"{name} failed")
 
 
 def phase(figs: dict[str, Any], name: str) -> None:
@@ -84,6 +174,8 @@ def phase(figs: dict[str, Any], name: str) -> None:
     figs.setdefault("phases", {})[name] = t
     print(f"[{t:8.2f} s] {STEP}: {name}", flush=True)
     print(json.dumps({"partial": STEP, "phase": name, "figures": figs}, default=str), flush=True)
+    global LAST_FIGS
+    LAST_FIGS = figs
 
 
 def run_child(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> int:
@@ -241,12 +333,39 @@ def step_env(work: Path, dry: bool) -> dict[str, Any]:
     figs["attention"], figs["attention_why"] = kind, why
     figs["flash_impl"] = flash_impl(cap)
     figs["peak_bf16_tflops"] = (_peak_bf16(figs["device"]) or 0) / 1e12 or None
+    figs.update(ipc_facts(cuda))
     shim = sys.modules.get("sitecustomize")  # tools/gpu/shim, on the GPU host only
     figs["shim_patched"] = getattr(shim, "PATCHED", None)
     figs["ok"] = cuda or dry  # a GPU check that finds no GPU has failed
     for k, v in figs.items():
         print(f"{k:>20}: {v}")
     return figs
+
+
+def ipc_facts(cuda: bool) -> dict[str, Any]:
+    """What decides whether CUDA IPC handles work on this host (the weights, one_gpu and run
+    steps use them): the allocator's configuration (expandable segments or ``cudaMallocAsync``
+    break ``weights.backend: ipc``: asyncrl.weights.ipc.alloc_conf_problem), the GPU's compute
+    mode (an exclusive one admits one process: the engine could not share it) and yama's
+    ``ptrace_scope``."""
+    from asyncrl.weights.ipc import ALLOC_CONF_ENV, alloc_conf_problem
+
+    conf = os.environ.get(ALLOC_CONF_ENV)
+    facts: dict[str, Any] = {
+        "pytorch_cuda_alloc_conf": conf,
+        "alloc_conf_ipc_problem": alloc_conf_problem(os.environ),
+        "compute_mode": None,
+        "ptrace_scope": None,
+    }
+    with contextlib.suppress(OSError, ValueError):
+        facts["ptrace_scope"] = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    if cuda:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            q = ["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader", "-i", "0"]
+            facts["compute_mode"] = subprocess.run(
+                q, capture_output=True, text=True, timeout=20
+            ).stdout.strip()
+    return facts
 
 
 # ---- g. NCCL process groups ------------------------------------------------------------------------
@@ -466,17 +585,17 @@ def _learner_recipe(model: Path, work: Path, *, doc: int, n: int, mbs: int, ac: 
     )
 
 
-def learner_configs(model: Path, work: Path, dry: bool, ac: str) -> dict[str, Any]:
+def learner_configs(model: Path, work: Path, dry: bool, ac: str, out: Path) -> dict[str, Any]:
     """In a child: the real learner (Trainer: TorchTitan model, FSDP2 over a 1-rank group, bf16
     compute) with activation checkpointing ``ac``, built once, then one update of the same tokens
     for each document length × micro-batch count: the first step's seconds (masks, first kernels,
     any compile), the steady step's (the best of two), trained tokens/s, MFU, the peak against
-    the memory plan; a ``torch.profiler`` table of one steady step of the first configuration."""
-    import dataclasses
-
+    the memory plan; a ``torch.profiler`` table of one steady step of the first configuration.
+    The figures so far are written to ``out`` after each configuration (a child cut at its limit
+    still leaves them), and a configuration that raises (an out-of-memory) is recorded and the
+    next one runs."""
     import torch
 
-    from asyncrl.doctor import Doctor
     from asyncrl.learner.config import TrainerConfig
     from asyncrl.learner.trainer import Trainer
     from asyncrl.memory import ModelDims
@@ -490,62 +609,95 @@ def learner_configs(model: Path, work: Path, dry: bool, ac: str) -> dict[str, An
     first = _learner_recipe(model, work, doc=docs[0], n=total // docs[0], mbs=1, ac=ac)
     trainer = Trainer(TrainerConfig.from_recipe(first), checkpointing=False)
     figs["attention"] = type(trainer.models.actor.layers["0"].attention.inner_attention).__name__
-    params = sum(p.numel() for p in trainer.models.actor.parameters())
-    figs["params"] = params
+    figs["params"] = sum(p.numel() for p in trainer.models.actor.parameters())
     phase(figs, "build")
     figs["build_s"] = round(figs["phases"]["build"] - figs["phases"]["import"], 2)
     peak = _peak_bf16(torch.cuda.get_device_properties(0).name) if cuda else None
     only_first = os.environ.get("ASYNCRL_CHECK_LEARNER_FIRST_ONLY") == "1"
     for doc in docs[:1] if only_first else docs:
         n = total // doc
-        per = doc - 16
         for mbs in (1,) if only_first else (1, 2):
             tag = f"doc{doc}_mb{mbs}"
-            r = _learner_recipe(model, work, doc=doc, n=n, mbs=mbs, ac=ac)
-            trainer.models.config = dataclasses.replace(
-                trainer.config,
-                learner=dataclasses.replace(
-                    trainer.config.learner, micro_batch_tokens=r.learner.micro_batch_tokens
-                ),
-            )
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            _sync(cuda)
-            t = time.perf_counter()
-            trainer.step(_batch(dims.vocab, n, per, 0))
-            _sync(cuda)
-            row: dict[str, Any] = {"first_step_s": round(time.perf_counter() - t, 3)}
-            times = []
-            for s in range(2):
-                b = _batch(dims.vocab, n, per, s + 1)
-                _sync(cuda)
-                t = time.perf_counter()
-                result = trainer.step(b)
-                _sync(cuda)
-                times.append(time.perf_counter() - t)
-            step_s = min(times)
-            trained = n * per
-            # 6·P per token, plus attention's 12·L·d·s per token (causal halves it: 6·L·d·s)
-            flops = (6 * params + 6 * cfg["num_hidden_layers"] * dims.q_dim * doc) * trained
-            plan = Doctor(recipe=r, dims=dims).learner_plans()[0]
-            row.update(
-                step_s=round(step_s, 4),
-                tokens=trained,
-                tokens_per_s=round(trained / step_s, 1),
-                loss=float(result.loss),
-                mfu=round(flops / step_s / peak, 4) if peak else None,
-                plan_gib=_gib(plan.total),
-            )
-            if cuda:
-                row["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated())
-                row["peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved())
-                row["peak_over_plan"] = round(row["peak_allocated_gib"] / row["plan_gib"], 3)
-            figs[tag] = row
-            phase(figs, tag)
-    _profile(trainer, dims.vocab, total // docs[0], docs[0] - 16, cuda, work / f"profile_{ac}.txt")
-    phase(figs, "profile")
+            with part(figs, tag):
+                _learner_config(trainer, model, work, figs, tag, doc, n, mbs, ac, cuda, peak)
+            if cuda and tag in figs.get("failed", {}):
+                torch.cuda.empty_cache()  # an out-of-memory's blocks, before the next
+            out.write_text(json.dumps(figs, default=str))
+    with part(figs, "profile"):
+        n = total // docs[0]
+        _profile(trainer, dims.vocab, n, docs[0] - 16, cuda, work / f"profile_{ac}.txt")
+        phase(figs, "profile")
     trainer.close()
+    out.write_text(json.dumps(figs, default=str))
     return figs
+
+
+def _learner_config(
+    trainer: Any,
+    model: Path,
+    work: Path,
+    figs: dict[str, Any],
+    tag: str,
+    doc: int,
+    n: int,
+    mbs: int,
+    ac: str,
+    cuda: bool,
+    peak: float | None,
+) -> None:
+    """One configuration of :func:`learner_configs`: its row under ``figs[tag]``."""
+    import dataclasses
+
+    import torch
+
+    from asyncrl.doctor import Doctor
+    from asyncrl.memory import ModelDims
+
+    cfg = json.loads((model / "config.json").read_text())
+    dims = ModelDims.from_hf_config(cfg)
+    params = figs["params"]
+    per = doc - 16
+    r = _learner_recipe(model, work, doc=doc, n=n, mbs=mbs, ac=ac)
+    trainer.models.config = dataclasses.replace(
+        trainer.config,
+        learner=dataclasses.replace(
+            trainer.config.learner, micro_batch_tokens=r.learner.micro_batch_tokens
+        ),
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    _sync(cuda)
+    t = time.perf_counter()
+    trainer.step(_batch(dims.vocab, n, per, 0))
+    _sync(cuda)
+    row: dict[str, Any] = {"first_step_s": round(time.perf_counter() - t, 3)}
+    times = []
+    for s in range(2):
+        b = _batch(dims.vocab, n, per, s + 1)
+        _sync(cuda)
+        t = time.perf_counter()
+        result = trainer.step(b)
+        _sync(cuda)
+        times.append(time.perf_counter() - t)
+    step_s = min(times)
+    trained = n * per
+    # 6·P per token, plus attention's 12·L·d·s per token (causal halves it: 6·L·d·s)
+    flops = (6 * params + 6 * cfg["num_hidden_layers"] * dims.q_dim * doc) * trained
+    plan = Doctor(recipe=r, dims=dims).learner_plans()[0]
+    row.update(
+        step_s=round(step_s, 4),
+        tokens=trained,
+        tokens_per_s=round(trained / step_s, 1),
+        loss=float(result.loss),
+        mfu=round(flops / step_s / peak, 4) if peak else None,
+        plan_gib=_gib(plan.total),
+    )
+    if cuda:
+        row["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated())
+        row["peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved())
+        row["peak_over_plan"] = round(row["peak_allocated_gib"] / row["plan_gib"], 3)
+    figs[tag] = row
+    phase(figs, tag)
 
 
 def _profile(trainer: Any, vocab: int, n: int, per: int, cuda: bool, out: Path) -> None:
@@ -565,47 +717,71 @@ def _profile(trainer: Any, vocab: int, n: int, per: int, cuda: bool, out: Path) 
 
 def step_learner(work: Path, dry: bool) -> dict[str, Any]:
     """The learner's speed on one GPU (issue #44 item 4): Qwen3-0.6B's configuration in bf16
-    (the tiny model on --dry), ``LEARNER_TOKENS`` per update of 1k- and 4k-token documents, in 1
-    and 2 micro-batches, without and with full activation checkpointing; each checkpointing
-    setting in its own process (so each peak is its own), whose output streams into this step's
-    log. ``ok`` when every configuration trained; the targets are figures, not conditions (a
-    missed target is read off the record and the profile)."""
-    model = model_for(work, dry)
-    figs: dict[str, Any] = {"model": model.name, "attention_forced": attention()}
-    limit = step_limit(180) - KILL_MARGIN_S
+    (the tiny model on --dry; made here, timed as ``model_s``), ``LEARNER_TOKENS`` per update of
+    1k- and 4k-token documents, in 1 and 2 micro-batches, without and with full activation
+    checkpointing; each checkpointing setting in its own process (so each peak is its own), whose
+    output streams into this step's log, each given its share of what is left. A setting that
+    fails is recorded (its exit status) and the next one still runs. ``ok`` when every
+    configuration trained; the targets are figures, not conditions (a missed target is read off
+    the record and the profile). Flex attention is the ``flex`` step's, by name only."""
+    figs: dict[str, Any] = {"attention_forced": attention()}
+    with _timed(figs, "model_s"):
+        model = model_for(work, dry)
+    figs["model"] = model.name
+    phase(figs, "model")
+    limit = step_limit() - KILL_MARGIN_S
     t0 = time.monotonic()
-    for ac in ("none", "full"):
-        out = work / f"learner-{ac}.json"
-        out.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "learner-configs", str(work), str(model), ac, str(out)]
-        rc = run_child(cmd + ["--dry"] * dry, timeout_s=limit - (time.monotonic() - t0))
-        if rc != 0 or not out.exists():
-            figs[f"ac_{ac}"] = {"rc": rc}
-            raise RuntimeError(f"activation_checkpointing {ac}: rc {rc} (its output is above)")
-        figs[f"ac_{ac}"] = json.loads(out.read_text())
+    settings = ("none", "full")
+    for i, ac in enumerate(settings):
+        left = limit - (time.monotonic() - t0)
+        figs[f"ac_{ac}"] = _learner_child(work, model, dry, ac, left / (len(settings) - i))
         phase(figs, f"ac_{ac}")
-    left = limit - (time.monotonic() - t0)
-    if not dry and attention() == "auto" and left > 30:
-        # flex against what auto chose, on the first configuration: its compile is the first
-        # step's cost (a child cut at its limit says it took longer than that)
-        out = work / "learner-flex.json"
-        out.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "learner-configs", str(work), str(model), "none", str(out)]
-        t = time.monotonic()
-        env = {"ASYNCRL_CHECK_ATTENTION": "flex", "ASYNCRL_CHECK_LEARNER_FIRST_ONLY": "1"}
-        rc = run_child(cmd, timeout_s=left, env=env)
-        flex = json.loads(out.read_text()) if rc == 0 and out.exists() else {"rc": rc}
-        figs["flex"] = flex | {"child_s": round(time.monotonic() - t, 1)}
-        phase(figs, "flex")
     rows = [
-        v for ac in ("none", "full") for k, v in figs[f"ac_{ac}"].items() if k.startswith("doc")
+        v
+        for ac in settings
+        for k, v in figs[f"ac_{ac}"].items()
+        if k.startswith("doc") and isinstance(v, dict) and "tokens_per_s" in v
     ]
-    figs["best_tokens_per_s"] = max(r["tokens_per_s"] for r in rows)
+    figs["best_tokens_per_s"] = max((r["tokens_per_s"] for r in rows), default=None)
     figs["tokens_per_s_target"] = TOKENS_PER_S_TARGET
     ratios = [r["peak_over_plan"] for r in rows if r.get("peak_over_plan")]
     figs["peak_over_plan_range"] = [min(ratios), max(ratios)] if ratios else None
     figs["plan_band"] = list(PLAN_BAND)
-    figs["ok"] = True
+    figs["ok"] = all(
+        "rc" not in figs[f"ac_{ac}"] and "failed" not in figs[f"ac_{ac}"] for ac in settings
+    )
+    return figs
+
+
+def _learner_child(
+    work: Path, model: Path, dry: bool, ac: str, timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``learner-configs`` in a child process: its figures, or its exit status and the figures of
+    the last configuration it reached (its partial lines, which it also writes to ``out``)."""
+    tag = "flex" if env else ac
+    out = work / f"learner-{tag}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "learner-configs", str(work), str(model), ac, str(out)]
+    t = time.monotonic()
+    rc = run_child(cmd + ["--dry"] * dry, timeout_s=timeout_s, env=env)
+    got = json.loads(out.read_text()) if out.exists() else {}
+    got["child_s"] = round(time.monotonic() - t, 1)
+    if rc != 0:
+        got["rc"] = rc
+        print(f"learner {tag}: rc {rc} (its output is above)", flush=True)
+    return got
+
+
+def step_flex(work: Path, dry: bool) -> dict[str, Any]:
+    """Flex attention forced on the learner step's first configuration (by name only: TorchTitan
+    compiles it with max-autotune, which took longer than any limit the window can give on the
+    first GPU run). Its first step includes the compile; a child cut at its limit says the compile
+    took longer than that."""
+    model = model_for(work, dry)
+    env = {"ASYNCRL_CHECK_ATTENTION": "flex", "ASYNCRL_CHECK_LEARNER_FIRST_ONLY": "1"}
+    figs: dict[str, Any] = {"model": model.name}
+    figs["flex"] = _learner_child(work, model, dry, "none", step_limit() - KILL_MARGIN_S, env)
+    figs["ok"] = "rc" not in figs["flex"] and "failed" not in figs["flex"]
     return figs
 
 
@@ -774,31 +950,35 @@ def step_engine(work: Path, dry: bool) -> dict[str, Any]:
     if cuda:
         dev = torch.device("cuda", 0)
         swept, tag = hf.to(dev, torch.bfloat16), "gpu_bf16"
-        gpu_rel = _compare(swept, prompts, new, dev, tag, figs)
-        figs["engine_gpu_over_hf_gpu"] = round(
-            figs["engine_gpu_bf16_tok_s"] / figs["hf_gpu_bf16_tok_s"], 3
-        )
-        figs["engine_gpu_bf16_over_recorded"] = round(
-            figs["engine_gpu_bf16_tok_s"] / RECORDED_GPU_BF16_TOK_S, 3
-        )
-        figs["ok"] = figs["ok"] and gpu_rel < GPU_BF16_REL_DIFF
-        phase(figs, "gpu_bf16")
+        cpu_ok, figs["ok"] = figs["ok"], False  # until the GPU's comparison has passed
+        with part(figs, tag):
+            gpu_rel = _compare(swept, prompts, new, dev, tag, figs)
+            figs["engine_gpu_over_hf_gpu"] = round(
+                figs["engine_gpu_bf16_tok_s"] / figs["hf_gpu_bf16_tok_s"], 3
+            )
+            figs["engine_gpu_bf16_over_recorded"] = round(
+                figs["engine_gpu_bf16_tok_s"] / RECORDED_GPU_BF16_TOK_S, 3
+            )
+            figs["ok"] = cpu_ok and gpu_rel < GPU_BF16_REL_DIFF
+            phase(figs, "gpu_bf16")
     sizes = ENGINE_SWEEP_DRY if dry else ENGINE_SWEEP if cuda else ()
     rates: dict[int, float] = {}
     for b in sizes:
-        bp = torch.randint(3, vocab, (b, prompt), generator=g).tolist()
-        rates[b], _, _, steps = _engine_decode(swept, bp, new)
-        figs[f"engine_{tag}_b{b}_tok_s"] = round(rates[b], 1)
-        for k, v in steps.items():
-            figs[f"engine_{tag}_b{b}_{k}"] = v
-        phase(figs, f"{tag}_b{b}")
-    if len(rates) >= 2:
+        with part(figs, f"{tag}_b{b}"):
+            bp = torch.randint(3, vocab, (b, prompt), generator=g).tolist()
+            rates[b], _, _, steps = _engine_decode(swept, bp, new)
+            figs[f"engine_{tag}_b{b}_tok_s"] = round(rates[b], 1)
+            for k, v in steps.items():
+                figs[f"engine_{tag}_b{b}_{k}"] = v
+            phase(figs, f"{tag}_b{b}")
+    figs["ok"] = figs["ok"] and "failed" not in figs
+    if len(rates) >= 2 and all(b in rates for b in sizes[:2]):
         lo, hi = sizes[:2]
         figs[f"engine_{tag}_b{hi}_over_b{lo}"] = round(rates[hi] / rates[lo], 3)
     if cuda:
         figs["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated(dev))
         figs["targets_met"] = (
-            figs["engine_gpu_bf16_over_recorded"] >= TARGET_OVER_RECORDED
+            figs.get("engine_gpu_bf16_over_recorded", 0) >= TARGET_OVER_RECORDED
             and figs.get("engine_gpu_bf16_b64_over_b8", 0) >= TARGET_B64_OVER_B8
         )
     print(json.dumps(figs, indent=1))
@@ -853,48 +1033,64 @@ def step_weights(work: Path, dry: bool) -> dict[str, Any]:
         info = http.get("/server_info").json()
         figs["engine_device"], figs["engine_dtype"] = info["device"], info["dtype"]
         b.add_generator(wire.GeneratorInfo(url=engine.url, kind="builtin"))
-        for version in (1, 2):  # the first builds the group; the second is the steady state
-            t = time.perf_counter()
-            b.publish(version, named)
-            b.wait()
-            r = b.reports[-1]
-            figs[f"v{version}_wall_s"] = round(time.perf_counter() - t, 3)
-            figs[f"v{version}_sync_s"] = round(r.sync_s, 3)
-            figs[f"v{version}_checksum_ok"] = r.checksum_ok.get(engine.url)
-            figs[f"v{version}_updated"] = engine.url in r.updated
-            if r.error:
-                figs[f"v{version}_error"] = r.error[-300:]
-            named = {k: v.add_(1e-3) for k, v in named.items()}  # a changed model for v2
-            phase(figs, f"sync v{version}")
-        figs["backend"] = b.groups.backend(engine.url)  # ipc on rank 0's GPU, else its group's
-        if figs["backend"] == "ipc":  # the way it took before, to the same engine
-            g = WeightBroadcaster(WeightsConfig(**{**vars(cfg), "backend": "gloo"}), rank=0)
-            try:
-                g.add_generator(wire.GeneratorInfo(url=engine.url, kind="builtin"))
-                for version in (3, 4):
-                    g.publish(version, named)
-                    g.wait()
-                    gr = g.reports[-1]
-                    figs[f"gloo_v{version - 2}_sync_s"] = round(gr.sync_s, 3)
-                    figs[f"gloo_v{version - 2}_checksum_ok"] = gr.checksum_ok.get(engine.url)
-            finally:
-                g.close()
-            figs["ipc_speedup"] = round(figs["gloo_v2_sync_s"] / max(figs["v2_sync_s"], 1e-9), 1)
-            phase(figs, "gloo for comparison")
-        figs["checksum"] = r.checksum
-        figs["gb_per_s"] = round(figs["mib_bf16"] * 2**20 / max(figs["v2_sync_s"], 1e-9) / 1e9, 3)
+        r = None
+        with part(figs, "auto"):
+            for version in (1, 2):  # the first builds the group; the second is the steady state
+                t = time.perf_counter()
+                b.publish(version, named)
+                b.wait()
+                r = b.reports[-1]
+                figs[f"v{version}_wall_s"] = round(time.perf_counter() - t, 3)
+                figs[f"v{version}_sync_s"] = round(r.sync_s, 3)
+                figs[f"v{version}_checksum_ok"] = r.checksum_ok.get(engine.url)
+                figs[f"v{version}_updated"] = engine.url in r.updated
+                if r.error:
+                    figs[f"v{version}_error"] = r.error[-300:]
+                named = {k: v.add_(1e-3) for k, v in named.items()}  # a changed model for v2
+                phase(figs, f"sync v{version}")
+        # ipc on rank 0's GPU, else its group's; None: refused or dropped
+        figs["backend"] = b.groups.backend(engine.url)
+        if figs["backend"] != "gloo":  # the way it took before, to the same engine
+            with part(figs, "gloo"):
+                g = WeightBroadcaster(WeightsConfig(**{**vars(cfg), "backend": "gloo"}), rank=0)
+                try:
+                    g.add_generator(wire.GeneratorInfo(url=engine.url, kind="builtin"))
+                    for version in (3, 4):
+                        g.publish(version, named)
+                        g.wait()
+                        gr = g.reports[-1]
+                        figs[f"gloo_v{version - 2}_sync_s"] = round(gr.sync_s, 3)
+                        figs[f"gloo_v{version - 2}_checksum_ok"] = gr.checksum_ok.get(engine.url)
+                        if gr.error:
+                            figs[f"gloo_v{version - 2}_error"] = gr.error[-300:]
+                finally:
+                    g.close()
+                phase(figs, "gloo for comparison")
+            if figs.get("gloo_v2_sync_s") and figs.get("v2_checksum_ok"):
+                figs["ipc_speedup"] = round(
+                    figs["gloo_v2_sync_s"] / max(figs["v2_sync_s"], 1e-9), 1
+                )
+        figs["checksum"] = r.checksum if r is not None else None
+        if figs.get("v2_sync_s"):
+            figs["gb_per_s"] = round(
+                figs["mib_bf16"] * 2**20 / max(figs["v2_sync_s"], 1e-9) / 1e9, 3
+            )
         # sampling on the engine's device (its generator, top-p), with the weights just received
-        sp = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True}
-        body = {"input_ids": [5, 6, 7], "sampling_params": sp, "return_logprob": True}
-        out = http.post("/generate", json=body).json()
-        figs["generate_tokens"] = len(out.get("output_ids", []))
-        figs["generate_version"] = out.get("meta_info", {}).get("weight_version")
+        with part(figs, "generate"):
+            sp = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 0.9, "ignore_eos": True}
+            body = {"input_ids": [5, 6, 7], "sampling_params": sp, "return_logprob": True}
+            out = http.post("/generate", json=body).json()
+            figs["generate_tokens"] = len(out.get("output_ids", []))
+            figs["generate_version"] = out.get("meta_info", {}).get("weight_version")
     finally:
         http.close()
         b.close()
         engine.stop()
     figs["ok"] = bool(
-        figs["v2_checksum_ok"] and figs["v2_updated"] and figs["generate_tokens"] == 8
+        "failed" not in figs
+        and figs.get("v2_checksum_ok")
+        and figs.get("v2_updated")
+        and figs.get("generate_tokens") == 8
     )
     print(json.dumps(figs, indent=1))
     return figs
@@ -946,7 +1142,7 @@ def step_run(work: Path, dry: bool) -> dict[str, Any]:
     make_demo(demo, train=2000, eval=64)
     out = work / "runs"
     steps = 3
-    child_s, run_s = run_limits(step_limit(240))
+    child_s, run_s = run_limits(step_limit())
     ov = demo_overrides(demo, out, steps=steps, timeout_s=run_s)
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(ROOT / "recipes/demo.yaml"), *ov]
     figs: dict[str, Any] = {"run_timeout_s": run_s, "child_timeout_s": child_s}
@@ -984,57 +1180,58 @@ def step_one_gpu(work: Path, dry: bool) -> dict[str, Any]:
     out = work / "runs_one_gpu"
     steps = 3 if dry else 6
     figs: dict[str, Any] = {"steps_asked": steps}
-    child_s, run_s = run_limits(step_limit(180) / 2)
+    child_s, run_s = run_limits(step_limit() / 2)
     for eta in (4, 0):
         name = f"one_gpu_eta{eta}"
-        ov = (
-            demo_overrides(demo, out, steps=steps, timeout_s=run_s)
-            + [
-                f"run.name={name}",
-                f"buffer.max_staleness={eta}",
-                "model.max_seq_len=64",
-                "data.prompt_key=prompt",
-                "data.answer_key=answer",
-                "data.chat_template=false",
-                "rollout.max_new_tokens=8",
-                "learner.micro_batch_tokens=1024",
-                "learner.export_every=0",
-            ]
-            + (["model.dtype=float32", "weights.dtype=float32"] if dry else [])
-        )
-        path = ROOT / "recipes/one_gpu.yaml"
-        cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(path), *ov, "--overwrite"]
-        rc = run_child([*cmd, *RUN_FLAGS], timeout_s=child_s)
-        run_dir = out / name
-        s = (
-            json.loads((run_dir / "summary.json").read_text())
-            if (run_dir / "summary.json").exists()
-            else {}
-        )
-        rows = [m for m in read_metrics(run_dir, process="learner")] if run_dir.exists() else []
-        times = [m["time"] for m in rows if "step" in m and "loss" in m]
-        syncs = [m for m in rows if "weights/sync_s" in m]
-        row: dict[str, Any] = {
-            "rc": rc,
-            "outcome": s.get("outcome"),
-            "steps": s.get("steps"),
-            "wall_s": s.get("wall_seconds"),
-            "steps_per_s": round((len(times) - 1) / (times[-1] - times[0]), 3)
-            if len(times) > 1 and times[-1] > times[0]
-            else None,
-            "sync_s_median": sorted(m["weights/sync_s"] for m in syncs)[len(syncs) // 2]
-            if syncs
-            else None,
-            "sync_failed": sum(
-                m.get("weights/failed", 0) + m.get("weights/dropped", 0) for m in syncs
-            ),
-        }
-        figs[f"eta{eta}"] = row
-        phase(figs, name)
-    a, b = figs["eta4"], figs["eta0"]
-    if a["steps_per_s"] and b["steps_per_s"]:
+        with part(figs, name):
+            ov = (
+                demo_overrides(demo, out, steps=steps, timeout_s=run_s)
+                + [
+                    f"run.name={name}",
+                    f"buffer.max_staleness={eta}",
+                    "model.max_seq_len=64",
+                    "data.prompt_key=prompt",
+                    "data.answer_key=answer",
+                    "data.chat_template=false",
+                    "rollout.max_new_tokens=8",
+                    "learner.micro_batch_tokens=1024",
+                    "learner.export_every=0",
+                ]
+                + (["model.dtype=float32", "weights.dtype=float32"] if dry else [])
+            )
+            path = ROOT / "recipes/one_gpu.yaml"
+            cmd = [sys.executable, "-m", "asyncrl.cli", "run", str(path), *ov, "--overwrite"]
+            rc = run_child([*cmd, *RUN_FLAGS], timeout_s=child_s)
+            run_dir = out / name
+            s = (
+                json.loads((run_dir / "summary.json").read_text())
+                if (run_dir / "summary.json").exists()
+                else {}
+            )
+            rows = [m for m in read_metrics(run_dir, process="learner")] if run_dir.exists() else []
+            times = [m["time"] for m in rows if "step" in m and "loss" in m]
+            syncs = [m for m in rows if "weights/sync_s" in m]
+            row: dict[str, Any] = {
+                "rc": rc,
+                "outcome": s.get("outcome"),
+                "steps": s.get("steps"),
+                "wall_s": s.get("wall_seconds"),
+                "steps_per_s": round((len(times) - 1) / (times[-1] - times[0]), 3)
+                if len(times) > 1 and times[-1] > times[0]
+                else None,
+                "sync_s_median": sorted(m["weights/sync_s"] for m in syncs)[len(syncs) // 2]
+                if syncs
+                else None,
+                "sync_failed": sum(
+                    m.get("weights/failed", 0) + m.get("weights/dropped", 0) for m in syncs
+                ),
+            }
+            figs[f"eta{eta}"] = row
+            phase(figs, name)
+    a, b = figs.get("eta4", {}), figs.get("eta0", {})
+    if a.get("steps_per_s") and b.get("steps_per_s"):
         figs["async_over_sync"] = round(a["steps_per_s"] / b["steps_per_s"], 3)
-    figs["ok"] = all(
+    figs["ok"] = "failed" not in figs and all(
         r["rc"] == 0
         and r["outcome"] == "completed"
         and r["steps"] == steps
@@ -1222,11 +1419,11 @@ def step_lora(work: Path, dry: bool) -> dict[str, Any]:
     distillation's teacher logprobs from a built-in engine (``_teacher``, the last
     ``TEACHER_S`` of the step's limit). The run's figures are a phase line before the teacher
     starts, so that a step cut by its limit there still brings them back (as a failed record)."""
-    figs: dict[str, Any] = {}
-    with _timed(figs, "lora_s"):
-        figs["run_ok"] = _lora_run(work, figs, step_limit(120) - TEACHER_S)
+    figs: dict[str, Any] = {"run_ok": False, "teacher_ok": False}
+    with part(figs, "lora_run"), _timed(figs, "lora_s"):
+        figs["run_ok"] = _lora_run(work, figs, step_limit() - TEACHER_S)
     phase(figs, "lora_run")
-    with _timed(figs, "teacher_total_s"):
+    with part(figs, "teacher"), _timed(figs, "teacher_total_s"):
         figs["teacher_ok"] = _teacher(work, dry, figs)
     figs["ok"] = figs["run_ok"] and figs["teacher_ok"]
     print(json.dumps(figs, indent=1, default=str))
@@ -1238,22 +1435,27 @@ def step_lora(work: Path, dry: bool) -> dict[str, Any]:
 
 def record(results: Path, step: str, rc: int, seconds: float, log: Path) -> dict[str, Any]:
     """Append one record to ``results/check.jsonl`` from a step's exit status and output: its
-    figures (the output's last ``{"step": ...}`` line; a step cut before it: the figures of its
-    last ``{"partial": ...}`` line, with the phase it had reached), and the tail of the output
+    figures (the output's last ``{"step": ...}`` line over the figures of its last ``{"partial":
+    ...}`` line, so that a step that raised keeps what it had measured; a step cut before its
+    last line: the partial figures, with the phase it had reached), and the tail of the output
     when it failed."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    figures: dict[str, Any] = {}
+    final: dict[str, Any] | None = None
+    partial: dict[str, Any] = {}
     reached = None
     for line in reversed(text.splitlines()):
-        if line.startswith('{"step"'):
+        if line.startswith('{"step"') and final is None and reached is None:
             with contextlib.suppress(ValueError):
-                figures = json.loads(line).get("figures", {})
-            break
-        if line.startswith('{"partial"') and reached is None:
+                final = json.loads(line).get("figures", {})
+        elif line.startswith('{"partial"') and reached is None:
             with contextlib.suppress(ValueError):
-                part = json.loads(line)
-                figures, reached = part.get("figures", {}), part.get("phase")
-    ok = rc == 0 and reached is None and figures.get("ok", False) is True
+                got = json.loads(line)
+                if got.get("partial") == step:  # not a child's (learner-configs)
+                    partial, reached = got.get("figures", {}), got.get("phase")
+    figures = {**partial, **(final or {})}
+    ok = rc == 0 and final is not None and final.get("ok", False) is True
+    if final is not None:
+        reached = None  # it got to its last line: not cut
     rec = {
         "step": step,
         "ok": ok,
@@ -1297,22 +1499,23 @@ def reap(tag: str) -> list[str]:
 
 
 RUNNERS: dict[str, Callable[[Path, bool], dict[str, Any]]] = {
-    "models": step_models,
     "env": step_env,
-    "nccl": step_nccl,
-    "logprobs": step_logprobs,
     "learner": step_learner,
     "weights": step_weights,
-    "engine": step_engine,
-    "run": step_run,
     "one_gpu": step_one_gpu,
+    "run": step_run,
     "lora": step_lora,
+    "engine": step_engine,
+    "logprobs": step_logprobs,
+    "nccl": step_nccl,
+    "flex": step_flex,
+    "models": step_models,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=[*RUNNERS, "learner-configs", "record", "reap"])
+    p.add_argument("step", choices=[*RUNNERS, "learner-configs", "plan", "record", "reap"])
     p.add_argument("args", nargs="*")
     p.add_argument("--dry", action="store_true", help="CPU, tiny sizes, gloo")
     a = p.parse_args(argv)
@@ -1321,6 +1524,14 @@ def main(argv: list[str] | None = None) -> int:
         rec = record(Path(results), step, int(rc), float(seconds), Path(log))
         mark = "ok  " if rec["ok"] else "FAIL"
         print(f"[{mark}] {step:<9} {rec['seconds']:7.1f} s  {json.dumps(rec['figures'])[:300]}")
+        return 0
+    if a.step == "plan":
+        results, budget, scale, *steps = a.args
+        rows = plan(steps, int(budget), int(scale))
+        print_plan(rows, int(budget))
+        (Path(results) / "plan.json").write_text(json.dumps(rows, indent=1) + "\n")
+        # for check.sh: one "step limit" line per step, in order
+        (Path(results) / ".plan").write_text("".join(f"{r['step']} {r['limit_s']}\n" for r in rows))
         return 0
     if a.step == "reap":
         (tag,) = a.args
@@ -1334,15 +1545,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU host
     if a.step == "learner-configs":
         work, model, ac, out = a.args
-        Path(out).write_text(json.dumps(learner_configs(Path(model), Path(work), a.dry, ac)))
+        learner_configs(Path(model), Path(work), a.dry, ac, Path(out))
         return 0
     (work,) = a.args
     Path(work).mkdir(parents=True, exist_ok=True)
     try:
         figs = RUNNERS[a.step](Path(work), a.dry)
-    except Exception:
+    except Exception as e:  # noqa: BLE001 - the step's record says what it raised
         traceback.print_exc()
-        print(json.dumps({"step": a.step, "figures": {"ok": False}}))
+        # what it had measured (its last phase's figures, and more since), with why it stopped
+        figs = {**LAST_FIGS, "ok": False, "raised": f"{type(e).__name__}: {e}"[-500:]}
+        print(json.dumps({"step": a.step, "figures": figs}, default=str))
         return 1
     print(json.dumps({"step": a.step, "figures": figs}, default=str))
     return 0 if figs.get("ok", True) else 1

@@ -3,10 +3,12 @@
 #
 #   bash tools/gpu/check.sh RESULTS_DIR [--dry] [STEP ...]
 #
-# Runs the steps of tools/gpu/check.py in order, each in its own process under `timeout`, and
-# appends one JSON record per step to RESULTS_DIR/check.jsonl (step, ok, rc, seconds, figures, the
-# output's tail when it failed); a failed or timed-out step does not stop the others. Each step's
-# full output is kept in RESULTS_DIR/logs/STEP.log. The whole run stays within ASYNCRL_CHECK_BUDGET_S
+# Runs the steps of tools/gpu/check.py in order (the named ones, else check.py's STEPS; flex only
+# when named), each in its own process under `timeout`, and appends one JSON record per step to
+# RESULTS_DIR/check.jsonl (step, ok, rc, seconds, figures, the output's tail when it failed); a
+# failed or timed-out step does not stop the others. Before the first step it prints the plan, each
+# step's expected seconds and limit (check.py's PLAN; also RESULTS_DIR/plan.json). Each step's full
+# output is kept in RESULTS_DIR/logs/STEP.log. The whole run stays within ASYNCRL_CHECK_BUDGET_S
 # (default 480 s): a step gets its own limit or what is left of the budget, whichever is less, and
 # is skipped (recorded as such) under 20 s.
 #
@@ -38,13 +40,6 @@ steps=()
 for a in "$@"; do
   if [ "$a" = "--dry" ]; then dry="--dry"; else steps+=("$a"); fi
 done
-[ ${#steps[@]} -eq 0 ] && steps=(env models nccl logprobs learner weights engine run one_gpu lora)
-# env first, always: the facts every other record is read against
-rest=()
-for s in "${steps[@]}"; do [ "$s" != env ] && rest+=("$s"); done
-steps=(env ${rest[@]+"${rest[@]}"})
-
-declare -A limit=([env]=60 [models]=120 [nccl]=60 [logprobs]=90 [learner]=180 [weights]=120 [engine]=120 [run]=240 [one_gpu]=180 [lora]=120)
 budget="${ASYNCRL_CHECK_BUDGET_S:-480}"
 # each step's limit times this (an integer): a --dry check on a loaded 2-core CPU runs its steps
 # several times slower than the GPU host does (the test tier sets 3)
@@ -104,6 +99,18 @@ keep_run_files() { # step
 }
 mkdir -p "$results/work"
 
+echo "check: python $py, results $results, work $work, budget ${budget} s ${dry:+(dry)}"
+# the plan (env first, whatever the order asked; limits times the scale), printed before any step
+declare -A limit=()
+order=()
+if "$py" "$here/check.py" plan "$results" "$budget" "$scale" ${steps[@]+"${steps[@]}"}; then
+  while read -r s t; do order+=("$s"); limit[$s]=$t; done <"$results/.plan"
+  rm -f "$results/.plan"
+else
+  echo "check: no plan from check.py; the steps asked, at 120 s each"
+  order=(env)
+  for s in ${steps[@]+"${steps[@]}"}; do [ "$s" != env ] && order+=("$s"); done
+fi
 if [ -z "$dry" ] && [ -d "$here/wheels" ]; then
   t0=$(date +%s)
   if out="$(PYTHON="$py" bash "$here/install.sh" "$work/site" 2>&1)"; then
@@ -114,10 +121,9 @@ if [ -z "$dry" ] && [ -d "$here/wheels" ]; then
   fi
 fi
 
-echo "check: python $py, results $results, work $work, budget ${budget} s ${dry:+(dry)}"
-for s in "${steps[@]}"; do
+for s in "${order[@]}"; do
   left=$((budget - ($(date +%s) - start)))
-  t=$((${limit[$s]:-120} * scale))
+  t=${limit[$s]:-$((120 * scale))}
   [ "$left" -lt "$t" ] && t=$left
   if [ "$t" -lt 20 ]; then
     note "$s" 0 0 "skipped: ${left} s of the ${budget} s budget left"
