@@ -396,10 +396,11 @@ def from_recipe(recipe: Recipe) -> Dataflow:
         return sft()
     if alg.loss == "reward_model":
         return reward_modelling()
-    # The learner recomputes π_prox in a forward-only pass when a batch gets several updates.
-    several = lc.minibatches * lc.epochs > 1
+    # The learner recomputes π_prox in a forward-only pass when a batch gets several updates, and
+    # for m2po, whose mask is cut over the whole batch before its first update.
+    prox = lc.minibatches * lc.epochs > 1 or alg.loss == "m2po"
     model_only = recipe.rollout.reward == "model"
-    common = {"kl_loss": alg.kl_coef > 0, "prox": several, "reward_model": model_only}
+    common = {"kl_loss": alg.kl_coef > 0, "prox": prox, "reward_model": model_only}
     if alg.advantage in ("gae", "vtrace"):
         return ppo_with_critic(alg.kl_reward_coef > 0, vtrace=alg.advantage == "vtrace", **common)
     if alg.advantage == "remax":

@@ -577,6 +577,12 @@ class BufferService:
             self._checkpoint = checkpoint
         return self._version_message() if changed or checkpoint else None
 
+    def adapt_depth(self, metrics: dict[str, float]) -> None:
+        """After a step: its importance weights' ESS (``loss/ess``) and KL(μ ‖ π_prox)
+        (``loss/kl_mu_k3``) set the pipeline depth admission allows
+        (:meth:`ReplayStore.adapt_depth`; nothing without ``buffer.adaptive_depth_*``)."""
+        self._call(self._store.adapt_depth, metrics.get("loss/ess"), metrics.get("loss/kl_mu_k3"))
+
     def end_run(self, message: str = "") -> None:
         """The learner has trained its last version: announce ``wire.End`` at once and from now on
         instead of the version, and refuse new starts and registrations (``run_ended``). Keep the

@@ -10,6 +10,8 @@ and a worker may start another group only while ``started < (version + max_stale
 (AReaL's rule, B = groups_per_batch) and at most ``depth * B`` groups wait or run, where the depth
 is ``max_staleness + 1`` batches unless ``max_batches_ahead`` asks for fewer (the bound stays a
 bound, the data gets fresher; one batch ahead is enough to overlap generation with training).
+With ``adaptive_depth_ess`` / ``adaptive_depth_kl`` the depth moves between 1 and that, one batch
+a step, as the learner's measured drift says (:meth:`ReplayStore.adapt_depth`).
 With max_staleness 0 this admits exactly B groups per version, which is synchronous RL: batch k
 holds only groups started at version k.
 
@@ -156,6 +158,9 @@ class ReplayStore:
         self._data_states: dict[str, dict[str, Any]] = {}  # worker id -> its data position
         self._rejected: dict[str, tuple[int, str]] = {}
         self._c = _Counters()
+        # The adaptive pipeline depth in batches (None: off, the configured depth holds); it
+        # starts at 1, the freshest, and follows the learner's signals (adapt_depth).
+        self._depth: int | None = 1 if self.adaptive else None
         # Acknowledged groups dropped since the last drain: (id, reason), for the service's audit.
         self.dropped_ids: list[tuple[str, str]] = []
 
@@ -183,17 +188,51 @@ class ReplayStore:
         return self._c.values["consumed"] + len(self._stored) + self.in_flight
 
     @property
+    def adaptive(self) -> bool:
+        """Whether the depth follows the learner's drift (``buffer.adaptive_depth_ess/kl``)."""
+        return self.cfg.adaptive_depth_ess > 0 or self.cfg.adaptive_depth_kl > 0
+
+    @property
+    def max_depth(self) -> int:
+        """The configured pipeline depth in batches: eta + 1, or ``max_batches_ahead`` if fewer."""
+        batches = self.cfg.max_staleness + 1
+        if self.cfg.max_batches_ahead:
+            batches = min(batches, self.cfg.max_batches_ahead)
+        return batches
+
+    @property
+    def depth(self) -> int:
+        """The pipeline depth admission uses now, in batches (1 … :attr:`max_depth`)."""
+        return self.max_depth if self._depth is None else min(self._depth, self.max_depth)
+
+    def adapt_depth(self, ess: float | None, kl: float | None) -> int:
+        """The learner's signals after a step: its importance weights' ESS and its KL(μ ‖ π_prox).
+        While either says the policy moves fast (ESS below ``adaptive_depth_ess``, KL above
+        ``adaptive_depth_kl``; a threshold of 0 is not consulted) one batch fewer may be ahead,
+        down to 1; otherwise one more, up to :attr:`max_depth`. Returns the depth.
+
+        Only admission changes: starts granted under a deeper pipeline stay valid, and the bound
+        on the data (``min_version``) is untouched, so no group staler than eta is ever trained.
+        """
+        if self._depth is None:
+            return self.depth
+        c = self.cfg
+        fast = (c.adaptive_depth_ess > 0 and ess is not None and ess < c.adaptive_depth_ess) or (
+            c.adaptive_depth_kl > 0 and kl is not None and kl > c.adaptive_depth_kl
+        )
+        self._depth = max(1, self.depth - 1) if fast else min(self.max_depth, self.depth + 1)
+        return self._depth
+
+    @property
     def capacity(self) -> int:
         """How many more groups may be started now.
 
         AReaL's rule, and a pipeline depth of (eta + 1) * B on top: when a version passes without a
         full batch (a partial batch, a weight reload), AReaL's rule alone would admit extra groups
-        that the next batches cannot all take before they go stale, to be dropped as waste.
+        that the next batches cannot all take before they go stale, to be dropped as waste. With
+        an adaptive depth (:meth:`adapt_depth`) the depth is the current one.
         """
-        batches = self.cfg.max_staleness + 1
-        if self.cfg.max_batches_ahead:
-            batches = min(batches, self.cfg.max_batches_ahead)
-        depth = batches * self.cfg.groups_per_batch
+        depth = self.depth * self.cfg.groups_per_batch
         return max(0, min(self.bound - self.started, depth - len(self._stored) - self.in_flight))
 
     @property
@@ -502,6 +541,7 @@ class ReplayStore:
                     f"staleness_hist/{k}": hist.get(k, 0) for k in range(self.cfg.max_staleness + 1)
                 },
                 "overlong_samples": overlong,
+                **({"depth": self.depth} if self.adaptive else {}),
             },
         )
 
@@ -544,6 +584,7 @@ class ReplayStore:
             "rejected": dict(c.rejected),
             "bad_messages": dict(c.bad_messages),
             "data_states": dict(self._data_states),
+            **({"depth": self.depth} if self.adaptive else {}),
         }
 
     # ---------------------------------------------------------------------------------------------
@@ -594,6 +635,7 @@ class ReplayStore:
             "bad_messages": dict(c.bad_messages),
             "staleness_hist": {str(k): v for k, v in c.staleness_hist.items()},
             "data_states": dict(self._data_states),
+            **({"depth": self.depth} if self.adaptive else {}),
         }
 
     def load_state_dict(
@@ -633,12 +675,15 @@ class ReplayStore:
             seen = {str(k): int(v) for k, v in state["seen"].items()}
             rejected_ids = {str(k): (int(v), str(r)) for k, (v, r) in state["rejected_ids"].items()}
             data_states = {str(k): dict(v) for k, v in state.get("data_states", {}).items()}
+            depth = int(state.get("depth", 1))
         except (KeyError, TypeError, ValueError, wire.WireError) as e:
             raise ValueError(f"buffer state: cannot restore: {type(e).__name__}: {e}") from None
         self._version, self._lease_seq, self._seq = version, lease_seq, seq
         self._leases, self._old_leases, self._seen = leases, old_leases, seen
         self._rejected = rejected_ids
         self._data_states = data_states
+        if self.adaptive:
+            self._depth = max(1, depth)
         self._stored = stored
         self._heap = [(s.version, s.seq, gid) for gid, s in stored.items()]
         heapq.heapify(self._heap)

@@ -6,6 +6,7 @@ exchange that brings another role's outputs to every rank before a call that nee
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from asyncrl.learner import distill, lora, passes
 from asyncrl.learner.advantages import compute_advantages
 from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import assign_targets
+from asyncrl.learner.losses.policy import m2po_threshold
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import Sequence, split_minibatches
 from asyncrl.learner.passes import StepTotals
@@ -38,6 +40,7 @@ class Step:
     version: int
     totals: StepTotals
     several: bool  # more than one update per batch
+    m2po_cut: float = math.inf  # m2po: the batch's second-moment cut (call_prox sets it)
     info: dict[str, float] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
 
@@ -133,6 +136,16 @@ def call_prox(models: Models, run: Step) -> None:
     drift = passes.recompute_prox(models, run.share("actor"), run.version, group)
     if run.several:
         run.totals.drift += drift
+    alg = models.config.algorithm
+    if alg.loss == "m2po":  # the mask is cut once, over every data-parallel rank's tokens
+        d2 = [
+            (d * d)[s.mask > 0]
+            for s in run.share("actor")
+            if s.prox_logp is not None
+            for d in [s.prox_logp - s.behavior_logp]
+        ]
+        flat = torch.from_numpy(np.concatenate(d2)) if d2 else torch.zeros(0)
+        run.m2po_cut = m2po_threshold(flat, alg.m2po_tau, models.meshes["actor"].dp_group)
 
 
 def call_ref(models: Models, run: Step) -> None:
@@ -183,7 +196,12 @@ def call_train_actor(models: Models, run: Step) -> None:
     interleaved = critic is not None and models.critic_interleaved()
     for part in minibatches(models, run.share("actor"), run.version):
         mbs, norm = passes.update_actor(
-            models, part, run.totals, version=run.version, measure_drift=not run.several
+            models,
+            part,
+            run.totals,
+            version=run.version,
+            measure_drift=not run.several,
+            m2po_cut=run.m2po_cut,
         )
         if interleaved:
             assert critic is not None

@@ -276,7 +276,8 @@ def _train_steps(
         for fn in publishers:
             fn(trainer.version, trainer)
         exported = trainer.maybe_export()
-        if rank == 0:
+        if rank == 0:  # the step's drift sets the pipeline's depth before the version moves on
+            trainer.source.adapt_depth(result.metrics)
             trainer.source.set_version(trainer.version, exported)
         if trainer.save_checkpoint():
             saved_at = trainer.version

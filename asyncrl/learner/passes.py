@@ -47,6 +47,7 @@ class StepTotals:
     grad_norms: list[float] = field(default_factory=list)
     critic_grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    lr_factors: list[float] = field(default_factory=list)  # learner.lr_ess_scale's, per update
     micro_batches: int = 0
 
 
@@ -183,6 +184,7 @@ def actor_micro_batch(
     *,
     version: int,
     measure_drift: bool,
+    m2po_cut: float = math.inf,
 ) -> None:
     """Forward and backward of one micro-batch's share of an update's loss.
 
@@ -219,6 +221,8 @@ def actor_micro_batch(
             ref_logp=ref_logp,
             entropy=entropy,
             seq_weights=mb.seq_weights,
+            staleness=version - mb.versions if alg.prox_anchor == "staleness" else None,
+            m2po_cut=m2po_cut,
         )
         wrt = [logp, entropy] if entropy.requires_grad else [logp]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
@@ -237,20 +241,38 @@ def actor_micro_batch(
 
 
 def update_actor(
-    models: Models, mine: list[Sequence], totals: StepTotals, *, version: int, measure_drift: bool
+    models: Models,
+    mine: list[Sequence],
+    totals: StepTotals,
+    *,
+    version: int,
+    measure_drift: bool,
+    m2po_cut: float = math.inf,
 ) -> tuple[list[MicroBatch], Normaliser]:
     """One optimizer update on this rank's share of a mini-batch (collective over the actor's
     ranks). The loss is normalised by the mini-batch's GLOBAL counts; π_prox is the recomputed
     one when the sequences carry it, else this forward's own (the step's starting weights, one
-    update). Returns the micro-batches and normaliser (a critic on these ranks reuses them)."""
+    update). With ``learner.lr_ess_scale`` the update's lr is the schedule's times
+    :func:`ess_lr_factor` of the mini-batch's importance weights. Returns the micro-batches and
+    normaliser (a critic on these ranks reuses them)."""
     mesh, actor = models.meshes["actor"], models.actor
     assert actor is not None and models.optimizers is not None
     assert models.lr_schedulers is not None
     mbs = micro_batches(models, mine, mesh.group)
     norm = normaliser(models, mbs, mesh)
     models.optimizers.zero_grad()
+    lc = models.config.learner
+    before = {k: totals.stats[k].clone() for k in ESS_KEYS} if lc.lr_ess_scale != "off" else {}
     for mb in mbs:
-        actor_micro_batch(models, mb, norm, totals, version=version, measure_drift=measure_drift)
+        actor_micro_batch(
+            models,
+            mb,
+            norm,
+            totals,
+            version=version,
+            measure_drift=measure_drift,
+            m2po_cut=m2po_cut,
+        )
     clip = models.config.learner.grad_clip
     grad_norm = dist_utils.clip_grad_norm_(
         list(actor.parameters()), clip if clip > 0 else math.inf, foreach=True
@@ -258,6 +280,33 @@ def update_actor(
     totals.grad_norms.append(float(grad_norm))
     totals.lrs.append(models.lr_schedulers.schedulers[0].get_last_lr()[0])
     totals.micro_batches += len(mbs)
-    models.optimizers.step()
+    if lc.lr_ess_scale == "off":
+        models.optimizers.step()
+    else:
+        sums = torch.stack([totals.stats[k] - before[k] for k in ESS_KEYS]).to(torch.float64)
+        dist.all_reduce(sums, group=mesh.dp_group)
+        factor = ess_lr_factor(*(float(x) for x in sums), lc.lr_ess_scale, lc.lr_ess_floor)
+        totals.lr_factors.append(factor)
+        groups = [g for opt in models.optimizers for g in opt.param_groups]
+        lrs = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * factor
+        models.optimizers.step()
+        for g, lr in zip(groups, lrs, strict=True):  # the schedule goes on from its own lr
+            g["lr"] = lr
     models.lr_schedulers.step()
     return mbs, norm
+
+
+ESS_KEYS = ("tokens", "is_weight", "is_weight_sq")
+"""The loss statistics an update's importance-weight ESS is made of."""
+
+
+def ess_lr_factor(tokens: float, w: float, w_sq: float, rule: str, floor: float) -> float:
+    """VCPO's step scale (arXiv 2602.17616): the normalised ESS = (Σw)² / (N·Σw²) ∈ (0, 1] of
+    the update's importance weights w = ρ (the ones :func:`policy_loss` logs as ``loss/ess``),
+    raised to ½ (``sqrt``: ESS·N is the effective batch, and Adam's lr scales with the square root
+    of the batch, VCPO's rule) or 1 (``linear``), and at least ``floor``. No tokens: 1."""
+    ess = w * w / (tokens * w_sq) if tokens > 0 and w_sq > 0 else 1.0
+    ess = min(max(ess, 0.0), 1.0)
+    return max(floor, math.sqrt(ess) if rule == "sqrt" else ess)

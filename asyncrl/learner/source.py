@@ -53,6 +53,11 @@ class BatchSource(Protocol):
         """The learner has produced version ``v`` (and, if non-empty, an HF export of it)."""
         ...
 
+    def adapt_depth(self, metrics: dict[str, float]) -> None:
+        """A step's metrics, for a service whose admission follows the drift
+        (``buffer.adaptive_depth_*``); a local data set has no pipeline."""
+        return None
+
     def state_dict(self) -> dict:
         """JSON-able state to checkpoint with the learner (buffer counters, data position)."""
         ...

@@ -26,7 +26,7 @@ from asyncrl.learner import cpu_shims
 from asyncrl.learner.calls import CALL_RUNNERS, Step, exchange
 from asyncrl.learner.critic import critic_zero_stats
 from asyncrl.learner.drift import finalize_drift
-from asyncrl.learner.losses.stats import finalize_stats
+from asyncrl.learner.losses.stats import finalize_stats, zero_stats
 from asyncrl.learner.models import LearnerError, Models
 from asyncrl.learner.offload import Reallocation
 from asyncrl.learner.packing import Sequence, make_sequence
@@ -184,6 +184,10 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
         role["grad_norm_max"][0] = float(max(totals.grad_norms))
         role["lr"][0] = float(totals.lrs[0])
         role["micro_batches"][0] = float(totals.micro_batches)
+    if models.config.learner.lr_ess_scale != "off":  # the same on every actor rank
+        role["lr_ess_factor"] = torch.zeros(1, dtype=f64)
+        if models.meshes["actor"].leader and totals.lr_factors:
+            role["lr_ess_factor"][0] = float(np.mean(totals.lr_factors))
     critic = models.meshes.get("critic")
     if critic is not None and critic.leader:
         role["critic_grad_norm"][0] = float(np.mean(totals.critic_grad_norms))
@@ -204,7 +208,10 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
     c = models.config
     eta = c.max_staleness
     seqs, info = sequences(models, batch, version)
-    totals = StepTotals(drift=torch.zeros(eta + 2, 3, dtype=torch.float64))
+    # the loss's stats (m2po's carry its masked count too)
+    totals = StepTotals(
+        drift=torch.zeros(eta + 2, 3, dtype=torch.float64), stats=zero_stats(c.algorithm.loss)
+    )
     if models.with_critic:
         totals.stats |= critic_zero_stats()
     run = Step(
@@ -247,6 +254,9 @@ def step_metrics(
     }
     if updates > 1:
         out["grad_norm/max"] = float(summed["role/grad_norm_max"])
+    if "role/lr_ess_factor" in summed:  # the ESS scale (mean over the updates) and the lr it gave
+        out["learner/lr_ess_factor"] = float(summed["role/lr_ess_factor"])
+        out["learner/lr_effective"] = out["lr"] * out["learner/lr_ess_factor"]
     if models.with_critic:
         out[names.VALUE_LOSS] = stats.pop("value_loss") / updates
         out["critic/grad_norm"] = float(summed["role/critic_grad_norm"])

@@ -205,6 +205,27 @@ def is_level(r: Recipe, file: str | None, check_files: bool) -> None:
         )
 
 
+def prox_anchor(r: Recipe, file: str | None, check_files: bool) -> None:
+    alg = r.algorithm
+    if alg.prox_anchor == "staleness" and alg.loss != "decoupled_ppo":
+        raise RecipeError(
+            f"the staleness anchor replaces decoupled_ppo's π_prox; {alg.loss} has none (leave it "
+            "recompute)",
+            file=file,
+            key="algorithm.prox_anchor",
+        )
+
+
+def lr_ess(r: Recipe, file: str | None, check_files: bool) -> None:
+    lc = r.learner
+    if lc.lr_ess_floor and lc.lr_ess_scale == "off":
+        raise RecipeError(
+            "bounds the ESS scale of the lr from below: set learner.lr_ess_scale sqrt or linear",
+            file=file,
+            key="learner.lr_ess_floor",
+        )
+
+
 def reward_model_loss(r: Recipe, file: str | None, check_files: bool) -> None:
     """``algorithm.loss: reward_model``: one update per batch of pairs, no reference policy."""
     if r.algorithm.loss != "reward_model":
@@ -330,6 +351,8 @@ CHECKS: tuple[Check, ...] = (
     ratio_mask,
     seq_mask,
     is_level,
+    prox_anchor,
+    lr_ess,
     reward_model_loss,
     check_lora,
     model_reward,

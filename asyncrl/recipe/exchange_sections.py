@@ -33,6 +33,19 @@ class BufferConfig:
         doc="pipeline depth: groups stored or running <= this x groups_per_batch; 0 = "
         "max_staleness + 1 (AReaL). A bound of eta, not a target: fewer batches ahead, fresher data",
     )
+    adaptive_depth_ess: float = setting(
+        0.0,
+        lo=0,
+        hi=1,
+        doc="adaptive pipeline depth (0: off): after a step whose importance-weight ESS is below "
+        "this, one batch fewer ahead (down to 1), else one more (up to max_batches_ahead)",
+    )
+    adaptive_depth_kl: float = setting(
+        0.0,
+        lo=0,
+        doc="adaptive pipeline depth (0: off): after a step whose KL(μ ‖ π_prox) is above this, "
+        "one batch fewer ahead (down to 1), else one more (up to max_batches_ahead)",
+    )
     lease_seconds: float = setting(120.0, lo=0, lo_open=True)
     dynamic_sampling: bool = setting(
         False,

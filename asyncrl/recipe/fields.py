@@ -15,7 +15,7 @@ from typing import Any, Literal
 Dtype = Literal["float32", "bfloat16", "float16"]
 GeneratorKind = Literal["builtin", "sglang"]
 EngineDevice = Literal["auto", "cpu", "cuda"]
-Loss = Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "sft", "reward_model"]
+Loss = Literal["ppo", "decoupled_ppo", "tis", "cispo", "gspo", "m2po", "sft", "reward_model"]
 OFFLINE_LOSSES = ("sft", "reward_model")
 """Losses trained from a local data set: no rollouts, no buffer, no weight broadcast."""
 RewardNorm = Literal["none", "running", "fixed"]

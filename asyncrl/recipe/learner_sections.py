@@ -42,6 +42,19 @@ class AlgorithmConfig:
         3.0, lo=1, lo_open=True, doc="the dual clip's bound (verl's clip_ratio_c)"
     )
     is_cap: float = setting(5.0, lo=0, lo_open=True, doc="C: cap on importance weights")
+    m2po_tau: float = setting(
+        0.04,
+        lo=0,
+        lo_open=True,
+        doc="m2po: τ, the most mean (log π_prox − log μ)² the kept tokens may have; the largest "
+        "are masked until it holds, over the whole batch on every rank (M2PO)",
+    )
+    prox_anchor: Literal["recompute", "staleness"] = setting(
+        "recompute",
+        doc="decoupled_ppo's π_prox. recompute: the weights the step starts from; staleness: "
+        "A-3PO's log μ + s/(s+1)·(log π − log μ) per token of staleness s, so the clip acts at "
+        "one update per batch",
+    )
     ratio_mask_low: float = setting(0.0, lo=0, doc="mask tokens with ratio below this (0: off)")
     ratio_mask_high: float = setting(0.0, lo=0, doc="mask tokens with ratio above this (0: off)")
     seq_mask_low: float = setting(
@@ -159,6 +172,14 @@ class LearnerConfig:
     warmup_steps: int = setting(0, lo=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = setting("constant")
     grad_clip: float = setting(1.0, lo=0)
+    lr_ess_scale: Literal["off", "sqrt", "linear"] = setting(
+        "off",
+        doc="scale each update's lr by its importance weights' normalised ESS (VCPO): sqrt "
+        "(VCPO's rule for Adam: ESS·N is the effective batch) or linear; on top of the schedule",
+    )
+    lr_ess_floor: float = setting(
+        0.0, lo=0, hi=1, doc="with lr_ess_scale: the smallest factor the lr is scaled by"
+    )
     micro_batch_tokens: int = setting(8192, lo=1, doc="packed tokens per forward/backward")
     minibatches: int = setting(
         1,

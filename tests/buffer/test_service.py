@@ -450,3 +450,23 @@ def test_the_wait_for_a_batch_names_what_the_learner_knows() -> None:
         cause = svc.waiting_cause()
         assert cause.startswith("at version 0 (0/2 groups stored")
         assert cause.endswith("no weights to http://10.0.0.9:30000 (preflight: unreachable)")
+
+
+def test_the_learners_drift_sets_the_depth_a_worker_is_granted() -> None:
+    """buffer.adaptive_depth_ess: the learner hands the service a step's metrics
+    (``adapt_depth``, as learner/main.py does after each step) and a worker's next acquire over
+    the real socket is granted that many batches ahead: 1 at the start, 2 after a calm step, 1
+    again after a step whose ESS fell."""
+    with BufferService(config(max_staleness=3, adaptive_depth_ess=0.9)) as svc:
+
+        async def acquire(rid: str) -> int:
+            async with BufferClient(svc.address, worker_id="w1") as c:
+                grant = await c.acquire(8, request_id=rid)
+                await c.release(grant.lease_id, grant.starts)  # give them back
+                return grant.starts
+
+        assert run(acquire, "a") == 2
+        svc.adapt_depth({"loss/ess": 0.97, "loss/kl_mu_k3": 0.01})
+        assert run(acquire, "b") == 4 and svc.stats()["depth"] == 2
+        svc.adapt_depth({"loss/ess": 0.4})
+        assert run(acquire, "c") == 2

@@ -91,6 +91,43 @@ def test_max_batches_ahead_caps_the_pipeline_not_the_bound():
     assert store.put([g], now=1.0).group_ids == ["g0"]  # staleness 3 <= 4: kept
 
 
+def test_adaptive_depth_follows_the_drift_and_the_bound_stays():
+    """eta 4, 2 groups a batch, adaptive on ESS < 0.9 or KL > 0.05: the depth starts at 1 batch,
+    grows one a calm step up to eta + 1 = 5, shrinks one a step while ESS or KL says the policy
+    moves fast, and admission follows it; a group started under the deeper pipeline is still
+    trained at staleness 4 and dropped at 5, as without it."""
+    store = ReplayStore(
+        cfg(max_staleness=4, adaptive_depth_ess=0.9, adaptive_depth_kl=0.05), nonce="a"
+    )
+    assert store.depth == 1 and store.capacity == 2
+    depths = [store.adapt_depth(ess, kl) for ess, kl in [(0.99, 0.0)] * 5]
+    assert depths == [2, 3, 4, 5, 5] and store.capacity == 5 * 2
+    grant = store.acquire("w", 10, now=0.0, request_id="r1")
+    assert grant.starts == 10 and store.capacity == 0
+    assert store.adapt_depth(0.5, 0.0) == 4  # ESS low
+    assert store.adapt_depth(0.99, 0.2) == 3  # KL high
+    assert [store.adapt_depth(0.5, None) for _ in range(3)] == [2, 1, 1]
+    assert store.stats()["depth"] == 1
+    # the 10 starts in flight stay valid; no new start until fewer than 1 batch wait or run
+    assert store.acquire("w", 4, now=0.1, request_id="r2").starts == 0
+    for v in range(1, 5):
+        store.set_version(v)
+    g = make_group("g0", grant.lease_id, versions=[0, 0])
+    assert store.put([g], now=1.0).group_ids == ["g0"]  # staleness 4: kept
+    h = make_group("g1", grant.lease_id, versions=[0, 0])
+    store.put([h], now=1.1)
+    batch = store.take_batch(1.2)
+    assert batch is not None and batch.stats["staleness_max"] == 4 and batch.stats["depth"] == 1
+    store.set_version(5)
+    late = make_group("g2", grant.lease_id, versions=[0, 0])
+    assert "stale" in store.put([late], now=1.3).rejected["g2"]  # staleness 5 > eta: never trained
+    # the depth is checkpointed
+    assert roundtrip(store, 2.0, "b").depth == 1
+    # off (the default): the configured depth, and no depth in the stats
+    plain = ReplayStore(cfg(max_staleness=4), nonce="c")
+    assert plain.adapt_depth(0.1, 9.0) == 5 and "depth" not in plain.stats()
+
+
 # --------------------------------------------------------------------------------------------------
 # Property tests
 # --------------------------------------------------------------------------------------------------
@@ -105,14 +142,18 @@ class StoreMachine(RuleBasedStateMachine):
         dynamic=st.booleans(),
         fill=st.sampled_from([1.0, 0.5]),
         ahead=st.integers(0, 2),
+        adaptive=st.booleans(),
     )
-    def setup(self, b: int, eta: int, dynamic: bool, fill: float, ahead: int) -> None:
+    def setup(
+        self, b: int, eta: int, dynamic: bool, fill: float, ahead: int, adaptive: bool = False
+    ) -> None:
         self.cfg = cfg(
             groups_per_batch=b,
             max_staleness=eta,
             dynamic_sampling=dynamic,
             min_batch_fill=fill,
             max_batches_ahead=ahead,
+            adaptive_depth_ess=0.9 if adaptive else 0.0,
         )
         self.store = ReplayStore(self.cfg, nonce="n0")
         self.now = 0.0
@@ -261,6 +302,18 @@ class StoreMachine(RuleBasedStateMachine):
         note(f"batch with staleness {batch.stats['staleness_max']}")
         self.store.set_version(self.store.version + 1)  # the optimizer step
 
+    @rule(ess=st.sampled_from([0.5, 0.95]))
+    def adapt(self, ess: float) -> None:
+        """The learner's ESS moves the adaptive depth (nothing when it is off): one batch a
+        step, between 1 and the configured depth; the staleness checks of train_step hold."""
+        before = self.store.depth
+        after = self.store.adapt_depth(ess, None)
+        assert after == self.store.depth and 1 <= after <= self.store.max_depth
+        if self.store.adaptive:
+            assert after == (
+                max(1, before - 1) if ess < 0.9 else min(self.store.max_depth, before + 1)
+            )
+
     @rule()
     def bump_version(self) -> None:
         """A version change without a batch (e.g. weights reloaded): only widens admission."""
@@ -346,7 +399,8 @@ class StoreMachine(RuleBasedStateMachine):
         batches = self.cfg.max_staleness + 1
         if self.cfg.max_batches_ahead:
             batches = min(batches, self.cfg.max_batches_ahead)
-        depth = batches * self.cfg.groups_per_batch - len(s.stored_ids())
+        assert s.depth == batches or (s.adaptive and 1 <= s.depth <= batches)
+        depth = s.depth * self.cfg.groups_per_batch - len(s.stored_ids())
         assert s.capacity == max(0, min(s.bound - s.started, depth))
 
 
@@ -372,6 +426,7 @@ def test_long_random_schedules(seed: int) -> None:
         dynamic=seed % 2 == 0,
         fill=[1.0, 0.5][seed % 4 // 2],
         ahead=seed // 8,  # 0 (eta + 1), 1, 2
+        adaptive=seed % 5 < 2,
     )
     rules = [
         (lambda: m.acquire(rng.randint(1, 4), rng.choice([0, 0, 0, 1])), 6),
@@ -385,6 +440,7 @@ def test_long_random_schedules(seed: int) -> None:
         (lambda: m.checkpoint_restore(), 0.3),
         (lambda: m.take_snapshot(), 0.3),
         (lambda: m.crash_restore(), 0.2),
+        (lambda: m.adapt(rng.choice([0.5, 0.95])), 1),
     ]
     preconditions = {1: "leases", 2: "running", 3: "sent", 4: "leases", 10: "snapshot"}
     for _ in range(1500):

@@ -23,7 +23,7 @@ from asyncrl.learner.losses.scalar import (
     value_loss,
     variance_sums,
 )
-from asyncrl.learner.losses.stats import STAT_KEYS, finalize_stats, zero_stats
+from asyncrl.learner.losses.stats import finalize_stats, stat_keys, zero_stats
 from asyncrl.learner.packing import make_sequence, pack
 from asyncrl.recipe import AlgorithmConfig
 
@@ -209,7 +209,8 @@ def test_sft_is_masked_cross_entropy():
 
 
 def test_needs_prox():
-    assert [x for x in LOSSES if needs_prox(x)] == ["decoupled_ppo"]
+    # m2po's mask is cut on π_prox, recomputed over the whole batch before its first update
+    assert [x for x in LOSSES if needs_prox(x)] == ["decoupled_ppo", "m2po"]
 
 
 # ---- aggregations ------------------------------------------------------------------------------
@@ -376,9 +377,9 @@ def test_gradcheck_float64(loss):
         clip_high=0.1,
     )
 
-    # tis and cispo detach their weight w(π/μ) by design, so their gradient is the derivative at a
+    # tis, cispo and m2po detach their weight w(π/μ) by design, so their gradient is the derivative at a
     # frozen weight: finite differences see that when μ moves with π (ρ fixed; μ is detached inside).
-    frozen_w = loss in ("tis", "cispo")
+    frozen_w = loss in ("tis", "cispo", "m2po")
     log_rho = (b["logp"] - b["blp"]).detach()
 
     def f(x, h):
@@ -678,11 +679,12 @@ def test_empty_micro_batch_and_fixed_stat_keys(loss, aggregation):
         aggregation=aggregation,
     )
     out.backward()
-    assert float(out.detach()) == 0.0 and tuple(stats) == STAT_KEYS
-    assert {k: float(v) for k, v in stats.items()} == {k: 0.0 for k in STAT_KEYS}
+    keys = stat_keys(loss)
+    assert float(out.detach()) == 0.0 and tuple(stats) == keys
+    assert {k: float(v) for k, v in stats.items()} == {k: 0.0 for k in keys}
     _, full = run(loss, logp=LOGP, blp=BLP, adv=A, prox_logp=BLP, entropy=torch.ones(4, dtype=F64))
-    assert tuple(full) == STAT_KEYS
-    summed = {k: zero_stats()[k] + stats[k] + full[k] for k in STAT_KEYS}
+    assert tuple(full) == keys
+    summed = {k: zero_stats(loss)[k] + stats[k] + full[k] for k in keys}
     assert finalize_stats(summed) == finalize_stats(full)
     assert finalize_stats(full)["loss/entropy"] == 1.0 and "loss/kl_ref" not in finalize_stats(full)
 

@@ -24,6 +24,19 @@ in turn) so that load from elsewhere falls on all of them.
 
     python tools/bench/spread.py [--size demo|mid] [--runs 5] [--steps 60]
         [--conditions trl-seeds,async-one-seed,async-seeds,onpolicy-one-seed]  # the default
+
+**The hard start** (issue #53, ``--start hard``): the same task from a model SFT'd for only
+``--sft-steps`` steps (default 60 of recipes/demo_sft.yaml's 250), whose held-out success is near
+0, so early progress compounds and a lag costs most; the start's own held-out success is measured
+and printed first. Its conditions (:data:`HARD`, seed i in run i) set the buffer explicitly, since
+demo.yaml's ``max_batches_ahead: 2`` is not the recipe default's η + 1: ``onpolicy`` (η = 0),
+``eta4`` (η = 4, depth η + 1 = 5), ``eta4-depth2`` (demo.yaml as it is), each remedy on ``eta4``
+(``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
+``adaptive``: the adaptive depth), and ``eta16`` (η = 16, depth 17) alone and with ``m2po`` and
+``adaptive``. Prints the median held-out and median wall of each.
+
+    python tools/bench/spread.py --start hard --size mid --runs 5 --steps 50 \
+        --conditions onpolicy,eta4,eta4-depth2,m2po,anchor,esslr,adaptive,eta16,eta16-m2po,eta16-adaptive
 """
 
 from __future__ import annotations
@@ -58,6 +71,58 @@ CONDITIONS: dict[str, tuple[list[str], bool] | None] = {
 }
 DEFAULT = ("trl-seeds", "async-one-seed", "async-seeds", "onpolicy-one-seed")
 
+ETA4 = ["buffer.max_staleness=4", "buffer.max_batches_ahead=0"]  # depth η + 1: the recipe default
+ETA16 = ["buffer.max_staleness=16", "buffer.max_batches_ahead=0"]  # depth 17: really that stale
+ADAPTIVE = ["buffer.adaptive_depth_ess=0.9", "buffer.adaptive_depth_kl=0.05"]
+HARD: dict[str, tuple[list[str], bool]] = {
+    "onpolicy": (["buffer.max_staleness=0"], True),
+    "eta4": (ETA4, True),
+    "eta4-depth2": (["buffer.max_staleness=4", "buffer.max_batches_ahead=2"], True),
+    "m2po": ([*ETA4, "algorithm.loss=m2po"], True),
+    "anchor": ([*ETA4, "algorithm.prox_anchor=staleness"], True),
+    "esslr": ([*ETA4, "learner.lr_ess_scale=sqrt"], True),
+    "adaptive": ([*ETA4, *ADAPTIVE], True),
+    "eta16": (ETA16, True),
+    "eta16-m2po": ([*ETA16, "algorithm.loss=m2po"], True),
+    "eta16-adaptive": ([*ETA16, *ADAPTIVE], True),
+}
+"""``--start hard``'s conditions (issue #53): every one at seed i in run i."""
+CONDITIONS.update(HARD)
+HARD_DEFAULT = tuple(HARD)
+HARD_SFT_STEPS = 60
+"""SFT steps of the hard start (the mid bench's 250 give ~0.3 held-out success)."""
+
+
+def ensure_hard_start(size: str, sft_steps: int) -> Path:
+    """The model SFT'd for ``sft_steps`` steps (recipes/demo_sft.yaml's batch and lr) from the
+    same untrained model as :func:`ensure_start`'s (built if missing)."""
+    from asyncrl import launch
+    from tools.bench.vs_trl import MID_MODEL
+    from tools.make_demo import make_demo
+    from tools.make_tiny_model import make_tiny_model
+
+    make_demo(ROOT / "build/demo")  # the demo's data and untrained model
+    name = f"{size}_sft_hard{sft_steps}"
+    sft = OUT / name
+    if not (sft / "hf/latest/config.json").is_file():
+        if size == "demo":
+            model = ROOT / "build/demo/model"
+        else:
+            model = OUT / "mid_model"
+            if not (model / "config.json").is_file():
+                make_tiny_model(model, **MID_MODEL)
+        ov = [
+            f"model.path={model}",
+            f"run.name={name}",
+            f"run.output_dir={OUT}",
+            f"run.steps={sft_steps}",
+            "run.timeout_s=3600",
+        ]
+        s = launch.run(ROOT / "recipes/demo_sft.yaml", ov, overwrite=True, progress=False)
+        if s["outcome"] != "completed":
+            raise SystemExit(f"spread: the hard start's SFT did not complete: {s['outcome']}")
+    return sft / "hf/latest"
+
 
 def run_one(condition: str, i: int, *, py: str, start: Path, steps: int, size: str) -> dict:
     tag = f"spread_{size}_{condition}_{i}"
@@ -88,19 +153,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=["demo", "mid"], default="demo")
     p.add_argument("--runs", type=int, default=5, help="runs per condition")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--conditions", default=",".join(DEFAULT), help=", ".join(CONDITIONS))
+    p.add_argument("--conditions", default="", help=", ".join(CONDITIONS))
+    p.add_argument(
+        "--start",
+        choices=["sft", "hard"],
+        default="sft",
+        help="sft: the vs_trl start; hard: SFT'd --sft-steps only, held-out near 0 (issue #53)",
+    )
+    p.add_argument("--sft-steps", type=int, default=HARD_SFT_STEPS, help="--start hard's SFT")
     a = p.parse_args(argv)
-    conditions = [c for c in a.conditions.split(",") if c]
+    default = HARD_DEFAULT if a.start == "hard" else DEFAULT
+    conditions = [c for c in (a.conditions or ",".join(default)).split(",") if c]
     unknown = sorted(set(conditions) - set(CONDITIONS))
     if unknown:
         p.error(f"--conditions: unknown {', '.join(unknown)} (choose from {', '.join(CONDITIONS)})")
+    if a.sft_steps < 1:
+        p.error(f"--sft-steps: must be at least 1, got {a.sft_steps}")
     py = ensure_trl_env() if any(CONDITIONS[c] is None for c in conditions) else ""
-    start = ensure_start(a.size)
     OUT.mkdir(parents=True, exist_ok=True)
+    if a.start == "hard":
+        start = ensure_hard_start(a.size, a.sft_steps)
+        at_start = heldout(start, OUT / f"hard_start_{a.size}_{a.sft_steps}_eval.log")
+        print(f"hard start ({a.sft_steps} SFT steps): held-out {_f(at_start, '.3f')}", flush=True)
+    else:
+        start = ensure_start(a.size)
     results: dict[str, list[dict]] = {c: [] for c in conditions}
     for i in range(a.runs):
         for c in conditions:
-            r = run_one(c, i, py=py, start=start, steps=a.steps, size=a.size)
+            r = run_one(
+                c,
+                i,
+                py=py,
+                start=start,
+                steps=a.steps,
+                size=a.size if a.start == "sft" else f"{a.size}_hard",
+            )
             results[c].append(r)
             print(
                 f"{c:20} run {i}: held-out {_f(r['heldout'], '.3f')}  batch reward (last 5) "
@@ -108,13 +195,22 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     summary = {}
-    print(f"\n{'condition':20}{'median':>8}{'range':>8}{'std':>8}  held-out values")
+    print(f"\n{'condition':20}{'median':>8}{'range':>8}{'std':>8}{'wall':>8}  held-out values")
     for c in conditions:
-        d = describe([r["heldout"] for r in results[c] if r["heldout"] is not None])
-        d["reward_last_median"] = statistics.median(r["reward_last"] for r in results[c])
+        held = [r["heldout"] for r in results[c] if r["heldout"] is not None]
+        d = describe(held) if held else {"values": [], "median": None, "range": None, "std": None}
+        last = [r["reward_last"] for r in results[c] if r["reward_last"] is not None]
+        d["reward_last_median"] = statistics.median(last) if last else None
+        d["wall_median"] = statistics.median(r["wall"] for r in results[c])
         summary[c] = d
-        print(f"{c:20}{d['median']:8.3f}{d['range']:8.3f}{d['std']:8.3f}  {d['values']}")
-    print(json.dumps({"bench": "spread", "size": a.size, "runs": a.runs, "conditions": summary}))
+        print(
+            f"{c:20}{_f(d['median'], '8.3f')}{_f(d['range'], '8.3f')}{_f(d['std'], '8.3f')}"
+            f"{d['wall_median']:8.1f}  {d['values']}"
+        )
+    out = {"bench": "spread", "size": a.size, "start": a.start, "runs": a.runs}
+    if a.start == "hard":
+        out |= {"sft_steps": a.sft_steps, "heldout_start": at_start}
+    print(json.dumps(out | {"conditions": summary}))
     return 0
 
 

@@ -18,6 +18,7 @@ micro-batch.
 
 from __future__ import annotations
 
+import math
 from typing import get_args
 
 import torch
@@ -39,7 +40,54 @@ LOSSES: tuple[str, ...] = tuple(x for x in get_args(Loss) if x != "reward_model"
 
 def needs_prox(name: str) -> bool:
     """Whether the loss needs π_prox, a forward-only recompute with the step's starting weights."""
-    return name == "decoupled_ppo"
+    return name in ("decoupled_ppo", "m2po")
+
+
+def staleness_anchor(logp: Tensor, behavior_logp: Tensor, staleness: Tensor) -> Tensor:
+    """A-3PO's proximal anchor (``algorithm.prox_anchor: staleness``), per token:
+
+        log π̂_prox = log μ + (s / (s + 1)) · (sg[log π] − log μ),   s = the token's staleness
+
+    AReaL's ``prox_approx`` interpolates with α = (v_prox − v_behave) / (v_θ − v_behave); the
+    update produces v_θ = v_prox + 1 and s = v_prox − v_behave, so α = s / (s + 1) (the issue's
+    (k − 1)/k with k = s + 1). A fresh token (s = 0) is anchored at μ, the weights that sampled it
+    and that the update starts from; a token s versions old at the point s/(s+1) of the way from μ
+    to π, so the clip r = π/π̂_prox = (π/μ)^(1/(s+1)) bounds the drift of one version, which a
+    recomputed π_prox cannot do at one update per batch (there π_prox = π and r ≡ 1)."""
+    s = staleness.to(logp.dtype).clamp(min=0)
+    return behavior_logp + (s / (s + 1)) * (logp.detach() - behavior_logp)
+
+
+def m2po_threshold(delta_sq: Tensor, tau: float, group: object = None) -> float:
+    """M2PO's cut (Zheng et al. 2025, arXiv 2510.01161): the smallest value t such that dropping
+    every token with (log π − log μ)² ≥ t leaves a mean second moment ≤ τ over the kept ones;
+    ``inf`` when nothing needs dropping. ``delta_sq`` holds this rank's trained tokens' values;
+    with a process ``group`` (torch.distributed) the cut is over every rank's tokens of the batch,
+    so each rank masks exactly what one rank holding the whole batch would.
+
+    Tokens are dropped largest first: removing a value at least the mean of the rest never raises
+    that mean, so ties at t (all dropped) keep the bound."""
+    x = delta_sq.detach().to(torch.float64).reshape(-1).cpu()
+    if group is not None:
+        import torch.distributed as dist
+
+        n = torch.tensor([x.numel()], dtype=torch.int64)
+        sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(sizes, n, group=group)
+        most = int(max(int(z) for z in sizes))
+        padded = torch.cat([x, torch.zeros(most - x.numel(), dtype=torch.float64)])
+        parts = [torch.zeros(most, dtype=torch.float64) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        x = torch.cat([p[: int(z)] for p, z in zip(parts, sizes, strict=True)])
+    n = x.numel()
+    if n == 0 or float(x.mean()) <= tau:
+        return math.inf
+    v = torch.sort(x, descending=True).values
+    # mean of the kept after dropping the k largest: (Σ − prefix_k) / (n − k), k = 1..n−1
+    rest = v.sum() - torch.cumsum(v, 0)[:-1]
+    ok = rest / torch.arange(n - 1, 0, -1, dtype=torch.float64) <= tau
+    k = int(torch.nonzero(ok)[0]) + 1 if bool(ok.any()) else n
+    return float(v[k - 1])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,6 +163,13 @@ def tis(
     ``seq_ids`` the weight is the sequence's, :func:`is_weight`'s min(Π_t π_t/μ_t, C)."""
     w, capped = is_weight(logp - behavior_logp, is_cap=is_cap, seq_ids=seq_ids, mask=mask)
     return -w * adv * logp, capped
+
+
+def m2po(logp: Tensor, behavior_logp: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
+    """M2PO (arXiv 2510.01161): ℓ = −sg[π/μ] · A · log π, no clip and no cap; its trust region is
+    the second-moment mask :func:`policy_loss` applies (``algorithm.m2po_tau``)."""
+    w = torch.exp(logp - behavior_logp).detach()
+    return -w * adv * logp, torch.zeros_like(logp, dtype=torch.bool)
 
 
 def is_weight(
@@ -202,6 +257,8 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     entropy: Tensor | None = None,
     seq_weights: Tensor | None = None,
+    staleness: Tensor | None = None,
+    m2po_cut: float = math.inf,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's contribution to the step loss, for the loss ``cfg.loss``:
 
@@ -217,9 +274,13 @@ def policy_loss(
     bound of 0 is off, and dropped tokens stay in the denominators. ``is_level: sequence`` gives
     tis and decoupled_ppo the sequence's truncated weight (:func:`is_weight`). ``seq_weights``
     (per token) weigh sequences under the sequence-mean aggregations (:func:`token_weights`).
+    ``staleness`` (per token; ``algorithm.prox_anchor: staleness``) replaces decoupled_ppo's
+    π_prox by :func:`staleness_anchor`. ``m2po`` drops the tokens whose (log π_prox − log μ)² is
+    at least ``m2po_cut`` (the batch's :func:`m2po_threshold`), counted in the stats'
+    ``m2po_masked``.
 
     Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch, always
-    keyed by :data:`~asyncrl.learner.losses.stats.STAT_KEYS`: add them up over micro-batches and
+    keyed by :func:`~asyncrl.learner.losses.stats.stat_keys` of the loss: add them up over micro-batches and
     ranks (start from :func:`~asyncrl.learner.losses.stats.zero_stats`), then call
     :func:`~asyncrl.learner.losses.stats.finalize_stats`.
     """
@@ -247,6 +308,9 @@ def policy_loss(
         blp = clean(behavior_logp, "behavior_logp").detach()
         adv = clean(advantages, "advantages").detach()
         plp = clean(prox_logp, "prox_logp").detach() if needs_prox(name) else None
+        if name == "decoupled_ppo" and cfg.prox_anchor == "staleness":
+            k = clean(staleness, "staleness (algorithm.prox_anchor staleness)")
+            plp = staleness_anchor(lp, blp, k)
         log_rho = (lp.detach() if plp is None else plp) - blp
         in_band = ratio_in_bounds(torch.exp(log_rho), cfg.ratio_mask_low, cfg.ratio_mask_high)
         ratio_masked = valid & ~in_band
@@ -254,6 +318,10 @@ def policy_loss(
             log_rho, seq_ids, valid, cfg.seq_mask_low, cfg.seq_mask_high
         )
         keep = valid & ~ratio_masked & ~seq_masked
+        if name == "m2po":
+            d = plp - blp
+            m2po_masked = valid & ((d * d).to(torch.float64) >= m2po_cut)
+            keep = keep & ~m2po_masked
         eps = {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}
         dual = {"clip_c": cfg.clip_c if cfg.dual_clip else 0.0}
         if cfg.is_level == "sequence":
@@ -266,6 +334,8 @@ def policy_loss(
             )
         elif name == "tis":
             per_token, clip_active = tis(lp, blp, adv, is_cap=cfg.is_cap, **level)
+        elif name == "m2po":
+            per_token, clip_active = m2po(lp, blp, adv)
         elif name == "cispo":
             low = cfg.clip_low if cfg.cispo_clip_low else None
             per_token, clip_active = cispo(lp, blp, adv, clip_low=low, clip_high=cfg.clip_high)
@@ -292,6 +362,8 @@ def policy_loss(
         "entropy": 0,
         "entropy_tokens": 0,
     }
+    if name == "m2po":  # a key of its own (stats.stat_keys), so no other loss's metrics change
+        stats["m2po_masked"] = m2po_masked.sum()
     if cfg.kl_coef > 0 or ref_logp is not None:
         ref = clean(ref_logp, "ref_logp (algorithm.kl_coef > 0)").detach()
         kl = kl_penalty(lp, ref, estimator=cfg.kl_estimator)

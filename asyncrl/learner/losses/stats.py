@@ -46,6 +46,8 @@ def finalize_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
     out["loss/is_capped_frac"] = s["is_capped"] / n
     out["loss/kl_mu_k1"] = s["kl_mu_k1"] / n
     out["loss/kl_mu_k3"] = s["kl_mu_k3"] / n
+    if "m2po_masked" in s:  # loss m2po: the tokens its second-moment mask dropped
+        out["loss/m2po_masked_frac"] = s["m2po_masked"] / n
     for k in ("kl_ref", "entropy"):  # only when computed (the caller passed ref_logp / entropy)
         if s[f"{k}_tokens"] > 0:
             out[f"loss/{k}"] = s[k] / s[f"{k}_tokens"]
@@ -83,8 +85,15 @@ STAT_KEYS = (
 )
 
 
-def zero_stats() -> dict[str, Tensor]:
+def stat_keys(loss: str = "") -> tuple[str, ...]:
+    """The keys :func:`~asyncrl.learner.losses.policy.policy_loss` returns for ``loss``:
+    :data:`STAT_KEYS`, and m2po's masked-token count for m2po alone (so that no other loss's
+    metrics change)."""
+    return STAT_KEYS + (("m2po_masked",) if loss == "m2po" else ())
+
+
+def zero_stats(loss: str = "") -> dict[str, Tensor]:
     """The stats of a micro-batch with no tokens: the starting point of a sum, so that every rank
-    all-reduces the same keys (:data:`STAT_KEYS`, which
+    all-reduces the same keys (:func:`stat_keys`, which
     :func:`~asyncrl.learner.losses.policy.policy_loss` always returns)."""
-    return {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}
+    return {k: torch.zeros((), dtype=torch.float64) for k in stat_keys(loss)}
