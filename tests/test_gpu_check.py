@@ -324,16 +324,23 @@ def test_a_step_past_its_limit_dumps_its_stacks_keeps_what_it_reached_and_leaves
     py = tmp_path / "python"
     py.write_text(HANG.format(py=sys.executable))
     py.chmod(0o755)
-    # env runs first, up to its 60 s limit on a loaded 2-core machine (30 s seen): what it leaves
-    # of 85 s is hang's limit, at least the 20 s under which check.sh skips a step
+    # hang's limit is named (hang:25), not what env leaves of a small budget: env runs first, and
+    # on a loaded 2-core machine it once took long enough (tens of seconds) that what it left was
+    # under the 20 s below which check.sh skips a step, and hang never ran (a soak's one failure)
     p = _check(
-        tmp_path / "r", "--dry", "hang", ASYNCRL_CHECK_BUDGET_S="85", ASYNCRL_CHECK_PYTHON=str(py)
+        tmp_path / "r",
+        "--dry",
+        "hang:25",
+        ASYNCRL_CHECK_BUDGET_S="600",
+        ASYNCRL_CHECK_PYTHON=str(py),
     )
     assert p.returncode == 0, p.stderr
     env, hang = _records(tmp_path / "r")
     assert env["step"] == "env" and env["ok"]  # env runs first even when not asked for
     assert hang["timed_out"] and not hang["ok"] and hang["reached"] == "build"
+    assert hang["seconds"] >= 25, hang  # its own limit acted, not the budget
     log = (tmp_path / "r/logs/hang.log").read_text()
+    assert "=== hang: limit 25 s" in log
     assert "SIGUSR1" in log and "most recent call first" in log and "line 6 in <module>" in log
     grandchild = hang["figures"]["grandchild"]
     assert (

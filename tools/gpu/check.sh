@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check (docs/gpu.md, "The GPU check"): one command for a session lent one GPU.
 #
-#   bash tools/gpu/check.sh RESULTS_DIR [--dry] [STEP ...]
+#   bash tools/gpu/check.sh RESULTS_DIR [--dry] [STEP[:SECONDS] ...]
 #
 # Runs the steps of tools/gpu/check.py in order (the named ones, else check.py's STEPS; flex only
 # when named), each in its own process under `timeout`, and appends one JSON record per step to
@@ -33,12 +33,21 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-results="${1:?usage: check.sh RESULTS_DIR [--dry] [STEP ...]}"
+results="${1:?usage: check.sh RESULTS_DIR [--dry] [STEP[:SECONDS] ...]}"
 shift
 dry=""
 steps=()
+# STEP:SECONDS names a step with a limit of its own, in place of the plan's (still cut to what is
+# left of the budget): a step rerun in what is left of a window, or a test's step whose limit must
+# not depend on how long the steps before it took
+declare -A named_limit=()
 for a in "$@"; do
-  if [ "$a" = "--dry" ]; then dry="--dry"; else steps+=("$a"); fi
+  if [ "$a" = "--dry" ]; then
+    dry="--dry"
+  else
+    steps+=("${a%%:*}")
+    [[ "$a" == *:* ]] && named_limit[${a%%:*}]=${a#*:}
+  fi
 done
 budget="${ASYNCRL_CHECK_BUDGET_S:-480}"
 # each step's limit times this (an integer): a --dry check on a loaded 2-core CPU runs its steps
@@ -106,6 +115,10 @@ order=()
 if "$py" "$here/check.py" plan "$results" "$budget" "$scale" ${steps[@]+"${steps[@]}"}; then
   while read -r s t; do order+=("$s"); limit[$s]=$t; done <"$results/.plan"
   rm -f "$results/.plan"
+  for s in "${!named_limit[@]}"; do
+    limit[$s]=${named_limit[$s]}
+    echo "check: $s's limit ${named_limit[$s]} s, as named"
+  done
 else
   echo "check: no plan from check.py; the steps asked, at 120 s each"
   order=(env)
