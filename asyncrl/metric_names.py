@@ -34,6 +34,14 @@ STALENESS_HIST = "staleness_hist/"  # the batch's groups by staleness 0..eta
 DRIFT_MISMATCH = "drift/mismatch_kl"
 DRIFT_KV_MIXED = "drift/kv_mixed_kl"
 DRIFT_BY_STALENESS = "drift/staleness_kl/"  # 1..eta
+# the staleness view, per staleness k = 0..eta (learner/losses/staleness_stats.py; by_staleness.png;
+# its KL to the learner is drift's above): are old samples teaching?
+STALENESS_TOKENS = "staleness/tokens/"  # trained tokens, summed over the step's updates
+STALENESS_ESS = "staleness/ess/"  # of the importance weights pi_prox/mu
+STALENESS_MASKED = "staleness/masked_frac/"  # trained tokens a mask dropped from the loss
+STALENESS_CLIPPED = "staleness/clipped_frac/"  # ... kept, but a clip or the IS cap cut
+STALENESS_ADV_ABS = "staleness/adv_abs_mean/"  # mean |A| over the trained tokens
+STALENESS_REWARD = "staleness/reward_mean/"  # mean reward of the batch's groups of staleness k
 WEIGHT_SYNC_S = "weights/sync_s"
 PAUSE_S = "weights/pause_s/"  # per generator (host:port)
 
@@ -66,6 +74,12 @@ READ_BY_ASYNCRL = (
     DRIFT_MISMATCH,
     DRIFT_KV_MIXED,
     DRIFT_BY_STALENESS,
+    STALENESS_TOKENS,
+    STALENESS_ESS,
+    STALENESS_MASKED,
+    STALENESS_CLIPPED,
+    STALENESS_ADV_ABS,
+    STALENESS_REWARD,
     WEIGHT_SYNC_S,
     PAUSE_S,
 )

@@ -10,6 +10,9 @@ Writes (each only if its metrics are present; a missing key never fails the tool
 - ``throughput.png``: generated and trained tokens/s, learner and generator idle fractions;
 - ``weight_sync.png``: weight-sync seconds and generator pause seconds per version;
 - ``drift.png``: KL(mu || pi_prox) per staleness bucket (engine mismatch vs staleness drift);
+- ``by_staleness.png``: are old samples teaching? Per staleness k = 0..eta, one line each, over the
+  versions: the tokens trained, their KL to the learner, their importance weights' ESS, the
+  fraction masked or clipped, the mean |A| and the batch reward of the groups of that staleness;
 - ``learning.png``: loss, entropy, grad norm.
 
 Each line of metrics.jsonl is one JSON object of flat ``section/name`` keys; the x axis is the
@@ -326,6 +329,69 @@ def plot_drift(records, out: Path) -> Path | None:
     return _save(fig, out / "drift.png")
 
 
+STALENESS_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("trained tokens", (names.STALENESS_TOKENS,)),
+    ("KL(mu || pi_prox)", (names.DRIFT_BY_STALENESS,)),  # k = 0: names.DRIFT_MISMATCH
+    ("ESS of pi_prox/mu", (names.STALENESS_ESS,)),
+    ("masked or clipped", (names.STALENESS_MASKED, names.STALENESS_CLIPPED)),  # their sum
+    ("mean |A|", (names.STALENESS_ADV_ABS,)),
+    ("batch reward", (names.STALENESS_REWARD,)),
+)
+"""by_staleness.png's panels: a label and the families whose bucket-k values, summed, make line k
+(a token is either masked, or kept and maybe clipped: the two fractions add up)."""
+
+
+def staleness_series(records, prefixes: tuple[str, ...], k: int) -> tuple[list, list]:
+    """(xs, ys) of line k of a :data:`STALENESS_PANELS` panel: the records holding every family's
+    bucket k, their values summed, one per version (the last logged). The drift's KL has no bucket
+    0 of its own: at staleness 0 it is the engine mismatch."""
+    keys = [
+        names.DRIFT_MISMATCH if (p == names.DRIFT_BY_STALENESS and k == 0) else f"{p}{k}"
+        for p in prefixes
+    ]
+    xs, ys = [], []
+    for i, r in enumerate(records):
+        vals = [_num(r.get(key)) for key in keys]
+        if all(v is not None for v in vals):
+            xs.append(_x(r, i))
+            ys.append(sum(vals))
+    return per_version(xs, ys)
+
+
+def by_staleness_figure(records):
+    """by_staleness.png's figure (None without the staleness view's metrics): one panel per
+    quantity, one line per staleness k, fresh dark to stale light; the KL on a log scale."""
+    ks = [_bucket(key, names.STALENESS_TOKENS) for key in family(records, names.STALENESS_TOKENS)]
+    ks = [k for k in ks if k >= 0]
+    if not ks:
+        return None
+    plt = _plt()
+    eta = max(ks)
+    colors = plt.get_cmap("viridis")
+    n = len(STALENESS_PANELS)
+    fig, axes = plt.subplots(n, 1, figsize=(7, 1.9 * n), sharex=True)
+    for ax, (label, prefixes) in zip(axes, STALENESS_PANELS, strict=True):
+        positive = True
+        for k in range(eta + 1):
+            xs, ys = staleness_series(records, prefixes, k)
+            if xs:
+                color = colors(0.85 * k / max(eta, 1))
+                ax.plot(xs, ys, "-", lw=1.2, color=color, label=f"k = {k}")
+                positive &= all(y > 0 for y in ys)
+        ax.set_ylabel(label, fontsize="small")
+        if prefixes == (names.DRIFT_BY_STALENESS,) and ax.get_lines() and positive:
+            ax.set_yscale("log")
+    axes[0].set_title("By staleness k (versions behind the learner): are old samples teaching?")
+    axes[0].legend(loc="upper left", fontsize="x-small", ncol=min(eta + 1, 6))
+    axes[-1].set_xlabel("policy version")
+    return fig
+
+
+def plot_by_staleness(records, out: Path) -> Path | None:
+    fig = by_staleness_figure(records)
+    return None if fig is None else _save(fig, out / "by_staleness.png")
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -374,6 +440,7 @@ PLOTS = (
     plot_throughput,
     plot_weight_sync,
     plot_drift,
+    plot_by_staleness,
     plot_learning,
     plot_critic,
 )

@@ -257,6 +257,15 @@ def test_rl_run_bounds_staleness_and_logs_it(tmp_path, demo_dir, plugin_path):
     assert all(0 <= h["buffer/staleness_max"] <= eta for h in rows)
     assert all(h["buffer/staleness_mean"] <= h["buffer/staleness_max"] for h in rows)
     assert all("drift/tokens/0" in h for h in rows)  # trained tokens per staleness bucket
+    # the staleness view: every step, in W&B too, and its plot (README "Are old samples teaching?")
+    view = (
+        metric_names.STALENESS_TOKENS,
+        metric_names.STALENESS_ESS,
+        metric_names.STALENESS_REWARD,
+    )
+    assert all(any(k.startswith(p) for k in h) for h in rows for p in view)
+    assert all(f"{metric_names.STALENESS_TOKENS}{eta}" in h for h in rows)  # every k, zeros too
+    assert (run_dir / "plots/by_staleness.png").is_file()
     assert any(w["job_type"].startswith("worker") for w in runs)  # the rollout worker's run
     assert (run_dir / "plots/staleness.png").is_file() and (run_dir / "plots/reward.png").is_file()
     # held-out evaluation on the generators, at the start, every 4 versions and at the end, each

@@ -39,6 +39,7 @@ def _full_records(n=12, eta=4):
                 names.GRAD_NORM: 0.5,
                 names.BATCH_REWARD_MEAN: v / n,
                 names.BATCH_RESPONSE_LENGTH_MEAN: 6.0,
+                **_by_staleness(v, eta),
             }
         )
         recs.append(
@@ -54,6 +55,21 @@ def _full_records(n=12, eta=4):
     return recs
 
 
+def _by_staleness(v: int, eta: int) -> dict[str, float]:
+    """The learner's staleness view at version ``v``: tokens at staleness 0..min(v, eta), none
+    older (the quantities only where there are tokens, as the learner logs them)."""
+    out: dict[str, float] = {}
+    for k in range(eta + 1):
+        out[f"{names.STALENESS_TOKENS}{k}"] = 100.0 * (k <= min(v, eta))
+        if k <= min(v, eta):
+            out[f"{names.STALENESS_ESS}{k}"] = 1.0 - 0.1 * k
+            out[f"{names.STALENESS_MASKED}{k}"] = 0.01 * k
+            out[f"{names.STALENESS_CLIPPED}{k}"] = 0.02 * k
+            out[f"{names.STALENESS_ADV_ABS}{k}"] = 0.5
+            out[f"{names.STALENESS_REWARD}{k}"] = v / 12 - 0.02 * k
+    return out
+
+
 def test_all_plots_from_full_metrics(tmp_path):
     m = _write(tmp_path / "metrics.jsonl", _full_records())
     written = plots.make_plots(m)
@@ -64,6 +80,7 @@ def test_all_plots_from_full_metrics(tmp_path):
         "throughput.png",
         "weight_sync.png",
         "drift.png",
+        "by_staleness.png",
         "learning.png",
     }
     for p in written:
@@ -213,3 +230,39 @@ def test_a_distillation_summary_has_the_reverse_kl_of_its_first_and_last_version
     assert got["distill_reverse_kl_start"] == pytest.approx((1.8 + 1.6 + 1.4 + 1.2 + 1.0) / 5)
     assert got["distill_reverse_kl_end"] == pytest.approx((1.2 + 1.0 + 0.8 + 0.6 + 0.0) / 5)
     assert distill_summary([]) == {"distill_reverse_kl_start": None, "distill_reverse_kl_end": None}
+
+
+def test_by_staleness_has_a_panel_per_quantity_and_a_line_per_staleness(tmp_path):
+    """by_staleness.png: tokens, KL, ESS, masked-or-clipped, |A| and reward, one line per
+    staleness k each; the KL's k = 0 is the engine mismatch (drift/mismatch_kl), a masked-or-clipped
+    line the sum of the two fractions, and a k appears from the first version that trained it."""
+    eta = 3
+    recs = [{"step": v, "process": "learner", **_by_staleness(v, eta)} for v in range(1, 7)]
+    for r in recs:
+        r[names.DRIFT_MISMATCH] = 1e-6
+        for k in range(1, min(r["step"], eta) + 1):
+            r[f"{names.DRIFT_BY_STALENESS}{k}"] = 1e-3 * k
+    records = plots.read_metrics(_write(tmp_path / "metrics.jsonl", recs))
+    fig = plots.by_staleness_figure(records)
+    panels = [ax.get_ylabel() for ax in fig.axes]
+    assert panels == [label for label, _ in plots.STALENESS_PANELS] and len(panels) == 6
+    by_label = dict(zip(panels, fig.axes, strict=True))
+    for ax in fig.axes:
+        assert [ln.get_label() for ln in ax.get_lines()] == [f"k = {k}" for k in range(eta + 1)]
+    tokens = {ln.get_label(): _points(ln) for ln in by_label["trained tokens"].get_lines()}
+    assert tokens["k = 0"] == [(v, 100.0) for v in range(1, 7)]
+    assert tokens["k = 3"] == [(v, 100.0 * (v >= 3)) for v in range(1, 7)]
+    kl = {ln.get_label(): _points(ln) for ln in by_label["KL(mu || pi_prox)"].get_lines()}
+    assert kl["k = 0"] == [(v, 1e-6) for v in range(1, 7)]
+    assert kl["k = 2"] == [(v, 2e-3) for v in range(2, 7)]
+    assert by_label["KL(mu || pi_prox)"].get_yscale() == "log"
+    cut = {ln.get_label(): _points(ln) for ln in by_label["masked or clipped"].get_lines()}
+    assert cut["k = 2"] == [(v, pytest.approx(0.06)) for v in range(2, 7)]
+    reward = {ln.get_label(): _points(ln) for ln in by_label["batch reward"].get_lines()}
+    assert reward["k = 1"] == [(v, pytest.approx(v / 12 - 0.02)) for v in range(1, 7)]
+    plots._plt().close(fig)
+    written = plots.make_plots(tmp_path / "metrics.jsonl")
+    assert tmp_path / "plots/by_staleness.png" in written
+    assert (tmp_path / "plots/by_staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a run without the view (an SFT run, an older metrics file) has no such plot
+    assert plots.by_staleness_figure(plots.read_metrics(_write(tmp_path / "b.jsonl", []))) is None

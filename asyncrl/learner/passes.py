@@ -30,6 +30,7 @@ from asyncrl.learner.drift import drift_sums
 from asyncrl.learner.logprobs import chunked_backward, chunked_logprobs, local_hidden
 from asyncrl.learner.losses.aggregation import Normaliser, count_tokens_and_seqs
 from asyncrl.learner.losses.policy import needs_prox, policy_loss
+from asyncrl.learner.losses.staleness_stats import BY_STALENESS
 from asyncrl.learner.losses.stats import zero_stats
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import MicroBatch, Sequence, pack, split_micro_batches
@@ -44,6 +45,8 @@ class StepTotals:
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     tokens: int = 0
     stats: dict[str, torch.Tensor] = field(default_factory=zero_stats)
+    # the staleness view's sums, on the device, summed over micro-batches (None: none trained yet)
+    staleness: torch.Tensor | None = None
     grad_norms: list[float] = field(default_factory=list)
     critic_grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
@@ -223,7 +226,12 @@ def actor_micro_batch(
             seq_weights=mb.seq_weights,
             staleness=version - mb.versions if alg.prox_anchor == "staleness" else None,
             m2po_cut=m2po_cut,
+            token_staleness=version - mb.versions,
+            max_staleness=models.config.max_staleness,
         )
+        by_k = st.pop(BY_STALENESS, None)
+        if by_k is not None:
+            totals.staleness = by_k if totals.staleness is None else totals.staleness + by_k
         wrt = [logp, entropy] if entropy.requires_grad else [logp]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         grad_logp = torch.zeros_like(logp) if grads[0] is None else grads[0]

@@ -26,6 +26,11 @@ from asyncrl.learner import cpu_shims
 from asyncrl.learner.calls import CALL_RUNNERS, Step, exchange
 from asyncrl.learner.critic import critic_zero_stats
 from asyncrl.learner.drift import finalize_drift
+from asyncrl.learner.losses.staleness_stats import (
+    COLUMNS,
+    finalize_staleness,
+    reward_by_staleness,
+)
 from asyncrl.learner.losses.stats import finalize_stats, zero_stats
 from asyncrl.learner.models import LearnerError, Models
 from asyncrl.learner.offload import Reallocation
@@ -113,6 +118,8 @@ def sequences(
         info[names.BATCH_REWARD_MEAN] = float(np.mean(np.concatenate(rewards)))
         lengths = [len(s.completion_ids) for g in groups for s in g.samples]
         info[names.BATCH_RESPONSE_LENGTH_MEAN] = float(np.mean(lengths))
+        ages = [version - g.behavior_version for g in groups]
+        info |= reward_by_staleness(ages, rewards, max_staleness=eta)
     return seqs, info
 
 
@@ -173,6 +180,11 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
         "loss": totals.loss.reshape(1),
         "tokens": torch.tensor([float(totals.tokens)], dtype=f64),
         "drift": totals.drift,
+        "staleness": (
+            torch.zeros(models.config.max_staleness + 1, len(COLUMNS), dtype=f64)
+            if totals.staleness is None
+            else totals.staleness.cpu()  # the one host read of the staleness view a step
+        ),
     } | {f"stat/{k}": v.reshape(1) for k, v in totals.stats.items()}
     trained = [m for role, m in models.meshes.items() if role != "ref" and m.holds]
     if any(m.tp_rank != 0 for m in trained):
@@ -264,4 +276,5 @@ def step_metrics(
     if models.config.loss != "sft":
         eta = models.config.max_staleness
         out |= finalize_drift(summed["counted/drift"].reshape(eta + 2, 3))
+        out |= finalize_staleness(summed["counted/staleness"].reshape(eta + 1, len(COLUMNS)))
     return out

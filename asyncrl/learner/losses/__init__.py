@@ -10,4 +10,5 @@
   token weights);
 - :mod:`~asyncrl.learner.losses.stats`: what the losses return as sums, and the metrics made of
   them.
+- :mod:`~asyncrl.learner.losses.staleness_stats`: the same per staleness k (the staleness view).
 """

@@ -31,6 +31,7 @@ from asyncrl.learner.losses.aggregation import (
     token_weights,
 )
 from asyncrl.learner.losses.kl_penalty import kl_penalty
+from asyncrl.learner.losses.staleness_stats import BY_STALENESS, staleness_sums
 from asyncrl.recipe import AlgorithmConfig, Loss
 
 LOSSES: tuple[str, ...] = tuple(x for x in get_args(Loss) if x != "reward_model")
@@ -259,6 +260,8 @@ def policy_loss(
     seq_weights: Tensor | None = None,
     staleness: Tensor | None = None,
     m2po_cut: float = math.inf,
+    token_staleness: Tensor | None = None,
+    max_staleness: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's contribution to the step loss, for the loss ``cfg.loss``:
 
@@ -282,7 +285,11 @@ def policy_loss(
     Returns ``(loss, stats)``; ``stats`` are float64 sums (detached) over this micro-batch, always
     keyed by :func:`~asyncrl.learner.losses.stats.stat_keys` of the loss: add them up over micro-batches and
     ranks (start from :func:`~asyncrl.learner.losses.stats.zero_stats`), then call
-    :func:`~asyncrl.learner.losses.stats.finalize_stats`.
+    :func:`~asyncrl.learner.losses.stats.finalize_stats`. With ``token_staleness`` (per token,
+    0…``max_staleness``) and a loss other than sft, ``stats`` also holds
+    :data:`~asyncrl.learner.losses.staleness_stats.BY_STALENESS`: the micro-batch's
+    :func:`~asyncrl.learner.losses.staleness_stats.staleness_sums` (the masks and clips as applied
+    here), a tensor on ``logp``'s device to be summed apart from the scalar stats.
     """
     name = cfg.loss
     if name not in LOSSES:
@@ -375,6 +382,16 @@ def policy_loss(
         per_token = per_token - cfg.entropy_coef * h
         stats["entropy"] = torch.where(keep, h.detach(), 0).sum()
         stats["entropy_tokens"] = keep.sum()
+    if token_staleness is not None and name != "sft":
+        stats[BY_STALENESS] = staleness_sums(
+            token_staleness,
+            valid,
+            masked=valid & ~keep,
+            clipped=keep & (clip_active | capped),
+            rho=rho,
+            advantages=adv,
+            max_staleness=max_staleness,
+        )
 
     # Weights from the trained tokens (ratio-masked tokens stay in every denominator).
     agg = cfg.aggregation_used
