@@ -8,7 +8,9 @@ micro-batches). The graph's generate and reward calls ran in the rollout workers
 are the batch. One version per batch, whatever the updates.
 
 The statistics reduced at the end always have the same names and shapes on every rank, whatever
-its share held, so the one collective that sums them pairs up.
+its share held, so the one collective that sums them pairs up. They are summed on the device,
+micro-batch after micro-batch (:class:`~asyncrl.learner.passes.StepTotals`), and come to the host
+once a step, after that collective (:func:`sum_over_ranks`).
 """
 
 from __future__ import annotations
@@ -149,12 +151,16 @@ def run_calls(models: Models, realloc: Reallocation, run: Step) -> None:
             run.done.add(call.name)
 
 
-def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each named tensor summed over every rank, in one float64 collective (every rank passes the
-    same names and shapes)."""
+def sum_over_ranks(
+    values: dict[str, torch.Tensor], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Each named tensor summed over every rank, in one float64 collective on ``device`` (every rank
+    passes the same names and shapes; host tensors among them go there first), and read back to
+    the host in one copy: the step's one wait for the device."""
     keys = sorted(values)
-    flat = torch.cat([values[k].to(torch.float64).reshape(-1) for k in keys])
+    flat = torch.cat([values[k].to(device=device, dtype=torch.float64).reshape(-1) for k in keys])
     dist.all_reduce(flat)
+    flat = flat.cpu()
     out, at = {}, 0
     for k in keys:
         n = values[k].numel()
@@ -167,7 +173,8 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
     """This step's totals summed over ranks, by name: ``counted/…`` the token sums (loss, tokens,
     the loss statistics ``counted/stat/…``, the drift), which a tensor-parallel group counts on its
     first rank alone (its ranks hold the same tokens); ``role/…`` a role's per-update numbers, the
-    same on its ranks, from its first rank alone."""
+    same on its ranks, from its first rank alone. The actor's gradient norms stay on the device
+    (one per update: ``role/grad_norms``) until this one collective and read."""
     f64 = torch.float64
     counted = {
         "loss": totals.loss.reshape(1),
@@ -177,11 +184,11 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
     trained = [m for role, m in models.meshes.items() if role != "ref" and m.holds]
     if any(m.tp_rank != 0 for m in trained):
         counted = {k: torch.zeros_like(v, dtype=f64) for k, v in counted.items()}
-    role = dict.fromkeys(["grad_norm", "grad_norm_max", "lr", "micro_batches", "critic_grad_norm"])
-    role = {k: torch.zeros(1, dtype=f64) for k in role}
+    role = {k: torch.zeros(1, dtype=f64) for k in ("lr", "micro_batches", "critic_grad_norm")}
+    updates = models.config.learner.minibatches * models.config.learner.epochs
+    role["grad_norms"] = torch.zeros(updates, dtype=f64)
     if models.meshes["actor"].leader:
-        role["grad_norm"][0] = float(np.mean(totals.grad_norms))
-        role["grad_norm_max"][0] = float(max(totals.grad_norms))
+        role["grad_norms"] = torch.stack(totals.grad_norms).to(f64)
         role["lr"][0] = float(totals.lrs[0])
         role["micro_batches"][0] = float(totals.micro_batches)
     critic = models.meshes.get("critic")
@@ -190,7 +197,7 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
     named = {f"counted/{k}": v for k, v in counted.items()} | {
         f"role/{k}": v for k, v in role.items()
     }
-    return sum_over_ranks(named)
+    return sum_over_ranks(named, models.device)
 
 
 def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int) -> StepResult:
@@ -204,7 +211,7 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
     c = models.config
     eta = c.max_staleness
     seqs, info = sequences(models, batch, version)
-    totals = StepTotals(drift=torch.zeros(eta + 2, 3, dtype=torch.float64))
+    totals = StepTotals.on(models.device, eta)
     if models.with_critic:
         totals.stats |= critic_zero_stats()
     run = Step(
@@ -234,9 +241,10 @@ def step_metrics(
     updates = c.learner.minibatches * c.learner.epochs
     tokens = float(summed["counted/tokens"])
     stats = {k.removeprefix("counted/stat/"): float(v) for k, v in summed.items() if "/stat/" in k}
+    grad_norms = summed["role/grad_norms"].tolist()
     out = {
         names.LOSS: float(summed["counted/loss"]) / updates,
-        names.GRAD_NORM: float(summed["role/grad_norm"]),
+        names.GRAD_NORM: float(np.mean(grad_norms)),
         "lr": float(summed["role/lr"]),
         "learner/step_s": dt,
         names.TRAINED_TOKENS: tokens,
@@ -246,7 +254,7 @@ def step_metrics(
         "learner/sequences": float(seqs),
     }
     if updates > 1:
-        out["grad_norm/max"] = float(summed["role/grad_norm_max"])
+        out["grad_norm/max"] = float(max(grad_norms))
     if models.with_critic:
         out[names.VALUE_LOSS] = stats.pop("value_loss") / updates
         out["critic/grad_norm"] = float(summed["role/critic_grad_norm"])

@@ -83,8 +83,9 @@ STAT_KEYS = (
 )
 
 
-def zero_stats() -> dict[str, Tensor]:
+def zero_stats(device: torch.device | None = None) -> dict[str, Tensor]:
     """The stats of a micro-batch with no tokens: the starting point of a sum, so that every rank
     all-reduces the same keys (:data:`STAT_KEYS`, which
-    :func:`~asyncrl.learner.losses.policy.policy_loss` always returns)."""
-    return {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}
+    :func:`~asyncrl.learner.losses.policy.policy_loss` always returns). On ``device`` (the losses'),
+    the sum stays there until the step's end reads it once."""
+    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in STAT_KEYS}
