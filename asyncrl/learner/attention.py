@@ -30,7 +30,9 @@ class DocSegments(NamedTuple):
 
 
 def doc_segments(positions: torch.Tensor) -> DocSegments:
-    """Document lengths per row, from positions that restart at 0 at each document start."""
+    """Document lengths per row, from positions that restart at 0 at each document start. This reads
+    the positions back to the host (a wait for the device on a GPU): the learner's packed rows
+    bring their lengths from :func:`~asyncrl.learner.packing.pack` instead."""
     rows = []
     pos = positions.detach().cpu()
     for r in range(pos.shape[0]):
@@ -159,9 +161,15 @@ def inner_attention_config(kind: str) -> Module.Config:
     raise ValueError(f"model.attention: unknown attention {kind!r}")
 
 
-def attention_masks(model: torch.nn.Module, positions: torch.Tensor):
-    """What the model's attention needs for these packed rows (built once per forward)."""
+def attention_masks(
+    model: torch.nn.Module, positions: torch.Tensor, doc_lengths: tuple[int, ...] | None = None
+):
+    """What the model's attention needs for these packed rows (built once per forward). The
+    per-document SDPA takes a one-row batch's ``doc_lengths`` (from :func:`pack`, so nothing is read
+    back from the device); without them it reads them from ``positions``."""
     inner = model.layers["0"].attention.inner_attention
     if isinstance(inner, DocSegmentSDPA):
+        if doc_lengths is not None and positions.shape[0] == 1:
+            return DocSegments((tuple(doc_lengths),))
         return doc_segments(positions)
     return model.get_attention_masks(positions)

@@ -63,6 +63,17 @@ def update_from_config(model_config: Any, parallelism: Any) -> None:
             del sys.modules[TRAINER_MODULE]
 
 
+def adamw_implementation(device: torch.device) -> str:
+    """AdamW's kernels for parameters on ``device``. On CUDA ``fused``: a few kernel launches for
+    all the parameters, where the for-loop launches several per parameter, and without foreach's
+    temporaries, which span the whole model. On CPU the
+    for-loop, one parameter at a time: foreach's temporaries would add 2.3 GB of peak for
+    Qwen3-0.6B (enough to get it OOM-killed beside its engine), and ``fused`` rounds differently
+    (4.6e-6 after 5 steps), where the CPU learner's numbers are kept bitwise
+    (tools/bench/learner_bitwise.py)."""
+    return "fused" if device.type == "cuda" else "for-loop"
+
+
 @dataclass
 class Builder:
     """Builds on this rank for the roles placed on it (``meshes``: each role's ranks and parallel
@@ -146,10 +157,7 @@ class Builder:
                     },
                 )
             ],
-            # One parameter at a time: foreach's temporaries span the whole model (2.3 GB more peak
-            # for Qwen3-0.6B, enough to get it OOM-killed beside its engine). "for-loop" gives
-            # foreach's numbers exactly; "fused" differs by rounding (4.6e-6 after 5 steps).
-            implementation="for-loop",
+            implementation=adamw_implementation(self.device),
         ).build(model_parts=[model])
         per_version = c.updates_per_version
         total = max(c.versions, 1) * per_version

@@ -126,36 +126,49 @@ def _vocab_parallel_logprobs(
     return logp, entropy
 
 
-def _token_logprobs(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(log π of ``labels``, entropy) of softmax(logits / T), per row, in float32."""
+def _token_logprobs(
+    logits: Tensor, labels: Tensor, temperature: float, *, entropy: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """(log π of ``labels``, entropy) of softmax(logits / T), per row, in float32; without
+    ``entropy`` the second is None (it costs a softmax and a product over the vocabulary)."""
     if isinstance(logits, DTensor):
         if any(p.is_shard() for p in logits.placements):
-            return _vocab_parallel_logprobs(logits, labels, temperature)
+            logp, ent = _vocab_parallel_logprobs(logits, labels, temperature)
+            return logp, ent if entropy else None
         logits = logits.to_local()
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, labels[:, None])[:, 0] - lse
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-    return logp, entropy
+    if not entropy:
+        return logp, None
+    return logp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
 @torch.no_grad()
 def chunked_logprobs(
-    hidden: Tensor, labels: Tensor, lm_head: nn.Module, *, temperature: float, chunk: int
-) -> tuple[Tensor, Tensor]:
+    hidden: Tensor,
+    labels: Tensor,
+    lm_head: nn.Module,
+    *,
+    temperature: float,
+    chunk: int,
+    entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """log π and entropy (float32, ``[T]``) of each row of ``hidden`` (``[T, D]``, the trained
-    tokens' last hidden states) for its label, a chunk of rows at a time; no gradient."""
+    tokens' last hidden states) for its label, a chunk of rows at a time; no gradient. Without
+    ``entropy`` the second is None: only a loss term, its gradient or a logged metric needs it,
+    and it costs a softmax over the vocabulary per token."""
     out_lp, out_ent = [], []
     for h, y in zip(hidden.split(chunk), labels.split(chunk), strict=True):
-        lp, ent = _token_logprobs(lm_head(h), y, temperature)
+        lp, ent = _token_logprobs(lm_head(h), y, temperature, entropy=entropy)
         out_lp.append(lp)
         out_ent.append(ent)
     if not out_lp:
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty.clone()
-    return torch.cat(out_lp), torch.cat(out_ent)
+        return empty, empty.clone() if entropy else None
+    return torch.cat(out_lp), torch.cat(out_ent) if entropy else None
 
 
 def chunked_backward(
@@ -191,7 +204,7 @@ def chunked_backward(
         for i, (h, y) in enumerate(chunks):
             if fsdp and i == len(chunks) - 1:
                 lm_head.set_requires_gradient_sync(True, recurse=False)
-            lp, ent = _token_logprobs(lm_head(h), y, temperature)
+            lp, ent = _token_logprobs(lm_head(h), y, temperature, entropy=grads_ent is not None)
             if grads_ent is None:
                 lp.backward(grads_lp[i])
             else:

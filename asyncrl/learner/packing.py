@@ -148,6 +148,11 @@ class MicroBatch:
 
     ``tokens``, ``positions``, ``labels`` are ``[1, L]``. The loss tensors are flat over ``sel``, the
     row positions whose label is a trained completion token (mask > 0: the only tokens a loss sees).
+
+    What the step needs as numbers (the documents' lengths for the attention, the trained tokens and
+    sequences for the normaliser, ``sel`` to put per-token results back on the sequences) packing
+    knows on the host: they are kept here as Python values and numpy, so a step on a GPU never
+    reads them back from the device (tests/learner/test_device_tier.py counts the reads).
     """
 
     tokens: torch.Tensor
@@ -164,10 +169,16 @@ class MicroBatch:
     returns: torch.Tensor | None  # float [T] with a critic: the value targets
     ref_logp: torch.Tensor | None  # float [T] when every sequence carries log π_ref
     teacher_logp: torch.Tensor | None  # float [T] when a sequence carries log π_teacher (distill)
-    seq_ids: torch.Tensor  # long [T], 0.. within this micro-batch
+    # long [T], the token's sequence, numbered 0.. over the row's sequences that have trained
+    # tokens: dense, so every id is < T, a bound the losses use without reading the device
+    seq_ids: torch.Tensor
     seq_weights: torch.Tensor  # float64 [T], the token's sequence's ``seq_weight``
     seq_index: list[int]  # batch index of each sequence in the row
     num_tokens: int  # L
+    doc_lengths: tuple[int, ...] = ()  # each sequence's length in the row (they sum to L)
+    trained_tokens: int = 0  # T
+    trained_seqs: float = 0.0  # Σ seq_weight over the sequences with trained tokens
+    sel_host: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def is_empty(self) -> bool:
@@ -207,6 +218,7 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
             seq_weights=e.double(),
             seq_index=[],
             num_tokens=1,
+            doc_lengths=(1,),
         )
     cat = np.concatenate
     lengths = [len(s) for s in seqs]
@@ -236,6 +248,12 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
     else:
         teacher_logp = None
 
+    # dense sequence ids over the trained tokens (their sequences in row order), and the weighted
+    # count of those sequences, summed as the normaliser did it on the device before
+    trained, dense = np.unique(seq_ids[sel], return_inverse=True)
+    weights = np.array([s.seq_weight for s in seqs], np.float64)
+    trained_seqs = float(t(weights[trained]).sum()) if len(trained) else 0.0
+
     return MicroBatch(
         tokens=t(cat([s.input_ids for s in seqs]))[None],
         positions=t(cat([np.arange(n, dtype=np.int64) for n in lengths]))[None],
@@ -251,8 +269,12 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
         returns=per_token("returns"),
         ref_logp=per_token("ref_logp"),
         teacher_logp=teacher_logp,
-        seq_ids=t(seq_ids[sel].astype(np.int64)),
-        seq_weights=t(np.array([s.seq_weight for s in seqs], np.float64)[seq_ids[sel]]),
+        seq_ids=t(dense.reshape(-1).astype(np.int64)),
+        seq_weights=t(weights[seq_ids[sel]]),
         seq_index=[s.index for s in seqs],
         num_tokens=int(sum(lengths)),
+        doc_lengths=tuple(lengths),
+        trained_tokens=len(sel),
+        trained_seqs=trained_seqs,
+        sel_host=sel.astype(np.int64),
     )

@@ -11,6 +11,12 @@ updates accumulate the same way.
 Every collective runs on every rank of a role with the same shapes, whatever the data: the
 micro-batch count is agreed (empty rows pad) and a rank whose micro-batch trains no token still runs
 the output projection on one row.
+
+Nothing in a micro-batch's update is read back to the host: what the step needs as numbers comes
+from packing (:class:`MicroBatch`), and the totals (loss, statistics, drift, gradient norms) stay
+on the device until the step's end reads them all at once (:func:`asyncrl.learner.step.reduce_totals`;
+tests/learner/test_device_tier.py counts the reads). A forward-only pass brings each micro-batch's
+per-token results to the host once, to store them on the sequences.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from asyncrl.learner.attention import attention_masks
 from asyncrl.learner.distill import distill
 from asyncrl.learner.drift import drift_sums
 from asyncrl.learner.logprobs import chunked_backward, chunked_logprobs, local_hidden
-from asyncrl.learner.losses.aggregation import Normaliser, count_tokens_and_seqs
+from asyncrl.learner.losses.aggregation import Normaliser
 from asyncrl.learner.losses.policy import needs_prox, policy_loss
 from asyncrl.learner.losses.staleness_stats import BY_STALENESS
 from asyncrl.learner.losses.stats import zero_stats
@@ -39,7 +45,9 @@ from asyncrl.learner.placement import RoleMesh
 
 @dataclass(kw_only=True)
 class StepTotals:
-    """What one step's updates add up on this rank, reduced over ranks at the step's end."""
+    """What one step's updates add up on this rank, reduced over ranks at the step's end. The
+    tensors live on the model's device (:meth:`on`) and are added to there, micro-batch after
+    micro-batch, with no read back to the host; the step's end reads them once."""
 
     drift: torch.Tensor
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
@@ -47,11 +55,22 @@ class StepTotals:
     stats: dict[str, torch.Tensor] = field(default_factory=zero_stats)
     # the staleness view's sums, on the device, summed over micro-batches (None: none trained yet)
     staleness: torch.Tensor | None = None
-    grad_norms: list[float] = field(default_factory=list)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)  # the actor's, one per update
     critic_grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     lr_factors: list[float] = field(default_factory=list)  # learner.lr_ess_scale's, per update
     micro_batches: int = 0
+
+    @classmethod
+    def on(cls, device: torch.device, max_staleness: int, loss: str = "") -> StepTotals:
+        """Zero totals on ``device``: drift rows for staleness 0…η and kv_mixed, and the stats
+        ``loss`` returns (m2po's carry its masked count too)."""
+        f64 = torch.float64
+        return cls(
+            drift=torch.zeros(max_staleness + 2, 3, dtype=f64, device=device),
+            loss=torch.zeros((), dtype=f64, device=device),
+            stats=zero_stats(loss, device=device),
+        )
 
 
 def micro_batches(
@@ -72,15 +91,17 @@ def hidden(models: Models, mb: MicroBatch, model: torch.nn.Module) -> torch.Tens
     which runs a chunk of trained tokens at a time (:mod:`asyncrl.learner.logprobs`). A plain
     tensor, also under tensor parallelism (:func:`local_hidden`)."""
     mb = mb.to(models.device)
-    return local_hidden(model(mb.tokens, mb.positions, attention_masks(model, mb.positions)))
+    masks = attention_masks(model, mb.positions, mb.doc_lengths)
+    return local_hidden(model(mb.tokens, mb.positions, masks))
 
 
 @torch.no_grad()
 def token_logprobs(
-    models: Models, mb: MicroBatch, model: torch.nn.Module | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π and entropy of each trained token of ``mb`` (flat over ``mb.sel``), no gradient;
-    ``model`` defaults to the actor."""
+    models: Models, mb: MicroBatch, model: torch.nn.Module | None = None, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π of each trained token of ``mb`` (flat over ``mb.sel``), no gradient, and with
+    ``entropy`` its entropy (else None: a forward-only pass needs none, and it costs a softmax
+    over the vocabulary per token); ``model`` defaults to the actor."""
     model = models.actor if model is None else model
     assert model is not None
     h = hidden(models, mb, model)
@@ -90,6 +111,7 @@ def token_logprobs(
         model.lm_head,
         temperature=models.temperature,
         chunk=models.chunk_tokens,
+        entropy=entropy,
     )
 
 
@@ -100,9 +122,17 @@ def logprobs(models: Models, mbs: list[MicroBatch]) -> list[torch.Tensor]:
 
 
 def drift(models: Models, mb: MicroBatch, prox_logp: torch.Tensor, version: int) -> torch.Tensor:
-    """This micro-batch's drift sums (:func:`drift_sums`) against π_prox, at ``version``."""
-    cpu = (t.cpu() for t in (mb.behavior_logp, prox_logp, version - mb.versions, mb.mask))
-    return drift_sums(*cpu, mb.mixed_versions.cpu(), max_staleness=models.config.max_staleness)
+    """This micro-batch's drift sums (:func:`drift_sums`) against π_prox, at ``version``, on the
+    device. The staleness bound was checked on the host (:func:`asyncrl.learner.step.sequences`)."""
+    return drift_sums(
+        mb.behavior_logp,
+        prox_logp,
+        version - mb.versions,
+        mb.mask,
+        mb.mixed_versions,
+        max_staleness=models.config.max_staleness,
+        checked=True,
+    )
 
 
 def per_token(
@@ -118,7 +148,7 @@ def per_token(
     by_index = {s.index: s for s in mine}
     for mb in micro_batches(models, mine, group):
         out = {k: v.float().cpu().numpy() for k, v in compute(mb).items()}
-        sel = mb.sel.cpu().numpy()
+        sel = mb.sel_host
         starts = np.cumsum([0] + [len(by_index[i]) for i in mb.seq_index])
         for j, i in enumerate(mb.seq_index):
             seq = by_index[i]
@@ -134,11 +164,12 @@ def recompute_prox(
 ) -> torch.Tensor:
     """π_prox before a batch's first update (AReaL's recompute): one forward-only pass over this
     rank's sequences, stored on each :class:`Sequence`; returns the batch's drift sums."""
-    sums = torch.zeros(models.config.max_staleness + 2, 3, dtype=torch.float64)
+    f64 = torch.float64
+    sums = torch.zeros(models.config.max_staleness + 2, 3, dtype=f64, device=models.device)
 
     def prox(mb: MicroBatch) -> dict[str, torch.Tensor]:
         lp = token_logprobs(models, mb)[0]
-        sums.add_(drift(models, mb, lp.float().cpu(), version))
+        sums.add_(drift(models, mb, lp.float(), version))
         return {"prox_logp": lp}
 
     per_token(models, mine, prox, group)
@@ -148,17 +179,16 @@ def recompute_prox(
 def normaliser(models: Models, mbs: list[MicroBatch], mesh: RoleMesh) -> Normaliser:
     """A mini-batch's GLOBAL token and sequence counts: every micro-batch of every
     data-parallel rank of the role (collective over them; a tensor-parallel group's ranks hold
-    the same tokens: counted once)."""
-    counts = sum(
-        (count_tokens_and_seqs(mb.mask, mb.seq_ids, mb.seq_weights) for mb in mbs), torch.zeros(2)
-    )
-    counts = counts.to(torch.float64)
+    the same tokens: counted once). The counts come from packing, on the host: a CPU tensor's
+    all-reduce (gloo beside NCCL on a GPU), nothing read back from the device."""
+    tokens, seqs = 0.0, 0.0
+    for mb in mbs:
+        tokens += mb.trained_tokens
+        seqs += mb.trained_seqs
+    counts = torch.tensor([tokens, seqs], dtype=torch.float64)
     dist.all_reduce(counts, group=mesh.dp_group)
-    return Normaliser(
-        tokens=float(counts[0]),
-        seqs=float(counts[1]),
-        seq_len=float(models.config.max_new_tokens),
-    )
+    tokens, seqs = counts.tolist()
+    return Normaliser(tokens=tokens, seqs=seqs, seq_len=float(models.config.max_new_tokens))
 
 
 def advantages(models: Models, mb: MicroBatch, prox_logp: torch.Tensor) -> torch.Tensor:
@@ -205,7 +235,9 @@ def actor_micro_batch(
     chunking = {"temperature": models.temperature, "chunk": models.chunk_tokens}
     # Both passes run on every rank, in the same order: FSDP's state machine for the group that
     # holds the projection (and its reduce-scatter) must follow the same path everywhere.
-    lp, ent = chunked_logprobs(hid, labels, actor.lm_head, **chunking)
+    # the entropy: for its gradient (entropy_coef) and for its logged metric (loss/entropy)
+    lp, ent = chunked_logprobs(hid, labels, actor.lm_head, entropy=True, **chunking)
+    assert ent is not None
     if mb.sel.numel() == 0:
         grad_logp, grad_ent = torch.zeros_like(lp), None
     else:
@@ -239,10 +271,10 @@ def actor_micro_batch(
         if len(grads) > 1:
             grad_ent = torch.zeros_like(entropy) if grads[1] is None else grads[1]
         for k, v in st.items():
-            totals.stats[k] += v.cpu()
+            totals.stats[k] += v
         if measure_drift and alg.loss != "sft":
             totals.drift += drift(models, mb, prox, version)
-        totals.loss += loss.detach().to(torch.float64).cpu()
+        totals.loss += loss.detach().to(torch.float64)
     totals.tokens += 0 if mb.is_empty else mb.num_tokens
     grad_hidden = chunked_backward(hid, labels, actor.lm_head, grad_logp, grad_ent, **chunking)
     hid.backward(grad_hidden)
@@ -285,7 +317,7 @@ def update_actor(
     grad_norm = dist_utils.clip_grad_norm_(
         list(actor.parameters()), clip if clip > 0 else math.inf, foreach=True
     )
-    totals.grad_norms.append(float(grad_norm))
+    totals.grad_norms.append(grad_norm.detach())
     totals.lrs.append(models.lr_schedulers.schedulers[0].get_last_lr()[0])
     totals.micro_batches += len(mbs)
     if lc.lr_ess_scale == "off":

@@ -8,7 +8,9 @@ micro-batches). The graph's generate and reward calls ran in the rollout workers
 are the batch. One version per batch, whatever the updates.
 
 The statistics reduced at the end always have the same names and shapes on every rank, whatever
-its share held, so the one collective that sums them pairs up.
+its share held, so the one collective that sums them pairs up. They are summed on the device,
+micro-batch after micro-batch (:class:`~asyncrl.learner.passes.StepTotals`), and come to the host
+once a step, after that collective (:func:`sum_over_ranks`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from asyncrl.learner.losses.staleness_stats import (
     finalize_staleness,
     reward_by_staleness,
 )
-from asyncrl.learner.losses.stats import finalize_stats, zero_stats
+from asyncrl.learner.losses.stats import finalize_stats
 from asyncrl.learner.models import LearnerError, Models
 from asyncrl.learner.offload import Reallocation
 from asyncrl.learner.packing import Sequence, make_sequence
@@ -156,12 +158,16 @@ def run_calls(models: Models, realloc: Reallocation, run: Step) -> None:
             run.done.add(call.name)
 
 
-def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each named tensor summed over every rank, in one float64 collective (every rank passes the
-    same names and shapes)."""
+def sum_over_ranks(
+    values: dict[str, torch.Tensor], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Each named tensor summed over every rank, in one float64 collective on ``device`` (every rank
+    passes the same names and shapes; host tensors among them go there first), and read back to
+    the host in one copy: the step's one wait for the device."""
     keys = sorted(values)
-    flat = torch.cat([values[k].to(torch.float64).reshape(-1) for k in keys])
+    flat = torch.cat([values[k].to(device=device, dtype=torch.float64).reshape(-1) for k in keys])
     dist.all_reduce(flat)
+    flat = flat.cpu()
     out, at = {}, 0
     for k in keys:
         n = values[k].numel()
@@ -174,7 +180,8 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
     """This step's totals summed over ranks, by name: ``counted/…`` the token sums (loss, tokens,
     the loss statistics ``counted/stat/…``, the drift), which a tensor-parallel group counts on its
     first rank alone (its ranks hold the same tokens); ``role/…`` a role's per-update numbers, the
-    same on its ranks, from its first rank alone."""
+    same on its ranks, from its first rank alone. The actor's gradient norms stay on the device
+    (one per update: ``role/grad_norms``) until this one collective and read."""
     f64 = torch.float64
     counted = {
         "loss": totals.loss.reshape(1),
@@ -183,17 +190,17 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
         "staleness": (
             torch.zeros(models.config.max_staleness + 1, len(COLUMNS), dtype=f64)
             if totals.staleness is None
-            else totals.staleness.cpu()  # the one host read of the staleness view a step
+            else totals.staleness  # read with the rest, in sum_over_ranks' one copy
         ),
     } | {f"stat/{k}": v.reshape(1) for k, v in totals.stats.items()}
     trained = [m for role, m in models.meshes.items() if role != "ref" and m.holds]
     if any(m.tp_rank != 0 for m in trained):
         counted = {k: torch.zeros_like(v, dtype=f64) for k, v in counted.items()}
-    role = dict.fromkeys(["grad_norm", "grad_norm_max", "lr", "micro_batches", "critic_grad_norm"])
-    role = {k: torch.zeros(1, dtype=f64) for k in role}
+    role = {k: torch.zeros(1, dtype=f64) for k in ("lr", "micro_batches", "critic_grad_norm")}
+    updates = models.config.learner.minibatches * models.config.learner.epochs
+    role["grad_norms"] = torch.zeros(updates, dtype=f64)
     if models.meshes["actor"].leader:
-        role["grad_norm"][0] = float(np.mean(totals.grad_norms))
-        role["grad_norm_max"][0] = float(max(totals.grad_norms))
+        role["grad_norms"] = torch.stack(totals.grad_norms).to(f64)
         role["lr"][0] = float(totals.lrs[0])
         role["micro_batches"][0] = float(totals.micro_batches)
     if models.config.learner.lr_ess_scale != "off":  # the same on every actor rank
@@ -206,7 +213,7 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
     named = {f"counted/{k}": v for k, v in counted.items()} | {
         f"role/{k}": v for k, v in role.items()
     }
-    return sum_over_ranks(named)
+    return sum_over_ranks(named, models.device)
 
 
 def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int) -> StepResult:
@@ -220,10 +227,7 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
     c = models.config
     eta = c.max_staleness
     seqs, info = sequences(models, batch, version)
-    # the loss's stats (m2po's carry its masked count too)
-    totals = StepTotals(
-        drift=torch.zeros(eta + 2, 3, dtype=torch.float64), stats=zero_stats(c.algorithm.loss)
-    )
+    totals = StepTotals.on(models.device, eta, c.algorithm.loss)
     if models.with_critic:
         totals.stats |= critic_zero_stats()
     run = Step(
@@ -253,9 +257,10 @@ def step_metrics(
     updates = c.learner.minibatches * c.learner.epochs
     tokens = float(summed["counted/tokens"])
     stats = {k.removeprefix("counted/stat/"): float(v) for k, v in summed.items() if "/stat/" in k}
+    grad_norms = summed["role/grad_norms"].tolist()
     out = {
         names.LOSS: float(summed["counted/loss"]) / updates,
-        names.GRAD_NORM: float(summed["role/grad_norm"]),
+        names.GRAD_NORM: float(np.mean(grad_norms)),
         "lr": float(summed["role/lr"]),
         "learner/step_s": dt,
         names.TRAINED_TOKENS: tokens,
@@ -265,7 +270,7 @@ def step_metrics(
         "learner/sequences": float(seqs),
     }
     if updates > 1:
-        out["grad_norm/max"] = float(summed["role/grad_norm_max"])
+        out["grad_norm/max"] = float(max(grad_norms))
     if "role/lr_ess_factor" in summed:  # the ESS scale (mean over the updates) and the lr it gave
         out["learner/lr_ess_factor"] = float(summed["role/lr_ess_factor"])
         out["learner/lr_effective"] = out["lr"] * out["learner/lr_ess_factor"]

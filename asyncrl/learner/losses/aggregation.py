@@ -44,24 +44,28 @@ class Normaliser:
 def count_tokens_and_seqs(
     mask: Tensor, seq_ids: Tensor, seq_weights: Tensor | None = None
 ) -> Tensor:
-    """This micro-batch's share of the :class:`Normaliser`: float64 ``[tokens, seqs]``, to be
-    summed; with ``seq_weights`` (per token, its sequence's weight) each sequence counts its
-    weight."""
+    """This micro-batch's share of the :class:`Normaliser`: float64 ``[tokens, seqs]`` on the
+    tensors' device, to be summed; with ``seq_weights`` (per token, its sequence's weight) each
+    sequence counts its weight. Nothing is read back to the host (a GPU step would wait for it):
+    sequences are counted in ``[T]`` bins, so every id must be < T, as
+    :func:`~asyncrl.learner.packing.pack`'s dense ids are."""
+    f64 = torch.float64
     m = mask.bool()
-    ids = torch.unique(seq_ids[m])
+    bins = torch.zeros(seq_ids.numel(), dtype=f64, device=seq_ids.device)
+    trained = bins.index_add(0, seq_ids, m.to(f64)) > 0
     if seq_weights is None:
-        seqs = float(ids.numel())
+        seqs = trained.sum(dtype=f64)
     else:
-        per_seq = torch.zeros(int(seq_ids.max()) + 1 if seq_ids.numel() else 0, dtype=torch.float64)
-        per_seq[seq_ids] = seq_weights.to(torch.float64)
-        seqs = float(per_seq[ids].sum())
-    return torch.tensor([float(m.sum()), seqs], dtype=torch.float64)
+        per_seq = bins.index_put((seq_ids,), seq_weights.to(f64))
+        seqs = torch.where(trained, per_seq, 0.0).sum()
+    return torch.stack([m.sum(dtype=f64), seqs])
 
 
 def seq_sum(x: Tensor, seq_ids: Tensor) -> Tensor:
     """Σ of ``x`` over each token's sequence, on every token of it (``x`` 0 where it must not
-    count). Differentiable in ``x``."""
-    n = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    count). Differentiable in ``x``. Summed in ``[T]`` bins, without reading the ids back: every
+    id must be < T (:func:`count_tokens_and_seqs`)."""
+    n = seq_ids.numel()
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq_ids, x)[seq_ids]
 
 

@@ -92,8 +92,9 @@ def stat_keys(loss: str = "") -> tuple[str, ...]:
     return STAT_KEYS + (("m2po_masked",) if loss == "m2po" else ())
 
 
-def zero_stats(loss: str = "") -> dict[str, Tensor]:
+def zero_stats(loss: str = "", device: torch.device | None = None) -> dict[str, Tensor]:
     """The stats of a micro-batch with no tokens: the starting point of a sum, so that every rank
     all-reduces the same keys (:func:`stat_keys`, which
-    :func:`~asyncrl.learner.losses.policy.policy_loss` always returns)."""
-    return {k: torch.zeros((), dtype=torch.float64) for k in stat_keys(loss)}
+    :func:`~asyncrl.learner.losses.policy.policy_loss` always returns). On ``device`` (the losses'),
+    the sum stays there until the step's end reads it once."""
+    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in stat_keys(loss)}

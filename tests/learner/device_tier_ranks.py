@@ -1,0 +1,49 @@
+"""Run under torchrun with 2 ranks by tests/learner/test_device_tier.py: one learner step on the
+pretend device (:mod:`tests.learner.device_tier`), FSDP2 sharding the actor over gloo, several
+micro-batches a rank. Rank 0 writes ``OUT/found.json``: each rank's micro-batches and host reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+torch.set_num_threads(1)
+
+import torch.distributed as dist  # noqa: E402
+
+from tests.learner.device_tier import pretend_device  # noqa: E402
+from tests.learner.test_model import make_trainer  # noqa: E402
+from tests.learner.test_step import rl_batch  # noqa: E402
+
+
+def main() -> None:
+    model, out = Path(sys.argv[1]), Path(sys.argv[2])
+    tr = make_trainer(
+        model,
+        out / "run",
+        learner={"lr": 1e-3, "grad_clip": 1.0, "micro_batch_tokens": 48},
+        buffer={"max_staleness": 8},
+    )
+    with pretend_device(tr.models) as mode:
+        res = tr.step(rl_batch(tr.models.spec.model.vocab_size, groups=3, seed=0))
+    found = {
+        "micro_batches": res.metrics["learner/micro_batches"],  # each rank runs as many
+        "reads": len(mode.reads),
+        "where": [f"{r.name} at {r.where}" for r in mode.reads],
+        "loss": res.loss,
+    }
+    every: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, found)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "found.json").write_text(json.dumps(every))
+    tr.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
