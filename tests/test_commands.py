@@ -49,10 +49,16 @@ def _tls_overrides(d: Path) -> list[str]:
     ]
 
 
-def _printed_command(text: str) -> str:
-    """The line after "start a rollout worker with:" in the learner's output."""
-    lines = text.splitlines()
-    i = lines.index("start a rollout worker with:")
+def _printed_command(text: str) -> str | None:
+    """The line after "start a rollout worker with:" in the learner's output; None until the
+    learner has printed it whole (it writes learner.json first, then prints the lines)."""
+    lines = text.splitlines(keepends=True)
+    try:
+        i = lines.index("start a rollout worker with:\n")
+    except ValueError:
+        return None
+    if i + 1 == len(lines) or not lines[i + 1].endswith("\n"):
+        return None
     return lines[i + 1].strip()
 
 
@@ -111,10 +117,13 @@ def test_learner_and_rollout_as_separate_commands(tmp_path, demo_dir, transport)
 
     try:
         learner = start([*asyncrl, "learner", str(ROOT / "recipes/demo.yaml"), *ov], learner_log)
+        # the printed line, not learner.json: the learner writes the file, then prints
         wait(
-            lambda: (run_dir / "learner.json").exists() or learner.poll() is not None,
+            lambda: (
+                _printed_command(learner_log.read_text()) is not None or learner.poll() is not None
+            ),
             180,
-            "learner.json",
+            "the printed rollout command",
         )
         assert learner.poll() is None, tails()
         info = json.loads((run_dir / "learner.json").read_text())

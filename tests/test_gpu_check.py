@@ -287,7 +287,16 @@ def test_check_sh_records_what_a_raising_step_measured(tmp_path):
 def test_a_failed_step_is_recorded_with_its_output_and_the_next_one_runs(tmp_path):
     """An unknown step fails (argparse refuses it) and its record carries the output's tail; a step
     that no longer fits the budget is recorded as skipped, not silently dropped."""
-    p = _check(tmp_path, "--dry", "no_such_step", "env", ASYNCRL_CHECK_BUDGET_S="200")
+    # env under its dry-run bound (60 s x 3: it took 27-45 s on a loaded 2-core machine), and a
+    # budget that leaves the unknown step its 20 s whatever env took within that bound
+    p = _check(
+        tmp_path,
+        "--dry",
+        "no_such_step",
+        "env",
+        ASYNCRL_CHECK_BUDGET_S="400",
+        ASYNCRL_CHECK_LIMIT_SCALE="3",
+    )
     assert p.returncode == 0, p.stderr
     env, bad = _records(tmp_path)  # env first, whatever the order asked
     assert bad["step"] == "no_such_step" and not bad["ok"] and bad["rc"] == 2
@@ -332,6 +341,7 @@ def test_a_step_past_its_limit_dumps_its_stacks_keeps_what_it_reached_and_leaves
         "--dry",
         "hang:25",
         ASYNCRL_CHECK_BUDGET_S="600",
+        ASYNCRL_CHECK_LIMIT_SCALE="3",  # env's dry-run bound, 180 s (a named limit is not scaled)
         ASYNCRL_CHECK_PYTHON=str(py),
     )
     assert p.returncode == 0, p.stderr
