@@ -26,7 +26,6 @@ import trio
 
 from asyncrl.generator_http import GeneratorError, GroupSpec
 from asyncrl.recipe import WeightsConfig
-from asyncrl.transport import free_port
 from asyncrl.weights import rendezvous
 from asyncrl.weights.fanout import Failed, FanOut
 from asyncrl.weights.members import Member, Members
@@ -186,7 +185,9 @@ class Groups:
         longer here: every new server's init posted concurrently while rank 0 joins all of their
         groups at once (the server calls return only once rank 0 has joined), so a server that
         never comes fails its own group alone. One port for all the groups of a build: rank 0's
-        TCPStore is multi-tenant and each group's keys are under its own name."""
+        TCPStore is multi-tenant and each group's keys are under its own name. Without
+        ``weights.master_port`` that store is bound to port 0 before the servers are told its port
+        (:func:`rendezvous.host_store`)."""
         await self.drop([u for u in self._groups if u not in {m.url for m in members}])
         new = [m for m in members if m.url not in self._groups and m.url not in self._handles]
         if not new:
@@ -197,11 +198,12 @@ class Groups:
             return
         self._builds += 1
         host = self.cfg.master_addr
-        port = (
-            self.cfg.master_port + (self._builds - 1) % 16
-            if self.cfg.master_port
-            else free_port(host)
-        )
+        store = None  # held until rank 0 has joined: the groups' own stores keep it alive then
+        if self.cfg.master_port:
+            port = self.cfg.master_port + (self._builds - 1) % 16
+        else:
+            store = await trio.to_thread.run_sync(rendezvous.host_store, host, self.cfg.timeout_s)
+            port = store.port
         layouts = {m.url: rendezvous.group_layout([m.ranks or 1]) for m in new}
         specs = {
             m.url: GroupSpec(
@@ -220,6 +222,7 @@ class Groups:
             functools.partial(_join_groups, specs),
             lambda _: self.survivor_s + 5,
         )
+        del store
         if isinstance(joined, Exception):  # not a rendezvous' failure (each is caught): a bug
             joined = {u: joined for u in specs}
         culprits: dict[str, str] = {}

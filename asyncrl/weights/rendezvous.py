@@ -87,6 +87,24 @@ def default_backend(*, gloo_member: bool = False, cuda: bool | None = None) -> s
     return weight_backend("auto", cuda=cuda, gloo_member=gloo_member)
 
 
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's TCPStore, listening on a port the OS picked (``.port``) before anyone is told it.
+
+    A port found free, closed, and bound again by rank 0 only later could be taken in between (a
+    second run or test on the machine); a store bound to port 0 holds its port from the start.
+    Multi-tenant: rank 0's :func:`init_custom_process_group` on ``.port`` in this process joins this
+    very server instead of binding again, so hold it until those joins have returned (each group's
+    store then keeps the server alive)."""
+    return dist.TCPStore(
+        host_name=host,
+        port=0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        multi_tenant=True,
+    )
+
+
 def init_custom_process_group(
     *,
     master_address: str,
@@ -100,6 +118,8 @@ def init_custom_process_group(
     """Rendezvous on ``tcp://master_address:master_port`` and return the new group (not the default).
 
     Blocks until all ``world_size`` ranks have joined or ``timeout_s`` passes (then raises).
+    Rank 0 hosts the store on ``master_port``, or joins the one this process already hosts there
+    (:func:`host_store`, which picks the port without a race).
     """
     timeout = timedelta(seconds=timeout_s)
     # What c10d.rendezvous("tcp://...") does outside torchrun: rank 0 hosts the store. Called
