@@ -15,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.engine import EngineConfig, serve
-from asyncrl.transport import free_port
 from asyncrl.weights import buckets
 from tests.engine_streams import PostInThread
 from tests.numerics import assert_logits_close
@@ -45,10 +44,12 @@ def _reference_logits(path: Path, named: list[tuple[str, torch.Tensor]]) -> torc
 
 @torch.no_grad()
 def test_a_distributed_update_is_adopted_without_a_copy(tiny_qwen3, tmp_path):
-    port = free_port()
     peer = subprocess.Popen(
-        [sys.executable, str(PEER), str(port), GROUP], stdin=subprocess.PIPE, text=True
+        [sys.executable, str(PEER), GROUP], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    line = peer.stdout.readline()  # the peer listens on the port it reports
+    assert line.startswith("port "), line
+    port = int(line.split()[1])
     with (
         serve(EngineConfig(model=str(tiny_qwen3))) as srv,
         httpx.Client(base_url=srv.url, timeout=120) as client,

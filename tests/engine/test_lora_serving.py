@@ -17,7 +17,6 @@ from asyncrl import wire
 from asyncrl.engine import EngineConfig, serve, start_engine_process
 from asyncrl.engine.lora_serving import PEFT_PREFIX
 from asyncrl.recipe import WeightsConfig
-from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from asyncrl.weights.broadcaster import WeightBroadcaster
 from asyncrl.weights.exports import VERSION_FILE, latest_export
@@ -158,13 +157,15 @@ def test_full_weights_and_adapters_are_not_mixed(lora_engine, tiny_qwen3, tmp_pa
     the wire and from disk), each with a one-line reason; neither changes what is served."""
     url = lora_engine.url
     client = httpx.Client(base_url=url, timeout=120)
-    port, group = free_port(), "lora_refusal"
+    store = rendezvous.host_store("127.0.0.1", 300)  # listening before the engine is told the port
+    port, group = store.port, "lora_refusal"
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
     init |= {"world_size": 2, "group_name": group, "backend": "gloo"}
     call = PostInThread(client, "/init_weights_update_group", init)
     pg = rendezvous.init_custom_process_group(
         master_address="127.0.0.1", master_port=port, rank=0, world_size=2, group_name=group
     )
+    del store
     assert call.join().json()["success"]
     try:
         before = generate(url, PROMPTS[0])["output_ids"]

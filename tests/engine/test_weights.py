@@ -10,7 +10,6 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.engine import EngineConfig, serve, start_engine_process
-from asyncrl.transport import free_port
 from asyncrl.weights import buckets, rendezvous
 from tests.engine_streams import GenerateStream, PostInThread
 
@@ -35,7 +34,8 @@ def test_engine_process_is_up_on_a_free_port(engine, tiny_qwen3):
 def trainer(engine):
     """Join the engine's weight group as rank 0; yields (client, process group)."""
     client = httpx.Client(base_url=engine.url, timeout=120)
-    port = free_port()
+    store = rendezvous.host_store("127.0.0.1", 60)  # listening before the engine is told the port
+    port = store.port
     body = {
         "master_address": "127.0.0.1",
         "master_port": port,
@@ -53,6 +53,7 @@ def trainer(engine):
         group_name=GROUP,
         timeout_s=60,
     )
+    del store
     r = call.join()
     assert r.status_code == 200, r.text
     assert r.json() == {"success": True, "message": "Succeeded to initialize custom process group."}

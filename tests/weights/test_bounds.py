@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.transport import free_port
 from asyncrl.weights import rendezvous
 from asyncrl.weights.process_groups import broadcast_bucket
 
@@ -33,7 +32,8 @@ BOUND_S = 2.0  # the broadcast's bound (weights.timeout_s)
 @pytest.fixture
 def silent_group() -> Iterator[dist.ProcessGroup]:
     """Rank 0 of a 2-rank gloo weight group whose rank 1 (a real process) never broadcasts."""
-    port = free_port("127.0.0.1")
+    store = rendezvous.host_store("127.0.0.1", GROUP_TIMEOUT_S)  # listening before the peer starts
+    port = store.port
     peer = subprocess.Popen(
         [sys.executable, str(PEER), str(port), "silent", str(GROUP_TIMEOUT_S)],
         stdin=subprocess.PIPE,
@@ -48,6 +48,7 @@ def silent_group() -> Iterator[dist.ProcessGroup]:
             backend="gloo",
             timeout_s=GROUP_TIMEOUT_S,
         )
+        del store
         yield pg
     finally:
         assert peer.stdin is not None
