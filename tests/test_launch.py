@@ -84,6 +84,37 @@ def test_stop_children_ends_the_whole_process_group(tmp_path, mode):
     assert _wait_gone(grandchild), "grandchild survived"
 
 
+# A child and grandchild that both ignore SIGTERM; the grandchild holds touched memory, so that
+# after a SIGKILL it takes longer to exit than its parent (freeing its pages).
+HEAVY_TREE = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    code += "held = b'x' * (384 << 20); print('ready', flush=True); time.sleep(600)"
+    g = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert g.stdout.readline().strip() == "ready"
+    print(g.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_stop_children_returns_once_a_killed_group_is_gone(tmp_path):
+    """After the grace, SIGKILL; stop_children returns only when no process of the group is
+    left, not when the direct child is reaped (its grandchild may still be exiting), so a caller
+    that looks for leftovers right after finds none."""
+    script = tmp_path / "heavy.py"
+    script.write_text(HEAVY_TREE)
+    child = Child(name="c", argv=[sys.executable, str(script)], log=tmp_path / "c.log")
+    child.start(dict(os.environ))
+    grandchild = _grandchild_pid(child.log, timeout_s=60)
+    assert os.getpgid(grandchild) == child.pid
+    stop_children([child], grace_s=0.5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(child.pid, 0)  # not even a zombie is left in the group
+
+
 def test_a_killed_launcher_leaves_no_child(tmp_path):
     """SIGKILL of the launcher itself: PR_SET_PDEATHSIG makes its child exit, and the child's group."""
     script = tmp_path / "tree.py"

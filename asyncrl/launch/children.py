@@ -28,6 +28,9 @@ from asyncrl.stacks import dump_stacks_on_usr1
 
 STOP_GRACE_S = 60.0
 """How long a child may take to exit after SIGTERM (the learner saves a checkpoint) before SIGKILL."""
+KILL_WAIT_S = 10.0
+"""How long the launcher waits for SIGKILLed process groups to be gone (the kernel reaps them; a
+process in uninterruptible I/O can take a while)."""
 LOG_TAIL_LINES = 30
 USAGE_EXIT = 2
 """Every asyncrl command exits 2 on a user's mistake; restarting it would fail the same way."""
@@ -112,7 +115,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 def stop_children(children: Sequence[Child], *, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every child's group, wait up to ``grace_s`` for all of them, SIGKILL the rest.
+    """SIGTERM every child's group, wait up to ``grace_s`` for all of them, SIGKILL the rest and
+    wait (up to :data:`KILL_WAIT_S`) until their groups are empty too.
 
     Waits on the groups, not only the direct children: a worker's engines or torchrun's ranks must
     be gone too before the launcher returns.
@@ -121,18 +125,27 @@ def stop_children(children: Sequence[Child], *, grace_s: float = STOP_GRACE_S) -
     for c in started:
         c.stopping = True
         c.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+    if _wait_groups_gone(started, grace_s):
+        return
+    for c in started:
+        c.signal_group(signal.SIGKILL)
+    # A SIGKILLed grandchild (an engine, a torchrun rank) is still exiting when its parent, the
+    # direct child, has been reaped: the launcher must not return (nor a caller find it) before.
+    _wait_groups_gone(started, KILL_WAIT_S)
+
+
+def _wait_groups_gone(started: Sequence[Child], timeout_s: float) -> bool:
+    """Reap the direct children while waiting up to ``timeout_s`` for every child's process group
+    to be empty; whether they all are."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         for c in started:
             c.poll()  # reap the direct child so its group can empty
         if not any(_group_alive(c.pid) for c in started):
-            return
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    for c in started:
-        c.signal_group(signal.SIGKILL)
-    for c in started:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.proc.wait(timeout=5)  # type: ignore[union-attr]
 
 
 CHILD_ENV = {  # one thread per process (two in one process run many times slower), offline hub
