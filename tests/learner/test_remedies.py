@@ -6,7 +6,6 @@ and their recipe checks. (The adaptive pipeline depth is tests/buffer/test_store
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import numpy as np
 import pytest
@@ -81,9 +80,10 @@ def test_m2po_loss_is_unclipped_weighted_pg_with_masked_tokens_in_the_denominato
     assert m["loss/m2po_masked_frac"] == 0.25 and m["loss/clip_frac"] == 0.0
 
 
-def _m2po_rank(rank: int, port: int, parts: list[np.ndarray], out: str) -> None:
+def _m2po_rank(rank: int, parts: list[np.ndarray], out: str) -> None:
+    # a FileStore, not a port chosen free and bound later (another process could take it between)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(parts)
+        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=len(parts)
     )
     try:
         cut = m2po_threshold(torch.from_numpy(parts[rank]), 0.04, dist.group.WORLD)
@@ -91,12 +91,6 @@ def _m2po_rank(rank: int, port: int, parts: list[np.ndarray], out: str) -> None:
         np.save(f"{out}/rank{rank}.npy", np.array([cut, local]))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_m2po_mask_over_two_gloo_ranks_is_the_one_rank_mask(tmp_path):
@@ -107,7 +101,7 @@ def test_m2po_mask_over_two_gloo_ranks_is_the_one_rank_mask(tmp_path):
     d[[3, 11]] = [0.9, -0.7]  # two drifted tokens, both on rank 0's share
     d2 = (d * d).astype(np.float64)
     parts = [d2[:13], d2[13:]]
-    mp.spawn(_m2po_rank, args=(free_port(), parts, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_m2po_rank, args=(parts, str(tmp_path)), nprocs=2, join=True)
     (c0, local0), (c1, local1) = (np.load(tmp_path / f"rank{r}.npy") for r in (0, 1))
     one = m2po_threshold(torch.from_numpy(d2), 0.04)
     assert c0 == c1 == one
