@@ -305,6 +305,7 @@ def _wait_for_batch(
             timeout_s=recipe.buffer.batch_timeout_s,
             waited_s=time.monotonic() - waiting_since,
             wants_publish=broadcaster.needs_sync if broadcaster and rank == 0 else None,
+            settling=broadcaster.settling if broadcaster and rank == 0 else None,
             stop=stop,
         )
         if report is not None:

@@ -162,6 +162,7 @@ def broadcast_batch(
     timeout_s: float,
     waited_s: float = 0.0,
     wants_publish: Callable[[], bool] | None = None,
+    settling: Callable[[], bool] | None = None,
     stop: threading.Event | None = None,
 ) -> Batch | Signal:
     """Rank 0 pulls from ``source``; every rank returns the same decoded batch (collective).
@@ -174,6 +175,13 @@ def broadcast_batch(
     true: a generator waits for the learner's weights, and its data may be what this wait needs;
     the caller then publishes and calls again with the time already waited, so that publishing
     never restarts the bound.
+
+    ``settling()`` (rank 0) is true while a generator's place is being decided: it waits to join,
+    or a version is on its way to the generators. Its verdict (a generator dropped, and why) is
+    the cause the timeout's message must name, so at the deadline the wait goes on until the
+    verdict is in (publishing first if a generator still waits for weights), for at most another
+    ``timeout_s``. Without this the message raced the verdict: on a loaded machine the deadline
+    could come while the weights were still on their way to a generator no one can reach.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     kind, payload = _DATA, b""
@@ -184,6 +192,11 @@ def broadcast_batch(
                 kind = _STOP
                 break
             left = deadline - time.monotonic()
+            if source is not None and left <= 0 and left > -timeout_s and settling and settling():
+                if wants_publish is not None and wants_publish():
+                    kind = _PUBLISH
+                    break
+                left = POLL_S  # the verdict comes from the weights' own bounded sync
             if source is None or left <= 0:
                 kind = _ERROR
                 if source is None:

@@ -193,6 +193,12 @@ class WeightBroadcaster:
         # A dropped one is probed (and brought back) only when a version goes out: now and then.
         return "dropped" in states and time.monotonic() - self._last_forced > self.cfg.timeout_s
 
+    def settling(self) -> bool:
+        """A generator's place is being decided (rank 0): one waits to join, or a version is on
+        its way. A learner whose wait for a batch ends meanwhile waits for that verdict, as a
+        generator dropped by it is the cause its message names (``source.broadcast_batch``)."""
+        return self.sender.running or "joining" in set(self.members.states().values())
+
     def on_step(self, version: int, trainer: Any, *, force: bool = False) -> None:
         """Trainer publisher hook, on every rank: snapshot every ``cfg.every`` versions and send
         (``force``: this version whatever ``cfg.every``, e.g. for a generator that just joined)."""
