@@ -119,3 +119,30 @@ def test_moe_config_errors_name_the_field(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelConfigError, match="num_experts_per_tok 5 must be in 1..num_experts"):
         build_spec(folder)
+
+
+def test_check_refuses_what_is_not_built_for_moe_in_one_line(tiny_qwen3_moe, tiny_qwen3):
+    from asyncrl import recipe
+    from asyncrl.recipe import RecipeError
+
+    moe = {"model": {"path": str(tiny_qwen3_moe)}}
+    assert recipe.from_dict(moe).model.path == str(tiny_qwen3_moe)
+    refused = [
+        (
+            {"learner": {"lora": {"rank": 8}}},
+            r"^learner\.lora: model\.path is a mixture of experts \(model_type qwen3_moe\): LoRA",
+        ),
+        (
+            {"placement": {"actor": {"tensor_parallel": 2}}},
+            r"^placement\.actor\.tensor_parallel: 2 with model\.path is a mixture of experts",
+        ),
+        ({"algorithm": {"advantage": "gae"}}, r"^algorithm\.advantage: gae with model\.path is a"),
+        ({"algorithm": {"routing_replay": True}}, r"^algorithm\.routing_replay: unknown key"),
+    ]
+    for extra, match in refused:
+        with pytest.raises(RecipeError, match=match) as e:
+            recipe.from_dict(moe | extra)
+        assert "\n" not in str(e.value)
+    # the same settings on the dense model pass
+    dense = {"model": {"path": str(tiny_qwen3)}, "learner": {"lora": {"rank": 8}}}
+    assert recipe.from_dict(dense).learner.lora.enabled
