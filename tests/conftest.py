@@ -46,6 +46,13 @@ def tiny_qwen3_untied(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """A random Qwen3MoeForCausalLM (hidden 128, 2 layers, 8 experts of width 64, top-2, tied
+    embeddings) with the same char tokenizer."""
+    return _make(tmp_path_factory, "tiny_qwen3_moe", arch="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A random LlamaForCausalLM, untied embeddings."""
     return _make(tmp_path_factory, "tiny_llama", arch="llama", tie_embeddings=False)

@@ -3,7 +3,8 @@
 The tokenizer is character-level over printable ASCII, so every synthetic task, tool call and chat
 template can be written in plain text. Used by the tests, the benches and the CPU demo.
 
-    python tools/make_tiny_model.py OUT_DIR [--arch qwen3|llama] [--hidden 128] [--layers 2] [--untied]
+    python tools/make_tiny_model.py OUT_DIR [--arch qwen3|llama|qwen3_moe] [--hidden 128] [--layers 2]
+        [--untied] [--experts 8 --top-k 2 --moe-intermediate 64]
     python tools/make_tiny_model.py OUT_DIR --flavour qwen3-0.6b   # real sizes, random weights
 """
 
@@ -157,13 +158,28 @@ def make_tiny_model(
     vocab_size: int = 0,
     rope_theta: float = 10000.0,
     chat_template: str = "plain",
+    experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate: int = 64,
+    norm_topk_prob: bool = True,
+    dense_layers: tuple[int, ...] = (),
 ) -> Path:
     """Write a random model with the char tokenizer to ``out`` and return the folder.
 
     ``vocab_size`` > the char tokenizer's pads the vocabulary (see :data:`FLAVOURS`); ``head_dim``
-    0 is ``hidden // heads``; ``chat_template`` names one of :data:`CHAT_TEMPLATES`."""
+    0 is ``hidden // heads``; ``chat_template`` names one of :data:`CHAT_TEMPLATES`. ``qwen3_moe``
+    replaces every layer's MLP by ``experts`` experts of width ``moe_intermediate``, ``top_k`` per
+    token (Qwen3-30B-A3B's layout: no shared expert, top-k weights renormalized), except the
+    ``dense_layers`` (HF's ``mlp_only_layers``), which keep a dense MLP."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,10 +204,21 @@ def make_tiny_model(
     torch.manual_seed(seed)
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "qwen3_moe":
+        moe = Qwen3MoeConfig(
+            **common,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(dense_layers),
+        )
+        model = Qwen3MoeForCausalLM(moe)
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=False, mlp_bias=False))
     else:
-        raise ValueError(f"arch must be qwen3 or llama, got {arch!r}")
+        raise ValueError(f"arch must be qwen3, qwen3_moe or llama, got {arch!r}")
     model.save_pretrained(out, safe_serialization=True)
     gen = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen))
@@ -201,13 +228,16 @@ def make_tiny_model(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "qwen3_moe"])
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--untied", action="store_true")
+    p.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts per token")
+    p.add_argument("--moe-intermediate", type=int, default=64, help="qwen3_moe: expert width")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--chat-template", default="plain", choices=sorted(CHAT_TEMPLATES))
@@ -228,6 +258,9 @@ def main() -> None:
         seed=a.seed,
         max_positions=a.max_positions,
         chat_template=a.chat_template,
+        experts=a.experts,
+        top_k=a.top_k,
+        moe_intermediate=a.moe_intermediate,
     )
     print(path)
 

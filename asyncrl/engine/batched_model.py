@@ -25,8 +25,80 @@ import torch.nn.functional as F
 from asyncrl.engine.fused import FUSED, Fused, Group, ReceiveBuffers, fuse, ptrs
 from asyncrl.engine.transfer import to_device
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
+
+
+class Expert(torch.nn.Module):
+    """One expert's SwiGLU MLP, under a checkpoint's names (``gate_proj``, ``up_proj``,
+    ``down_proj``)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            lin.weight = torch.nn.Parameter(w.contiguous(), requires_grad=False)
+            setattr(self, name, lin)
+
+
+class Experts(torch.nn.ModuleList):
+    """An MoE layer's experts as separate modules, in place of transformers 5's fused 3-D tensors
+    (``experts.gate_up_proj [E, 2F, D]``, ``experts.down_proj [E, D, F]``).
+
+    So the engine's parameters carry the names of the checkpoint, SGLang's and the learner's
+    broadcast (``mlp.experts.{e}.gate_proj.weight``...): a weight update, a load from disk and the
+    checksum resolve them like every other tensor. ``forward`` keeps transformers' signature, so the
+    HF module still runs as it did."""
+
+    @classmethod
+    def split(cls, fused: torch.nn.Module) -> Experts:
+        gu, down = fused.gate_up_proj.detach(), fused.down_proj.detach()
+        f = gu.shape[1] // 2
+        return cls(Expert(gu[e, :f], gu[e, f:], down[e]) for e in range(gu.shape[0]))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return _experts(self, x, top_k_index, top_k_weights)
+
+
+def split_experts(hf_model: torch.nn.Module) -> int:
+    """Replace every MoE layer's fused experts by :class:`Experts`; returns how many layers."""
+    n = 0
+    for layer in hf_model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and hasattr(experts, "gate_up_proj"):
+            layer.mlp.experts = Experts.split(experts)
+            n += 1
+    return n
+
+
+def _experts(
+    experts: torch.nn.ModuleList, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Σ_k weight_k · expert_{idx_k}(x) for tokens ``x [T, D]``, expert by expert over the tokens
+    routed to it, summed in expert order as transformers' ``Qwen3MoeExperts`` does."""
+    out = torch.zeros_like(x)
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    k = idx.shape[1]
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        sel = order[start : start + n]
+        start += n
+        tok = sel // k
+        ex = experts[e]
+        xe = x[tok]
+        y = _lin(F.silu(_lin(xe, ex.gate_proj)) * _lin(xe, ex.up_proj), ex.down_proj)
+        out.index_add_(0, tok, y * weights.flatten()[sel, None].to(y.dtype))
+    return out
 
 
 @dataclass
@@ -101,6 +173,9 @@ class BatchedLM:
             raise ValueError(f"model architecture {arch} is not supported (supported: {SUPPORTED})")
         self.hf = hf_model.eval()
         cfg = hf_model.config
+        split_experts(hf_model)  # before reading parameter names: the experts get the checkpoint's
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.norm_topk = bool(getattr(cfg, "norm_topk_prob", False))
         self.inner = hf_model.model
         self.layers = list(self.inner.layers)
         attn = self.layers[0].self_attn
@@ -142,6 +217,8 @@ class BatchedLM:
         out = []
         for li, layer in enumerate(self.layers):
             for block, names in FUSED:
+                if not hasattr(getattr(layer, block), names[0]):  # an MoE layer's mlp: no gate_proj
+                    continue
                 mods = [getattr(getattr(layer, block), n) for n in names]
                 out.append(((li, block), mods))
         return out
@@ -297,10 +374,25 @@ class BatchedLM:
                 o = o.transpose(1, 2).reshape(b, q, -1)
             h = h + _lin(o, a.o_proj)
             x = _rms(h, layer.post_attention_layernorm)
+            if isinstance(getattr(layer.mlp, "experts", None), Experts):
+                h = h + self._moe(x, layer.mlp)
+                continue
             gu = self.fused[li, "mlp"]
             gate, up = F.linear(x, gu.weight, gu.bias).chunk(2, dim=-1)
             h = h + _lin(self._act(gate) * up, layer.mlp.down_proj)
         return _rms(h, self.inner.norm)
+
+    def _moe(self, x: torch.Tensor, mlp: torch.nn.Module) -> torch.Tensor:
+        """A Qwen3-MoE block as transformers computes it: softmax of the router's logits in
+        float32, the top-k experts, their weights renormalized when ``norm_topk_prob``, cast back
+        to the activations' dtype."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = torch.softmax(F.linear(flat, mlp.gate.weight), -1, dtype=torch.float32)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        return _experts(mlp.experts, flat, idx, top.to(x.dtype)).view(shape)
 
     def prefill(
         self, cache: SlotCache, first_row: int, seqs: list[list[int]], *, all_logits: bool = False

@@ -54,9 +54,12 @@ and GPU. A torch-version gap, not a CPU one."""
 def quiet_cpu_warnings() -> None:
     """FSDP's init warns on every run that "DTensor random operators may not have complete support on
     cpu device mesh". The learner uses no DTensor random operators (weights come from the HF folder),
-    so on CPU the warning is noise in every log."""
+    so on CPU the warning is noise in every log. TorchTitan's MoE router asks for a float32 autocast
+    around its gate, which CPU autocast does not support and skips with a warning on every forward;
+    the gate runs in float32 on CPU anyway."""
     if ON_CPU:
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete")
+        warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
 
 
 patch_device()

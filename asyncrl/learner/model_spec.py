@@ -1,4 +1,5 @@
-"""A TorchTitan model spec from a HuggingFace folder: config.json mapped to TorchTitan's Qwen3 or Llama.
+"""A TorchTitan model spec from a HuggingFace folder: config.json mapped to TorchTitan's Qwen3 (dense
+or MoE) or Llama.
 
 TorchTitan ships named flavours (``0.6B``, ``8B``...) but no mapping from an HF ``config.json``; this
 module writes it with TorchTitan's own config helpers, so the model, its ``parallelize_fn`` and its
@@ -9,13 +10,24 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
-from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.config_utils import (
+    make_ffn_config,
+    make_gqa_config,
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.models.llama3 import Llama3Model, parallelize_llama
 from torchtitan.models.llama3.model import Llama3TransformerBlock
@@ -38,6 +50,55 @@ class ModelConfigError(ValueError):
 # Weights always come from the HF folder; these inits only give ``init_weights`` something to run.
 _LINEAR = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 _NORM = {"weight": nn.init.ones_}
+
+
+class Experts(GroupedExperts):
+    """TorchTitan's grouped experts, computed in the weights' dtype where they are not bfloat16.
+
+    TorchTitan's ``GroupedExperts`` casts inputs and weights to bfloat16 for ``torch._grouped_mm``
+    whatever the model's dtype, so a float32 learner's MoE layers would round at bfloat16 and its
+    log-probabilities would differ from the float32 generator's by far more than float noise. In
+    bfloat16 on a GPU the experts run TorchTitan's grouped GEMM unchanged; otherwise one matmul per
+    expert over its contiguous slice of the dispatched tokens (``torch._grouped_mm``'s float32
+    backward fails on CPU in torch 2.13: "Invalid strides/sizes")."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (
+            w.to_local() if isinstance(w, DTensor) else w
+            for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
+        if w1.dtype == torch.bfloat16 and w1.device.type == "cuda":
+            return super().forward(x_RD, num_tokens_per_expert_E)
+        x = x_RD.to(w1.dtype)
+        outs, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert_E.tolist()):
+            xe = x[start : start + int(n)]
+            start += int(n)
+            outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        return torch.cat(outs).type_as(x_RD) if outs else x_RD[:0]
+
+
+def moe_layers(cfg: dict) -> list[bool]:
+    """Which layers of an HF Qwen3-MoE config are MoE: transformers' rule (a layer is sparse unless
+    listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th one)."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    if cfg.get("model_type") != "qwen3_moe":
+        return [False] * n
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
+
+
+def num_experts(cfg: dict) -> int:
+    """The experts per MoE layer (Qwen3-MoE's hub configs say ``num_experts``; transformers 5
+    writes ``num_local_experts``); 0 for a dense model."""
+    if cfg.get("model_type") != "qwen3_moe":
+        return 0
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -71,9 +132,9 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
     cfg = read_hf_config(path)
     where = str(path)
     mtype = cfg.get("model_type", "")
-    if mtype not in ("qwen3", "llama"):
+    if mtype not in ("qwen3", "qwen3_moe", "llama"):
         raise ModelConfigError(
-            f"{where}/config.json: model_type {mtype!r} is not supported (qwen3, llama)"
+            f"{where}/config.json: model_type {mtype!r} is not supported (qwen3, qwen3_moe, llama)"
         )
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ModelConfigError(f"{where}/config.json: attention_bias/mlp_bias are not supported")
@@ -115,7 +176,7 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
     def norm(n: int) -> RMSNorm.Config:
         return RMSNorm.Config(normalized_shape=n, eps=eps, param_init=_NORM)
 
-    if mtype == "qwen3":
+    if mtype in ("qwen3", "qwen3_moe"):
         if rp["rope_type"] not in ("default", "yarn"):
             raise ModelConfigError(f"{where}/config.json: rope_type {rp['rope_type']!r}")
         rope_kw: dict[str, Any] = {}
@@ -154,6 +215,8 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
         qk_norm = None
         parallelize, adapter = parallelize_llama, Llama3StateDictAdapter
 
+    sparse = moe_layers(cfg)
+    moe = _moe_config(cfg, where, dim) if any(sparse) else None
     layers = [
         block_cls.Config(
             attention_norm=norm(dim),
@@ -170,11 +233,17 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
                 rope=rope,
                 qk_norm=qk_norm,
             ),
-            feed_forward=make_ffn_config(
-                dim=dim, hidden_dim=hidden, w1_param_init=_LINEAR, w2w3_param_init=_LINEAR
+            **(
+                {"moe": moe, "feed_forward": None}
+                if sparse[i]
+                else {
+                    "feed_forward": make_ffn_config(
+                        dim=dim, hidden_dim=hidden, w1_param_init=_LINEAR, w2w3_param_init=_LINEAR
+                    )
+                }
             ),
         )
-        for _ in range(n_layers)
+        for i in range(n_layers)
     ]
     emb_init = {"weight": skip_param_init} if tie else {"weight": _LINEAR["weight"]}
     model = model_cls.Config(
@@ -189,11 +258,64 @@ def build_spec(path: str | Path, *, attention: str = "auto", max_seq_len: int = 
         layers=layers,
     )
     return ModelSpec(
-        name=mtype if mtype == "qwen3" else "llama3",
+        name="llama3" if mtype == "llama" else "qwen3",
         flavor=f"hf:{Path(path).name}",
         model=model,
         parallelize_fn=parallelize,
         pipelining_fn=None,
         post_optimizer_build_fn=None,
         state_dict_adapter=adapter,
+    )
+
+
+def _moe_config(cfg: dict, where: str, dim: int) -> Any:
+    """TorchTitan's MoE block for a Qwen3-MoE config: softmax router over all experts, top-k,
+    renormalized when ``norm_topk_prob`` (as transformers' ``Qwen3MoeSparseMoeBlock``), no shared
+    expert.
+
+    Load balancing is off (``load_balance_coeff=None``). TorchTitan 0.3 offers one balancer, the
+    auxiliary-loss-free expert bias (added to the router's scores when choosing experts, updated
+    before each optimizer step), and no auxiliary loss. A Qwen3-MoE checkpoint has no place for that
+    bias: the state-dict adapter drops it, so transformers, SGLang and the built-in engine would
+    route without it while the learner routed with it, and π and μ would come from different
+    experts."""
+    e = num_experts(cfg)
+    k = int(_need(cfg, "num_experts_per_tok", where))
+    width = int(_need(cfg, "moe_intermediate_size", where))
+    if e < 1 or not 1 <= k <= e:
+        raise ModelConfigError(
+            f"{where}/config.json: num_experts_per_tok {k} must be in 1..num_experts ({e})"
+        )
+    experts_init = {"w1_EFD": _LINEAR["weight"], "w2_EDF": _LINEAR["weight"]}
+    experts_init["w3_EFD"] = _LINEAR["weight"]
+    routed = make_routed_experts_config(
+        dim=dim,
+        hidden_dim=width,
+        num_experts=e,
+        top_k=k,
+        param_init=experts_init,
+        comm_backend="standard",
+    )
+    routed.inner_experts = Experts.Config(
+        dim=dim, hidden_dim=width, num_experts=e, param_init=experts_init
+    )
+    log.info(
+        "moe: %d experts, top-%d, width %d; load balancing off (TorchTitan 0.3's expert-bias update "
+        "has no place in a Qwen3-MoE checkpoint, so the generator would route without it)",
+        e,
+        k,
+        width,
+    )
+    return make_moe_config(
+        num_experts=e,
+        router=make_router_config(
+            dim=dim,
+            num_experts=e,
+            gate_param_init=_LINEAR,
+            top_k=k,
+            score_func="softmax",
+            route_norm=bool(cfg.get("norm_topk_prob", False)),
+        ),
+        routed_experts=routed,
+        load_balance_coeff=None,
     )

@@ -8,6 +8,7 @@ the error) and whether to look at the file system; it returns nothing or raises
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -283,6 +284,49 @@ def check_lora(r: Recipe, file: str | None = None, check_files: bool = True) -> 
         )
 
 
+MOE_MODEL_TYPES = ("qwen3_moe",)
+"""The mixture-of-experts model types the learner builds (docs/moe.md)."""
+
+
+def moe_model(r: Recipe, file: str | None, check_files: bool) -> None:
+    """What is not built for a mixture-of-experts policy (docs/moe.md): LoRA (its targets are the
+    dense projections; the experts would train in full or not at all, untested either way), tensor
+    parallelism (TorchTitan shards the experts' hidden dims, not run here), a critic or reward
+    model (scalar heads on an MoE backbone, not run here). Needs the model's config.json, so only
+    with ``check_files``."""
+    if not (check_files and r.model.path):
+        return
+    try:
+        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # model_folder reports a missing folder; the learner a bad config.json
+    mtype = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if mtype not in MOE_MODEL_TYPES:
+        return
+    what = f"model.path is a mixture of experts (model_type {mtype})"
+    if r.learner.lora.enabled:
+        raise RecipeError(
+            f"{what}: LoRA is not built for MoE models yet; set rank 0",
+            file=file,
+            key="learner.lora",
+        )
+    for role in learner_roles(r):
+        tp = getattr(r.placement, role).tensor_parallel
+        if tp > 1:
+            raise RecipeError(
+                f"{tp} with {what}: tensor parallelism of the experts is not run yet; set 1",
+                file=file,
+                key=f"placement.{role}.tensor_parallel",
+            )
+    if r.algorithm.loss == "reward_model" or "critic" in learner_roles(r):
+        raise RecipeError(
+            f"{r.algorithm.loss if r.algorithm.loss == 'reward_model' else r.algorithm.advantage} "
+            f"with {what}: a scalar head on an MoE backbone (critic, reward model) is not built yet",
+            file=file,
+            key="algorithm.loss" if r.algorithm.loss == "reward_model" else "algorithm.advantage",
+        )
+
+
 def model_reward(r: Recipe, file: str | None, check_files: bool) -> None:
     """``rollout.reward: model`` needs a reward model; the evaluation's reward is a rule."""
     if r.rollout.reward == "model" and not r.rollout.reward_model.enabled:
@@ -355,6 +399,7 @@ CHECKS: tuple[Check, ...] = (
     lr_ess,
     reward_model_loss,
     check_lora,
+    moe_model,
     model_reward,
     served.reward_model_servers,
     served.teacher_and_distill,

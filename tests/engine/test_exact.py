@@ -1,5 +1,5 @@
 """Greedy tokens and returned logprobs equal a plain transformers forward pass (fp32, 1e-5),
-for one request and for requests of mixed lengths decoded together, on Qwen3 and Llama."""
+for one request and for requests of mixed lengths decoded together, on Qwen3, Llama and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _check(model, prompt, res, temperature):
         assert ref.argmax(-1).tolist() == out
 
 
-@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_llama"])
+@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_llama", "tiny_qwen3_moe"])
 def test_greedy_and_logprobs_equal_transformers(arch, request):
     path = request.getfixturevalue(arch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
