@@ -283,7 +283,8 @@ def ppo_with_critic(
 ) -> Dataflow:
     """PPO with a learned critic (classic RLHF): token-level advantages from the critic's values,
     by GAE or, for stale data, V-trace (which also needs the learner's log π_prox for π/μ). With
-    ``kl_reward`` the reference's log-probs shape the per-token rewards; with ``kl_loss`` they
+    ``kl_reward`` the reference's log-probs and log π_prox shape the per-token rewards
+    (β·(log π_prox − log π_ref): docs/off-policy.md, "The KL-shaped reward"); with ``kl_loss`` they
     enter the actor's loss. Actor and critic train side by side on the same advantages stage."""
     adv_in = ["rewards", "values", "behavior_logp"]
     calls = [
@@ -297,11 +298,12 @@ def ppo_with_critic(
     if kl_reward:
         adv_in.append("ref_logp")
     actor_in = ["prompts", "responses", "behavior_logp", "advantages"]
-    if vtrace or prox:  # V-trace's π is the learner's policy before the step: π_prox
+    # V-trace's π and the KL reward's are the learner's policy before the step: π_prox
+    if vtrace or kl_reward or prox:
         calls.append(
             ModelCall("prox", "actor", "inference", ("prompts", "responses"), ("prox_logp",))
         )
-    if vtrace:
+    if vtrace or kl_reward:
         adv_in.append("prox_logp")
     if prox:
         actor_in.append("prox_logp")

@@ -291,7 +291,10 @@ def kl_shaped_rewards(
     """Classic RLHF reward shaping: r'_t = r_t − β·KL_t with the k1 estimate KL_t = log π_t − log
     π_ref,t of the sampled token (its expectation under π is KL(π ‖ π_ref)). The penalty then
     reaches the policy through the advantages, per token, instead of through the loss
-    (``algorithm.kl_coef``); ``log_pi`` is the policy that sampled (μ in asyncrl). 0 where mask is 0."""
+    (``algorithm.kl_coef``). ``log_pi`` is the policy being trained, π_prox in asyncrl, not the
+    sampler μ: the loss's importance weight π/μ already corrects for who sampled, and with log μ
+    here r' differs by β·log(π/μ), which adds β·∇KL(π ‖ μ) to every update (docs/off-policy.md,
+    "The KL-shaped reward"). 0 where mask is 0."""
     _, x = masked_rows(mask, rewards=rewards, log_pi=log_pi, log_ref=log_ref)
     return (x["rewards"] - beta * (x["log_pi"] - x["log_ref"])).to(rewards.dtype)
 
