@@ -64,7 +64,8 @@ def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
 
     The sequences' trained tokens become the rows of one padded ``[B, T]`` problem: GAE and V-trace
     run backwards over each row's mask-1 tokens only, so a multi-turn sample's tool output (mask 0)
-    is skipped, and the episode ends after its last trained token."""
+    is skipped, and the episode ends after its last trained token, unless the sequence is
+    ``truncated`` (cut at ``max_new_tokens``): then the value after it is its last value."""
     if not seqs:
         return
     at = [np.nonzero(s.mask > 0)[0] for s in seqs]
@@ -81,6 +82,7 @@ def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
     values, mu = rows(lambda s: s.values), rows(lambda s: s.behavior_logp)
     scores = torch.tensor([s.reward for s in seqs], dtype=torch.float64)
     rewards = last_token_rewards(scores, mask)
+    cut = torch.tensor([s.truncated for s in seqs])  # no end token: bootstrap, not V = 0
     prox = None
     if alg.kl_reward_coef > 0 or alg.advantage == "vtrace":
         missing = [s.index for s, i in zip(seqs, at, strict=True) if len(i) and s.prox_logp is None]
@@ -108,9 +110,10 @@ def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
             lam=alg.lam,
             rho_bar=alg.vtrace_rho_bar,
             c_bar=alg.vtrace_c_bar,
+            truncated=cut,
         )
     else:
-        adv, ret = gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam)
+        adv, ret = gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam, truncated=cut)
     for b, (s, i) in enumerate(zip(seqs, at, strict=True)):
         s.token_advantages = np.zeros(len(s), np.float32)
         s.returns = np.zeros(len(s), np.float32)

@@ -59,6 +59,41 @@ def test_gae_targets_discount_over_trained_tokens_only():
     np.testing.assert_allclose(adv, [0.0, -0.5, 0.0, 1.0], atol=1e-6)
 
 
+@pytest.mark.parametrize("advantage", ["gae", "vtrace"])
+def test_a_completion_cut_at_max_new_tokens_bootstraps_from_its_last_value(advantage):
+    """Issue #53 item 4.4, the worked example (docs/off-policy.md, "Cut completions"): a completion
+    cut at ``max_new_tokens`` (no end token) scored R = 0, whose critic values rise, V = [0.5, 1.5]
+    (the critic expects it to go on and succeed); γ = λ = 1, μ = π. The old code ended the episode
+    at the cut, V = 0 after it: A = [−0.5, −1.5] and targets [0, 0], every token punished as a
+    failure and the critic pulled to 0. Bootstrapping from the last value V(x_T) = 1.5:
+    A = [1.0, 0.0], targets [1.5, 1.5]. A completion that ended (an end token) is unchanged."""
+    alg = AlgorithmConfig(advantage=advantage, gamma=1.0, lam=1.0, vtrace_rho_bar=1.0)
+    out = {}
+    for cut in (True, False):
+        s, at = _seq(2, [1, 1], reward=0.0, values=[0.5, 1.5])
+        s.prox_logp = s.behavior_logp.copy()  # π = μ: V-trace is GAE
+        s.truncated = cut
+        token_targets([s], alg)
+        out[cut] = (s.token_advantages[at : at + 2], s.returns[at : at + 2])
+    np.testing.assert_allclose(out[True][0], [1.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(out[True][1], [1.5, 1.5], atol=1e-6)
+    np.testing.assert_allclose(out[False][0], [-0.5, -1.5], atol=1e-6)
+    np.testing.assert_allclose(out[False][1], [0.0, 0.0], atol=1e-6)
+
+
+def test_the_learner_knows_which_samples_were_cut(tiny_qwen3, tmp_path):
+    """A sample's ``finish_reason: length`` (the generator's: cut at ``max_new_tokens``) marks its
+    sequence ``truncated``, as a sample the learner cuts at ``model.max_seq_len`` does; a per-turn
+    sample only on its trajectory's last turn (the earlier turns were not cut)."""
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm=GAE, **RL)
+    batch = rl_batch(tr.models.spec.model.vocab_size, groups=1, n=3)
+    a, b, c = batch.groups[0].samples
+    a.finish_reason = "length"
+    c.finish_reason = "length"
+    c.metadata = {"episode": "0/2", "turn": 0, "turns_trained": 2}  # an earlier turn
+    assert [s.truncated for s in tr.sequences(batch)] == [True, False, False]
+
+
 def test_kl_reward_and_vtrace_targets_by_hand():
     mu, pi, ref = [-1.0, -2.0], [-0.5, -2.5], [-1.5, -1.0]
     s, at = _seq(2, [1, 1], reward=1.0, values=[0.25, 0.5], mu=mu)
