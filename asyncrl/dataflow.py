@@ -350,12 +350,12 @@ def distill(
     *, outcome: bool = False, kl_loss: bool = False, prox: bool = False, reward_model: bool = False
 ) -> Dataflow:
     """On-policy distillation: the teacher scores the tokens the student sampled (forward only,
-    its log-probabilities), and each token's advantage is log π_teacher − log π_prox; with
+    its log-probabilities), and each token's advantage is log π_teacher − sg[log π]; with
     ``outcome`` the sample's group advantage of the rewards is added (``algorithm.distill_coef``).
     In asyncrl the rollout worker runs ``teacher`` (on ``rollout.teacher``'s servers) beside the
     reward, and the logprobs travel with the samples; ``advantages`` makes the outcome part and the
     logged reverse KL of the samplers (log μ − log π_teacher), and ``train_actor`` adds the
-    teacher's part in its forward, where log π_prox is (docs/off-policy.md, "Which π")."""
+    teacher's part in its forward, where log π is (docs/off-policy.md, "Which π")."""
     extras, keys = _actor_extras(kl_loss=kl_loss, prox=prox)
     adv_in = ("behavior_logp", "teacher_logp") + (("rewards",) if outcome else ())
     calls = [
