@@ -12,8 +12,7 @@ critic's ranks):
 1. before the updates, V at every trained token of this rank's sequences (forward only), then
    :func:`token_targets` gives each token's advantage A_t and value target R_t from the sample's
    reward at its last trained token (GAE, or V-trace with π/μ; a KL reward with π_prox), and the
-   advantages are whitened
-   over the whole batch (every rank's tokens);
+   advantages are whitened over the whole batch (every rank's tokens);
 2. at each actor update, one critic update on the same micro-batches (on the actor's ranks; on its
    own, the same mini-batch draws at the same time as the actor's): the clipped value loss of
    :func:`~asyncrl.learner.losses.scalar.value_loss` against R_t, with V_old the values of step 1.
