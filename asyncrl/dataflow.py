@@ -283,7 +283,8 @@ def ppo_with_critic(
 ) -> Dataflow:
     """PPO with a learned critic (classic RLHF): token-level advantages from the critic's values,
     by GAE or, for stale data, V-trace (which also needs the learner's log π_prox for π/μ). With
-    ``kl_reward`` the reference's log-probs shape the per-token rewards; with ``kl_loss`` they
+    ``kl_reward`` the reference's log-probs and log π_prox shape the per-token rewards
+    (β·(log π_prox − log π_ref): docs/off-policy.md, "The KL-shaped reward"); with ``kl_loss`` they
     enter the actor's loss. Actor and critic train side by side on the same advantages stage."""
     adv_in = ["rewards", "values", "behavior_logp"]
     calls = [
@@ -297,11 +298,12 @@ def ppo_with_critic(
     if kl_reward:
         adv_in.append("ref_logp")
     actor_in = ["prompts", "responses", "behavior_logp", "advantages"]
-    if vtrace or prox:  # V-trace's π is the learner's policy before the step: π_prox
+    # V-trace's π and the KL reward's are the learner's policy before the step: π_prox
+    if vtrace or kl_reward or prox:
         calls.append(
             ModelCall("prox", "actor", "inference", ("prompts", "responses"), ("prox_logp",))
         )
-    if vtrace:
+    if vtrace or kl_reward:
         adv_in.append("prox_logp")
     if prox:
         actor_in.append("prox_logp")
@@ -348,12 +350,12 @@ def distill(
     *, outcome: bool = False, kl_loss: bool = False, prox: bool = False, reward_model: bool = False
 ) -> Dataflow:
     """On-policy distillation: the teacher scores the tokens the student sampled (forward only,
-    its log-probabilities), and each token's advantage is log π_teacher − log π_prox; with
+    its log-probabilities), and each token's advantage is log π_teacher − sg[log π]; with
     ``outcome`` the sample's group advantage of the rewards is added (``algorithm.distill_coef``).
     In asyncrl the rollout worker runs ``teacher`` (on ``rollout.teacher``'s servers) beside the
     reward, and the logprobs travel with the samples; ``advantages`` makes the outcome part and the
     logged reverse KL of the samplers (log μ − log π_teacher), and ``train_actor`` adds the
-    teacher's part in its forward, where log π_prox is (docs/off-policy.md, "Which π")."""
+    teacher's part in its forward, where log π is (docs/off-policy.md, "Which π")."""
     extras, keys = _actor_extras(kl_loss=kl_loss, prox=prox)
     adv_in = ("behavior_logp", "teacher_logp") + (("rewards",) if outcome else ())
     calls = [

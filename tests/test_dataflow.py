@@ -52,12 +52,14 @@ def test_ppo_levels():
     levels = df.ppo_with_critic(True).order()
     assert [labels(lv) for lv in levels] == [
         ["actor.generate"],
-        ["critic.inference", "ref.inference", "reward.inference"],
+        ["actor.inference", "critic.inference", "ref.inference", "reward.inference"],
         ["driver.compute"],
         ["actor.train_step", "critic.train_step"],
     ]
     adv = levels[2][0]
-    assert adv.name == "advantages" and {"ref_logp", "values", "rewards"} <= set(adv.inputs)
+    # the KL reward is β·(log π_prox − log π_ref): π_prox is recomputed before (issue #53 4.1)
+    assert adv.name == "advantages"
+    assert {"ref_logp", "prox_logp", "values", "rewards"} <= set(adv.inputs)
     assert set(adv.outputs) == {"advantages", "returns"}
     # Without the KL reward and the KL loss no reference runs.
     assert "ref" not in {c.role for c in df.ppo_with_critic(False).calls}

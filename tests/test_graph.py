@@ -101,6 +101,7 @@ def test_graph_says_where_each_call_runs(tmp_path, capsys):
         "reward_fn": "rollout workers",
         "values": "ranks 6-7, TP 1 × DP 2, offloaded between calls",
         "ref": "ranks 0-5, TP 2 × DP 3",  # laid out as the actor
+        "prox": "ranks 0-5, TP 2 × DP 3",  # the KL reward's log π_prox
         "advantages": "every learner rank",
         "train_actor": "ranks 0-5, TP 2 × DP 3",
         "train_critic": "ranks 6-7, TP 1 × DP 2, offloaded between calls",

@@ -17,7 +17,9 @@ take padded ``[B, T]`` tensors, one row per sample's completion, and a ``mask`` 
 trained on: a recursion over time is a loop over columns, the same for every row. The time steps of
 a row are its mask-1 tokens only: mask-0 tokens (padding, a tool's output inside a multi-turn
 completion) are skipped, as if cut out, so neither their rewards nor their values count, and their
-outputs are 0. After a row's last mask-1 token the episode ends: the bootstrapped value is 0.
+outputs are 0. After a row's last mask-1 token the episode ends and the bootstrapped value is 0,
+unless the row is ``truncated`` (cut at ``rollout.max_new_tokens`` or the model's length, no end
+token): its episode did not end, and the value after the cut is the row's last value (:func:`gae`).
 Inputs at mask-0 positions may hold any value, even NaN. All are computed in float64 without
 gradient and returned in the values' dtype.
 
@@ -291,16 +293,44 @@ def kl_shaped_rewards(
     """Classic RLHF reward shaping: r'_t = r_t − β·KL_t with the k1 estimate KL_t = log π_t − log
     π_ref,t of the sampled token (its expectation under π is KL(π ‖ π_ref)). The penalty then
     reaches the policy through the advantages, per token, instead of through the loss
-    (``algorithm.kl_coef``); ``log_pi`` is the policy that sampled (μ in asyncrl). 0 where mask is 0."""
+    (``algorithm.kl_coef``). ``log_pi`` is the policy being trained, π_prox in asyncrl, not the
+    sampler μ: the loss's importance weight π/μ already corrects for who sampled, and with log μ
+    here r' differs by β·log(π/μ), which adds β·∇KL(π ‖ μ) to every update (docs/off-policy.md,
+    "The KL-shaped reward"). 0 where mask is 0."""
     _, x = masked_rows(mask, rewards=rewards, log_pi=log_pi, log_ref=log_ref)
     return (x["rewards"] - beta * (x["log_pi"] - x["log_ref"])).to(rewards.dtype)
 
 
+def bootstrap_values(values: Tensor, mask: Tensor, truncated: Tensor | None) -> Tensor:
+    """``[B]``: the value after each row's last mask-1 token. 0 where the episode ended there; for
+    a ``truncated`` row (cut at ``max_new_tokens``, no end token: the episode would have gone on)
+    the row's last value V(x_T), the critic's estimate nearest the state after the cut. The state
+    after the last token is not an input of the packed row (it predicts no label), so V(x_T)
+    stands in for V(x_{T+1}), as AReaL bootstraps a sequence without an end token from its last
+    value."""
+    m = mask.bool()
+    if truncated is None:
+        return torch.zeros(m.shape[0], dtype=values.dtype, device=values.device)
+    if truncated.shape != m.shape[:1]:
+        raise ValueError(f"truncated: shape {tuple(truncated.shape)}, expected ({m.shape[0]},)")
+    pos = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    last = torch.where(m, pos, -1).amax(dim=1)
+    v_last = values.gather(1, last.clamp(min=0)[:, None])[:, 0]
+    return torch.where(truncated.bool() & (last >= 0), v_last, 0.0)
+
+
 def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    truncated: Tensor | None = None,
 ) -> TokenAdvantages:
     """Generalised advantage estimation (Schulman et al. 2016), backwards over each row's mask-1
-    tokens t with next(t) the next mask-1 token and V(next) = 0 after the last:
+    tokens t with next(t) the next mask-1 token and V(next) after the last 0, or for a
+    ``truncated`` row (``[B]`` bool) its last value (:func:`bootstrap_values`):
 
         δ_t = r_t + γ·V(x_next(t)) − V(x_t),   A_t = δ_t + γλ·A_next(t),   R_t = A_t + V(x_t)
 
@@ -310,7 +340,7 @@ def gae(
     m, x = masked_rows(mask, rewards=rewards, values=values)
     r, v = x["rewards"], x["values"]
     adv = torch.zeros_like(v)
-    next_v = torch.zeros_like(v[:, 0])
+    next_v = bootstrap_values(v, m, truncated)
     next_a = torch.zeros_like(next_v)
     for t in reversed(range(v.shape[1])):
         mt = m[:, t]
@@ -333,10 +363,12 @@ def vtrace(
     rho_bar: float,
     c_bar: float,
     lam: float = 1.0,
+    truncated: Tensor | None = None,
 ) -> TokenAdvantages:
     """V-trace (IMPALA, Espeholt et al. 2018): value targets for π from tokens sampled by a stale μ.
 
-    With ρ_t = min(ρ̄, π_t/μ_t), c_t = λ·min(c̄, π_t/μ_t) and next(t), V(next) = 0 as in :func:`gae`:
+    With ρ_t = min(ρ̄, π_t/μ_t), c_t = λ·min(c̄, π_t/μ_t) and next(t), V(next) after the last
+    token as in :func:`gae` (0, or a ``truncated`` row's last value, which is then also v_next):
 
         v_t = V(x_t) + ρ_t·(r_t + γ·V(x_next) − V(x_t)) + γ·c_t·(v_next − V(x_next))
         A_t = r_t + γ·v_next − V(x_t)       (the policy-gradient advantage, without ρ_t)
@@ -359,8 +391,8 @@ def vtrace(
     c = lam * torch.exp(log_ratio.clamp(max=math.log(c_bar)))
     vs = torch.zeros_like(v)
     adv = torch.zeros_like(v)
-    next_v = torch.zeros_like(v[:, 0])
-    next_vs = torch.zeros_like(next_v)
+    next_v = bootstrap_values(v, m, truncated)
+    next_vs = next_v.clone()
     for t in reversed(range(v.shape[1])):
         mt = m[:, t]
         vs_t = v[:, t] + rho[:, t] * (r[:, t] + gamma * next_v - v[:, t])

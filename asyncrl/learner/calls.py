@@ -89,8 +89,8 @@ def distill_advantages(
     config: TrainerConfig, batch: Batch, seqs: list[Sequence]
 ) -> dict[str, float]:
     """``algorithm.advantage: distill``: with ``distill_coef`` > 0 each sequence's GRPO advantage of
-    the group rewards (the outcome part); the teacher's part, log π_teacher − log π_prox per token,
-    is added in the update's forward, where π_prox is (:func:`asyncrl.learner.passes.advantages`).
+    the group rewards (the outcome part); the teacher's part, log π_teacher − sg[log π] per token,
+    is added in the update's forward, where log π is (:func:`asyncrl.learner.passes.advantages`).
     Returns the batch's reverse KL to the teacher (:func:`asyncrl.learner.distill.reverse_kl`)."""
     alg = config.algorithm
     if alg.distill_coef > 0:

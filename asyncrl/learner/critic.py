@@ -11,8 +11,8 @@ Per batch (the learner's ``values`` and ``train_critic`` calls, :mod:`asyncrl.le
 critic's ranks):
 1. before the updates, V at every trained token of this rank's sequences (forward only), then
    :func:`token_targets` gives each token's advantage A_t and value target R_t from the sample's
-   reward at its last trained token (GAE, or V-trace with π/μ), and the advantages are whitened
-   over the whole batch (every rank's tokens);
+   reward at its last trained token (GAE, or V-trace with π/μ; a KL reward with π_prox), and the
+   advantages are whitened over the whole batch (every rank's tokens);
 2. at each actor update, one critic update on the same micro-batches (on the actor's ranks; on its
    own, the same mini-batch draws at the same time as the actor's): the clipped value loss of
    :func:`~asyncrl.learner.losses.scalar.value_loss` against R_t, with V_old the values of step 1.
@@ -57,12 +57,14 @@ VALUE_STAT_KEYS = ("value_loss", "value_tokens", "value_clipped")
 
 def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
     """Each sequence's ``token_advantages`` and ``returns`` (per position, 0 off its trained tokens)
-    from its ``reward`` on its last trained token, its critic ``values`` and behaviour logprobs μ;
-    V-trace also reads π (``prox_logp``) and a KL reward π_ref (``ref_logp``). Pure; not whitened.
+    from its ``reward`` on its last trained token and its critic ``values``; V-trace also reads
+    μ (``behavior_logp``) and π (``prox_logp``), a KL reward π_prox and π_ref (``ref_logp``).
+    Pure; not whitened.
 
     The sequences' trained tokens become the rows of one padded ``[B, T]`` problem: GAE and V-trace
     run backwards over each row's mask-1 tokens only, so a multi-turn sample's tool output (mask 0)
-    is skipped, and the episode ends after its last trained token."""
+    is skipped, and the episode ends after its last trained token, unless the sequence is
+    ``truncated`` (cut at ``max_new_tokens``): then the value after it is its last value."""
     if not seqs:
         return
     at = [np.nonzero(s.mask > 0)[0] for s in seqs]
@@ -79,23 +81,38 @@ def token_targets(seqs: list[Sequence], alg: AlgorithmConfig) -> None:
     values, mu = rows(lambda s: s.values), rows(lambda s: s.behavior_logp)
     scores = torch.tensor([s.reward for s in seqs], dtype=torch.float64)
     rewards = last_token_rewards(scores, mask)
+    cut = torch.tensor([s.truncated for s in seqs])  # no end token: bootstrap, not V = 0
+    prox = None
+    if alg.kl_reward_coef > 0 or alg.advantage == "vtrace":
+        missing = [s.index for s, i in zip(seqs, at, strict=True) if len(i) and s.prox_logp is None]
+        if missing:
+            raise ValueError(
+                f"sequences {missing[:5]} have no prox_logp: algorithm.kl_reward_coef and "
+                "advantage vtrace read log π_prox (the dataflow's prox call)"
+            )
+        prox = rows(lambda s: s.prox_logp)
     if alg.kl_reward_coef > 0:
+        # log π_prox, not log μ: the sampler's logprob would add β·∇KL(π ‖ μ) to every update
+        # (docs/off-policy.md, "The KL-shaped reward").
+        assert prox is not None
         ref = rows(lambda s: s.ref_logp)
-        rewards = kl_shaped_rewards(rewards, mu, ref, mask, beta=alg.kl_reward_coef)
+        rewards = kl_shaped_rewards(rewards, prox, ref, mask, beta=alg.kl_reward_coef)
     if alg.advantage == "vtrace":
+        assert prox is not None
         adv, ret = vtrace(
             rewards,
             values,
-            rows(lambda s: s.prox_logp),
+            prox,
             mu,
             mask,
             gamma=alg.gamma,
             lam=alg.lam,
             rho_bar=alg.vtrace_rho_bar,
             c_bar=alg.vtrace_c_bar,
+            truncated=cut,
         )
     else:
-        adv, ret = gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam)
+        adv, ret = gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam, truncated=cut)
     for b, (s, i) in enumerate(zip(seqs, at, strict=True)):
         s.token_advantages = np.zeros(len(s), np.float32)
         s.returns = np.zeros(len(s), np.float32)

@@ -1,7 +1,8 @@
 """On-policy distillation's advantage (``algorithm.advantage: distill``; docs/distill.md,
 docs/off-policy.md): per token, with no critic, from the teacher's logprobs that arrive with each
-sample (``rollout.teacher``) and the learner's own log π_prox, which exists only in the learner's
-forward: the advantage is made there, one micro-batch at a time (:mod:`asyncrl.learner.passes`).
+sample (``rollout.teacher``) and the learner's own log π of the update being taken, which exists
+only in the learner's forward: the advantage is made there, one micro-batch at a time
+(:mod:`asyncrl.learner.passes`).
 Pure logic: tensors and arrays in and out.
 """
 
@@ -25,9 +26,10 @@ def distill(
     coef: float = 0.0,
 ) -> Tensor:
     """On-policy distillation (Agarwal et al. 2024; Thinking Machines' "On-Policy Distillation"):
-    per token A_t = log π_teacher,t − log π_t + coef·outcome, 0 where the mask is 0, with π the
-    learner's π_prox (the weights the step starts from; at one update per batch, the forward's own
-    detached log π).
+    per token A_t = log π_teacher,t − sg[log π_t] + coef·outcome, 0 where the mask is 0, with π the
+    policy being trained: the update's own forward, detached. Not π_prox: from a batch's second
+    update on (``learner.minibatches`` × ``epochs`` > 1) π has moved from π_prox, and
+    log π_T − log π_prox = (log π_T − log π) + log(π/π_prox) adds ∇KL(π ‖ π_prox) to the update.
 
     The objective is the reverse KL(π ‖ π_T), whose gradient from μ's samples is
     E_μ[(π/μ)·∇log π·(log π_T − log π)]: the loss's importance weight π/μ corrects for sampling

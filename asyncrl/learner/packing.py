@@ -33,6 +33,7 @@ class Sequence:
     advantage: float = 0.0
     reward: float = 0.0  # the sample's reward (token-level advantages start from it)
     mixed_versions: bool = False  # its trained tokens come from more than one version
+    truncated: bool = False  # cut with no end token (max_new_tokens, max_seq_len): GAE bootstraps
     # its weight under the sequence-mean aggregations: a per-turn sample's share of its episode
     seq_weight: float = 1.0
     prox_logp: np.ndarray | None = None  # float32 [n], log π_prox when recomputed (``prox``)

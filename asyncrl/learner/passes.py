@@ -191,16 +191,16 @@ def normaliser(models: Models, mbs: list[MicroBatch], mesh: RoleMesh) -> Normali
     return Normaliser(tokens=tokens, seqs=seqs, seq_len=float(models.config.max_new_tokens))
 
 
-def advantages(models: Models, mb: MicroBatch, prox_logp: torch.Tensor) -> torch.Tensor:
+def advantages(models: Models, mb: MicroBatch, log_pi: torch.Tensor) -> torch.Tensor:
     """The advantages of ``mb``'s trained tokens in the update: the batch's, or with
-    ``algorithm.advantage: distill`` log π_teacher − log π_prox (+ ``distill_coef`` × the batch's
-    per-sample outcome advantage), which needs the learner's own π_prox (:func:`distill`)."""
+    ``algorithm.advantage: distill`` log π_teacher − sg[log π] (+ ``distill_coef`` × the batch's
+    per-sample outcome advantage), ``log_pi`` this update's own forward (:func:`distill`)."""
     alg = models.config.algorithm
     if alg.advantage != "distill" or alg.loss == "sft":
         return mb.advantages
     assert mb.teacher_logp is not None  # learner/step.py refuses a trained token without one
     a = distill(
-        prox_logp.detach()[None],
+        log_pi.detach()[None],
         mb.teacher_logp[None],
         mb.mask[None],
         outcome=mb.advantages[None],
@@ -251,7 +251,7 @@ def actor_micro_batch(
             mask=mb.mask,
             seq_ids=mb.seq_ids,
             behavior_logp=mb.behavior_logp,
-            advantages=advantages(models, mb, prox),
+            advantages=advantages(models, mb, logp),  # distill: the current π's (not π_prox)
             prox_logp=prox if needs_prox(alg.loss) else None,
             ref_logp=ref_logp,
             entropy=entropy,

@@ -95,7 +95,8 @@ def sequences(
                         f"{len(s.completion_ids)} tokens: algorithm.advantage distill trains on "
                         "the teacher's (a worker without rollout.teacher made it?)"
                     )
-            if len(s.prompt_ids) + len(s.completion_ids) - 1 > models.max_seq_len:
+            cut = len(s.prompt_ids) + len(s.completion_ids) - 1 > models.max_seq_len
+            if cut:
                 info["learner/truncated_samples"] += 1
             seqs.append(
                 make_sequence(
@@ -110,6 +111,11 @@ def sequences(
                     teacher_logprobs=s.teacher_logprobs,
                 )
             )
+            # no end token: a critic's advantages bootstrap from the last value (critic.py). A
+            # per-turn sample carries its trajectory's reason: only its last turn was cut.
+            turn = turn_of(s)
+            ends = turn is None or turn.turn == turn.turns - 1
+            seqs[-1].truncated = cut or (ends and s.finish_reason == "length")
             i += 1
     episode_weights(groups, seqs)
     if staleness:

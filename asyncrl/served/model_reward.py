@@ -12,18 +12,25 @@ group (:mod:`asyncrl.rollout.group_maker`).
 
 The sample's reward is ``reward_weight · rule + weight · normalised score``; ``rollout.reward: model``
 leaves the rule out. Normalisation: none, fixed ``(s - shift) / scale``, or running ``(s - mean) /
-std`` over the scores this worker has seen (before the first batch: unnormalised).
+std`` over the scores this worker has seen (before the first batch: unnormalised). A running
+normalisation gives every sample of a group (and its ReMax greedy episode) the one scale its group
+first met: the statistics move with every server batch, and a group's samples are scored in
+several, so group-mates scaled apart would change their group's advantages (the group estimators
+only cancel one shared affine map). Groups of other workers, and later groups, have their own.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from asyncrl.contract import Episode, EpisodeContext
 from asyncrl.recipe import Recipe, RewardModelConfig
 from asyncrl.rewards import RewardResult, RewardRunner, ScoresEpisodes, load_reward
 from asyncrl.served.server_batches import BatchedServers, require_urls
@@ -57,12 +64,31 @@ class ScoreNorm:
     def std(self) -> float:
         return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
 
-    def __call__(self, x: float) -> float:
+    def affine(self) -> tuple[float, float]:
+        """(shift, scale) of the affine map x -> (x - shift) / scale as things stand: what a group
+        keeps for all its samples (:class:`ModelReward`)."""
         if self.kind == "fixed":
-            return (x - self.shift) / self.scale
+            return self.shift, self.scale
         if self.kind == "running" and self.count > 1:
-            return (x - self.mean) / max(self.std, 1e-6)
-        return x
+            return self.mean, max(self.std, 1e-6)
+        return 0.0, 1.0
+
+    def __call__(self, x: float) -> float:
+        shift, scale = self.affine()
+        return (x - shift) / scale
+
+
+GROUP_SCALES_KEPT = 4096
+"""Groups whose scale a :class:`ModelReward` remembers, the most recently used; far more than a
+worker has in flight (``rollout.max_concurrent_groups``)."""
+
+_GROUP: ContextVar[str | None] = ContextVar("asyncrl_reward_group", default=None)
+"""The group of the episode being scored (:meth:`CombinedReward.score_episode`)."""
+
+
+def group_of(rid: str) -> str:
+    """The group of an episode's request id prefix, ``<group id>/<episode>`` (or ``/greedy``)."""
+    return rid.rsplit("/", 1)[0]
 
 
 def parse_scores(body: Any, n: int) -> list[float]:
@@ -95,6 +121,7 @@ class ModelReward(BatchedServers[float]):
         super().__init__(cfg.urls, timeout_s=cfg.timeout_s, batch_size=cfg.batch_size)
         self.cfg = cfg
         self.norm = ScoreNorm(cfg.normalize, cfg.shift, cfg.scale)
+        self.groups: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
     def request(self, payloads: list) -> tuple[str, dict]:
         return "/classify", {"input_ids" if self.cfg.input == "ids" else "text": payloads}
@@ -103,13 +130,29 @@ class ModelReward(BatchedServers[float]):
         return parse_scores(answer, len(payloads))
 
     def accept(self, results: list[float]) -> list[float]:
-        self.norm.update(results)
-        return [self.norm(s) for s in results]
+        self.norm.update(results)  # raw scores go on: each is normalised by its group's scale
+        return results
 
-    async def score(self, payload: list[int] | str) -> tuple[float, str]:
-        """(normalised score, failure); never raises but for cancellation."""
+    def scale_of(self, group: str | None) -> tuple[float, float]:
+        """The group's (shift, scale): the one it first met, kept for its other samples."""
+        if group is None:
+            return self.norm.affine()
+        if group in self.groups:
+            self.groups.move_to_end(group)
+        else:
+            self.groups[group] = self.norm.affine()
+            if len(self.groups) > GROUP_SCALES_KEPT:
+                self.groups.popitem(last=False)
+        return self.groups[group]
+
+    async def score(self, payload: list[int] | str, group: str | None = None) -> tuple[float, str]:
+        """(normalised score, failure), normalised with ``group``'s scale (None: as things stand
+        now); never raises but for cancellation."""
         value, failure = await self.call(payload)
-        return (0.0 if value is None else value), failure
+        if value is None:
+            return 0.0, failure
+        shift, scale = self.scale_of(group)
+        return (value - shift) / scale, failure
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,6 +178,15 @@ class CombinedReward(ScoresEpisodes):
         self.answer_key = answer_key
         self.stats = model.stats
 
+    async def score_episode(self, ctx: EpisodeContext, ep: Episode) -> RewardResult:
+        """:meth:`ScoresEpisodes.score_episode`, the model's score normalised with the scale of
+        the episode's group (``ctx.rid``'s group id; the ReMax greedy episode's is its group's)."""
+        token = _GROUP.set(group_of(ctx.rid))
+        try:
+            return await super().score_episode(ctx, ep)
+        finally:
+            _GROUP.reset(token)
+
     async def score(
         self,
         *,
@@ -148,6 +200,7 @@ class CombinedReward(ScoresEpisodes):
     ) -> RewardResult:
         t0 = trio.current_time()
         parts: dict[str, tuple[float, str]] = {}
+        group = _GROUP.get()
 
         async def rule() -> None:
             assert self.rule is not None
@@ -171,7 +224,7 @@ class CombinedReward(ScoresEpisodes):
                     assert decode is not None
                     text = await trio.to_thread.run_sync(decode, completion_ids)
                 payload = prompt + text
-            parts["model"] = await self.model.score(payload)
+            parts["model"] = await self.model.score(payload, group)
 
         async with trio.open_nursery() as n:
             if self.rule is not None:

@@ -59,6 +59,41 @@ def test_gae_targets_discount_over_trained_tokens_only():
     np.testing.assert_allclose(adv, [0.0, -0.5, 0.0, 1.0], atol=1e-6)
 
 
+@pytest.mark.parametrize("advantage", ["gae", "vtrace"])
+def test_a_completion_cut_at_max_new_tokens_bootstraps_from_its_last_value(advantage):
+    """Issue #53 item 4.4, the worked example (docs/off-policy.md, "Cut completions"): a completion
+    cut at ``max_new_tokens`` (no end token) scored R = 0, whose critic values rise, V = [0.5, 1.5]
+    (the critic expects it to go on and succeed); γ = λ = 1, μ = π. The old code ended the episode
+    at the cut, V = 0 after it: A = [−0.5, −1.5] and targets [0, 0], every token punished as a
+    failure and the critic pulled to 0. Bootstrapping from the last value V(x_T) = 1.5:
+    A = [1.0, 0.0], targets [1.5, 1.5]. A completion that ended (an end token) is unchanged."""
+    alg = AlgorithmConfig(advantage=advantage, gamma=1.0, lam=1.0, vtrace_rho_bar=1.0)
+    out = {}
+    for cut in (True, False):
+        s, at = _seq(2, [1, 1], reward=0.0, values=[0.5, 1.5])
+        s.prox_logp = s.behavior_logp.copy()  # π = μ: V-trace is GAE
+        s.truncated = cut
+        token_targets([s], alg)
+        out[cut] = (s.token_advantages[at : at + 2], s.returns[at : at + 2])
+    np.testing.assert_allclose(out[True][0], [1.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(out[True][1], [1.5, 1.5], atol=1e-6)
+    np.testing.assert_allclose(out[False][0], [-0.5, -1.5], atol=1e-6)
+    np.testing.assert_allclose(out[False][1], [0.0, 0.0], atol=1e-6)
+
+
+def test_the_learner_knows_which_samples_were_cut(tiny_qwen3, tmp_path):
+    """A sample's ``finish_reason: length`` (the generator's: cut at ``max_new_tokens``) marks its
+    sequence ``truncated``, as a sample the learner cuts at ``model.max_seq_len`` does; a per-turn
+    sample only on its trajectory's last turn (the earlier turns were not cut)."""
+    tr = make_trainer(tiny_qwen3, tmp_path, algorithm=GAE, **RL)
+    batch = rl_batch(tr.models.spec.model.vocab_size, groups=1, n=3)
+    a, b, c = batch.groups[0].samples
+    a.finish_reason = "length"
+    c.finish_reason = "length"
+    c.metadata = {"episode": "0/2", "turn": 0, "turns_trained": 2}  # an earlier turn
+    assert [s.truncated for s in tr.sequences(batch)] == [True, False, False]
+
+
 def test_kl_reward_and_vtrace_targets_by_hand():
     mu, pi, ref = [-1.0, -2.0], [-0.5, -2.5], [-1.5, -1.0]
     s, at = _seq(2, [1, 1], reward=1.0, values=[0.25, 0.5], mu=mu)
@@ -70,9 +105,9 @@ def test_kl_reward_and_vtrace_targets_by_hand():
     alg = AlgorithmConfig(advantage="vtrace", kl_reward_coef=beta, vtrace_rho_bar=1.0)
     token_targets([s], alg)
     r = [
-        -beta * (mu[0] - ref[0]),
-        1.0 - beta * (mu[1] - ref[1]),
-    ]  # r'_t = r_t − β(log μ − log π_ref)
+        -beta * (pi[0] - ref[0]),
+        1.0 - beta * (pi[1] - ref[1]),
+    ]  # r'_t = r_t − β(log π_prox − log π_ref)
     rho = [min(1.0, np.exp(pi[0] - mu[0])), min(1.0, np.exp(pi[1] - mu[1]))]
     v = [0.25, 0.5]
     vs1 = v[1] + rho[1] * (r[1] - v[1])
@@ -80,6 +115,42 @@ def test_kl_reward_and_vtrace_targets_by_hand():
     np.testing.assert_allclose(s.returns[at : at + 2], [vs0, vs1], rtol=1e-6)
     a = [r[0] + vs1 - v[0], r[1] - v[1]]  # no ρ: the policy loss's weight is the one ρ
     np.testing.assert_allclose(s.token_advantages[at : at + 2], a, rtol=1e-6)
+
+
+def test_the_kl_shaped_reward_is_the_trained_policys_not_the_samplers():
+    """Issue #53 item 4.1, the worked example (docs/off-policy.md, "The KL-shaped reward"): β = 1,
+    R = 0, π = π_ref = [.5, .5] (the KL is at its minimum), μ = [.9, .1] (a stale sampler). With
+    log μ in the shaped reward (the old code) the rewards were −β·log(μ/π_ref) = [−0.588, +1.609]
+    and the expected logit step E_μ[(π/μ)·r'·∇log π] = Σ_y π_y·r'_y·(e_y − π) was
+    [−0.549, +0.549]: away from π_ref, which π already is. With log π_prox both are 0."""
+    pi, mu, beta = np.array([0.5, 0.5]), np.array([0.9, 0.1]), 1.0
+    shaped = []
+    for y in range(2):  # one sequence per vocabulary item y, its one trained token y
+        s, at = _seq(2, [1], reward=0.0, values=[0.0], mu=[np.log(mu[y])])
+        s.prox_logp = np.zeros(len(s), np.float32)
+        s.prox_logp[at] = np.log(pi[y])
+        s.ref_logp = s.prox_logp.copy()  # π_ref = π
+        token_targets([s], AlgorithmConfig(advantage="gae", kl_reward_coef=beta, lam=1.0))
+        shaped.append(float(s.returns[at]))  # V = 0, γ = λ = 1: the return is the shaped reward
+    shaped = np.array(shaped)
+    # the wrong reward, for the record: −β·log(μ/π_ref) = [−0.588, +1.609], step ±0.549
+    wrong = -beta * np.log(mu / pi)
+    np.testing.assert_allclose(wrong, [-0.588, 1.609], atol=1e-3)
+    step = lambda r: sum(pi[y] * r[y] * (np.eye(2)[y] - pi) for y in range(2))  # noqa: E731
+    np.testing.assert_allclose(step(wrong), [-0.549, 0.549], atol=1e-3)
+    np.testing.assert_allclose(shaped, [0.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(step(shaped), [0.0, 0.0], atol=1e-6)
+
+
+def test_a_kl_reward_recomputes_prox_at_one_update():
+    """The KL reward reads log π_prox, so its dataflow has the prox call before the advantages
+    even at one update per batch (V-trace's already did)."""
+    from asyncrl import dataflow
+
+    flow = dataflow.ppo_with_critic(True)
+    adv = next(c for c in flow.calls if c.name == "advantages")
+    assert "prox" in {c.name for c in flow.calls} and "prox_logp" in adv.inputs
+    assert "prox" not in {c.name for c in dataflow.ppo_with_critic(False).calls}
 
 
 def test_the_critic_fits_the_returns_and_the_actor_trains(tiny_qwen3, tmp_path):

@@ -368,8 +368,13 @@ def test_gradcheck_float64(loss):
     b = _random_batch(torch.Generator().manual_seed(4), n_seqs=3, max_len=4)
     ent = torch.rand(len(b["logp"]), dtype=F64, generator=torch.Generator().manual_seed(5))
     ref = b["blp"] - 0.1
+    # The KL term's weight sg[min(π/μ, C)] is detached by design: with C below every ratio here
+    # it is the constant C, whose derivative finite differences see (kl_coef scaled to match).
+    cap = 0.05
+    assert float((b["logp"] - b["blp"]).exp().min()) > cap
     kw = dict(
-        kl_coef=0.3,
+        kl_coef=0.3 / cap,
+        is_cap=cap,
         kl_estimator="k2",  # k1 and k3 carry k2's gradient under their own value (see the KL tests)
         entropy_coef=0.01,
         aggregation="seq_mean_token_mean",
@@ -520,11 +525,12 @@ def test_kl_penalty_values_and_their_gradient():
                 "ppo", logp=x, blp=BLP, adv=zero_adv, ref_logp=ref, kl_coef=0.5, kl_estimator=est
             )
 
+        # each token's term weighs sg[π/μ] = R (μ sampled it; C = 5 does not bind)
         loss, stats = f(LOGP)
-        assert float(loss) == pytest.approx(0.5 * float(kl.mean()))
+        assert float(loss) == pytest.approx(0.5 * float((R * kl).mean()))
         assert finalize_stats(stats)["loss/kl_ref"] == pytest.approx(float(kl.mean()))
-        # whatever the value, the gradient is k2's: β·δ/N (see the expectation test below)
-        torch.testing.assert_close(grad_of(lambda x, f=f: f(x)[0], LOGP), 0.5 * delta / 4)
+        # whatever the value, the gradient is k2's: β·R·δ/N (see the expectation tests below)
+        torch.testing.assert_close(grad_of(lambda x, f=f: f(x)[0], LOGP), 0.5 * R * delta / 4)
     with pytest.raises(ValueError, match="ref_logp"):
         run("ppo", logp=LOGP, blp=BLP, adv=A, kl_coef=0.1)
 
@@ -573,6 +579,50 @@ def test_the_kl_terms_expected_gradient_is_the_reverse_kls(est):
     raw_k3 = expected_grad(lambda lp, rlp: (torch.exp(rlp - lp) - 1 - (rlp - lp)).sum())
     assert float(raw_k1.abs().max()) <= 1e-12
     assert float((raw_k3 - forward).abs().max()) <= 1e-12
+
+
+@pytest.mark.parametrize("loss", RL_LOSSES)
+def test_the_kl_term_is_importance_weighted_on_a_stale_samplers_tokens(loss):
+    """Issue #53 item 4.3, the worked example (docs/off-policy.md, "The KL penalty"): π = [.5, .5],
+    π_ref = [.8, .2], tokens from a stale μ = [.2, .8]. The reverse KL's gradient in the logits is
+    E_π[δ·∇log π] = [−0.347, +0.347] (δ = log π − log π_ref). Unweighted, the expected gradient over
+    μ's tokens was E_μ[δ·∇log π] = [−0.413, +0.413] (the old code); weighted by sg[min(π/μ, C)]
+    (C = 5 does not bind here: π/μ ≤ 2.5) it is the reverse KL's, whatever the loss."""
+    pi, ref, mu = t(0.5, 0.5), t(0.8, 0.2), t(0.2, 0.8)
+    z = torch.log(pi).requires_grad_(True)  # logits whose softmax is π
+
+    def expected(weighted: bool) -> torch.Tensor:
+        g = torch.zeros(2, dtype=F64)
+        for y in range(2):  # Σ_y μ(y)·∇(term on token y): exact, no sampling
+            lp = torch.log_softmax(z, -1)[y : y + 1]
+            if weighted:
+                term = run(loss, logp=lp, blp=torch.log(mu[y : y + 1]), adv=t(0.0),
+                           prox_logp=lp.detach(), ref_logp=torch.log(ref[y : y + 1]),
+                           kl_coef=1.0, kl_estimator="k2", is_cap=5.0)[0]  # fmt: skip
+            else:
+                term = 0.5 * (lp - torch.log(ref[y : y + 1])).square().sum()
+            (gy,) = torch.autograd.grad(term, z)
+            g += mu[y] * gy
+        return g
+
+    reverse = torch.zeros(2, dtype=F64)
+    for y in range(2):  # E_π[δ·∇log π], ∇_z log π(y) = e_y − π
+        reverse += pi[y] * torch.log(pi[y] / ref[y]) * (torch.eye(2, dtype=F64)[y] - pi)
+    np.testing.assert_allclose(reverse.numpy(), [-0.347, 0.347], atol=1e-3)
+    np.testing.assert_allclose(expected(False).numpy(), [-0.413, 0.413], atol=1e-3)
+    np.testing.assert_allclose(expected(True).numpy(), reverse.numpy(), atol=1e-12)
+
+
+def test_the_kl_terms_weight_is_capped_and_leaves_sft_alone():
+    """π/μ = e² ≈ 7.4 is capped at C = 2; SFT's tokens are the data's (no μ): weight 1."""
+    lp, blp, ref = t(-1.0), t(-3.0), t(-2.0)
+
+    def grad(loss, **kw):
+        return grad_of(lambda x: run(loss, logp=x, ref_logp=ref, kl_coef=1.0, kl_estimator="k2",
+                                     is_cap=2.0, **kw)[0], lp)  # fmt: skip
+
+    assert float(grad("tis", blp=blp, adv=t(0.0))) == pytest.approx(2.0 * 1.0)  # C·δ
+    assert float(grad("sft")) == pytest.approx(-1.0 + 1.0)  # −1 from −log π, +δ from the KL
 
 
 def test_dual_clip_bounds_negative_advantage_tokens():

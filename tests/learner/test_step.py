@@ -534,6 +534,36 @@ def test_distill_leaves_a_student_that_is_its_teacher_where_it_is_whatever_the_s
     assert res.metrics[names.GRAD_NORM] < 1e-4  # ... and π, already π_T, is not pushed from μ
 
 
+def test_distills_second_update_on_a_batch_follows_the_current_policy(tiny_qwen3, tmp_path):
+    """Issue #53 item 4.2: with several updates per batch the teacher's advantage is
+    log π_T − sg[log π_θ], the policy being trained, not log π_T − log π_prox. Worked example
+    (docs/off-policy.md, "Which π"): π_T = [.5, .5], π_prox = [.9, .1], and after the first update
+    π_θ = [.5, .5] = π_T; A = log π_T − log π_prox = [−0.588, +1.609] still gives the logit step
+    [−0.549, +0.549] away from the teacher π_θ already is, where A = log π_T − log π_θ = 0 gives 0.
+
+    Through the learner: ``learner.epochs: 2`` on one batch (B) takes the same two updates as two
+    one-update steps on it (D), loss ``tis`` (its weight min(π/μ, C) is the same in both): D's
+    second step makes its advantage from its own forward at the weights W1 after the first update,
+    so the two runs' gradients agree at both updates exactly when B's second update does too.
+    With log π_prox (the old code) B's second update used log π at W0: its gradient norm was 1.51
+    where D's is 1.14."""
+    teacher = {"teacher": {"urls": ["http://127.0.0.1:9"]}}
+    alg = {"advantage": "distill", "loss": "tis"}
+    res = {}
+    for epochs in (2, 1):
+        learner = {**RL["learner"], "epochs": epochs}
+        tr = make_trainer(tiny_qwen3, tmp_path, algorithm=alg, rollout=teacher, learner=learner,
+                          buffer=RL["buffer"])  # fmt: skip
+        batch = distill_batch(tr)
+        steps = [tr.step(batch) for _ in range(3 - epochs)]
+        norms = [s.metrics[names.GRAD_NORM] for s in steps]
+        top = max(s.metrics.get("grad_norm/max", s.metrics[names.GRAD_NORM]) for s in steps)
+        res[epochs] = (float(np.mean(norms)), top)  # with the mean: both updates' norms
+    (two_mean, two_max), (one_mean, one_max) = res[2], res[1]
+    assert_close_rel(two_mean, one_mean)
+    assert_close_rel(two_max, one_max)
+
+
 def compute_grpo(rewards):
     from asyncrl.learner.advantages import compute_advantages
 

@@ -158,6 +158,43 @@ def test_normalisation_fixed_and_running(rm_server, hf_scores, tok):
     assert values == pytest.approx(((torch.tensor(raw) - mean) / std).tolist(), abs=1e-4)
 
 
+def test_a_groups_samples_share_one_running_scale(rm_server, hf_scores, tok):
+    """Issue #53 item 4.5: a running normalisation moves with every server batch, and one group's
+    samples are scored in several (here 6 samples in batches of 2, all of group "g" but the first
+    two of group "h"). Each group is normalised with one affine map, so its samples' normalised
+    differences are their raw differences over one scale. The old code normalised each server
+    batch with the statistics after it: the group's later batches had other scales."""
+    from asyncrl.contract import Episode, EpisodeContext
+
+    reward = build_reward(_recipe(urls=[rm_server.url], normalize="running", batch_size=2))
+    samples = _samples(tok, 6)
+    rids = ["h/0", "h/1", "g/0", "g/1", "g/2", "g/greedy"]  # the greedy episode is g's too
+    out: dict[str, float] = {}
+
+    async def one(rid: str, p: list[int], c: list[int]) -> None:
+        ctx = EpisodeContext(prompt_ids=p, prompt_text="p=", row={"answer": "ok"}, pool=None,
+                             params=None, tokenizer=tok, tools=None, max_turns=1, rid=rid)  # fmt: skip
+        r = await reward.score_episode(ctx, Episode(completion_ids=c))
+        assert r.failure == ""
+        out[rid] = r.value
+
+    async def main() -> None:
+        for k in range(0, 6, 2):  # a server batch at a time, as a group's episodes finish apart
+            async with trio.open_nursery() as n:
+                for rid, (p, c, _) in zip(rids[k : k + 2], samples[k : k + 2], strict=True):
+                    n.start_soon(one, rid, p, c)
+
+    trio.run(main)
+    raw = {rid: hf_scores(p + c) for rid, (p, c, _) in zip(rids, samples, strict=True)}
+    g = [r for r in rids if r.startswith("g/")]
+    scales = [(raw[a] - raw[b]) / (out[a] - out[b]) for a in g for b in g if a < b]
+    assert max(scales) == pytest.approx(min(scales), rel=1e-4), scales
+    # one map for the group: the statistics when its first score came back (its batch included)
+    seen = torch.tensor([raw[r] for r in rids[:4]], dtype=torch.float64)
+    for r in g:
+        assert out[r] == pytest.approx(float((raw[r] - seen.mean()) / seen.std()), abs=1e-4)
+
+
 def test_score_norm_running_is_welford():
     n = ScoreNorm("running")
     assert n(3.0) == 3.0  # nothing seen yet: unnormalised

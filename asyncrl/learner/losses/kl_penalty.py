@@ -3,7 +3,8 @@ docs/off-policy.md, "The KL penalty").
 
 A regulariser, not a loss: :func:`~asyncrl.learner.losses.policy.policy_loss` adds β·KL_t to
 whichever loss the recipe trains, so it stands apart from the losses. Its value and its gradient
-are chosen apart (the estimator's value, the reverse KL's gradient; :func:`kl_penalty` says why).
+are chosen apart (the estimator's value, the reverse KL's gradient; :func:`kl_penalty` says why),
+and on tokens a stale sampler μ drew it is importance-weighted (:func:`kl_weight`).
 """
 
 from __future__ import annotations
@@ -37,3 +38,17 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str) -> Tensor:
     else:
         raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r}; k1, k2 or k3")
     return k2 + (value - k2).detach()
+
+
+def kl_weight(logp: Tensor, behavior_logp: Tensor, *, is_cap: float) -> Tensor:
+    """The KL term's importance weight sg[min(π/μ, C)] per token, C = ``algorithm.is_cap``.
+
+    :func:`kl_penalty`'s gradient is KL(π ‖ π_ref)'s only in expectation over tokens from π. The
+    batch's tokens come from μ, so unweighted its expected gradient is E_μ[δ·∇log π], the
+    gradient of a KL measured where the stale sampler goes, not where π goes. The ratio is the
+    current π's (π_θ, not π_prox), also under decoupled PPO: its policy term's weight
+    min(π_prox/μ, C)·π_θ/π_prox is ≈ π_θ/μ too, the trust region clipping the second factor; the KL
+    term has no trust region, so its full ratio is π_θ/μ (the two agree at the first update, where
+    π_θ = π_prox). Capped at C as tis's and decoupled PPO's weights are, per token whatever
+    ``is_level``: the KL is a sum of per-token terms, each weighted as the token it was drawn on."""
+    return torch.exp(logp.detach() - behavior_logp.detach()).clamp(max=is_cap)

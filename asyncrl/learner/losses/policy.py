@@ -30,7 +30,7 @@ from asyncrl.learner.losses.aggregation import (
     seq_sum,
     token_weights,
 )
-from asyncrl.learner.losses.kl_penalty import kl_penalty
+from asyncrl.learner.losses.kl_penalty import kl_penalty, kl_weight
 from asyncrl.learner.losses.staleness_stats import BY_STALENESS, staleness_sums
 from asyncrl.recipe import AlgorithmConfig, Loss
 
@@ -269,7 +269,8 @@ def policy_loss(
 
     with c_t from ``cfg.aggregation_used`` and ``norm``, ℓ_t the per-token loss, β = ``kl_coef``
     (KL_t from :func:`~asyncrl.learner.losses.kl_penalty.kl_penalty`: the estimator's value,
-    KL(π ‖ π_ref)'s gradient), α = ``entropy_coef``, H_t the caller's per-token entropy (with
+    KL(π ‖ π_ref)'s gradient, times :func:`~asyncrl.learner.losses.kl_penalty.kl_weight`'s
+    sg[min(π/μ, C)] for the RL losses), α = ``entropy_coef``, H_t the caller's per-token entropy (with
     gradient). m_t drops tokens whose
     IS ratio ρ_t = π_prox/μ (π/μ without π_prox) lies outside [ratio_mask_low, ratio_mask_high]
     (IcePop / masked IS), and every token of a sequence whose geometric-mean ratio
@@ -374,7 +375,8 @@ def policy_loss(
     if cfg.kl_coef > 0 or ref_logp is not None:
         ref = clean(ref_logp, "ref_logp (algorithm.kl_coef > 0)").detach()
         kl = kl_penalty(lp, ref, estimator=cfg.kl_estimator)
-        per_token = per_token + cfg.kl_coef * kl
+        w = 1.0 if name == "sft" else kl_weight(lp, blp, is_cap=cfg.is_cap)  # μ sampled: π/μ
+        per_token = per_token + cfg.kl_coef * w * kl
         stats["kl_ref"] = torch.where(keep, kl.detach(), 0).sum()
         stats["kl_ref_tokens"] = keep.sum()
     if cfg.entropy_coef != 0 or entropy is not None:
