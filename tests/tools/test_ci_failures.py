@@ -91,6 +91,8 @@ def test_closing_line_and_a_clean_log(pytest_log):
     assert "3 failed" in closing_line(pytest_log) and "1 error" in closing_line(pytest_log)
     clean = "....\n==== 4 passed in 0.1s ====\n"
     assert parse(clean) == [] and closing_line(clean) == "4 passed in 0.1s"
+    two = clean + "..\n2 passed in 0.2s\n"  # make test: the default tier, then a numerics pass
+    assert closing_line(two) == "4 passed in 0.1s | 2 passed in 0.2s"
 
 
 def test_report_ends_with_the_names(pytest_log, tmp_path):

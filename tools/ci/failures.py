@@ -103,13 +103,14 @@ def parse(text: str) -> list[Failure]:
 
 
 def closing_line(text: str) -> str:
-    """pytest's last closing line (`== 1 failed, 1089 passed in 962.1s ==`), '' if none."""
-    found = ""
+    """pytest's closing lines (`1 failed, 1089 passed in 962.1s`), one per pytest run in the log
+    (make test: the default tier, then its numerics passes), joined by ` | `; '' if none."""
+    found = []
     for line in text.splitlines():
         m = _CLOSING.match(line.strip())
         if m:
-            found = m.group(1)
-    return found
+            found.append(m.group(1))
+    return " | ".join(found)
 
 
 def report(logs: list[Path], tb_lines: int = 60) -> str:
