@@ -391,7 +391,7 @@ def test_server_layout_radix_cache_version_and_label(tiny_qwen3, fake_sglang):
 def test_a_tensor_parallel_server_cannot_take_weights_by_handle(tiny_qwen3, fake_sglang):
     """weights.backend ipc sends one payload per bucket, and SGLang reads
     ``serialized_named_tensors[tp_rank]``: a TP-2 server would fail at rank 1 (IndexError), so
-    the doctor names it (as the broadcaster refuses it: tests/weights/test_ipc_tp.py)."""
+    the doctor names it (as the broadcaster refuses it: tests/weights/test_refusal.py)."""
     url = f"http://127.0.0.1:{fake_sglang.server_address[1]}"
     info = {"version": "0.5.23", "tp_size": 2, "dp_size": 1, "disable_radix_cache": True}
     c, _ = _server_check(tiny_qwen3, url, info, "0", "weights.backend=ipc")
