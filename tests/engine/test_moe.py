@@ -15,9 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from asyncrl.engine import start_engine_process
-from asyncrl.transport import free_port
-from asyncrl.weights import buckets, rendezvous
-from tests.engine_streams import PostInThread
+from asyncrl.weights import buckets
+from tests.engine_streams import PostInThread, weight_group
 
 pytestmark = (
     pytest.mark.numerics
@@ -59,27 +58,7 @@ def test_engine_takes_expert_weights_under_hf_names(tiny_qwen3_moe, tmp_path):
         client = httpx.Client(base_url=srv.url, timeout=120)
         before = _greedy(srv.url, PROMPT)
         assert before == _hf_greedy(tiny_qwen3_moe, PROMPT)
-        port = free_port()
-        body = {
-            "master_address": "127.0.0.1",
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": 2,
-            "group_name": GROUP,
-            "backend": "gloo",
-        }
-        call = PostInThread(client, "/init_weights_update_group", body)
-        pg = rendezvous.init_custom_process_group(
-            master_address="127.0.0.1",
-            master_port=port,
-            rank=0,
-            world_size=2,
-            group_name=GROUP,
-            timeout_s=60,
-        )
-        r = call.join()
-        assert r.status_code == 200, r.text
-        try:
+        with weight_group(client, GROUP) as pg:
             assert client.post("/begin_weight_update", json={}).json()["success"]
             named = sorted(new.items())
             b = buckets.Bucket(names=[n for n, _ in named], tensors=[t for _, t in named])
@@ -101,9 +80,6 @@ def test_engine_takes_expert_weights_under_hf_names(tiny_qwen3_moe, tmp_path):
             )
             after = _greedy(srv.url, PROMPT)
             assert after == want and after != before
-        finally:
-            client.post("/destroy_weights_update_group", json={"group_name": GROUP})
-            rendezvous.destroy_process_group(pg)
-            client.close()
+        client.close()
     finally:
         assert srv.stop() == 0

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.engine import EngineConfig, serve, start_engine_process
-from asyncrl.weights import buckets, rendezvous
-from tests.engine_streams import GenerateStream, PostInThread
+from asyncrl.weights import buckets
+from tests.engine_streams import GenerateStream, PostInThread, weight_group
 
 GROUP = "weight_update_group"
 
@@ -34,33 +34,8 @@ def test_engine_process_is_up_on_a_free_port(engine, tiny_qwen3):
 def trainer(engine):
     """Join the engine's weight group as rank 0; yields (client, process group)."""
     client = httpx.Client(base_url=engine.url, timeout=120)
-    store = rendezvous.host_store("127.0.0.1", 60)  # listening before the engine is told the port
-    port = store.port
-    body = {
-        "master_address": "127.0.0.1",
-        "master_port": port,
-        "rank_offset": 1,
-        "world_size": 2,
-        "group_name": GROUP,
-        "backend": "gloo",
-    }
-    call = PostInThread(client, "/init_weights_update_group", body)
-    pg = rendezvous.init_custom_process_group(
-        master_address="127.0.0.1",
-        master_port=port,
-        rank=0,
-        world_size=2,
-        group_name=GROUP,
-        timeout_s=60,
-    )
-    del store
-    r = call.join()
-    assert r.status_code == 200, r.text
-    assert r.json() == {"success": True, "message": "Succeeded to initialize custom process group."}
-    yield client, pg
-    r = client.post("/destroy_weights_update_group", json={"group_name": GROUP})
-    assert r.json()["success"]
-    rendezvous.destroy_process_group(pg)
+    with weight_group(client, GROUP) as pg:
+        yield client, pg
     client.close()
 
 
