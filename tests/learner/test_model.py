@@ -34,6 +34,26 @@ def random_sequences(n: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(3, vocab, size=int(rng.integers(5, 40))) for _ in range(n)]
 
 
+def random_batch(vocab: int, seed: int = 0):
+    """Four random samples at version 0, one group each (μ's logprobs 0: a step that moves)."""
+    from asyncrl import wire
+    from asyncrl.learner.source import Batch
+
+    samples = [
+        wire.Sample(
+            id=str(i),
+            group_id=str(i),
+            prompt_ids=s[:2].astype(np.int32),
+            completion_ids=s[2:].astype(np.int32),
+            behavior_logprobs=np.zeros(len(s) - 2, np.float32),
+            versions=np.zeros(len(s) - 2, np.int32),
+            loss_mask=np.ones(len(s) - 2, np.float32),
+        )
+        for i, s in enumerate(random_sequences(4, vocab, seed))
+    ]
+    return Batch(groups=[wire.Group(id=s.id, samples=[s]) for s in samples], version=0, stats={})
+
+
 def hf_logprobs(model_dir, seqs):
     from transformers import AutoModelForCausalLM
 
@@ -82,23 +102,10 @@ def test_hf_state_dict_and_export_round_trip(fixture, request, tmp_path):
     for k, v in original.items():
         assert torch.equal(sd[k], v), k
     # take a step so the export differs from the input, then check it loads with equal logits
-    from asyncrl import wire
-    from asyncrl.learner.source import Batch
 
-    seqs = random_sequences(4, tr.models.spec.model.vocab_size, seed=1)
-    samples = [
-        wire.Sample(
-            id=str(i),
-            group_id=str(i),
-            prompt_ids=s[:2].astype(np.int32),
-            completion_ids=s[2:].astype(np.int32),
-            behavior_logprobs=np.zeros(len(s) - 2, np.float32),
-            versions=np.zeros(len(s) - 2, np.int32),
-            loss_mask=np.ones(len(s) - 2, np.float32),
-        )
-        for i, s in enumerate(seqs)
-    ]
-    tr.step(Batch(groups=[wire.Group(id=s.id, samples=[s]) for s in samples], version=0, stats={}))
+    vocab = tr.models.spec.model.vocab_size
+    tr.step(random_batch(vocab, seed=1))
+    seqs = random_sequences(4, vocab, seed=1)  # the batch's sequences
     out = tr.export_hf(tmp_path / "export")
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.as_tensor(seqs[0])[None]

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from asyncrl.learner.packing import make_sequence, pack
-from tests.learner.test_model import hf_logprobs, make_trainer, random_sequences
+from tests.learner.test_model import hf_logprobs, make_trainer, random_batch, random_sequences
 from tests.numerics import assert_logits_close
 
 pytestmark = pytest.mark.numerics  # compares float32 results across kernels (tests/numerics.py)
@@ -69,9 +68,6 @@ def test_moe_trains_a_step_and_exports_an_hf_folder(tiny_qwen3_moe, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from asyncrl import wire
-    from asyncrl.learner.source import Batch
-
     tr = make_trainer(tiny_qwen3_moe, tmp_path, algorithm={"loss": "sft"})
     original = load_file(str(tiny_qwen3_moe / "model.safetensors"))
     sd = tr.hf_state_dict()
@@ -81,20 +77,9 @@ def test_moe_trains_a_step_and_exports_an_hf_folder(tiny_qwen3_moe, tmp_path):
     for k, v in original.items():
         assert torch.equal(sd[k], v), k
     assert not any("expert_bias" in k for k in tr.models.actor.state_dict())
-    seqs = random_sequences(4, tr.models.spec.model.vocab_size, seed=1)
-    samples = [
-        wire.Sample(
-            id=str(i),
-            group_id=str(i),
-            prompt_ids=s[:2].astype(np.int32),
-            completion_ids=s[2:].astype(np.int32),
-            behavior_logprobs=np.zeros(len(s) - 2, np.float32),
-            versions=np.zeros(len(s) - 2, np.int32),
-            loss_mask=np.ones(len(s) - 2, np.float32),
-        )
-        for i, s in enumerate(seqs)
-    ]
-    tr.step(Batch(groups=[wire.Group(id=s.id, samples=[s]) for s in samples], version=0, stats={}))
+    vocab = tr.models.spec.model.vocab_size
+    tr.step(random_batch(vocab, seed=1))
+    seqs = random_sequences(4, vocab, seed=1)  # the batch's sequences
     after = tr.hf_state_dict()
     # the router and the experts learn
     for k in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.0.up_proj.weight"):
