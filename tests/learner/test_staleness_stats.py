@@ -4,6 +4,7 @@ metrics, additivity over micro-batches, no host read, and the same masks and cli
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -111,13 +112,16 @@ def test_policy_loss_sums_the_masks_and_clips_it_applied_by_staleness():
     cfg = dataclasses.replace(
         AlgorithmConfig(loss="tis"), is_cap=2.0, ratio_mask_high=5.0, aggregation="token_mean"
     )
-    _, stats = policy_loss(
+    loss = functools.partial(
+        policy_loss,
         cfg=cfg,
         norm=Normaliser(tokens=4, seqs=1),
         logp=blp + torch.log(rho),
         mask=torch.ones(4, dtype=torch.bool),
         seq_ids=torch.zeros(4, dtype=torch.long),
         behavior_logp=blp,
+    )
+    _, stats = loss(
         advantages=torch.tensor([1.0, -2.0, 3.0, 0.0], dtype=F64),
         token_staleness=torch.tensor([0, 1, 2, 2]),
         max_staleness=2,
@@ -135,13 +139,5 @@ def test_policy_loss_sums_the_masks_and_clips_it_applied_by_staleness():
     assert by_k[:, 2].sum() / 4 == whole["loss/is_capped_frac"]  # tis's clip is its cap
     assert m[f"{names.STALENESS_ESS}0"] == 1.0
     # without the tokens' staleness, the stats are the loss's alone
-    _, plain = policy_loss(
-        cfg=cfg,
-        norm=Normaliser(tokens=4, seqs=1),
-        logp=blp + torch.log(rho),
-        mask=torch.ones(4, dtype=torch.bool),
-        seq_ids=torch.zeros(4, dtype=torch.long),
-        behavior_logp=blp,
-        advantages=torch.zeros(4, dtype=F64),
-    )
+    _, plain = loss(advantages=torch.zeros(4, dtype=F64))
     assert BY_STALENESS not in plain
