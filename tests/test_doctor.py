@@ -36,6 +36,7 @@ from asyncrl.doctor import (
 )
 from asyncrl.memory import GiB, gib
 from tests.labels import get_label
+from tests.ports import refused_url, unlistened_port
 from tests.test_memory_plan import QWEN3_0_6B, QWEN3_8B
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,12 +324,10 @@ def test_a_real_server_is_reached_and_described(tiny_qwen3, rollout_engine):
 
 
 def test_an_unreachable_server_is_named_with_the_fix(tiny_qwen3):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
-    d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[http://127.0.0.1:{port}]")
-    d.timeout_s = 2
-    (c,) = check_generators(d)
+    with refused_url() as url:  # held, not listening, while the doctor calls it
+        d = _demo(tiny_qwen3, "generator.kind=sglang", f"generator.urls=[{url}]")
+        d.timeout_s = 2
+        (c,) = check_generators(d)
     assert not c.ok and "unreachable" in c.detail and "fix generator.urls" in c.detail
 
 
@@ -628,16 +627,14 @@ def test_ports_in_use_free_and_elsewhere(tiny_qwen3):
         held.bind(("127.0.0.1", 0))
         held.listen()
         busy = held.getsockname()[1]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free = s.getsockname()[1]
-        d = _demo(
-            tiny_qwen3,
-            f"buffer.address=tcp://127.0.0.1:{free}",
-            "weights.master_addr=no-such-host.invalid",
-            "weights.master_port=29610",
-        )
-        (c,) = check_ports(d)
+        with unlistened_port(reuse=True) as free:  # held, yet free to a bind that reuses
+            d = _demo(
+                tiny_qwen3,
+                f"buffer.address=tcp://127.0.0.1:{free}",
+                "weights.master_addr=no-such-host.invalid",
+                "weights.master_port=29610",
+            )
+            (c,) = check_ports(d)
         assert c.ok and f"free: buffer.address 127.0.0.1:{free}" in c.detail
         assert "not this host's" in c.detail and "no-such-host.invalid:29610" in c.detail
         (c,) = check_ports(_demo(tiny_qwen3, f"buffer.pub_address=tcp://127.0.0.1:{busy}"))

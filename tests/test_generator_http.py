@@ -25,8 +25,8 @@ from asyncrl.generator_http import (
     sync_client,
     wait_healthy,
 )
-from asyncrl.transport import free_port
 from asyncrl.wire import GeneratorInfo
+from tests.ports import refused_url
 
 
 class _Scripted(BaseHTTPRequestHandler):
@@ -145,29 +145,27 @@ def test_every_failure_is_one_generator_error_the_same_sync_and_async(scripted):
 
 
 def test_a_server_that_does_not_listen_is_dead_for_both_paths():
-    nobody = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
-    sync, async_ = _outcomes(nobody, [("/generate", {})])
-    for message, dead, timed_out, status, refused in (sync[0], async_[0]):
-        assert message.startswith(f"{nobody}/generate: unreachable: ConnectError")
-        assert (dead, timed_out, status, refused) == (True, False, None, False)
-
-    async def weights_calls() -> tuple[bool, GeneratorError]:
+    async def weights_calls(nobody: str) -> tuple[bool, GeneratorError]:
         async with async_client(2.0) as http:
             client = WeightsClient(GeneratorInfo(url=nobody), http)
             with pytest.raises(GeneratorError, match="unreachable") as e:
                 await client.weight_version()
             return await client.health(), e.value
 
-    healthy, e = trio.run(weights_calls)
+    with refused_url() as nobody:  # held, not listening, for the whole test
+        sync, async_ = _outcomes(nobody, [("/generate", {})])
+        healthy, e = trio.run(weights_calls, nobody)
+    for message, dead, timed_out, status, refused in (sync[0], async_[0]):
+        assert message.startswith(f"{nobody}/generate: unreachable: ConnectError")
+        assert (dead, timed_out, status, refused) == (True, False, None, False)
     assert healthy is False
     assert e.dead and e.url == nobody and e.path == "/model_info"
 
 
 def test_wait_healthy_asks_again_until_a_server_is_up_and_names_one_that_never_is(scripted):
     _Scripted.replies = {"/health": [(503, b"")] * 3 + [(200, b"OK")]}  # text: up all the same
-    nobody = f"http://127.0.0.1:{free_port('127.0.0.1')}"
 
-    async def run():
+    async def run(nobody: str):
         async with async_client(5.0) as http:
             await wait_healthy(http, [scripted], 30)
             asked = _Scripted.hits["/health"]
@@ -175,7 +173,8 @@ def test_wait_healthy_asks_again_until_a_server_is_up_and_names_one_that_never_i
                 await wait_healthy(http, [scripted, nobody], 1)
             return asked, str(e.value)
 
-    asked, err = trio.run(run)
+    with refused_url() as nobody:
+        asked, err = trio.run(run, nobody)
     assert asked == 4  # three 503s (starting up), then the 200 it waited for
     assert err.endswith(f": {nobody}")  # only the one that never answered
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,22 +33,15 @@ def stdio_server(*extra: str) -> MCPServer:
 
 @pytest.fixture(scope="module")
 def http_url():
-    with socket.socket() as s:
+    with socket.socket() as s:  # listening before the server starts: no port to find free
         s.bind(("127.0.0.1", 0))
+        s.listen()
         port = s.getsockname()[1]
-    cmd = [sys.executable, str(SERVER), "http", str(port)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:  # wait until it listens
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                "the MCP server did not start"
-            )
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}/mcp"
+        cmd = [sys.executable, str(SERVER), "http", str(s.fileno())]
+        proc = subprocess.Popen(
+            cmd, pass_fds=[s.fileno()], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        )
+    yield f"http://127.0.0.1:{port}/mcp"  # a request waits in the socket's backlog until it serves
     proc.terminate()
     proc.wait(10)
 

@@ -20,6 +20,7 @@ from asyncrl.buffer.service import BufferService
 from asyncrl.recipe import BufferConfig, TLSConfig
 from asyncrl.transport import TLS, Subscriber, TransportTimeout, free_tcp_address
 from tests.buffer.test_store import make_group
+from tests.ports import refused_url
 
 
 def config(**kw) -> BufferConfig:
@@ -408,9 +409,12 @@ def test_a_first_register_of_a_generator_the_learner_cannot_reach_is_refused() -
     broadcaster's business (dropped, taken back), not the end of the run."""
     from asyncrl.reach import unreachable
 
-    down = "http://" + free_tcp_address().split("//")[1]  # nothing listens there
     calls: list[tuple[str, list[str]]] = []
-    with http_server() as up, BufferService(config(), reach=unreachable) as svc:
+    with (
+        http_server() as up,
+        refused_url() as down,  # held, not listening, for the whole test
+        BufferService(config(), reach=unreachable) as svc,
+    ):
         svc.on_register(lambda wid, gens: calls.append((wid, [g.url for g in gens])))
 
         async def go() -> None:

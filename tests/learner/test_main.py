@@ -107,7 +107,7 @@ def test_a_wait_for_a_batch_with_every_generator_dropped_ends_with_the_cause(tin
     from asyncrl import wire
     from asyncrl.buffer.client import BufferClient
     from asyncrl.learner_info import read_learner_info
-    from asyncrl.transport import free_tcp_address
+    from tests.ports import refused_url
 
     prompts = tmp_path / "train.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
@@ -125,27 +125,27 @@ def test_a_wait_for_a_batch_with_every_generator_dropped_ends_with_the_cause(tin
             }
         )
     )
-    down = "http://" + free_tcp_address().split("//")[1]  # nothing listens there
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "asyncrl.cli", "learner", str(recipe)]
-    with open(tmp_path / "err", "wb") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        deadline = time.monotonic() + 180
-        while (info := read_learner_info(tmp_path / "runs" / "rl")) is None:
-            assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the learner did not listen within 180 s"
-            time.sleep(0.1)
+    with refused_url() as down:  # held, not listening, until the learner has exited
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "asyncrl.cli", "learner", str(recipe)]
+        with open(tmp_path / "err", "wb") as err:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 180
+            while (info := read_learner_info(tmp_path / "runs" / "rl")) is None:
+                assert proc.poll() is None, (tmp_path / "err").read_text()[-2000:]
+                assert time.monotonic() < deadline, "the learner did not listen within 180 s"
+                time.sleep(0.1)
 
-        async def register() -> None:
-            async with BufferClient(info.buffer_address, worker_id="w0") as c:
-                await c.register([wire.GeneratorInfo(url=down, kind="builtin")])
+            async def register() -> None:
+                async with BufferClient(info.buffer_address, worker_id="w0") as c:
+                    await c.register([wire.GeneratorInfo(url=down, kind="builtin")])
 
-        trio.run(register)
-        code = proc.wait(timeout=120)  # it used to wait for ever
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+            trio.run(register)
+            code = proc.wait(timeout=120)  # it used to wait for ever
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     text = (tmp_path / "err").read_text()
     assert code == 2 and "Traceback" not in text, text[-3000:]
     said = [line for line in text.splitlines() if line.startswith("asyncrl learner: ")]

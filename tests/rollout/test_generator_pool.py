@@ -21,6 +21,7 @@ from asyncrl.rollout.sglang_protocol import (
 )
 from tests.labels import get_label, set_label
 from tests.numerics import assert_logits_close
+from tests.ports import refused_url
 
 RECORDED = Path(__file__).parents[1] / "data" / "sglang-recorded"
 
@@ -241,17 +242,11 @@ def test_abort_and_resume_equals_one_uninterrupted_stream(engine):
 
 
 def test_unreachable_generator_is_marked_down_and_requests_move(engine):
-    import socket
-
     import trio
 
     from asyncrl.rollout.generator_pool import GeneratorPool
 
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-
-    async def go():
+    async def go(dead: str):
         async with GeneratorPool([dead, engine.url], retry_s=30.0) as pool:
             for g in pool.generators.values():  # the dead one cannot be asked for its label
                 g.version = 0
@@ -265,7 +260,8 @@ def test_unreachable_generator_is_marked_down_and_requests_move(engine):
                     n.start_soon(one, 20 + i)
             return pool, results
 
-    pool, results = trio.run(go)
+    with refused_url() as dead:  # held, not listening, for the whole run
+        pool, results = trio.run(go, dead)
     assert len(results) == 6 and all(r.generator == engine.url for r in results)
     dead_state = pool.generators[dead]
     assert dead_state.failures >= 1 and dead_state.down_until > 0
@@ -273,18 +269,12 @@ def test_unreachable_generator_is_marked_down_and_requests_move(engine):
 
 
 def test_wait_ready_returns_for_a_serving_engine_and_names_one_that_never_answers(engine):
-    import socket
-
     import httpx
     import trio
 
     from asyncrl.rollout.generator_pool import GeneratorPool
 
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-
-    async def go():
+    async def go(dead: str):
         async with GeneratorPool([engine.url]) as pool:
             await pool.wait_ready(30)
         healthy = httpx.get(engine.url + "/health", timeout=10).status_code
@@ -294,7 +284,8 @@ def test_wait_ready_returns_for_a_serving_engine_and_names_one_that_never_answer
                 await pool.wait_ready(1)
             return healthy, str(e.value), trio.current_time() - t0
 
-    healthy, err, waited = trio.run(go)
+    with refused_url() as dead:  # held, not listening, for the whole run
+        healthy, err, waited = trio.run(go, dead)
     assert healthy == 200  # what wait_ready waited for
     assert dead in err and waited >= 1  # the whole timeout, then the generator that never answered
 

@@ -269,17 +269,18 @@ def test_hanging_server_is_cut_at_the_timeout_and_recorded(tok):
 
 
 def test_failing_server_is_a_recorded_failure_or_passes_to_the_next(tok, rm_server, hf_scores):
-    from asyncrl.transport import free_port
+    from tests.ports import refused_url
 
     httpd, url = _server(_Fail)
-    nobody = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     sample = (tok("p=")["input_ids"], tok("ok")["input_ids"], {})
     try:
         reward = build_reward(_recipe(urls=[url]))
         (res,) = _score_all(reward, [sample], tok)
         assert res.value == 0.0 and "HTTP 500" in res.failure and "boom" in res.failure
-        reward = build_reward(_recipe(urls=[url, nobody, rm_server.url]))
-        for res in _score_all(reward, [sample] * 6, tok):  # each batch reaches the live server
+        with refused_url() as nobody:  # held, not listening, while the reward calls it
+            reward = build_reward(_recipe(urls=[url, nobody, rm_server.url]))
+            results = _score_all(reward, [sample] * 6, tok)
+        for res in results:  # each batch reaches the live server
             assert res.failure == ""
             assert res.value == pytest.approx(hf_scores(sample[0] + sample[1]), abs=1e-5)
     finally:
