@@ -18,8 +18,8 @@ kernels (``ATEN_CPU_CAPABILITY=avx2``, ``=default``), oneDNN (``ONEDNN_MAX_CPU_I
 (``MKL_ENABLE_INSTRUCTIONS``). The tests that compare float32 results within a tolerance across
 kernels, ranks or layouts carry the ``numerics`` marker (a bitwise comparison of one computation
 done two ways, with and without offload or a reshard, does not: other kernels change both sides
-alike), and ``make test`` runs them once more under the AVX2 paths and once more under the
-generic ones (Makefile ``test-kernels``). CI once failed on an AVX2-only AMD
+alike), and ``make test`` runs them once more under the other CPU's kernels: the AVX2 paths on an
+AVX-512 CPU, the generic ones on an AVX2 CPU (Makefile ``test-kernels``). CI once failed on an AVX2-only AMD
 EPYC (Zen 3) whose kernels the AVX2 run reproduces (tests/learner/test_placement.py: 1.48e-5, the
 same figure to the last digit).
 """

@@ -7,10 +7,11 @@ as a new machine builds it), optionally beside K processes that each keep one co
 machine may be busier than yours), and prints every failing test with how often it failed and
 its first assertion.
 
-    python tools/ci/soak.py N [--tier default|faults|sglang|ci] [--load K] [--ref REV]
+    python tools/ci/soak.py N [--tier default|numerics|test|faults|sglang|ci] [--load K] [--ref REV]
 
-`default` is `make test` (the default tier and its numerics passes, as CI runs it), `faults` and
-`sglang` the other tiers, `ci` the whole `.ci/run`. Each run's log is kept under --workdir; one
+`default` is the default tier (`make test-default`), `numerics` the numerics tier under another
+CPU's kernels (`make test-kernels`), `test` both as `make test` runs them, `faults` and `sglang`
+the other tiers, `ci` the whole `.ci/run`. Each run's log is kept under --workdir; one
 line per run is appended to --results (TSV: start, commit, tier, busy processes, the 15-min load
 average at its end, exit status, wall seconds, pytest's closing line, the failing tests, the CPU),
 from which BENCHMARKS.md's soak table is written.
@@ -37,7 +38,9 @@ from tools.ci.failures import Failure, closing_line, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = {
-    "default": ["make", "test"],
+    "default": ["make", "test-default"],
+    "numerics": ["make", "test-kernels"],
+    "test": ["make", "test"],
     "faults": ["make", "test-faults"],
     "sglang": ["make", "test-sglang"],
     "ci": ["bash", ".ci/run"],
