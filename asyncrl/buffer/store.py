@@ -500,8 +500,9 @@ class ReplayStore:
     # ---------------------------------------------------------------------------------------------
 
     def take_batch(self, now: float, *, allow_partial: bool = False) -> Batch | None:
-        """The oldest B stored groups, or None if there are fewer. With ``allow_partial`` (the
-        learner has waited long enough), at least ``min_batch_fill * B`` groups are enough."""
+        """B stored groups, the oldest (or with ``batch_order: newest`` the freshest), or None if
+        there are fewer. With ``allow_partial`` (the learner has waited long enough), at least
+        ``min_batch_fill * B`` groups are enough."""
         self.expire(now)
         self._drop_stale()
         b = self.cfg.groups_per_batch
@@ -509,12 +510,15 @@ class ReplayStore:
         least = max(1, math.ceil(self.cfg.min_batch_fill * b - 1e-9))
         if n < b and not (allow_partial and n >= least):
             return None
-        groups: list[wire.Group] = []
-        staleness: list[int] = []
-        for _ in range(n):
-            version, _, gid = heapq.heappop(self._heap)
-            groups.append(self._stored.pop(gid).group)
-            staleness.append(self._version - version)
+        if self.cfg.batch_order == "newest":  # the freshest versions, first come within one
+            taken = heapq.nsmallest(n, self._heap, key=lambda e: (-e[0], e[1]))
+            gone = {gid for _, _, gid in taken}
+            self._heap = [e for e in self._heap if e[2] not in gone]
+            heapq.heapify(self._heap)
+        else:
+            taken = [heapq.heappop(self._heap) for _ in range(n)]
+        groups = [self._stored.pop(gid).group for _, _, gid in taken]
+        staleness = [self._version - version for version, _, _ in taken]
         overlong = self._filter_overlong(groups) if self.cfg.overlong_filter else 0
         hist: dict[int, int] = {}
         for s in staleness:

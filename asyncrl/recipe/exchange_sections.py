@@ -46,6 +46,12 @@ class BufferConfig:
         doc="adaptive pipeline depth (0: off): after a step whose KL(μ ‖ π_prox) is above this, "
         "one batch fewer ahead (down to 1), else one more (up to max_batches_ahead)",
     )
+    batch_order: Literal["oldest", "newest"] = setting(
+        "oldest",
+        doc="which stored groups a batch takes: oldest (by behaviour version: each group is trained "
+        "once its turn comes) or newest (the freshest: older groups wait, and one that ages past "
+        "max_staleness is dropped and its start reused; fresher data for the price of that waste)",
+    )
     lease_seconds: float = setting(120.0, lo=0, lo_open=True)
     dynamic_sampling: bool = setting(
         False,

@@ -128,6 +128,29 @@ def test_adaptive_depth_follows_the_drift_and_the_bound_stays():
     assert plain.adapt_depth(0.1, 9.0) == 5 and "depth" not in plain.stats()
 
 
+def _staleness_of(batch) -> list[int]:
+    return [int(k) for k, n in batch.stats["staleness_hist"].items() for _ in range(n)]
+
+
+def test_newest_order_takes_the_freshest_and_the_stale_age_out():
+    """eta 2, 2 groups a batch, batch_order newest: a batch takes the two freshest stored groups
+    (first come within a version), the older ones wait, and one past eta is dropped as stale and
+    its start returned, where the oldest order would have trained it."""
+    store = ReplayStore(cfg(max_staleness=2, batch_order="newest"), nonce="a")
+    leases = {}
+    for v in range(3):
+        store.set_version(v)
+        leases[v] = store.acquire("w", 2, now=0, request_id=f"r{v}").lease_id
+    for gid, v in [("a0", 0), ("b0", 0), ("a2", 2), ("a1", 1), ("b2", 2)]:
+        store.put([make_group(gid, leases[v], versions=[v])], now=0)
+    batch = store.take_batch(0)
+    assert [g.id for g in batch.groups] == ["a2", "b2"] and _staleness_of(batch) == [0, 0]
+    assert store.stored_ids() == ["a0", "b0", "a1"]
+    store.set_version(3)  # a0, b0 are now 3 versions old: dropped, their starts returned
+    assert store.take_batch(0) is None  # only a1 is left
+    assert store.stats()["dropped"] == {"stale": 2} and store.stored_ids() == ["a1"]
+
+
 # --------------------------------------------------------------------------------------------------
 # Property tests
 # --------------------------------------------------------------------------------------------------
@@ -143,9 +166,17 @@ class StoreMachine(RuleBasedStateMachine):
         fill=st.sampled_from([1.0, 0.5]),
         ahead=st.integers(0, 2),
         adaptive=st.booleans(),
+        newest=st.booleans(),
     )
     def setup(
-        self, b: int, eta: int, dynamic: bool, fill: float, ahead: int, adaptive: bool = False
+        self,
+        b: int,
+        eta: int,
+        dynamic: bool,
+        fill: float,
+        ahead: int,
+        adaptive: bool = False,
+        newest: bool = False,
     ) -> None:
         self.cfg = cfg(
             groups_per_batch=b,
@@ -154,6 +185,7 @@ class StoreMachine(RuleBasedStateMachine):
             min_batch_fill=fill,
             max_batches_ahead=ahead,
             adaptive_depth_ess=0.9 if adaptive else 0.0,
+            batch_order="newest" if newest else "oldest",
         )
         self.store = ReplayStore(self.cfg, nonce="n0")
         self.now = 0.0
@@ -299,6 +331,14 @@ class StoreMachine(RuleBasedStateMachine):
                 assert not info["equal"]
             self.handed.add(g.id)
         assert batch.stats["staleness_max"] <= self.cfg.max_staleness
+        # the order: no group left behind is fresher (newest) or older (oldest) than one taken
+        behaviour = {g: min(i["lease_version"], i["oldest"]) for g, i in self.info.items()}
+        taken = [behaviour[g.id] for g in batch.groups]
+        left = [behaviour[gid] for gid in self.store.stored_ids()]
+        if left and self.cfg.batch_order == "newest":
+            assert max(left) <= min(taken)
+        elif left:
+            assert min(left) >= max(taken)
         note(f"batch with staleness {batch.stats['staleness_max']}")
         self.store.set_version(self.store.version + 1)  # the optimizer step
 
@@ -427,6 +467,7 @@ def test_long_random_schedules(seed: int) -> None:
         fill=[1.0, 0.5][seed % 4 // 2],
         ahead=seed // 8,  # 0 (eta + 1), 1, 2
         adaptive=seed % 5 < 2,
+        newest=seed % 3 == 1,
     )
     rules = [
         (lambda: m.acquire(rng.randint(1, 4), rng.choice([0, 0, 0, 1])), 6),

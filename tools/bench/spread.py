@@ -30,7 +30,8 @@ in turn) so that load from elsewhere falls on all of them.
 0, so early progress compounds and a lag costs most; the start's own held-out success is measured
 and printed first. Its conditions (:data:`HARD`, seed i in run i) set the buffer explicitly, since
 demo.yaml's ``max_batches_ahead: 2`` is not the recipe default's η + 1: ``onpolicy`` (η = 0),
-``eta4`` (η = 4, depth η + 1 = 5), ``eta4-depth2`` (demo.yaml as it is), each remedy on ``eta4``
+``eta4`` (η = 4, depth η + 1 = 5), ``eta4-depth2`` (demo.yaml as it is), ``eta4-depth1``, the
+freshest groups first (``newest``: depth 5; ``eta4-depth2-newest``), each remedy on ``eta4``
 (``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
 ``adaptive``: the adaptive depth), and ``eta16`` (η = 16, depth 17) alone and with ``m2po`` and
 ``adaptive``. Prints the median held-out and median wall of each.
@@ -78,6 +79,12 @@ HARD: dict[str, tuple[list[str], bool]] = {
     "onpolicy": (["buffer.max_staleness=0"], True),
     "eta4": (ETA4, True),
     "eta4-depth2": (["buffer.max_staleness=4", "buffer.max_batches_ahead=2"], True),
+    "eta4-depth1": (["buffer.max_staleness=4", "buffer.max_batches_ahead=1"], True),
+    "newest": ([*ETA4, "buffer.batch_order=newest"], True),
+    "eta4-depth2-newest": (
+        ["buffer.max_staleness=4", "buffer.max_batches_ahead=2", "buffer.batch_order=newest"],
+        True,
+    ),
     "m2po": ([*ETA4, "algorithm.loss=m2po"], True),
     "anchor": ([*ETA4, "algorithm.prox_anchor=staleness"], True),
     "esslr": ([*ETA4, "learner.lr_ess_scale=sqrt"], True),
