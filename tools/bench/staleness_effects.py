@@ -87,8 +87,9 @@ def smooth(xs: list[float], w: int = 5) -> list[float]:
 def gain_curve(ref_rewards: list[float], bins: int = 8) -> list[tuple[float, float]]:
     """g(R): the on-policy step's mean rise of the (smoothed) reward against the reward it was
     sampled at, binned by R; returned as (R, gain) points sorted by R."""
-    s = smooth(ref_rewards)
-    pairs = [(s[i], s[i + 1] - s[i]) for i in range(len(s) - 1)]
+    w = 5
+    s = smooth(ref_rewards, w)  # full windows only: a partial one rises by half as much
+    pairs = [(s[i], s[i + 1] - s[i]) for i in range(w - 1, len(s) - 1)]
     if not pairs:
         return [(0.0, 0.0)]
     pairs.sort()
