@@ -441,7 +441,12 @@ def test_worker_registers_again_after_a_learner_restart(engine, tokenizer, tmp_p
         ) as w:
             async with trio.open_nursery() as n:
                 n.start_soon(w.run)
-                await wait_for(lambda: svc.stats()["stored_total"] == 2, "stored by the first")
+                # stored is not enough: the acknowledgement must have reached the worker too, or
+                # it resends the group to the new service, which never granted its lease
+                delivered = w.stats.counters
+                await wait_for(
+                    lambda: delivered["groups_delivered"] == 2, "acknowledged by the first"
+                )
                 await trio.to_thread.run_sync(svc.stop)
                 await trio.sleep(1.5)  # a learner restart takes a while (> learner_silence_s)
                 svc = await trio.to_thread.run_sync(start, 2)
