@@ -31,6 +31,7 @@ STALENESS_MEAN = "buffer/staleness_mean"
 STALENESS_MAX = "buffer/staleness_max"
 STALENESS_BOUND = "buffer/max_staleness"  # eta
 STALENESS_HIST = "staleness_hist/"  # the batch's groups by staleness 0..eta
+DROPPED_STALE = "buffer/dropped_stale"  # groups dropped as stale so far (cumulative)
 DRIFT_MISMATCH = "drift/mismatch_kl"
 DRIFT_KV_MIXED = "drift/kv_mixed_kl"
 DRIFT_BY_STALENESS = "drift/staleness_kl/"  # 1..eta

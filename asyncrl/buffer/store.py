@@ -545,6 +545,9 @@ class ReplayStore:
                     f"staleness_hist/{k}": hist.get(k, 0) for k in range(self.cfg.max_staleness + 1)
                 },
                 "overlong_samples": overlong,
+                # groups dropped as stale so far: generation nobody trained (batch_order newest
+                # trades it for fresher batches)
+                "dropped_stale": self._c.dropped.get("stale", 0),
                 **({"depth": self.depth} if self.adaptive else {}),
             },
         )

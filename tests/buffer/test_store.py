@@ -149,6 +149,8 @@ def test_newest_order_takes_the_freshest_and_the_stale_age_out():
     store.set_version(3)  # a0, b0 are now 3 versions old: dropped, their starts returned
     assert store.take_batch(0) is None  # only a1 is left
     assert store.stats()["dropped"] == {"stale": 2} and store.stored_ids() == ["a1"]
+    store.put([make_group("a3", store.acquire("w", 1, now=0).lease_id, versions=[3])], now=0)
+    assert store.take_batch(0).stats["dropped_stale"] == 2  # logged as buffer/dropped_stale
 
 
 # --------------------------------------------------------------------------------------------------

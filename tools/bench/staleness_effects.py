@@ -141,8 +141,11 @@ def run_facts(run_dir: Path) -> dict:
                 x = r.get(f"{m}{k}")
                 if isinstance(x, int | float) and r.get(f"{names.STALENESS_TOKENS}{k}"):
                     d[k].append(float(x))
+    trained = sum(sum(r.get(f"{names.STALENESS_HIST}{k}", 0) for k in _ks(r)) for r in steps)
+    dropped = max((r.get(names.DROPPED_STALE, 0) or 0) for r in steps)
     return {
         "steps": steps,
+        "dropped_frac": dropped / (dropped + trained) if dropped + trained else 0.0,
         "reward": [float(r[names.BATCH_REWARD_MEAN]) for r in steps],
         "staleness": [float(r.get(names.STALENESS_MEAN, 0.0)) for r in steps],
         "by_version": bv,
@@ -210,6 +213,7 @@ def analyse(runs_dir: Path, prefix: str, conditions: list[str], ref: str) -> dic
             "ess_min": min(f["ess_min"] for f in fs if f["ess_min"] is not None),
             "wait_frac": statistics.fmean(f["wait_frac"] for f in fs if f["wait_frac"] is not None),
             "step_s": statistics.fmean(f["step_s"] for f in fs),
+            "dropped_frac": statistics.fmean(f["dropped_frac"] for f in fs),
             "batch_reward": mean_curve([f["reward"] for f in fs]),
             "version_reward": vr,
             "delay_model": model,
@@ -278,13 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "staleness_effects.json").write_text(json.dumps(result, indent=1))
     print(
         f"{'condition':16}{'runs':>5}{'stale':>7}{'ESS med':>8}{'ESS min':>8}{'wait':>6}{'step s':>7}"
+        f"{'dropped':>8}"
         f"{'R(v) tail':>10}{'lag model':>10}{'ref':>6}  selection R(v,k)-R(v) by k"
     )
     for c, d in result["conditions"].items():
         sel = " ".join(f"{k}:{x:+.3f}" for k, x in d["selection"].items())
         print(
             f"{c:16}{d['runs']:>5}{d['staleness_mean']:7.2f}{d['ess_median']:8.3f}{d['ess_min']:8.3f}"
-            f"{d['wait_frac']:6.2f}{d['step_s']:7.2f}{_f(d['version_reward_tail'])}"
+            f"{d['wait_frac']:6.2f}{d['step_s']:7.2f}{d['dropped_frac']:8.2f}"
+            f"{_f(d['version_reward_tail'])}"
             f"{_f(d['delay_model_tail'])}{_f(d['ref_tail'], 6)}  {sel}"
         )
     print(f"plot: {out / 'staleness_effects.png'}")
