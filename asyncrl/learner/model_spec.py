@@ -39,6 +39,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.attention import choose_attention, inner_attention_config, module_importable
+from asyncrl.moe import moe_layers, num_experts
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -80,25 +81,6 @@ class Experts(GroupedExperts):
             start += int(n)
             outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
         return torch.cat(outs).type_as(x_RD) if outs else x_RD[:0]
-
-
-def moe_layers(cfg: dict) -> list[bool]:
-    """Which layers of an HF Qwen3-MoE config are MoE: transformers' rule (a layer is sparse unless
-    listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th one)."""
-    n = int(cfg.get("num_hidden_layers", 0))
-    if cfg.get("model_type") != "qwen3_moe":
-        return [False] * n
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    dense = set(cfg.get("mlp_only_layers") or ())
-    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
-
-
-def num_experts(cfg: dict) -> int:
-    """The experts per MoE layer (Qwen3-MoE's hub configs say ``num_experts``; transformers 5
-    writes ``num_local_experts``); 0 for a dense model."""
-    if cfg.get("model_type") != "qwen3_moe":
-        return 0
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
