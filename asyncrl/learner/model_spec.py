@@ -8,6 +8,7 @@ state-dict adapter (HF names in and out, tied and untied embeddings) are TorchTi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.attention import choose_attention, inner_attention_config, module_importable
+from asyncrl.learner.routing import ReplayRouter
 from asyncrl.moe import moe_layers, num_experts
 
 log = logging.getLogger("asyncrl.learner")
@@ -288,16 +290,21 @@ def _moe_config(cfg: dict, where: str, dim: int) -> Any:
         k,
         width,
     )
+    router = make_router_config(
+        dim=dim,
+        num_experts=e,
+        gate_param_init=_LINEAR,
+        top_k=k,
+        score_func="softmax",
+        route_norm=bool(cfg.get("norm_topk_prob", False)),
+    )
+    # TorchTitan's router, able to take the generator's experts (routing replay: routing.py)
+    replayable = ReplayRouter.Config(
+        **{f.name: getattr(router, f.name) for f in dataclasses.fields(router) if f.init}
+    )
     return make_moe_config(
         num_experts=e,
-        router=make_router_config(
-            dim=dim,
-            num_experts=e,
-            gate_param_init=_LINEAR,
-            top_k=k,
-            score_func="softmax",
-            route_norm=bool(cfg.get("norm_topk_prob", False)),
-        ),
+        router=replayable,
         routed_experts=routed,
         load_balance_coeff=None,
     )
