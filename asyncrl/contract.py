@@ -17,8 +17,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import trio
 
+from asyncrl.moe import splice_routes
 from asyncrl.tool_calls import ToolCall  # the model's call: name and arguments
 from asyncrl.wire import FINISH_REASONS
 
@@ -47,6 +49,9 @@ class Completion:
     num_resumes: int = 0  # requests re-sent after an abort
     num_retractions: int = 0
     generator: str = ""  # URL of the generator that produced the last tokens
+    # with routing replay (docs/moe.md): the experts of every position of the input and the
+    # output but its last token, [positions, moe layers, top_k] (asyncrl.moe.splice_routes)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(kw_only=True)
@@ -63,12 +68,18 @@ class Episode:
     # instead of ctx.prompt_ids, and its reward instead of the recipe's reward function.
     prompt_ids: list[int] | None = None
     reward: float | None = None
+    # with routing replay: the experts of every position fed so far (Completion.routed_experts)
+    routed_experts: np.ndarray | None = None
 
     def add_generated(self, c: Completion) -> None:
         self.completion_ids += c.output_ids
         self.logprobs += c.logprobs
         self.versions += c.versions
         self.loss_mask += [1] * len(c.output_ids)
+        if c.routed_experts is not None:  # each turn's own routes for the tokens it sampled
+            self.routed_experts = splice_routes(
+                self.routed_experts, c.routed_experts, len(c.output_ids)
+            )
 
     def add_external(self, ids: list[int]) -> None:
         """Tokens the policy did not produce (tool output): masked out of the loss."""

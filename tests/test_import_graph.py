@@ -103,7 +103,8 @@ FLOORS: dict[int, tuple[str, ...]] = {
     1: ("recipe",),  # the schema every process reads, its loader and its checks
     2: tuple(  # small modules the rooms above share (one another too: the circle test orders them)
         "backoff cluster contract control dataflow generator_http gpu learner_info malloc memory"
-        " metric_names metrics openai_shapes plots plugins progress quick_exit reach rewards stacks"
+        " metric_names metrics moe openai_shapes plots plugins progress quick_exit reach rewards"
+        " stacks"
         " tasks tool_calls transport".split()
     ),
     3: ("agents", "buffer", "served", "weights"),  # siblings (each needs only the floors below)

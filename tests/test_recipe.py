@@ -536,3 +536,18 @@ def test_check_tells_how_to_launch_sglang_for_lora(tmp_path):
     (w,) = recipe.warnings(recipe.load(path, [*over, *sglang]))
     assert w.startswith("learner.lora: SGLang servers load each version's adapter by name")
     assert "--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj" in w
+
+
+def test_check_tells_how_to_launch_sglang_for_routing_replay(tmp_path, tiny_qwen3_moe):
+    """SGLang returns routes only when launched for it (docs/moe.md)."""
+    path = _write(tmp_path, GOOD)
+    over = [
+        f"model.path={tiny_qwen3_moe}",
+        "algorithm.routing_replay=true",
+        "learner.minibatches=2",
+    ]
+    assert recipe.warnings(recipe.load(path, over)) == []  # the built-in engine: nothing to do
+    sglang = ["generator.kind=sglang", "generator.urls=[http://127.0.0.1:30000]"]
+    (w,) = recipe.warnings(recipe.load(path, [*over, *sglang]))
+    assert w.startswith("algorithm.routing_replay: the workers ask SGLang")
+    assert w.endswith("launch the servers with --enable-return-routed-experts")

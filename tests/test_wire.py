@@ -528,3 +528,94 @@ def test_teacher_logprobs_travel_when_the_samples_have_them_and_are_checked():
     tree["samples"]["teacher_logprobs"] = bad.tobytes()[:-4]
     with pytest.raises(wire.WireError, match="teacher_logprobs: .* bytes, but completion_len"):
         wire.decode(msgpack.packb(tree, use_bin_type=True))
+
+
+def _routed_group(rng: np.random.Generator, experts: int = 8) -> wire.Group:
+    """A group whose samples carry routes: [tokens - 1, 3 MoE layers, top-2] each."""
+    samples = []
+    for i, (p, c) in enumerate([(3, 4), (1, 1), (5, 2)]):
+        routes = rng.integers(0, experts, size=(p + c - 1, 3, 2))
+        samples.append(
+            wire.Sample(
+                id=f"s{i}",
+                group_id="g",
+                prompt_ids=np.arange(p, dtype=np.int32),
+                completion_ids=np.arange(c, dtype=np.int32),
+                behavior_logprobs=-np.ones(c, dtype=np.float32),
+                versions=np.zeros(c, dtype=np.int32),
+                loss_mask=np.ones(c, dtype=np.float32),
+                routed_experts=routes.astype(wire.route_dtype(experts)),
+            )
+        )
+    return wire.Group(id="g", samples=samples)
+
+
+def test_routed_experts_travel_compact_and_are_checked_against_the_tokens():
+    """Routes (routing replay) travel in the narrowest dtype that holds the message's expert ids
+    (one byte up to 256 experts), round-trip, re-encode from the columns they arrived in, and are
+    refused by name when a sample's positions are not its tokens but the last, when samples
+    disagree on [moe_layers, top_k], when one has none beside others, or when the bytes do not
+    fit the samples' tokens."""
+    rng = np.random.default_rng(0)
+    group = _routed_group(rng)
+    data = wire.encode(group)
+    tree = msgpack.unpackb(data, raw=False)
+    assert tree["samples"]["routed_experts_dtype"] == "|u1"
+    assert tree["samples"]["routed_experts_shape"] == [3, 2]
+    assert len(tree["samples"]["routed_experts"]) == (6 + 1 + 6) * 3 * 2  # one byte an id
+    back = wire.decode(data)
+    assert wire.encode(back) == data
+    assert_same(group, back)
+    put = wire.decode(wire.encode(wire.Put(worker_id="w", groups=[back, group])))
+    assert_same(put.groups[1], group)
+    # more than 256 experts: two bytes; a message without routes has none
+    wide = _routed_group(rng, experts=1000)
+    assert msgpack.unpackb(wire.encode(wide))["samples"]["routed_experts_dtype"] == "<i2"
+    assert_same(wide, wire.decode(wire.encode(wide)))
+    assert b"routed_experts" not in wire.encode(_valid_messages(random.Random(1))[0])
+
+    first = group.samples[0]
+    for routes, match in (
+        (
+            first.routed_experts[:-1],
+            r"samples\[0\]\.routed_experts: 5 positions, but the sample's 3 ",
+        ),
+        (
+            first.routed_experts[:, :2],
+            r"samples\[1\]\.routed_experts: \[moe_layers, top_k\] \[3, 2\]",
+        ),
+        (
+            first.routed_experts[:, :, 0],
+            r"samples\[0\]\.routed_experts: expected integer expert ids",
+        ),
+        (-first.routed_experts.astype(np.int32) - 1, r"routed_experts: expert ids must be in"),
+    ):
+        bad = dataclasses.replace(first, routed_experts=routes)
+        with pytest.raises(wire.WireError, match=match) as e:
+            wire.encode(dataclasses.replace(group, samples=[bad, *group.samples[1:]]))
+        assert "\n" not in str(e.value)
+    none = dataclasses.replace(group.samples[1], routed_experts=np.zeros((0, 0, 0), np.uint8))
+    with pytest.raises(wire.WireError, match=r"samples\[1\]\.routed_experts: missing, but other"):
+        wire.encode(dataclasses.replace(group, samples=[first, none]))
+    unrouted = _valid_messages(random.Random(1))[0]
+    assert any(len(s.prompt_ids) + len(s.completion_ids) > 1 for s in unrouted.samples)
+    plain = wire.decode(wire.encode(unrouted))  # its samples left unbuilt: columns re-encoded
+    plain.id = "other"
+    with pytest.raises(wire.WireError, match="some groups' samples have routed_experts"):
+        wire.encode(wire.Put(worker_id="w", groups=[back, plain]))
+    # the receiving side: bytes that do not fit the tokens, a dtype or shape that is not one
+    for key, value, match in (
+        ("routed_experts", tree["samples"]["routed_experts"][:-1], r"group\.samples\.routed_exp"),
+        ("routed_experts_dtype", "<f4", r"routed_experts_dtype: expected one of"),
+        ("routed_experts_shape", [3], r"routed_experts_shape: expected \[moe_layers, top_k\]"),
+    ):
+        t = msgpack.unpackb(data, raw=False)
+        t["samples"][key] = value
+        with pytest.raises(wire.WireError, match=match):
+            wire.decode(msgpack.packb(t, use_bin_type=True))
+    t = msgpack.unpackb(wire.encode(wide), raw=False)
+    ids = np.frombuffer(t["samples"]["routed_experts"], "<i2").copy()
+    ids[-1] = -3
+    t["samples"]["routed_experts"] = ids.tobytes()
+    with pytest.raises(wire.WireError, match=r"group\.samples\[2\]\.routed_experts: expert ids"):
+        wire.decode(msgpack.packb(t, use_bin_type=True))

@@ -175,6 +175,11 @@ class BatchedLM:
         cfg = hf_model.config
         split_experts(hf_model)  # before reading parameter names: the experts get the checkpoint's
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.moe_layers = [
+            i
+            for i, layer in enumerate(hf_model.model.layers)
+            if isinstance(getattr(layer.mlp, "experts", None), Experts)
+        ]
         self.norm_topk = bool(getattr(cfg, "norm_topk_prob", False))
         self.inner = hf_model.model
         self.layers = list(self.inner.layers)
@@ -332,9 +337,11 @@ class BatchedLM:
         write,
         kv_len: int,
         rows: slice,
+        record: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the decoder stack; ``write(layer, k, v)`` stores new K/V, attention reads ``[:kv_len]``
-        (one more than the largest position in ``pos``).
+        (one more than the largest position in ``pos``). ``record``: a list that gets each MoE
+        layer's chosen experts ``[b, q, top_k]``, in layer order.
 
         ``mask`` is boolean ``[b,1,q,kv_len]`` for prefill (SDPA) or an additive float ``[b,1,1,kv_len]``
         for decode, where one query per row makes two small matmuls cheaper than SDPA on CPU.
@@ -375,33 +382,57 @@ class BatchedLM:
             h = h + _lin(o, a.o_proj)
             x = _rms(h, layer.post_attention_layernorm)
             if isinstance(getattr(layer.mlp, "experts", None), Experts):
-                h = h + self._moe(x, layer.mlp)
+                h = h + self._moe(x, layer.mlp, record)
                 continue
             gu = self.fused[li, "mlp"]
             gate, up = F.linear(x, gu.weight, gu.bias).chunk(2, dim=-1)
             h = h + _lin(self._act(gate) * up, layer.mlp.down_proj)
         return _rms(h, self.inner.norm)
 
-    def _moe(self, x: torch.Tensor, mlp: torch.nn.Module) -> torch.Tensor:
+    def _moe(
+        self, x: torch.Tensor, mlp: torch.nn.Module, record: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """A Qwen3-MoE block as transformers computes it: softmax of the router's logits in
         float32, the top-k experts, their weights renormalized when ``norm_topk_prob``, cast back
-        to the activations' dtype."""
+        to the activations' dtype. ``record`` gets the chosen experts ``[*x.shape[:-1], top_k]``."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs = torch.softmax(F.linear(flat, mlp.gate.weight), -1, dtype=torch.float32)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if record is not None:
+            record.append(idx.view(*shape[:-1], self.top_k))
         if self.norm_topk:
             top = top / top.sum(-1, keepdim=True)
         return _experts(mlp.experts, flat, idx, top.to(x.dtype)).view(shape)
 
+    def _routes(self, record: list[torch.Tensor], out: list[torch.Tensor] | None) -> None:
+        """The experts ``record`` holds (one ``[b, q, top_k]`` per MoE layer) as SGLang lays them
+        out, appended to ``out``: int32 on the host, ``[b, q, num_hidden_layers, top_k]``, zeros
+        in a dense layer's row (SGLang's capture buffer is zeroed and only MoE layers write it)."""
+        if out is None:
+            return
+        b, q = record[0].shape[:2] if record else (0, 0)
+        routes = torch.zeros(b, q, len(self.layers), self.top_k, dtype=torch.int32)
+        for li, idx in zip(self.moe_layers, record, strict=True):
+            routes[:, :, li] = idx.to("cpu", torch.int32)
+        out.append(routes)
+
     def prefill(
-        self, cache: SlotCache, first_row: int, seqs: list[list[int]], *, all_logits: bool = False
+        self,
+        cache: SlotCache,
+        first_row: int,
+        seqs: list[list[int]],
+        *,
+        all_logits: bool = False,
+        routes: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Fill rows ``first_row..`` with ``seqs`` from position 0.
 
         Returns the last position's logits ``[m, vocab]`` and, if ``all_logits``, every position's
         logits ``[m, L, vocab]`` (for prompt logprobs). Callers turn autograd off (the decode
         thread runs under ``torch.no_grad``: a decorator here costs a few % of a step).
+        ``routes`` (an MoE model's): a list that gets the experts every position chose
+        ``[m, L, num_hidden_layers, top_k]`` (:meth:`_routes`); only then are they read back.
         """
         m = len(seqs)
         L = max(len(s) for s in seqs)
@@ -420,14 +451,24 @@ class BatchedLM:
             cache.k[li][rows, :, :L] = k
             cache.v[li][rows, :, :L] = v
 
-        h = self._layers(self._embed(ids), pos, mask, cache, write, L, rows)
+        record = [] if routes is not None else None
+        h = self._layers(self._embed(ids), pos, mask, cache, write, L, rows, record)
+        self._routes(record or [], routes)
         last = h[torch.arange(m, device=self.device), lens - 1]
         logits = _lin(last, self.hf.lm_head)
         full = _lin(h, self.hf.lm_head) if all_logits else None
         return logits, full
 
-    def decode(self, cache: SlotCache, tokens: list[int], lengths: list[int]) -> torch.Tensor:
-        """One step for rows ``0..n-1``: row i feeds ``tokens[i]`` at position ``lengths[i]``.
+    def decode(
+        self,
+        cache: SlotCache,
+        tokens: list[int],
+        lengths: list[int],
+        *,
+        routes: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One step for rows ``0..n-1``: row i feeds ``tokens[i]`` at position ``lengths[i]``;
+        ``routes`` as :meth:`prefill`'s (``[n, 1, num_hidden_layers, top_k]``).
 
         Nothing here waits for the device: the sizes come from the host's ``lengths``, and the ids
         and positions go over in one copy that does not block (``transfer.to_device``)."""
@@ -450,7 +491,9 @@ class BatchedLM:
             cache.k[li][ridx, :, lens] = k[:, :, 0]
             cache.v[li][ridx, :, lens] = v[:, :, 0]
 
-        h = self._layers(self._embed(ids), pos, mask, cache, write, kv_len, rows)
+        record = [] if routes is not None else None
+        h = self._layers(self._embed(ids), pos, mask, cache, write, kv_len, rows, record)
+        self._routes(record or [], routes)
         return _lin(h[:, 0], self.hf.lm_head)
 
 

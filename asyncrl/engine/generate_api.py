@@ -8,6 +8,7 @@ request never reaches the decode loop.
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,11 +164,15 @@ class GenerateAPI:
         rlp = per_item("return_logprob", False)
         starts = per_item("logprob_start_len", -1)
         tops = per_item("top_logprobs_num", 0)
+        rre = per_item("return_routed_experts", False)
+        rre_start = per_item("routed_experts_start_len", 0)
         for key, vals, ok in (
             ("rid", rids, lambda v: v is None or isinstance(v, str)),
             ("return_logprob", rlp, lambda v: isinstance(v, bool)),
             ("logprob_start_len", starts, lambda v: is_int(v) and v >= -1),
             ("top_logprobs_num", tops, lambda v: v is None or (is_int(v) and v >= 0)),
+            ("return_routed_experts", rre, lambda v: isinstance(v, bool)),
+            ("routed_experts_start_len", rre_start, lambda v: is_int(v) and v >= 0),
         ):
             for v in vals:
                 if not ok(v):
@@ -191,6 +196,15 @@ class GenerateAPI:
                     "Please reduce the number of tokens in the input messages or the completion to fit "
                     "within the limit."
                 )
+            if rre[i] and not self.engine.scheduler.lm.moe_layers:
+                raise BadRequest(
+                    "`return_routed_experts`: the model has no mixture-of-experts layer"
+                )
+            if rre[i] and rre_start[i] > len(p):  # SGLang 0.5.23's scheduler refuses it too
+                raise BadRequest(
+                    f"routed_experts_start_len {rre_start[i]} is higher than the number of input "
+                    f"tokens {len(p)}"
+                )
             if i < len(starts) and starts[i] >= len(p):
                 raise BadRequest(
                     f"logprob_start_len {starts[i]} is not below the prompt length {len(p)}"
@@ -205,6 +219,8 @@ class GenerateAPI:
                     return_logprob=rlp[i],
                     logprob_start_len=starts[i],
                     top_logprobs_num=tops[i] or 0,
+                    return_routed_experts=rre[i],
+                    routed_experts_start_len=rre_start[i] if rre[i] else 0,
                     stream=bool(body.get("stream", False)),
                     text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                 )
@@ -279,6 +295,11 @@ class GenerateAPI:
         meta.update(reasoning_tokens=0, completion_tokens=n, cached_tokens=0)
         if final:
             meta["weight_versions"] = spans
+        # SGLang's: base64 of int32 [rows, layers, top_k]; none for a request never run (aborted
+        # while waiting), as SGLang collects them only from a request that ran
+        if final and r.return_routed_experts and r.routes:
+            raw = r.routed_experts().numpy().astype("<i4", copy=False).tobytes()
+            meta["routed_experts"] = base64.b64encode(raw).decode("ascii")
         meta.update(cached_tokens_details=None, dp_rank=None)
         if final:
             meta["e2e_latency"] = time.perf_counter() - r.created

@@ -42,6 +42,9 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # SGLang's return_routed_experts: record the experts each position chose in every MoE layer
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     stream: bool = False
     created: float = field(default_factory=time.perf_counter)
     # state, written by the decode thread only
@@ -60,6 +63,15 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
     text_in_logprobs: bool = False
     progress: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (req, n tokens | -1)
+    # the experts each fed position chose, int32 ``[positions, num_hidden_layers, top_k]`` chunks
+    routes: list[torch.Tensor] = field(default_factory=list)
+
+    def routed_experts(self) -> torch.Tensor:
+        """SGLang's ``routed_experts`` rows: every position fed to the model, the prompt and each
+        sampled token but the last (never fed), from ``routed_experts_start_len`` on
+        (``[start, prompt + completion - 1)``, as SGLang 0.5.23's ``get_topk``)."""
+        n = len(self.prompt_ids) + len(self.output_ids) - 1
+        return torch.cat(self.routes)[: max(n, 0)][self.routed_experts_start_len :]
 
     @property
     def context(self) -> list[int]:
@@ -348,11 +360,16 @@ class Scheduler:
             r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None
             for r in batch
         )
+        routes: list[torch.Tensor] | None = (
+            [] if any(r.return_routed_experts for r in batch) else None
+        )
         logits, full = self.lm.prefill(
-            self.cache, first, [r.context for r in batch], all_logits=want_all
+            self.cache, first, [r.context for r in batch], all_logits=want_all, routes=routes
         )
         for i, r in enumerate(batch):
             r.cache_len = len(r.context)
+            if routes and r.return_routed_experts:  # a retracted request's prefill redoes them all
+                r.routes = [routes[0][i, : len(r.context)]]
             if (
                 full is not None
                 and r.return_logprob
@@ -398,11 +415,19 @@ class Scheduler:
 
     def _decode(self) -> None:
         reqs = self.running
-        logits = self.lm.decode(
-            self.cache, [r.output_ids[-1] for r in reqs], [r.cache_len for r in reqs]
+        routes: list[torch.Tensor] | None = (
+            [] if any(r.return_routed_experts for r in reqs) else None
         )
-        for r in reqs:
+        logits = self.lm.decode(
+            self.cache,
+            [r.output_ids[-1] for r in reqs],
+            [r.cache_len for r in reqs],
+            routes=routes,
+        )
+        for i, r in enumerate(reqs):
             r.cache_len += 1
+            if routes and r.return_routed_experts:
+                r.routes.append(routes[0][i])
         self._append(list(reqs), logits, rows=range(len(reqs)))
         now = time.perf_counter()
         cpu = time.thread_time()

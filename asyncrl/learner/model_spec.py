@@ -8,6 +8,7 @@ state-dict adapter (HF names in and out, tied and untied embeddings) are TorchTi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.attention import choose_attention, inner_attention_config, module_importable
+from asyncrl.learner.routing import ReplayRouter
+from asyncrl.moe import moe_layers, num_experts
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -80,25 +83,6 @@ class Experts(GroupedExperts):
             start += int(n)
             outs.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
         return torch.cat(outs).type_as(x_RD) if outs else x_RD[:0]
-
-
-def moe_layers(cfg: dict) -> list[bool]:
-    """Which layers of an HF Qwen3-MoE config are MoE: transformers' rule (a layer is sparse unless
-    listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th one)."""
-    n = int(cfg.get("num_hidden_layers", 0))
-    if cfg.get("model_type") != "qwen3_moe":
-        return [False] * n
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    dense = set(cfg.get("mlp_only_layers") or ())
-    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
-
-
-def num_experts(cfg: dict) -> int:
-    """The experts per MoE layer (Qwen3-MoE's hub configs say ``num_experts``; transformers 5
-    writes ``num_local_experts``); 0 for a dense model."""
-    if cfg.get("model_type") != "qwen3_moe":
-        return 0
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -306,16 +290,21 @@ def _moe_config(cfg: dict, where: str, dim: int) -> Any:
         k,
         width,
     )
+    router = make_router_config(
+        dim=dim,
+        num_experts=e,
+        gate_param_init=_LINEAR,
+        top_k=k,
+        score_func="softmax",
+        route_norm=bool(cfg.get("norm_topk_prob", False)),
+    )
+    # TorchTitan's router, able to take the generator's experts (routing replay: routing.py)
+    replayable = ReplayRouter.Config(
+        **{f.name: getattr(router, f.name) for f in dataclasses.fields(router) if f.init}
+    )
     return make_moe_config(
         num_experts=e,
-        router=make_router_config(
-            dim=dim,
-            num_experts=e,
-            gate_param_init=_LINEAR,
-            top_k=k,
-            score_func="softmax",
-            route_norm=bool(cfg.get("norm_topk_prob", False)),
-        ),
+        router=replayable,
         routed_experts=routed,
         load_balance_coeff=None,
     )

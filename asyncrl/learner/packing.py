@@ -43,6 +43,8 @@ class Sequence:
     returns: np.ndarray | None = None  # R_t, the value targets
     ref_logp: np.ndarray | None = None  # log π_ref: a KL loss or reward (the ``ref`` call)
     teacher_logp: np.ndarray | None = None  # float32 [n], log π_teacher (distill), from the worker
+    # [n, moe_layers, top_k]: the experts the generator routed each input position to (replay)
+    routes: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -60,9 +62,12 @@ def make_sequence(
     reward: float = 0.0,
     max_len: int = 0,
     teacher_logprobs: np.ndarray | None = None,
+    routed_experts: np.ndarray | None = None,
 ) -> Sequence:
     """Lay one sample out for packing; ``max_len`` > 0 cuts the completion so the row fits the model.
     ``teacher_logprobs`` (one per completion token; None or empty: none) become ``teacher_logp``.
+    ``routed_experts`` (one row per input position, ``len(ids) - 1``; None or empty: none) become
+    ``routes``, cut with the row.
 
     A completion token with no prompt before it (empty prompt) cannot be predicted and is not trained.
     """
@@ -91,7 +96,16 @@ def make_sequence(
             row[lo:hi] = arr[lo - start : hi - start]
         out[name] = row
     trained = out["versions"][out["mask"] > 0]
+    routes = None
+    if routed_experts is not None and np.size(routed_experts):
+        if len(routed_experts) != p + c - 1:
+            raise ValueError(
+                f"routed_experts has {len(routed_experts)} positions for {p} prompt and {c} "
+                f"completion tokens (one per token but the last: {p + c - 1})"
+            )
+        routes = np.asarray(routed_experts)[: max(n, 0)]
     return Sequence(
+        routes=routes,
         index=index,
         input_ids=ids[:-1],
         labels=ids[1:].copy(),
@@ -170,6 +184,8 @@ class MicroBatch:
     returns: torch.Tensor | None  # float [T] with a critic: the value targets
     ref_logp: torch.Tensor | None  # float [T] when every sequence carries log π_ref
     teacher_logp: torch.Tensor | None  # float [T] when a sequence carries log π_teacher (distill)
+    # long [1, L, moe_layers, top_k] when a sequence carries routes (-1 where one has none)
+    routes: torch.Tensor | None = None
     # long [T], the token's sequence, numbered 0.. over the row's sequences that have trained
     # tokens: dense, so every id is < T, a bound the losses use without reading the device
     seq_ids: torch.Tensor
@@ -255,7 +271,22 @@ def pack(seqs: list[Sequence], *, pad_id: int = 0) -> MicroBatch:
     weights = np.array([s.seq_weight for s in seqs], np.float64)
     trained_seqs = float(t(weights[trained]).sum()) if len(trained) else 0.0
 
+    routes = None
+    if any(s.routes is not None for s in seqs):
+        shape = next(s.routes.shape[1:] for s in seqs if s.routes is not None)
+        routes = t(
+            cat(
+                [
+                    np.full((len(s), *shape), -1, np.int64)
+                    if s.routes is None
+                    else s.routes.astype(np.int64)
+                    for s in seqs
+                ]
+            )
+        )[None]
+
     return MicroBatch(
+        routes=routes,
         tokens=t(cat([s.input_ids for s in seqs]))[None],
         positions=t(cat([np.arange(n, dtype=np.int64) for n in lengths]))[None],
         labels=t(cat([s.labels for s in seqs]))[None],

@@ -41,6 +41,7 @@ from asyncrl.learner.losses.stats import zero_stats
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import MicroBatch, Sequence, pack, split_micro_batches
 from asyncrl.learner.placement import RoleMesh
+from asyncrl.learner.routing import set_routes
 
 
 @dataclass(kw_only=True)
@@ -91,6 +92,7 @@ def hidden(models: Models, mb: MicroBatch, model: torch.nn.Module) -> torch.Tens
     which runs a chunk of trained tokens at a time (:mod:`asyncrl.learner.logprobs`). A plain
     tensor, also under tensor parallelism (:func:`local_hidden`)."""
     mb = mb.to(models.device)
+    set_routes(model, mb.routes, replay=models.config.algorithm.routing_replay)
     masks = attention_masks(model, mb.positions, mb.doc_lengths)
     return local_hidden(model(mb.tokens, mb.positions, masks))
 

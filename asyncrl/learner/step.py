@@ -38,6 +38,7 @@ from asyncrl.learner.models import LearnerError, Models
 from asyncrl.learner.offload import Reallocation
 from asyncrl.learner.packing import Sequence, make_sequence
 from asyncrl.learner.passes import StepTotals
+from asyncrl.learner.routing import agreement
 from asyncrl.learner.source import Batch
 from asyncrl.rollout.turns import turn_of
 
@@ -109,6 +110,7 @@ def sequences(
                     reward=float(rewards[gi][si]),
                     max_len=models.max_seq_len,
                     teacher_logprobs=s.teacher_logprobs,
+                    routed_experts=s.routed_experts,
                 )
             )
             # no end token: a critic's advantages bootstrap from the last value (critic.py). A
@@ -199,6 +201,8 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
             else totals.staleness  # read with the rest, in sum_over_ranks' one copy
         ),
     } | {f"stat/{k}": v.reshape(1) for k, v in totals.stats.items()}
+    # the actor's routings that agreed with the generator's, and all with the generator's
+    counted["routing"] = agreement(models.actor, reset=True)
     trained = [m for role, m in models.meshes.items() if role != "ref" and m.holds]
     if any(m.tp_rank != 0 for m in trained):
         counted = {k: torch.zeros_like(v, dtype=f64) for k, v in counted.items()}
@@ -245,6 +249,7 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
         totals=totals,
         several=c.learner.minibatches * c.learner.epochs > 1,
     )
+    agreement(models.actor, reset=True)  # count this step's forwards only
     run_calls(models, realloc, run)
     summed = reduce_totals(models, totals)
     metrics = step_metrics(models, summed, time.perf_counter() - t0, len(seqs), info | run.info)
@@ -283,6 +288,9 @@ def step_metrics(
     if models.with_critic:
         out[names.VALUE_LOSS] = stats.pop("value_loss") / updates
         out["critic/grad_norm"] = float(summed["role/critic_grad_norm"])
+    agree, routed = summed["counted/routing"].tolist()
+    if routed:  # samples carried the generator's routes (routing replay on or off)
+        out["learner/routing_agreement"] = agree / routed
     out |= peak_memory() | info | finalize_stats(stats)
     if models.config.loss != "sft":
         eta = models.config.max_staleness

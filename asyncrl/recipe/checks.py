@@ -327,6 +327,34 @@ def moe_model(r: Recipe, file: str | None, check_files: bool) -> None:
         )
 
 
+def routing_replay(r: Recipe, file: str | None, check_files: bool) -> None:
+    """Routing replay needs routes: rollouts from generators that record them (an offline data
+    set has none) of a mixture-of-experts model (a dense one has no router). The model's kind is
+    read from its config.json, so that part only with ``check_files``."""
+    if not r.algorithm.routing_replay:
+        return
+    if not r.algorithm.uses_rollouts:
+        raise RecipeError(
+            f"true with algorithm.loss {r.algorithm.loss}: its data set has no routes to replay",
+            file=file,
+            key="algorithm.routing_replay",
+        )
+    if not (check_files and r.model.path):
+        return
+    try:
+        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # model_folder reports a missing folder; the learner a bad config.json
+    mtype = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if mtype not in MOE_MODEL_TYPES:
+        raise RecipeError(
+            f"true, but model.path is not a mixture of experts (model_type {mtype}): a dense "
+            "model has no routes to replay",
+            file=file,
+            key="algorithm.routing_replay",
+        )
+
+
 def model_reward(r: Recipe, file: str | None, check_files: bool) -> None:
     """``rollout.reward: model`` needs a reward model; the evaluation's reward is a rule."""
     if r.rollout.reward == "model" and not r.rollout.reward_model.enabled:
@@ -400,6 +428,7 @@ CHECKS: tuple[Check, ...] = (
     reward_model_loss,
     check_lora,
     moe_model,
+    routing_replay,
     model_reward,
     served.reward_model_servers,
     served.teacher_and_distill,
@@ -450,5 +479,10 @@ def warnings(recipe: Recipe) -> list[str]:
             f"folder's adapters/ (docs/lora_sync.md): launch them with --enable-lora "
             f"--max-lora-rank {lora.rank} --lora-target-modules {' '.join(lora.targets)}, where "
             "they can read that folder"
+        )
+    if alg.routing_replay and recipe.generator.kind == "sglang":
+        out.append(
+            "algorithm.routing_replay: the workers ask SGLang for every request's routed experts "
+            "(docs/moe.md): launch the servers with --enable-return-routed-experts"
         )
     return out

@@ -103,6 +103,12 @@ class AlgorithmConfig:
         doc="distill: weight of the outcome reward in A_t = log π_teacher,t − log π_prox,t + "
         "distill_coef·A_i, A_i the sample's GRPO advantage (0: the teacher alone)",
     )
+    routing_replay: bool = setting(
+        False,
+        doc="mixture-of-experts policies: train every token with the experts the generator's "
+        "router chose for it (rollout routing replay, R3; docs/moe.md); the gating weights stay "
+        "the current router's, so it still learns",
+    )
 
     @property
     def uses_rollouts(self) -> bool:

@@ -40,6 +40,7 @@ from asyncrl.generator_http import (
     parse_version_label,
     wait_healthy,
 )
+from asyncrl.moe import RouteShape, splice_routes
 from asyncrl.rollout.sglang_protocol import (
     GeneratorResponseError,
     SamplingParams,
@@ -134,6 +135,7 @@ class GeneratorPool:
         max_resumes: int = 1000,
         version_poll_s: float = 0.1,
         lora: bool = False,
+        routes: RouteShape | None = None,
     ):
         if not urls:
             raise ValueError("GeneratorPool needs at least one generator URL")
@@ -144,6 +146,8 @@ class GeneratorPool:
         self.max_resumes = max_resumes
         self.version_poll_s = version_poll_s
         self.lora = lora  # SGLang serving LoRA adapters by name: requests name one (adapters.py)
+        # routing replay: requests ask for the experts of every position (the model's shape)
+        self.routes = routes
         self.min_version = 0
         self._behind_logged: tuple | None = None  # the last "waiting for weights" state logged
         self._rr = itertools.count()
@@ -383,7 +387,7 @@ class GeneratorPool:
         """One request on its own: its parsed segment and the generator that served it."""
         body, g, adapter = await self._request(payload, prefer, deadline)
         try:
-            seg = parse_generate_response(body, adapter=adapter)
+            seg = parse_generate_response(body, adapter=adapter, routes=self.routes)
         except UnlabelledTokens as e:
             self._refused(g, e)
             raise
@@ -438,7 +442,7 @@ class GeneratorPool:
             outcomes: list[Any] = []
             for b in body:
                 try:
-                    seg = parse_generate_response(b, adapter=adapter)
+                    seg = parse_generate_response(b, adapter=adapter, routes=self.routes)
                     self._saw(g, seg)
                     outcomes.append((seg, g.url))
                 except UnlabelledTokens as e:
@@ -477,6 +481,7 @@ class GeneratorPool:
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
+        routes = None  # with routing replay, each resumed request's own for the tokens it made
         resumes = retractions = refused = 0
         finish, matched, url = "length", None, None
         deadline = trio.current_time() + self.timeout_s
@@ -487,7 +492,11 @@ class GeneratorPool:
                     finish = "length"
                     break
                 payload = generate_payload(
-                    list(input_ids) + ids, params, max_new_tokens=remaining, rid=f"{rid}.{n}"
+                    list(input_ids) + ids,
+                    params,
+                    max_new_tokens=remaining,
+                    rid=f"{rid}.{n}",
+                    routed_experts=self.routes is not None,
                 )
                 try:
                     if batcher is None:
@@ -503,6 +512,8 @@ class GeneratorPool:
                 ids += seg.output_ids
                 lps += seg.logprobs
                 vers += seg.versions
+                if seg.routed_experts is not None:
+                    routes = splice_routes(routes, seg.routed_experts, len(seg.output_ids))
                 retractions += seg.num_retractions
                 finish, matched = seg.finish_reason, seg.matched_stop
                 if finish != "abort":
@@ -532,6 +543,7 @@ class GeneratorPool:
             num_resumes=resumes,
             num_retractions=retractions,
             generator=url or "",
+            routed_experts=routes,
         )
 
     async def abort(self, rid_prefix: str, *, urls: list[str] | None = None) -> None:

@@ -37,7 +37,8 @@ import trio
 from asyncrl import wire
 from asyncrl.agents.tool_envs import ToolSet
 from asyncrl.agents.tools import ToolRegistry
-from asyncrl.contract import EpisodeContext, Tool, Workflow
+from asyncrl.contract import Episode, EpisodeContext, Tool, Workflow
+from asyncrl.moe import fit_routes
 from asyncrl.progress import Throttle
 from asyncrl.rollout.generator_pool import Batcher, GeneratorPool
 from asyncrl.rollout.prompts import PromptItem, PromptSource, render_prompt
@@ -52,6 +53,14 @@ if TYPE_CHECKING:
     from asyncrl.rollout.worker_stats import WorkerStats
 
 log = logging.getLogger("asyncrl.rollout.worker")  # one logger for the worker's parts
+
+
+def routes_of(ep: Episode, prompt_len: int) -> dict[str, np.ndarray]:
+    """The sample's ``routed_experts``, over its tokens but the last, when the episode recorded
+    routes (routing replay); else nothing (the field's default, none)."""
+    n = max(prompt_len + len(ep.completion_ids) - 1, 0)
+    routes = fit_routes(ep.routed_experts, n)
+    return {} if routes is None else {"routed_experts": routes}
 
 
 class PromptsUnusable(RuntimeError):
@@ -299,5 +308,6 @@ class GroupMaker:
             finish_reason=ep.finish_reason,
             metadata=meta,
             teacher_logprobs=teacher_lp,
+            **routes_of(ep, len(prompt_ids)),
         )
         out[i] = split_turns(sample, self.cfg.turn_discount) if self.cfg.turn_samples else [sample]

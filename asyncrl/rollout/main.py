@@ -42,6 +42,7 @@ from asyncrl import recipe as recipe_mod
 from asyncrl.agents.tool_envs import ToolSet
 from asyncrl.generator_http import GeneratorError
 from asyncrl.gpu import trainer_nccl_env
+from asyncrl.moe import RouteShape
 from asyncrl.plugins import PluginError
 from asyncrl.reach import LOOPBACK, HostError, dial_host, engine_host
 from asyncrl.recipe import Recipe, RecipeError
@@ -59,6 +60,15 @@ log = logging.getLogger("asyncrl.rollout")
 
 class UsageError(ValueError):
     """A mistake on the command line or in the recipe: reported in one line, exit code 2."""
+
+
+def replay_routes(r: Recipe) -> RouteShape | None:
+    """The routes requests ask the generators for: the model's, with algorithm.routing_replay
+    (``validate`` refused it on a dense model)."""
+    if not r.algorithm.routing_replay:
+        return None
+    cfg = json.loads((Path(r.resolve(r.model.path)) / "config.json").read_text())
+    return RouteShape.from_config(cfg)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -286,6 +296,7 @@ async def run_worker(
                 timeout_s=ro.request_timeout_s,
                 # SGLang serves LoRA versions as named adapters: requests name theirs
                 lora=r.learner.lora.enabled and r.generator.kind == "sglang",
+                routes=replay_routes(r),
             ) as pool,
         ):
             await pool.wait_ready(r.generator.startup_timeout_s)

@@ -3,9 +3,11 @@
 What a request carries (:class:`SamplingParams`, :func:`generate_payload`, :func:`batched_payload`)
 and what a response means (:func:`parse_generate_response`): ``output_token_logprobs`` triples give
 the token ids and behaviour logprobs, and ``meta_info.weight_versions`` spans give one policy
-version per token. A token's version is the one its generator stated, never a guess: a response
-with a token no numeric span covers (a server that was never labelled says ``"default"``; SGLang
-older than 0.5.19 sends no spans) is refused with :class:`UnlabelledTokens`. A label's format
+version per token; with routing replay, ``meta_info.routed_experts`` gives the experts every
+position was routed to (:func:`parse_routed_experts`). A token's version is the one its generator
+stated, never a guess: a response with a token no numeric span covers (a server that was never
+labelled says ``"default"``; SGLang older than 0.5.19 sends no spans) is refused with
+:class:`UnlabelledTokens`. A label's format
 (:func:`~asyncrl.generator_http.parse_version_label`) is the generator layer's, which the weight
 broadcaster's calls share. The built-in engine serves the same protocol, so these functions are
 tested on recorded SGLang responses and serve both.
@@ -13,11 +15,16 @@ tested on recorded SGLang responses and serve both.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from asyncrl.generator_http import BASE_LABEL, GeneratorError, adapter_name, parse_version_label
+from asyncrl.moe import RouteShape
 from asyncrl.wire import FINISH_REASONS
 
 
@@ -78,16 +85,26 @@ class SamplingParams:
 
 
 def generate_payload(
-    input_ids: list[int], params: SamplingParams, *, max_new_tokens: int, rid: str
+    input_ids: list[int],
+    params: SamplingParams,
+    *,
+    max_new_tokens: int,
+    rid: str,
+    routed_experts: bool = False,
 ) -> dict[str, Any]:
-    """One non-streaming ``/generate`` request that asks for logprobs; ``rid`` lets it be aborted."""
-    return {
+    """One non-streaming ``/generate`` request that asks for logprobs; ``rid`` lets it be aborted.
+    ``routed_experts``: and for the experts of every position (SGLang's ``return_routed_experts``,
+    answered by a server launched with ``--enable-return-routed-experts``; docs/moe.md)."""
+    payload: dict[str, Any] = {
         "input_ids": input_ids,
         "sampling_params": params.to_json(max_new_tokens=max_new_tokens),
         "return_logprob": True,
         "stream": False,
         "rid": rid,
     }
+    if routed_experts:  # one value for a whole batched body, as SGLang reads it
+        payload["return_routed_experts"] = True
+    return payload
 
 
 def with_adapter(payload: dict[str, Any], version: int | None) -> dict[str, Any]:
@@ -121,6 +138,8 @@ class Segment:
     prompt_tokens: int = 0
     num_retractions: int = 0
     weight_version: int | None = None  # what the generator held when it answered (None: unlabelled)
+    # asked with routing replay: the experts of every input position, [positions, moe layers, k]
+    routed_experts: np.ndarray | None = None
 
 
 def version_at_join(label: Any) -> tuple[int, bool]:
@@ -226,7 +245,44 @@ def output_token_logprobs(body: Any) -> tuple[list[int], list[float]]:
     return ids, [lp if lp <= 0.0 else 0.0 for lp in lps]
 
 
-def parse_generate_response(body: Any, *, adapter: int | None = None) -> Segment:
+def parse_routed_experts(meta: dict[str, Any], rows: int, shape: RouteShape) -> np.ndarray:
+    """``meta_info.routed_experts`` as SGLang 0.5.23 sends it (docs/moe.md): base64 of int32
+    ``[rows, num_hidden_layers, top_k]``, ``rows`` the request's prompt and completion tokens but
+    the last; returned as the sample keeps it, its MoE layers' rows in ``shape.dtype``."""
+    raw = meta.get("routed_experts")
+    if raw is None:
+        raise GeneratorResponseError(
+            "meta_info.routed_experts: missing (algorithm.routing_replay asks for it: launch "
+            "SGLang with --enable-return-routed-experts)"
+        )
+    if not isinstance(raw, str):
+        raise GeneratorResponseError(
+            f"meta_info.routed_experts: expected a base64 string, got {type(raw).__name__}"
+        )
+    try:
+        buf = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise GeneratorResponseError("meta_info.routed_experts: not valid base64") from None
+    per_row = shape.layers * shape.top_k
+    if len(buf) != 4 * rows * per_row:
+        raise GeneratorResponseError(
+            f"meta_info.routed_experts: {len(buf) / 4:g} int32, but {rows} positions (prompt and "
+            f"completion but the last token) of {shape.layers} layers x top-{shape.top_k} make "
+            f"{rows * per_row}"
+        )
+    ids = np.frombuffer(buf, dtype="<i4").reshape(rows, shape.layers, shape.top_k)
+    ids = ids[:, list(shape.moe)]
+    if ids.size and (ids.min() < 0 or ids.max() >= shape.experts):
+        bad = int(ids.min() if ids.min() < 0 else ids.max())
+        raise GeneratorResponseError(
+            f"meta_info.routed_experts: expert id {bad} outside [0, {shape.experts})"
+        )
+    return ids.astype(shape.dtype)
+
+
+def parse_generate_response(
+    body: Any, *, adapter: int | None = None, routes: RouteShape | None = None
+) -> Segment:
     """Parse one non-streaming ``/generate`` response.
 
     Tokens and logprobs come from ``meta_info.output_token_logprobs``
@@ -235,6 +291,8 @@ def parse_generate_response(body: Any, *, adapter: int | None = None) -> Segment
     LoRA adapter (:func:`with_adapter`), ``adapter``, the version of that adapter, for every token:
     SGLang serves a request with the adapter it named to its end, while its spans follow the
     server's label, which moves on as soon as the next version's adapter is loaded.
+    ``routes``: the model's, when the request asked for its routed experts
+    (:func:`parse_routed_experts`; ``meta_info.prompt_tokens`` counts the input).
     """
     if isinstance(body, list):
         if len(body) != 1:
@@ -249,6 +307,16 @@ def parse_generate_response(body: Any, *, adapter: int | None = None) -> Segment
             f"({len(ids)} tokens)"
         )
     kind, matched, message = parse_finish_reason(meta.get("finish_reason"))
+    prompt_tokens = meta.get("prompt_tokens") or 0
+    routed = None
+    if routes is not None:
+        if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+            raise GeneratorResponseError(
+                f"meta_info.prompt_tokens: {prompt_tokens!r}, not a count of input tokens"
+            )
+        # a request aborted before it was run has no routes: its resumption brings them all
+        if "routed_experts" in meta or kind != "abort":
+            routed = parse_routed_experts(meta, prompt_tokens + len(ids) - 1, routes)
     return Segment(
         output_ids=ids,
         logprobs=lps,
@@ -258,7 +326,8 @@ def parse_generate_response(body: Any, *, adapter: int | None = None) -> Segment
         finish_reason=kind,
         matched_stop=matched,
         abort_message=message,
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        prompt_tokens=int(prompt_tokens),
         num_retractions=int(meta.get("num_retractions") or 0),
         weight_version=parse_version_label(meta.get("weight_version")),
+        routed_experts=routed,
     )

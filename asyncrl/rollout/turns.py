@@ -80,6 +80,10 @@ def split_turns(sample: wire.Sample, discount: float = 1.0) -> list[wire.Sample]
                 teacher_logprobs=sample.teacher_logprobs[a:b]
                 if sample.teacher_logprobs.size
                 else sample.teacher_logprobs,
+                # the turn's input positions: its prompt and its tokens but the last
+                routed_experts=sample.routed_experts[: len(prompt) + b - a - 1]
+                if sample.routed_experts.size
+                else sample.routed_experts,
                 reward=sample.reward * discount ** (turns - 1 - t),
                 finish_reason=sample.finish_reason,  # the trajectory's, as its reward (docstring)
                 metadata={

@@ -19,6 +19,7 @@ from asyncrl.wire.messages import (
     MAX_STR,
     MAX_TOKENS,
     MESSAGES,
+    ROUTE_DTYPES,
     SCHEMA_VERSION,
     Ack,
     Acquire,
@@ -37,6 +38,7 @@ from asyncrl.wire.messages import (
     StatusReply,
     Version,
     WireError,
+    route_dtype,
 )
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "MESSAGES",
     "SCHEMA_VERSION",
     "OPTIONAL_ARRAYS",
+    "ROUTE_DTYPES",
     "TOKEN_ARRAYS",
     "Ack",
     "Acquire",
@@ -70,4 +73,5 @@ __all__ = [
     "decode",
     "encode",
     "group_tokens",
+    "route_dtype",
 ]

@@ -6,8 +6,13 @@ and metadata as lists; rewards and prompt/completion lengths as raw little-endia
 ``tokens`` is every sample's per-token arrays (:data:`TOKEN_ARRAYS`), array by array, each in sample
 order. An optional per-token array (:data:`OPTIONAL_ARRAYS`, e.g. a teacher's logprobs) travels in
 ``samples`` under its name, all samples' entries joined, when the message's samples have it: all
-of them or none (an entry a message has no key for is absent: messages from before it decode). A decoded group's arrays are views into the received message, and its :class:`Sample`
-objects are built only when someone looks at them (:class:`SampleList`).
+of them or none (an entry a message has no key for is absent: messages from before it decode).
+Routed experts (``Sample.routed_experts``, ``[num_tokens - 1, moe_layers, top_k]`` a sample) travel
+the same way, in ``samples``: ``routed_experts`` (every sample's rows joined), its dtype
+``routed_experts_dtype`` (the narrowest that holds the message's largest id) and
+``routed_experts_shape`` ``[moe_layers, top_k]``, one for the message. A decoded group's arrays
+are views into the received message, and its :class:`Sample` objects are built only when someone
+looks at them (:class:`SampleList`).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from asyncrl.wire.messages import (
     FINISH_REASONS,
     MAX_ITEMS,
     MAX_TOKENS,
+    ROUTE_DTYPES,
     Group,
     Sample,
     TokenArray,
     WireError,
+    route_dtype,
 )
 
 
@@ -96,6 +103,11 @@ class SampleList(Sequence):
                     finish_reason=c.finish[i],
                     metadata=c.metadata[i],
                     **{k: v[q[i] : q[i + 1]] for k, v in c.optional.items()},
+                    **(
+                        {}
+                        if c.routes is None
+                        else {"routed_experts": c.routes[c.route_ends[i] : c.route_ends[i + 1]]}
+                    ),
                 )
                 for i in range(self._lo, self._hi)
             ]
@@ -157,10 +169,17 @@ class _Columns:
     completion_lens: list[int]
     arrays: dict[str, Any]  # name -> one array (decoded), or a list of pieces to join (encoding)
     optional: dict[str, Any] = dataclasses.field(default_factory=dict)  # those present, as arrays
+    # routed experts ``[rows, moe_layers, top_k]``: one array (decoded) or pieces (encoding)
+    routes: Any = None
 
     @functools.cached_property
     def prompt_ends(self) -> list[int]:  # n + 1 offsets into prompt_ids
         return [0, *itertools.accumulate(self.prompt_lens)]
+
+    @functools.cached_property
+    def route_ends(self) -> list[int]:  # n + 1 offsets into the routes' rows
+        rows = map(route_rows, self.prompt_lens, self.completion_lens)
+        return [0, *itertools.accumulate(rows)]
 
     @functools.cached_property
     def completion_ends(self) -> list[int]:  # n + 1 offsets into the per-token arrays
@@ -187,7 +206,61 @@ def _decoded_columns(ss: SampleList) -> _Columns:
         completion_lens=c.completion_lens[lo:hi],
         arrays={k: [v[p0:p1] if k in _OVER_PROMPT else v[q0:q1]] for k, v in c.arrays.items()},
         optional={k: [v[q0:q1]] for k, v in c.optional.items()},
+        routes=None if c.routes is None else [c.routes[c.route_ends[lo] : c.route_ends[hi]]],
     )
+
+
+def route_rows(prompt_len: int, completion_len: int) -> int:
+    """A sample's routed-expert rows: its input positions, every token but the last."""
+    return max(prompt_len + completion_len - 1, 0)
+
+
+def _route_columns(
+    ss: list[Sample], prompt_lens: list[int], done: list[int], at: Callable[[int], str]
+) -> list[np.ndarray] | None:
+    """The samples' routed experts as pieces to join, all in one dtype and ``[moe_layers,
+    top_k]`` (None: no sample has them); WireError naming the first sample whose routes are
+    missing while another's are there, or whose shape disagrees with its tokens or the others'."""
+    parts = [getattr(s, "routed_experts", None) for s in ss]
+    have = [p is not None and np.size(p) > 0 for p in parts]
+    if not any(have):
+        return None
+    shape: tuple[int, ...] | None = None
+    arrays: list[np.ndarray | None] = []
+    for i, (p, pl, cl) in enumerate(zip(parts, prompt_lens, done, strict=True)):
+        rows = route_rows(pl, cl)
+        if not have[i]:
+            if rows:
+                raise WireError(
+                    f"{at(i)}.routed_experts: missing, but other samples of the message have them "
+                    "(all or none)"
+                )
+            arrays.append(None)
+            continue
+        a = np.asarray(p)
+        if a.ndim != 3 or a.dtype.kind not in "iu":
+            raise WireError(
+                f"{at(i)}.routed_experts: expected integer expert ids [positions, moe_layers, "
+                f"top_k], got {a.dtype.name} of shape {list(a.shape)}"
+            )
+        if a.shape[0] != rows:
+            raise WireError(
+                f"{at(i)}.routed_experts: {a.shape[0]} positions, but the sample's {pl} prompt and "
+                f"{cl} completion tokens have {rows} (all but the last token)"
+            )
+        if shape is None:
+            shape = a.shape[1:]
+        elif a.shape[1:] != shape:
+            raise WireError(
+                f"{at(i)}.routed_experts: [moe_layers, top_k] {list(a.shape[1:])}, but another "
+                f"sample of the message has {list(shape)}"
+            )
+        if a.min() < 0 or a.max() >= 1 << 31:
+            raise WireError(f"{at(i)}.routed_experts: expert ids must be in [0, 2^31)")
+        arrays.append(a)
+    assert shape is not None
+    dt = route_dtype(1 + max(int(a.max()) for a in arrays if a is not None))
+    return [np.zeros((0, *shape), dt) if a is None else a.astype(dt, copy=False) for a in arrays]
 
 
 def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
@@ -227,6 +300,7 @@ def _sample_columns(ss: list[Sample], at: Callable[[int], str]) -> _Columns:
         completion_lens=done,
         arrays=arrays,
         optional=_optional_columns(ss, done, at),
+        routes=_route_columns(ss, sizes["prompt_ids"], done, at),
     )
 
 
@@ -266,7 +340,23 @@ def _concat(cols: list[_Columns], kind: str) -> _Columns:
         have = [k in c.optional or not sum(c.completion_lens) for c in cols]
         if any(k in c.optional for c in cols) and not all(have):
             raise WireError(f"{kind}: some groups' samples have {k} and others' do not")
+    routes = None
+    if any(c.routes is not None for c in cols):
+        shapes = {p.shape[1:] for c in cols if c.routes is not None for p in c.routes}
+        if len(shapes) > 1:
+            raise WireError(f"{kind}: groups' routed_experts have different [moe_layers, top_k]")
+        for c in cols:
+            if c.routes is None and sum(map(route_rows, c.prompt_lens, c.completion_lens)):
+                raise WireError(f"{kind}: some groups' samples have routed_experts and others' not")
+        dt = max((p.dtype for c in cols if c.routes is not None for p in c.routes), key=_WIDTH)
+        (shape,) = shapes
+        routes = [
+            p.astype(dt, copy=False)
+            for c in cols
+            for p in (c.routes if c.routes is not None else [np.zeros((0, *shape), dt)])
+        ]
     return _Columns(
+        routes=routes,
         ids=[x for c in cols for x in c.ids],
         rewards=[x for c in cols for x in c.rewards],
         finish=[x for c in cols for x in c.finish],
@@ -344,11 +434,53 @@ def to_columns(kind: str, groups: Sequence[Group]) -> Encoded:
                 k: np.concatenate(parts).astype(OPTIONAL_ARRAYS[k], copy=False).tobytes()
                 for k, parts in c.optional.items()
             },
+            **({} if c.routes is None else _route_entries(c.routes)),
         },
         tokens=list(itertools.chain.from_iterable(c.arrays[k] for k in TOKEN_ARRAYS)),
         tokens_bytes=_PROMPT_ITEM_BYTES * sum(c.prompt_lens)
         + _COMPLETION_ITEM_BYTES * sum(c.completion_lens),
     )
+
+
+_WIDTH = ROUTE_DTYPES.index
+
+
+def _route_entries(pieces: list[np.ndarray]) -> dict[str, Any]:
+    """``samples``' routed-expert entries: the rows joined, their dtype and ``[layers, top_k]``."""
+    dt = max((p.dtype for p in pieces), key=_WIDTH)
+    return {
+        "routed_experts": np.concatenate(pieces).astype(dt, copy=False).tobytes(),
+        "routed_experts_dtype": dt.str,
+        "routed_experts_shape": list(pieces[0].shape[1:]),
+    }
+
+
+def _routes_from(cols: dict, c: _Columns, w: str, at: Callable[[int], str]) -> np.ndarray | None:
+    """A message's routed experts ``[rows, moe_layers, top_k]``, checked against its samples'
+    token counts; None when it has none."""
+    if "routed_experts" not in cols:
+        return None
+    raw = validate.required(cols, "routed_experts", bytes, w)
+    name = validate.required(cols, "routed_experts_dtype", str, w)
+    names = {d.str: d for d in ROUTE_DTYPES}
+    if name not in names:
+        raise WireError(f"{w}.routed_experts_dtype: expected one of {sorted(names)}, got {name!r}")
+    dt = names[name]
+    shape = validate.required(cols, "routed_experts_shape", list, w)
+    if len(shape) != 2 or not all(type(x) is int and 1 <= x <= MAX_ITEMS for x in shape):
+        raise WireError(f"{w}.routed_experts_shape: expected [moe_layers, top_k], got {shape!r}")
+    rows = c.route_ends[-1]
+    if len(raw) != rows * shape[0] * shape[1] * dt.itemsize:
+        raise WireError(
+            f"{w}.routed_experts: {len(raw)} bytes, but the samples' tokens call for {rows} "
+            f"positions of {shape} {dt.name} (each sample's tokens but its last)"
+        )
+    routes = np.frombuffer(raw, dtype=dt).reshape(rows, *shape)
+    if dt.kind == "i" and routes.size and routes.min() < 0:
+        first = int(np.argmax((routes < 0).reshape(rows, -1).any(1)))
+        i = int(np.searchsorted(c.route_ends[1:], first, side="right"))
+        raise WireError(f"{at(i)}.routed_experts: expert ids must be >= 0")
+    return routes
 
 
 def _column(cols: dict, key: str, dt: np.dtype, n: int, where: str) -> np.ndarray:
@@ -461,6 +593,7 @@ def from_columns(d: dict, tokens: Any, where: str) -> list[Group]:
         arrays=arrays,
         optional=optional,
     )
+    c.routes = _routes_from(cols, c, w, at)
     for k, arr in optional.items():  # log-probabilities, as the behaviour's
         bad = ~np.isfinite(arr) | (arr > 1e-3)
         if bad.any():

@@ -63,6 +63,23 @@ def _no_tokens() -> np.ndarray:
     return np.zeros(0, np.float32)
 
 
+ROUTE_DTYPES: tuple[np.dtype, ...] = (np.dtype("u1"), np.dtype("<i2"), np.dtype("<i4"))
+"""The dtypes routed experts travel in, narrowest first (:func:`route_dtype`)."""
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The narrowest of :data:`ROUTE_DTYPES` that holds expert ids ``0..num_experts - 1``: one
+    byte a position, layer and k up to 256 experts (Qwen3-MoE's 128, DeepSeek-V3's 256), where
+    SGLang sends four."""
+    if num_experts <= 1 << 8:
+        return ROUTE_DTYPES[0]
+    return ROUTE_DTYPES[1] if num_experts <= 1 << 15 else ROUTE_DTYPES[2]
+
+
+def _no_routes() -> np.ndarray:
+    return np.zeros((0, 0, 0), np.uint8)
+
+
 @dataclass(kw_only=True)
 class Sample:
     """One completion of one prompt. Per-token arrays all have ``len(completion_ids)`` entries
@@ -81,6 +98,10 @@ class Sample:
     # on-policy distillation: the teacher's log-probability of each completion token given the
     # prompt and the tokens before it (rollout.teacher; empty without one)
     teacher_logprobs: _OptionalFloat32 = field(default_factory=_no_tokens)
+    # routing replay (algorithm.routing_replay): the experts the generator's router chose in every
+    # MoE layer at every input position, the prompt and the completion but its last token (never
+    # fed), ``[num_tokens - 1, moe_layers, top_k]`` in a :data:`ROUTE_DTYPES` dtype; empty without
+    routed_experts: np.ndarray = field(default_factory=_no_routes)
 
     @property
     def behavior_version(self) -> int:

@@ -122,7 +122,6 @@ def test_check_refuses_what_is_not_built_for_moe_in_one_line(tiny_qwen3_moe, tin
             r"^placement\.actor\.tensor_parallel: 2 with model\.path is a mixture of experts",
         ),
         ({"algorithm": {"advantage": "gae"}}, r"^algorithm\.advantage: gae with model\.path is a"),
-        ({"algorithm": {"routing_replay": True}}, r"^algorithm\.routing_replay: unknown key"),
     ]
     for extra, match in refused:
         with pytest.raises(RecipeError, match=match) as e:
@@ -131,3 +130,19 @@ def test_check_refuses_what_is_not_built_for_moe_in_one_line(tiny_qwen3_moe, tin
     # the same settings on the dense model pass
     dense = {"model": {"path": str(tiny_qwen3)}, "learner": {"lora": {"rank": 8}}}
     assert recipe.from_dict(dense).learner.lora.enabled
+    # routing replay: an MoE's routes; a dense model and an offline data set have none
+    assert recipe.from_dict(moe | {"algorithm": {"routing_replay": True}}).algorithm.routing_replay
+    for bad, match in (
+        (
+            {"model": {"path": str(tiny_qwen3)}, "algorithm": {"routing_replay": True}},
+            r"^algorithm\.routing_replay: true, but model\.path is not a mixture of experts "
+            r"\(model_type qwen3\)",
+        ),
+        (
+            moe | {"algorithm": {"routing_replay": True, "loss": "sft"}},
+            r"^algorithm\.routing_replay: true with algorithm\.loss sft: its data set has no",
+        ),
+    ):
+        with pytest.raises(RecipeError, match=match) as e:
+            recipe.from_dict(bad)
+        assert "\n" not in str(e.value)
