@@ -11,7 +11,8 @@ and a worker may start another group only while ``started < (version + max_stale
 is ``max_staleness + 1`` batches unless ``max_batches_ahead`` asks for fewer (the bound stays a
 bound, the data gets fresher; one batch ahead is enough to overlap generation with training).
 With ``adaptive_depth_ess`` / ``adaptive_depth_kl`` the depth moves between 1 and that, one batch
-a step, as the learner's measured drift says (:meth:`ReplayStore.adapt_depth`).
+a step, as the learner's measured drift says (:meth:`ReplayStore.adapt_depth`); with
+``adaptive_depth_wait`` it deepens only where depth buys the learner time (:meth:`ReplayStore.take_batch`).
 With max_staleness 0 this admits exactly B groups per version, which is synchronous RL: batch k
 holds only groups started at version k.
 
@@ -161,6 +162,11 @@ class ReplayStore:
         # The adaptive pipeline depth in batches (None: off, the configured depth holds); it
         # starts at 1, the freshest, and follows the learner's signals (adapt_depth).
         self._depth: int | None = 1 if self.adaptive else None
+        # adaptive_depth_wait's evidence since the last batch: when the learner first found no
+        # batch (None: it has not waited), and whether a worker was refused starts by the depth
+        # alone (not the bound) while it waited.
+        self._wanted_since: float | None = None
+        self._throttled = False
         # Acknowledged groups dropped since the last drain: (id, reason), for the service's audit.
         self.dropped_ids: list[tuple[str, str]] = []
 
@@ -189,8 +195,9 @@ class ReplayStore:
 
     @property
     def adaptive(self) -> bool:
-        """Whether the depth follows the learner's drift (``buffer.adaptive_depth_ess/kl``)."""
-        return self.cfg.adaptive_depth_ess > 0 or self.cfg.adaptive_depth_kl > 0
+        """Whether the depth moves (``buffer.adaptive_depth_ess/kl/wait``)."""
+        c = self.cfg
+        return c.adaptive_depth_ess > 0 or c.adaptive_depth_kl > 0 or c.adaptive_depth_wait
 
     @property
     def max_depth(self) -> int:
@@ -209,7 +216,8 @@ class ReplayStore:
         """The learner's signals after a step: its importance weights' ESS and its KL(μ ‖ π_prox).
         While either says the policy moves fast (ESS below ``adaptive_depth_ess``, KL above
         ``adaptive_depth_kl``; a threshold of 0 is not consulted) one batch fewer may be ahead,
-        down to 1; otherwise one more, up to :attr:`max_depth`. Returns the depth.
+        down to 1; otherwise one more, up to :attr:`max_depth` (with ``adaptive_depth_wait`` only
+        the learner's waits deepen it, :meth:`take_batch`). Returns the depth.
 
         Only admission changes: starts granted under a deeper pipeline stay valid, and the bound
         on the data (``min_version``) is untouched, so no group staler than eta is ever trained.
@@ -220,8 +228,28 @@ class ReplayStore:
         fast = (c.adaptive_depth_ess > 0 and ess is not None and ess < c.adaptive_depth_ess) or (
             c.adaptive_depth_kl > 0 and kl is not None and kl > c.adaptive_depth_kl
         )
-        self._depth = max(1, self.depth - 1) if fast else min(self.max_depth, self.depth + 1)
-        return self._depth
+        if fast:
+            self._depth = max(1, self.depth - 1)
+        elif not c.adaptive_depth_wait:
+            self._depth = min(self.max_depth, self.depth + 1)
+        return self.depth
+
+    def _adapt_depth_to_waits(self, now: float) -> None:
+        """``adaptive_depth_wait``, after a batch is taken: one batch deeper if the learner waited
+        for it while a worker asked for starts that only the depth refused (the generator had room
+        the pipeline did not give it); one shallower if another whole batch is already stored (the
+        generator keeps up with less). Otherwise, and for the first batch (the pipeline filling),
+        unchanged. Where the generator outruns the learner this holds 1 batch, the freshest data
+        that still overlaps the two sides; where it is the bottleneck and full, depth buys nothing
+        and is not added."""
+        waited = self._wanted_since is not None and now > self._wanted_since
+        first = self._c.values["batches"] == 0
+        if self._depth is not None and self.cfg.adaptive_depth_wait and not first:
+            if waited and self._throttled:
+                self._depth = min(self.max_depth, self.depth + 1)
+            elif not waited and len(self._stored) >= self.cfg.groups_per_batch:
+                self._depth = max(1, self.depth - 1)
+        self._wanted_since, self._throttled = None, False
 
     @property
     def capacity(self) -> int:
@@ -320,6 +348,11 @@ class ReplayStore:
                     return self._grant(lease)
         self._c.values["acquires"] += 1
         k = min(max(n, 0), self.capacity)
+        room = self.bound - self.started  # what the bound alone would grant
+        if self._wanted_since is not None and k < min(n, room):
+            self._throttled = (
+                True  # the depth, not the bound, refused starts while the learner waited
+            )
         if k == 0:
             if n > 0:
                 self._c.values["admission_waits"] += 1
@@ -509,6 +542,8 @@ class ReplayStore:
         n = min(b, len(self._heap))
         least = max(1, math.ceil(self.cfg.min_batch_fill * b - 1e-9))
         if n < b and not (allow_partial and n >= least):
+            if self._wanted_since is None:
+                self._wanted_since = now
             return None
         if self.cfg.batch_order == "newest":  # the freshest versions, first come within one
             taken = heapq.nsmallest(n, self._heap, key=lambda e: (-e[0], e[1]))
@@ -525,6 +560,7 @@ class ReplayStore:
             _bump(hist, s)
             _bump(self._c.staleness_hist, s)
         c = self._c.values
+        self._adapt_depth_to_waits(now)
         c["consumed"] += n
         c["batches"] += 1
         c["overlong_samples"] += overlong

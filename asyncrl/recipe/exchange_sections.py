@@ -46,6 +46,12 @@ class BufferConfig:
         doc="adaptive pipeline depth (0: off): after a step whose KL(μ ‖ π_prox) is above this, "
         "one batch fewer ahead (down to 1), else one more (up to max_batches_ahead)",
     )
+    adaptive_depth_wait: bool = setting(
+        False,
+        doc="adaptive pipeline depth by throughput: starts at 1 batch ahead; one deeper after a "
+        "batch the learner waited for while the depth (not eta) refused a worker starts, one "
+        "shallower when a further whole batch is already stored. Depth only where it buys time",
+    )
     batch_order: Literal["oldest", "newest"] = setting(
         "oldest",
         doc="which stored groups a batch takes: oldest (by behaviour version: each group is trained "

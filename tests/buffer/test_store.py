@@ -132,6 +132,56 @@ def _staleness_of(batch) -> list[int]:
     return [int(k) for k, n in batch.stats["staleness_hist"].items() for _ in range(n)]
 
 
+def test_wait_driven_depth_deepens_only_where_the_learner_waits_on_the_depth():
+    """adaptive_depth_wait, eta 4, 2 groups a batch. A generator that keeps up (the batch is
+    stored before the learner asks) holds the depth at 1 batch: the freshest data that still
+    overlaps. A learner that waits while the depth (not the bound) refuses a worker's starts
+    deepens it one batch per such batch; a further whole batch already stored when one is taken
+    makes it one shallower. The first batch (the pipeline filling) moves nothing."""
+    store = ReplayStore(cfg(max_staleness=4, adaptive_depth_wait=True), nonce="w")
+    n = iter(range(1000))
+
+    def produce(k: int, now: float) -> int:
+        """A worker asks for k starts and finishes every one granted at once."""
+        grant = store.acquire("w", k, now=now, request_id=f"r{next(n)}")
+        groups = [
+            make_group(f"g{next(n)}", grant.lease_id, versions=[store.version] * 2)
+            for _ in range(grant.starts)
+        ]
+        store.put(groups, now=now)
+        return grant.starts
+
+    def step(now: float) -> None:
+        assert store.take_batch(now) is not None
+        store.set_version(store.version + 1)
+
+    # the first batch: the learner waits and the depth refuses starts, but the pipeline is filling
+    assert store.take_batch(0.0) is None
+    assert produce(4, 0.1) == 2  # depth 1 = 2 groups: 2 of 4 refused
+    step(0.2)
+    assert store.depth == 1
+    # a generator that keeps up: the batch is there before the learner asks; depth stays 1
+    for t in range(1, 6):
+        assert produce(4, t) == 2
+        step(t + 0.5)
+        assert store.depth == 1
+    # the learner asks first, waits; the worker is refused starts by the depth: one deeper
+    assert store.take_batch(10.0) is None
+    assert produce(4, 10.1) == 2
+    step(10.2)
+    assert store.depth == 2
+    # waiting without a refusal (the worker asked for no more than the depth gives): unchanged
+    assert store.take_batch(11.0) is None
+    assert produce(2, 11.1) == 2
+    step(11.2)
+    assert store.depth == 2
+    # two batches stored before the learner asks: a whole batch still stored after one is taken
+    assert produce(4, 12.0) == 4
+    step(12.1)
+    assert store.depth == 1 and "depth" in store.stats()
+    assert roundtrip(store, 13.0, "w2").depth == 1
+
+
 def test_newest_order_takes_the_freshest_and_the_stale_age_out():
     """eta 2, 2 groups a batch, batch_order newest: a batch takes the two freshest stored groups
     (first come within a version), the older ones wait, and one past eta is dropped as stale and
@@ -167,7 +217,7 @@ class StoreMachine(RuleBasedStateMachine):
         dynamic=st.booleans(),
         fill=st.sampled_from([1.0, 0.5]),
         ahead=st.integers(0, 2),
-        adaptive=st.booleans(),
+        adaptive=st.sampled_from(["", "ess", "wait"]),
         newest=st.booleans(),
     )
     def setup(
@@ -177,7 +227,7 @@ class StoreMachine(RuleBasedStateMachine):
         dynamic: bool,
         fill: float,
         ahead: int,
-        adaptive: bool = False,
+        adaptive: str = "",
         newest: bool = False,
     ) -> None:
         self.cfg = cfg(
@@ -186,7 +236,8 @@ class StoreMachine(RuleBasedStateMachine):
             dynamic_sampling=dynamic,
             min_batch_fill=fill,
             max_batches_ahead=ahead,
-            adaptive_depth_ess=0.9 if adaptive else 0.0,
+            adaptive_depth_ess=0.9 if adaptive == "ess" else 0.0,
+            adaptive_depth_wait=adaptive == "wait",
             batch_order="newest" if newest else "oldest",
         )
         self.store = ReplayStore(self.cfg, nonce="n0")
@@ -316,7 +367,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(partial=st.booleans())
     def train_step(self, partial: bool) -> None:
+        depth = self.store.depth
         batch = self.store.take_batch(self.now, allow_partial=partial)
+        # adaptive_depth_wait moves the depth only as a batch is taken, by one, within 1 ... max
+        assert 1 <= self.store.depth <= self.store.max_depth
+        if batch is None or not self.cfg.adaptive_depth_wait:
+            assert self.store.depth == depth
+        else:
+            assert abs(self.store.depth - depth) <= 1
         if batch is None:
             return
         b = self.cfg.groups_per_batch
@@ -351,7 +409,9 @@ class StoreMachine(RuleBasedStateMachine):
         before = self.store.depth
         after = self.store.adapt_depth(ess, None)
         assert after == self.store.depth and 1 <= after <= self.store.max_depth
-        if self.store.adaptive:
+        if self.cfg.adaptive_depth_wait:  # the waits deepen it; a low ESS would still lower it
+            assert after == before
+        elif self.store.adaptive:
             assert after == (
                 max(1, before - 1) if ess < 0.9 else min(self.store.max_depth, before + 1)
             )
@@ -468,7 +528,7 @@ def test_long_random_schedules(seed: int) -> None:
         dynamic=seed % 2 == 0,
         fill=[1.0, 0.5][seed % 4 // 2],
         ahead=seed // 8,  # 0 (eta + 1), 1, 2
-        adaptive=seed % 5 < 2,
+        adaptive=["ess", "ess", "wait", "", ""][seed % 5],
         newest=seed % 3 == 1,
     )
     rules = [

@@ -177,10 +177,12 @@ def mean_curve(curves: list[list[float]]) -> list[float]:
 def analyse(runs_dir: Path, prefix: str, conditions: list[str], ref: str) -> dict:
     facts: dict[str, list[dict]] = {}
     for c in conditions:
-        dirs = sorted(
-            runs_dir.glob(f"{prefix}_{c}_[0-9]*"), key=lambda p: int(p.name.split("_")[-1])
-        )
-        dirs = [d for d in dirs if d.is_dir() and (d / "metrics.jsonl").is_file()]
+        dirs = [  # not the runs' logs beside them (NAME_eval.log)
+            d
+            for d in runs_dir.glob(f"{prefix}_{c}_[0-9]*")
+            if d.name.rsplit("_", 1)[-1].isdigit() and (d / "metrics.jsonl").is_file()
+        ]
+        dirs.sort(key=lambda p: int(p.name.rsplit("_", 1)[-1]))
         if not dirs:
             raise SystemExit(f"staleness_effects: no run of {c!r} under {runs_dir}/{prefix}_{c}_N")
         facts[c] = [run_facts(d) for d in dirs]
