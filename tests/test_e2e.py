@@ -376,7 +376,7 @@ def test_remax_run_trains_on_groups_that_carry_their_greedy_baseline(
     assert s["outcome"] == "completed", (run_dir / "logs/learner.log").read_text()[-3000:]
     assert s["steps"] == steps
     batches = [decode_batch(p.read_bytes()) for p in sorted(rec.glob("batch-*.bin"))]
-    assert steps <= len(batches) <= steps * ranks  # every rank records the batch it was sent
+    assert len(batches) == steps
     for batch in batches:
         for g in batch.groups:
             assert isinstance(g.baseline_reward, float), g.metadata
