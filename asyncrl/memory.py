@@ -45,7 +45,8 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDims:
-    """What the plan needs from an HF ``config.json`` (Qwen3 and Llama: the learner's models)."""
+    """What the plan needs from an HF ``config.json`` (Qwen3, Qwen3-MoE and Llama: the learner's
+    models)."""
 
     arch: str
     hidden: int

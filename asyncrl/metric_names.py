@@ -117,8 +117,8 @@ checks)."""
 DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean of log μ_t − log π_teacher,t over trained tokens
 
 READ_WHEN_DISTILL = (DISTILL_REVERSE_KL,)
+"""Every distillation name above: a real distillation run logs each."""
 
 # -- a mixture-of-experts policy whose samples carry the generator's routes (docs/moe.md) --------
 # (token, MoE layer) routings of the step's forwards whose top-k set equals the generator's
 ROUTING_AGREEMENT = "learner/routing_agreement"
-"""Every distillation name above: a real distillation run logs each."""
