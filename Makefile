@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-default test-kernels test-faults test-sglang gpu-host-check lint format demo demo-rlhf demo-distill demo-lora demo-agent bench clean
+.PHONY: venv test test-default test-kernels test-faults test-sglang gpu-host-check lint format demo demo-rlhf demo-distill demo-lora demo-agent demo-moe bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -120,6 +120,16 @@ demo-lora: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_sft.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_lora.yaml --overwrite
 	@echo "summary: runs/demo_lora/summary.json   plots: runs/demo_lora/plots/   adapter: runs/demo_lora/hf/latest/"
+
+# The mixture-of-experts demo (docs/moe.md): the demo's task on a tiny Qwen3-MoE (8 experts, top-2)
+# with routing replay: the built-in engine returns each token's experts and the learner trains the
+# token through them. 1. model (--arch qwen3_moe) + data, 2. SFT warm start (demo_moe_sft),
+# 3. async GRPO with routing replay (demo_moe); summary.json has the routing agreement.
+demo-moe: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py --arch qwen3_moe --out build/demo_moe
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_moe_sft.yaml --overwrite
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_moe.yaml --overwrite
+	@echo "summary: runs/demo_moe/summary.json (routing_agreement_*)   plots: runs/demo_moe/plots/"
 
 # The agent demo (docs/agents.md): the tiny Qwen3 learns to call a tool, served over MCP (stdio, one
 # `python -m asyncrl.agents.demo_agent` per episode), to answer lookups it cannot know. 1. model +

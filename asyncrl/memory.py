@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl import dataflow
+from asyncrl.moe import moe_layers, num_experts
 from asyncrl.recipe import (
     TOKEN_ADVANTAGES,
     Checkpointing,
@@ -44,7 +45,8 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDims:
-    """What the plan needs from an HF ``config.json`` (Qwen3 and Llama: the learner's models)."""
+    """What the plan needs from an HF ``config.json`` (Qwen3, Qwen3-MoE and Llama: the learner's
+    models)."""
 
     arch: str
     hidden: int
@@ -55,6 +57,14 @@ class ModelDims:
     intermediate: int
     vocab: int
     tied: bool
+    experts: int = 0
+    """Experts per MoE layer (0: a dense model; docs/moe.md)."""
+    top_k: int = 0
+    """Experts each token goes through in an MoE layer."""
+    moe_intermediate: int = 0
+    """One expert's SwiGLU width."""
+    moe_layers: int = 0
+    """Layers whose MLP is the experts (Qwen3-MoE's ``mlp_only_layers`` keep a dense one)."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelDims:
@@ -65,6 +75,14 @@ class ModelDims:
             return v
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
+        moe = {}
+        if num_experts(cfg):
+            moe = dict(
+                experts=num_experts(cfg),
+                top_k=need("num_experts_per_tok"),
+                moe_intermediate=need("moe_intermediate_size"),
+                moe_layers=sum(moe_layers(cfg)),
+            )
         return cls(
             arch=str(cfg.get("model_type", "")),
             hidden=hidden,
@@ -75,6 +93,7 @@ class ModelDims:
             intermediate=need("intermediate_size"),
             vocab=need("vocab_size"),
             tied=bool(cfg.get("tie_word_embeddings", False)),
+            **moe,
         )
 
     @property
@@ -86,13 +105,44 @@ class ModelDims:
         return self.kv_heads * self.head_dim
 
     @property
-    def block_params(self) -> int:
-        """One decoder block: q, k, v, o projections, SwiGLU's three matrices, two RMSNorms, and
-        Qwen3's per-head q/k norms (no biases: the learner refuses models that have them)."""
+    def dense_layers(self) -> int:
+        """Layers with a dense SwiGLU MLP (all of a dense model's)."""
+        return self.layers - self.moe_layers
+
+    @property
+    def attention_params(self) -> int:
+        """One block's q, k, v, o projections, two RMSNorms and Qwen3's per-head q/k norms (no
+        biases: the learner refuses models that have them)."""
         h = self.hidden
         attention = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        qk_norm = 2 * self.head_dim if self.arch == "qwen3" else 0
-        return attention + qk_norm + 3 * h * self.intermediate + 2 * h
+        qk_norm = 2 * self.head_dim if self.arch in ("qwen3", "qwen3_moe") else 0
+        return attention + qk_norm + 2 * h
+
+    @property
+    def block_params(self) -> int:
+        """One dense decoder block: :attr:`attention_params` and SwiGLU's three matrices."""
+        return self.attention_params + 3 * self.hidden * self.intermediate
+
+    @property
+    def expert_params(self) -> int:
+        """One expert: SwiGLU's three matrices at the expert's width."""
+        return 3 * self.hidden * self.moe_intermediate
+
+    @property
+    def moe_block_params(self) -> int:
+        """One MoE decoder block: :attr:`attention_params`, the router (``hidden × experts``) and
+        every expert (no shared expert, no load-balancing bias: the learner's Qwen3-MoE); 0 for a
+        dense model."""
+        if not self.moe_layers:
+            return 0
+        return (
+            self.attention_params + self.hidden * self.experts + self.experts * self.expert_params
+        )
+
+    @property
+    def experts_params(self) -> int:
+        """Every expert of every MoE layer: what expert parallelism would split (0: dense)."""
+        return self.moe_layers * self.experts * self.expert_params
 
     @property
     def embedding_params(self) -> int:
@@ -102,16 +152,27 @@ class ModelDims:
     def params(self) -> int:
         """Embedding, blocks, final norm, and the output projection unless tied to the embedding."""
         out = 0 if self.tied else self.embedding_params
-        return self.embedding_params + self.layers * self.block_params + self.hidden + out
+        blocks = self.dense_layers * self.block_params + self.moe_layers * self.moe_block_params
+        return self.embedding_params + blocks + self.hidden + out
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token goes through: :attr:`params` with each MoE layer's experts
+        counted ``top_k`` times instead of ``experts`` (the router counted whole); the embedding
+        and output projection whole, as the usual "A3B" figures count them. A dense model's
+        :attr:`params`."""
+        return self.params - self.moe_layers * (self.experts - self.top_k) * self.expert_params
 
     @property
     def largest_fsdp_unit(self) -> int:
-        """Parameters of the largest FSDP2 unit TorchTitan makes: each block; the embedding; the final
-        norm with the output projection (one unit with the embedding when tied)."""
+        """Parameters of the largest FSDP2 unit TorchTitan makes: each block (an MoE block with all
+        its experts: without expert parallelism they shard with the block); the embedding; the
+        final norm with the output projection (one unit with the embedding when tied)."""
         head = self.hidden + (0 if self.tied else self.embedding_params)
+        block = max(self.block_params if self.dense_layers else 0, self.moe_block_params)
         if self.tied:
-            return max(self.block_params, self.embedding_params + head)
-        return max(self.block_params, self.embedding_params, head)
+            return max(block, self.embedding_params + head)
+        return max(block, self.embedding_params, head)
 
     def lora_params(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
         """LoRA adapter parameters (``learner.lora``): ``rank · (in + out)`` per target and layer."""
@@ -139,9 +200,11 @@ class ModelDims:
         return 2 * self.layers * self.kv_dim * dtype_bytes
 
 
-def saved_per_layer(dims: ModelDims, checkpointing: Checkpointing, tp: int = 1) -> int:
+def saved_per_layer(
+    dims: ModelDims, checkpointing: Checkpointing, tp: int = 1, *, moe: bool = False
+) -> int:
     """Elements one decoder block keeps for its backward, per token, on one of ``tp``
-    tensor-parallel ranks.
+    tensor-parallel ranks (``moe``: one of the MoE blocks, below).
 
     - ``none``: the attention norm's input and output (2h), the fused q/k/v projection's output
       (q + 2kv), q and k after their norms and RoPE (q + kv), the attention output (q); the FFN
@@ -157,8 +220,19 @@ def saved_per_layer(dims: ModelDims, checkpointing: Checkpointing, tp: int = 1) 
     is off (``asyncrl.learner.placement.role_parallelism``).
 
     Attention is the fused kind (flash/varlen/flex on GPU, SDPA's fused CPU kernel): no L × L
-    score matrix is kept; its float32 log-sum-exp (a few floats per token) is left out."""
+    score matrix is kept; its float32 log-sum-exp (a few floats per token) is left out.
+
+    An MoE block (an estimate, not measured): each token goes through ``top_k`` experts, so the
+    SwiGLU tensors are ``top_k`` experts' wide, ``I = k·I_e``; TorchTitan's MoE layer also keeps
+    the router's scores (E) and the tokens copied into expert order, and with ``none`` the experts'
+    outputs before their weighted sum (``k·h`` each): ``+ 2k·h + E`` with ``none``, ``+ k·h + E``
+    with ``selective``. Tensor parallelism is refused for MoE models, so ``tp`` is 1 there."""
     h, q, kv, i = dims.hidden, dims.q_dim, dims.kv_dim, dims.intermediate
+    routed = 0
+    if moe:
+        i = dims.top_k * dims.moe_intermediate
+        copies = {"none": 2, "selective": 1}.get(checkpointing)
+        routed = copies * dims.top_k * h + dims.experts if copies else 0
     if checkpointing == "none":
         whole, split = 4 * h, 3 * q + 3 * kv + 4 * i
     elif checkpointing == "selective":
@@ -167,7 +241,7 @@ def saved_per_layer(dims: ModelDims, checkpointing: Checkpointing, tp: int = 1) 
         whole, split = h, 0
     else:
         raise ValueError(f"unknown activation checkpointing {checkpointing!r}")
-    return whole + math.ceil(split / tp)
+    return whole + routed + math.ceil(split / tp)
 
 
 def activation_bytes_per_token(
@@ -177,11 +251,13 @@ def activation_bytes_per_token(
     tensor-parallel ranks, in the compute dtype: every layer's saved tensors, plus (with
     checkpointing) one block recomputed in full while its backward runs, plus the final norm's
     input and output (the hidden states log π is taken from, whole on every rank)."""
-    recomputed = 0 if checkpointing == "none" else saved_per_layer(dims, "none", tp)
-    per_token = (
-        dims.layers * saved_per_layer(dims, checkpointing, tp) + recomputed + 2 * dims.hidden
-    )
-    return per_token * compute_bytes
+    kinds = [(dims.dense_layers, False), (dims.moe_layers, True)]
+    kinds = [(n, moe) for n, moe in kinds if n]
+    saved = sum(n * saved_per_layer(dims, checkpointing, tp, moe=moe) for n, moe in kinds)
+    recomputed = 0
+    if checkpointing != "none":  # the largest block recomputed
+        recomputed = max(saved_per_layer(dims, "none", tp, moe=moe) for _, moe in kinds)
+    return (saved + recomputed + 2 * dims.hidden) * compute_bytes
 
 
 def logits_chunk_bytes(vocab: int, chunk_tokens: int) -> int:

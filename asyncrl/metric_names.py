@@ -33,6 +33,7 @@ STALENESS_BOUND = "buffer/max_staleness"  # eta
 STALENESS_HIST = "staleness_hist/"  # the batch's groups by staleness 0..eta
 DROPPED_STALE = "buffer/dropped_stale"  # groups dropped as stale so far (cumulative)
 DRIFT_MISMATCH = "drift/mismatch_kl"
+DRIFT_KL = "drift/kl"  # KL(μ ‖ π_prox) over every trained token, all staleness (k3)
 DRIFT_KV_MIXED = "drift/kv_mixed_kl"
 DRIFT_BY_STALENESS = "drift/staleness_kl/"  # 1..eta
 # the staleness view, per staleness k = 0..eta (learner/losses/staleness_stats.py; by_staleness.png;
@@ -117,3 +118,7 @@ DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean of log μ_t − log π_teacher
 
 READ_WHEN_DISTILL = (DISTILL_REVERSE_KL,)
 """Every distillation name above: a real distillation run logs each."""
+
+# -- a mixture-of-experts policy whose samples carry the generator's routes (docs/moe.md) --------
+# (token, MoE layer) routings of the step's forwards whose top-k set equals the generator's
+ROUTING_AGREEMENT = "learner/routing_agreement"

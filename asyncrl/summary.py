@@ -170,6 +170,8 @@ def summarize(
         summary["rm_eval_accuracy"] = rm_acc[-1] if rm_acc else None
     if r.algorithm.advantage == "distill" and r.algorithm.uses_rollouts:
         summary |= distill_summary(learner)
+    if r.algorithm.uses_rollouts and _is_moe(r):
+        summary |= {"routing_replay": r.algorithm.routing_replay} | routing_summary(learner)
     rates = (tool_call_rate_start, tool_call_rate_end)
     if r.rollout.tools or any(x is not None for x in rates):
         summary["tool_call_rate_start"], summary["tool_call_rate_end"] = rates
@@ -193,6 +195,40 @@ def distill_summary(learner: list[dict]) -> dict[str, float | None]:
     return {
         "distill_reverse_kl_start": sum(kl[:n]) / n,
         "distill_reverse_kl_end": sum(kl[-n:]) / n,
+    }
+
+
+def _is_moe(r: Recipe) -> bool:
+    """Whether ``model.path``'s config.json names a mixture-of-experts model (docs/moe.md)."""
+    from asyncrl.recipe.checks import MOE_MODEL_TYPES
+
+    try:
+        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") in MOE_MODEL_TYPES
+
+
+def routing_summary(learner: list[dict]) -> dict[str, float | None]:
+    """An RL run of an MoE policy: how often the learner's own router chose the generator's experts
+    (``learner/routing_agreement``, logged when samples carry routes: the mean over the run, over
+    its first and over its last :data:`KL_WINDOW` versions; None without routes), and the mean
+    per-version drift KL(μ ‖ π_prox), over all tokens and on staleness-0 tokens (engine mismatch):
+    a run with replay against one without shows the drift that replay removes. One value per
+    version, as :func:`distill_summary`."""
+    from asyncrl import plots
+
+    def mean(key: str, part: slice = slice(None)) -> float | None:
+        _, ys = plots.per_version(*plots.series(learner, key))
+        ys = ys[part]
+        return sum(ys) / len(ys) if ys else None
+
+    return {
+        "routing_agreement_mean": mean(names.ROUTING_AGREEMENT),
+        "routing_agreement_start": mean(names.ROUTING_AGREEMENT, slice(None, KL_WINDOW)),
+        "routing_agreement_end": mean(names.ROUTING_AGREEMENT, slice(-KL_WINDOW, None)),
+        "drift_kl_mean": mean(names.DRIFT_KL),
+        "mismatch_kl_mean": mean(names.DRIFT_MISMATCH),
     }
 
 
@@ -326,6 +362,9 @@ def summary_line(summary: dict[str, Any]) -> str:
     if isinstance(summary.get("reward_model"), dict):  # a run scored by a reward model
         line["rm_eval_accuracy"] = summary["reward_model"].get("eval_accuracy")
     for key in ("tool_call_rate_start", "tool_call_rate_end"):  # a run with tools
+        if key in summary:
+            line[key] = summary[key]
+    for key in ("routing_replay", "routing_agreement_mean"):  # an MoE run with routes
         if key in summary:
             line[key] = summary[key]
     return json.dumps(line)

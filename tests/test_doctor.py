@@ -730,3 +730,34 @@ def test_allocator_settings_that_break_cuda_ipc_are_named(tiny_qwen3, env, backe
         return
     (c,) = extra
     assert not c.ok and c.detail.startswith(f"{named}=") and "weights.backend" in c.detail
+
+
+def test_an_moe_is_priced_by_total_and_active_parameters_and_its_experts_per_rank(tmp_path):
+    """Qwen3-30B-A3B (config only) on recipes/multinode.yaml's 16 ranks: the model check names
+    the total (what memory scales with) and the active parameters (what a token's compute does),
+    and the learner memory line the experts' share of each rank: FSDP shards them over the 16
+    ranks with the rest (no expert parallelism), 16 bytes a parameter (float32 params, grads,
+    AdamW) × 28,991,029,248 expert parameters / 16 = 27.0 GiB."""
+    from tests.test_memory_plan import QWEN3_30B_A3B
+
+    model = _config_only_model(tmp_path / "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    r = recipe_mod.load(ROOT / "recipes/multinode.yaml", [f"model.path={model}"], check_files=False)
+    d = Doctor(recipe=r)
+    (c,) = check_model(d)
+    assert c.ok, c.detail
+    assert c.detail.startswith("qwen3_moe, 30.5B parameters, 3.35B active (hidden 2048, 48 layers")
+    assert "128 experts of width 768, top-8, in 48 of 48 layers: 29B parameters in experts" in (
+        c.detail
+    )
+    d.device = _gpu(80)
+    (c,) = check_learner_memory(d)
+    assert gib(16 * 28_991_029_248 / 16) == "27.0"
+    assert "(experts, 95% of the params: 27.0 GiB a rank of the params, grads and AdamW, " in (
+        c.detail
+    )
+    assert "sharded by FSDP over 16 rank(s), no expert parallelism)" in c.detail
+    # the dense 8B's line has no experts
+    dense = _multinode(tmp_path)
+    dense.device = _gpu(80)
+    (c,) = check_learner_memory(dense)
+    assert "experts" not in c.detail

@@ -232,6 +232,36 @@ def test_a_distillation_summary_has_the_reverse_kl_of_its_first_and_last_version
     assert distill_summary([]) == {"distill_reverse_kl_start": None, "distill_reverse_kl_end": None}
 
 
+def test_an_moe_summary_has_the_routing_agreement_and_the_drift_kl():
+    """summary.json of an MoE run: the routing agreement's mean over the run and over its first
+    and last 5 versions, and the mean drift KL(μ ‖ π_prox), all tokens and staleness 0; one value
+    per version (a resumed learner's second record of a version wins); None without routes (a run
+    without replay asks for none)."""
+    from asyncrl.summary import routing_summary
+
+    recs = [
+        {
+            "step": v,
+            names.ROUTING_AGREEMENT: 1.0 - 0.05 * v,
+            names.DRIFT_KL: 0.01 * v,
+            **({names.DRIFT_MISMATCH: 0.001} if v % 2 else {}),
+        }
+        for v in range(1, 9)
+    ]
+    recs.append({"step": 8, names.ROUTING_AGREEMENT: 0.0, names.DRIFT_KL: 0.0})  # a restart
+    got = routing_summary(recs)
+    assert got["routing_agreement_start"] == pytest.approx((0.95 + 0.9 + 0.85 + 0.8 + 0.75) / 5)
+    assert got["routing_agreement_end"] == pytest.approx((0.8 + 0.75 + 0.7 + 0.65 + 0.0) / 5)
+    agree = [1.0 - 0.05 * v for v in range(1, 8)] + [0.0]
+    assert got["routing_agreement_mean"] == pytest.approx(sum(agree) / 8)
+    assert got["drift_kl_mean"] == pytest.approx(0.01 * sum(range(1, 8)) / 8)
+    assert got["mismatch_kl_mean"] == pytest.approx(0.001)
+    without = routing_summary(
+        [{k: v for k, v in r.items() if k != names.ROUTING_AGREEMENT} for r in recs]
+    )
+    assert without["routing_agreement_mean"] is None and without["drift_kl_mean"] is not None
+
+
 def test_by_staleness_has_a_panel_per_quantity_and_a_line_per_staleness(tmp_path):
     """by_staleness.png: tokens, KL, ESS, masked-or-clipped, |A| and reward, one line per
     staleness k each; the KL's k = 0 is the engine mismatch (drift/mismatch_kl), a masked-or-clipped

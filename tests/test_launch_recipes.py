@@ -129,3 +129,39 @@ def test_the_lora_demo_is_the_demo_with_adapters_and_their_learning_rate():
     for d in (a, b):
         del d["run"]["name"], d["learner"]["lr"], d["learner"]["lora"]
     assert a == b
+
+
+def test_the_moe_demo_chains_its_stages_on_an_moe_model_with_routing_replay(tmp_path):
+    """`make demo-moe`: demo_moe_sft trains what `make_demo.py --arch qwen3_moe` builds, demo_moe
+    starts from its export with routing replay on, and both pass the full file checks on that
+    model (replay is refused on a dense one). Every RL setting but the replay, the paths and the
+    names is the dense demo's, so the two demos compare."""
+    import dataclasses
+    import json
+
+    out = make_demo(tmp_path / "demo_moe", train=50, eval=10, arch="qwen3_moe")
+    cfg = json.loads((out / "model/config.json").read_text())
+    assert (cfg["model_type"], cfg["num_experts_per_tok"]) == ("qwen3_moe", 2)
+    assert cfg.get("num_experts", cfg.get("num_local_experts")) == 8
+    data = [f"data.path={out / 'data/train.jsonl'}", f"data.eval_path={out / 'data/eval.jsonl'}"]
+    sft = recipe.load(ROOT / "recipes/demo_moe_sft.yaml", [f"model.path={out / 'model'}", *data])
+    assert sft.algorithm.loss == "sft"
+    rl = recipe.load(ROOT / "recipes/demo_moe.yaml", [f"model.path={out / 'model'}", *data])
+    assert rl.algorithm.routing_replay
+    with pytest.raises(
+        recipe.RecipeError, match=r"algorithm\.routing_replay: true, but model\.path is not"
+    ):
+        recipe.load(
+            ROOT / "recipes/demo_moe.yaml",
+            [f"model.path={make_demo(tmp_path / 'dense', train=50, eval=10) / 'model'}", *data],
+        )
+    rl = recipe.load(ROOT / "recipes/demo_moe.yaml", check_files=False)
+    sft = recipe.load(ROOT / "recipes/demo_moe_sft.yaml", check_files=False)
+    assert sft.resolve(sft.model.path).resolve() == (ROOT / "build/demo_moe/model").resolve()
+    assert _norm(rl.resolve(rl.model.path)) == ROOT / "runs" / sft.run.name / "hf/latest"
+    demo = recipe.load(ROOT / "recipes/demo.yaml", check_files=False)
+    a, b = dataclasses.asdict(rl), dataclasses.asdict(demo)
+    for d in (a, b):
+        del d["run"]["name"], d["run"]["timeout_s"], d["model"]["path"], d["data"]["path"]
+        del d["data"]["eval_path"], d["algorithm"]["routing_replay"]
+    assert a == b

@@ -51,6 +51,22 @@ QWEN3_8B = {
     "vocab_size": 151936,
     "tie_word_embeddings": False,
 }
+QWEN3_30B_A3B = {  # the published config.json's sizes (Qwen/Qwen3-30B-A3B)
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
 
 
 def test_parameter_counts():
@@ -67,6 +83,66 @@ def test_parameter_counts():
     # the largest FSDP unit: tied, embedding + norm + output together; untied, norm + output
     assert small.largest_fsdp_unit == 155_582_464 + 1024
     assert big.largest_fsdp_unit == 622_329_856 + 4096
+
+
+def test_moe_parameter_counts_total_active_and_experts():
+    """Qwen3-30B-A3B by hand: "30.5B" parameters, "3.3B" active (Qwen's model card)."""
+    m = ModelDims.from_hf_config(QWEN3_30B_A3B)
+    assert (m.experts, m.top_k, m.moe_intermediate, m.moe_layers) == (128, 8, 768, 48)
+    # q 2048·4096 + k, v 2·2048·512 + o 4096·2048 + qk norms 2·128 + two norms 2·2048
+    assert m.attention_params == 18_878_720
+    assert m.expert_params == 3 * 2048 * 768 == 4_718_592
+    # + router 2048·128 + 128 experts
+    assert m.moe_block_params == 18_878_720 + 262_144 + 128 * 4_718_592 == 623_120_640
+    # 48 MoE blocks, embedding and output (untied) 2·311,164,928, final norm
+    assert m.params == 48 * 623_120_640 + 2 * 311_164_928 + 2048 == 30_532_122_624
+    # each token: 8 of the 128 experts
+    assert m.active_params == m.params - 48 * 120 * 4_718_592 == 3_353_032_704
+    assert m.experts_params == 48 * 128 * 4_718_592 == 28_991_029_248
+    assert m.largest_fsdp_unit == 623_120_640  # a block with all its experts (no EP)
+    dense = ModelDims.from_hf_config(QWEN3_8B)
+    assert dense.active_params == dense.params and dense.experts_params == 0
+
+
+def test_moe_counts_equal_a_real_checkpoints_tensors(tmp_path):
+    """A tiny Qwen3-MoE written by transformers (tools/make_tiny_model.py), with a dense layer
+    between MoE ones (``mlp_only_layers``): the plan's total is the checkpoint's element count,
+    and its experts' the experts' tensors'."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tools.make_tiny_model import make_tiny_model
+
+    folder = make_tiny_model(
+        tmp_path / "m",
+        arch="qwen3_moe",
+        layers=3,
+        experts=4,
+        dense_layers=(1,),
+        tie_embeddings=False,
+    )
+    m = ModelDims.from_hf_config(json.loads((folder / "config.json").read_text()))
+    assert (m.moe_layers, m.dense_layers) == (2, 1)
+    sd = load_file(str(folder / "model.safetensors"))
+    assert m.params == sum(t.numel() for t in sd.values())
+    assert m.experts_params == sum(t.numel() for k, t in sd.items() if ".experts." in k)
+
+
+def test_moe_activations_count_top_k_experts_a_token():
+    """An MoE block saves, per token, top_k experts' SwiGLU tensors instead of the dense width,
+    plus the router's scores and the tokens' copies in expert order (an estimate)."""
+    m = ModelDims.from_hf_config(QWEN3_30B_A3B)  # h 2048, q 4096, kv 512, k·I_e 8·768
+    ki = 8 * 768
+    assert saved_per_layer(m, "none", moe=True) == (
+        4 * 2048 + 3 * 4096 + 3 * 512 + 4 * ki + 2 * 8 * 2048 + 128
+    )
+    assert saved_per_layer(m, "selective", moe=True) == (
+        2 * 2048 + 2 * 4096 + 2 * 512 + ki + 8 * 2048 + 128
+    )
+    assert saved_per_layer(m, "full", moe=True) == 2048
+    per_token = 48 * saved_per_layer(m, "full", moe=True) + saved_per_layer(m, "none", moe=True)
+    assert activation_bytes_per_token(m, "full", 2) == 2 * (per_token + 2 * 2048)
 
 
 def test_saved_activations_per_layer_and_token():

@@ -11,7 +11,9 @@ near miss, shuffled or edited (``negatives: mixed``); ``--pairs`` training pairs
 arguments are kept, so `make demo` can be re-run cheaply.
 
 The agent demo (`make demo-agent`) is ``--task lookup --out build/demo_agent``: the same model with
-128 positions, room for a tool call, its result and the answer (~90 characters).
+128 positions, room for a tool call, its result and the answer (~90 characters). The
+mixture-of-experts demo (`make demo-moe`) is ``--arch qwen3_moe --out build/demo_moe``: a
+Qwen3-MoE of the same size (:data:`MOE_MODEL`) and the same data.
 """
 
 from __future__ import annotations
@@ -36,22 +38,40 @@ MODEL = dict(
     max_positions=64,
     tie_embeddings=True,
 )
+MOE_MODEL = dict(
+    MODEL,
+    arch="qwen3_moe",
+    experts=8,
+    top_k=2,
+    moe_intermediate=128,
+)
+"""`make demo-moe`'s model (``--arch qwen3_moe``): MODEL's attention, and in each layer 8 experts of
+width 128, 2 per token (Qwen3-30B-A3B's layout: top-k weights renormalized, no shared expert). The
+active MLP width per token, 2 x 128, is half the dense demo's 512, the experts' total twice it."""
+MODELS = {"qwen3": MODEL, "qwen3_moe": MOE_MODEL}
 MAX_POSITIONS = {"lookup": 128}
 """Tasks whose episodes need more than MODEL's positions (a tool call and its result)."""
 
 
-def model_config(task: str) -> dict:
-    """MODEL, with the positions ``task`` needs."""
-    return {**MODEL, "max_positions": MAX_POSITIONS.get(task, MODEL["max_positions"])}
+def model_config(task: str, arch: str = "qwen3") -> dict:
+    """The ``arch`` demo model (MODELS), with the positions ``task`` needs."""
+    base = MODELS[arch]
+    return {**base, "max_positions": MAX_POSITIONS.get(task, base["max_positions"])}
 
 
 def make_demo(
-    out: str | Path, *, task: str = "sort", seed: int = 0, train: int = 20000, eval: int = 500
+    out: str | Path,
+    *,
+    task: str = "sort",
+    seed: int = 0,
+    train: int = 20000,
+    eval: int = 500,
+    arch: str = "qwen3",
 ) -> Path:
     """Make (or keep) the demo model and data under ``out``; returns ``out``."""
     out = Path(out)
     stamp = out / "made_with.json"
-    model = model_config(task)
+    model = model_config(task, arch)
     args = {"task": task, "seed": seed, "train": train, "eval": eval, "model": model}
     if stamp.is_file() and json.loads(stamp.read_text()) == args:
         return out
@@ -91,10 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train", type=int, default=20000)
     p.add_argument("--eval", type=int, default=500)
+    p.add_argument(
+        "--arch",
+        default="qwen3",
+        choices=list(MODELS),
+        help="qwen3_moe: the mixture-of-experts demo's model (`make demo-moe`, build/demo_moe)",
+    )
     p.add_argument("--pairs-dir", help="also write the reward model's preference pairs here")
     p.add_argument("--pairs", type=int, default=4000, help="training preference pairs")
     a = p.parse_args(argv)
-    out = make_demo(a.out, task=a.task, seed=a.seed, train=a.train, eval=a.eval)
+    out = make_demo(a.out, task=a.task, seed=a.seed, train=a.train, eval=a.eval, arch=a.arch)
     print(f"demo model and data in {out}")
     if a.pairs_dir:
         pairs = make_pairs(a.pairs_dir, task=a.task, seed=a.seed, train=a.pairs)

@@ -5,11 +5,29 @@ found by :class:`~asyncrl.doctor.context.Doctor`; here are the verdicts and thei
 
 from __future__ import annotations
 
+import math
+
 from asyncrl import memory
 from asyncrl import recipe as recipe_mod
 from asyncrl.doctor.context import Check, Doctor
 from asyncrl.memory import gib
 from asyncrl.recipe import Recipe
+
+
+def experts_per_rank(dims: memory.ModelDims, r: Recipe) -> str:
+    """An MoE actor's experts in its plan: their float32 params, grads and AdamW on one rank.
+    Without expert parallelism FSDP shards them over the actor's ranks like every other weight
+    (TorchTitan's ``apply_fsdp_to_decoder``: each MoE block, experts included, is one unit), so
+    this is their share of the params/grads/AdamW terms, not an addition; "" for a dense model."""
+    if not dims.moe_layers:
+        return ""
+    ranks = len(memory.role_layouts(r)[0].ranks)  # the actor, first
+    per_rank = math.ceil(memory.STATE_BYTES["actor"] * dims.experts_params / ranks)
+    share = dims.experts_params / dims.params
+    return (
+        f" (experts, {share:.0%} of the params: {gib(per_rank)} GiB a rank of the params, grads "
+        f"and AdamW, sharded by FSDP over {ranks} rank(s), no expert parallelism)"
+    )
 
 
 def check_learner_memory(d: Doctor) -> list[Check]:
@@ -25,6 +43,7 @@ def check_learner_memory(d: Doctor) -> list[Check]:
     if r.learner.lora.enabled:
         adapters = memory.lora_params(d.dims, r.learner)
         what += f" (LoRA rank {r.learner.lora.rank}: {adapters / 1e6:.1f} M adapter params train)"
+    what += experts_per_rank(d.dims, r)
     need, have = d.learner_need()
     if d.device.cuda:
         where = f"{gib(have)} GiB free on the smallest GPU"

@@ -29,11 +29,26 @@ def check_model(d: Doctor) -> list[Check]:
         Check(
             name="model",
             ok=True,
-            detail=f"{m.arch}, {_count(m.params)} parameters (hidden {m.hidden}, "
+            detail=f"{m.arch}, {_count(m.params)} parameters{_active(m)} (hidden {m.hidden}, "
             f"{m.layers} layers, {m.heads}/{m.kv_heads} heads, vocabulary {m.vocab:,}, "
-            f"{tied} embeddings)",
+            f"{tied} embeddings{_experts(m)})",
         )
     ]
+
+
+def _active(m: ModelDims) -> str:
+    """An MoE's active parameters (a token's: ``top_k`` experts of each MoE layer), what its
+    compute per token scales with; its memory scales with the total."""
+    return f", {_count(m.active_params)} active" if m.moe_layers else ""
+
+
+def _experts(m: ModelDims) -> str:
+    if not m.moe_layers:
+        return ""
+    return (
+        f"; {m.experts} experts of width {m.moe_intermediate}, top-{m.top_k}, in {m.moe_layers} "
+        f"of {m.layers} layers: {_count(m.experts_params)} parameters in experts"
+    )
 
 
 def check_attention(d: Doctor) -> list[Check]:

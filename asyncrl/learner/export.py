@@ -53,7 +53,8 @@ def hf_state_dict(
     if model is None:
         return out
     base = {k: v for k, v in model.state_dict().items() if not adapters.is_adapter(k)}
-    for k, p in adapter.to_hf(base).items():
+    experts = {k for k, v in base.items() if isinstance(v, DTensor) and GROUPED_EXPERTS in k}
+    for k, p in adapter.to_hf({k: v for k, v in base.items() if k not in experts}).items():
         v = p.detach()
         if dtype is not None and v.is_floating_point() and v.dtype != dtype:
             v = v.to(dtype)
@@ -62,7 +63,27 @@ def hf_state_dict(
             live = p.to_local() if isinstance(p, DTensor) else p
             aliased = t.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
             out[k] = t.clone() if aliased else t
+    for k in sorted(experts):  # the same order on every rank: each is a collective
+        v = base[k].detach()
+        if dtype is not None and v.dtype != dtype:
+            v = v.to(dtype)
+        # gathered first: the adapter then splits all the layer's experts (its plain-tensor path)
+        # into views of the gathered tensor, which on one rank may be the parameter itself
+        t = v.full_tensor()
+        if keep:
+            aliased = (
+                t.untyped_storage().data_ptr() == base[k].to_local().untyped_storage().data_ptr()
+            )
+            out |= adapter.to_hf({k: t.clone() if aliased else t})
     return out
+
+
+GROUPED_EXPERTS = ".moe.routed_experts.inner_experts."
+"""In a TorchTitan MoE layer's parameter names: one tensor holding every expert of the layer
+(``[experts, ...]``). TorchTitan's state-dict adapter maps a sharded one (a DTensor) to HF names
+for this rank's experts alone (``_get_local_experts_weights``: for DCP, where each rank writes its
+own), so under FSDP a rank would name only its shard's experts; :func:`hf_state_dict` gathers the
+tensor before the adapter splits it, so that every expert comes out under its HF name."""
 
 
 def export_hf(

@@ -290,7 +290,7 @@ def step_metrics(
         out["critic/grad_norm"] = float(summed["role/critic_grad_norm"])
     agree, routed = summed["counted/routing"].tolist()
     if routed:  # samples carried the generator's routes (routing replay on or off)
-        out["learner/routing_agreement"] = agree / routed
+        out[names.ROUTING_AGREEMENT] = agree / routed
     out |= peak_memory() | info | finalize_stats(stats)
     if models.config.loss != "sft":
         eta = models.config.max_staleness
