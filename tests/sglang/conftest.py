@@ -20,6 +20,10 @@ Fields of SGLang's responses that asyncrl reads, and the tests that check them o
   length and greedy/sampled), test_abort_resume.py (the abort finish with its ``message``, partial
   tokens/logprobs/spans, HTTP 200; then the resubmitted sample), test_weights.py (spans over two
   versions, ``num_retractions`` > 0 with ``retract``).
+- ``/generate`` with ``return_routed_experts`` (routing replay: asyncrl/rollout/sglang_protocol.py
+  ``parse_routed_experts``): ``meta_info.routed_experts`` and ``meta_info.prompt_tokens``:
+  test_moe_routes.py, on a server of its own serving an untied tiny Qwen3-MoE, started with
+  ``--enable-return-routed-experts`` (and tools/sglang_cpu/routes_shim on CPU).
 - ``/health`` (generator_http.ahealthy: pool.wait_ready, WeightsClient.health):
   test_generate.py::test_client_wait_ready, test_failure.py (down after a kill).
 - ``/model_info`` ``weight_version`` (WeightsClient.weight_version, GeneratorPool.label and its

@@ -31,6 +31,7 @@ from asyncrl.transport import free_port  # noqa: E402
 BUILD_ENV = HERE / "build_env.sh"
 STUB = HERE / "stub"
 LORA_SHIM = HERE / "lora_shim"
+ROUTES_SHIM = HERE / "routes_shim"
 
 
 class SGLangSetupError(RuntimeError):
@@ -87,6 +88,16 @@ def lora_env() -> dict[str, str]:
     """What a server started with :func:`lora_args` needs on a CPU-only machine: the shim that
     makes SGLang's pinned host tensors plain ones (lora_shim/sitecustomize.py says why)."""
     return {"PYTHONPATH": f"{LORA_SHIM}{os.pathsep}{STUB}"}
+
+
+ROUTES_ARGS = ["--enable-return-routed-experts"]
+"""Server arguments for an MoE model's routed experts (a request's ``return_routed_experts``)."""
+
+
+def routes_env() -> dict[str, str]:
+    """What a server started with :data:`ROUTES_ARGS` needs on a CPU-only machine: the shim that
+    makes SGLang's pinned routes buffer a plain one (routes_shim/sitecustomize.py says why)."""
+    return {"PYTHONPATH": f"{ROUTES_SHIM}{os.pathsep}{STUB}"}
 
 
 @dataclass(kw_only=True)
