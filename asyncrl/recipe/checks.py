@@ -304,6 +304,8 @@ def moe_model(r: Recipe, file: str | None, check_files: bool) -> None:
     if mtype not in MOE_MODEL_TYPES:
         return
     what = f"model.path is a mixture of experts (model_type {mtype})"
+    if r.generator.kind == "sglang":
+        sglang_moe_layout(cfg, what, file)
     if r.learner.lora.enabled:
         raise RecipeError(
             f"{what}: LoRA is not built for MoE models yet; set rank 0",
@@ -324,6 +326,31 @@ def moe_model(r: Recipe, file: str | None, check_files: bool) -> None:
             f"with {what}: a scalar head on an MoE backbone (critic, reward model) is not built yet",
             file=file,
             key="algorithm.loss" if r.algorithm.loss == "reward_model" else "algorithm.advantage",
+        )
+
+
+def sglang_moe_layout(cfg: dict, what: str, file: str | None) -> None:
+    """SGLang 0.5.23's Qwen3-MoE serves only Qwen's own layout: it always has an lm_head of its own
+    (a tied checkpoint has none to load) and makes every layer an MoE one (a dense layer's MLP has
+    no place, its router and experts none to load); it skips what it cannot place without an error
+    and serves another model (docs/moe.md: uniform logits, other experts)."""
+    wrong = []
+    if cfg.get("tie_word_embeddings", False):
+        wrong.append("tie_word_embeddings true (SGLang's lm_head would stay unloaded)")
+    n = int(cfg.get("num_hidden_layers") or 0)
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = sorted(set(cfg.get("mlp_only_layers") or ()) | {i for i in range(n) if (i + 1) % step})
+    if dense:
+        wrong.append(
+            f"dense layers {dense} (mlp_only_layers, decoder_sparse_step: SGLang makes every layer "
+            "an MoE one and leaves it unloaded)"
+        )
+    if wrong:
+        raise RecipeError(
+            f"{what} with {' and '.join(wrong)}: SGLang 0.5.23 would serve another model without "
+            "an error (docs/moe.md); use an untied checkpoint with every layer MoE, or kind builtin",
+            file=file,
+            key="generator.kind",
         )
 
 

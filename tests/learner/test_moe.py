@@ -106,9 +106,18 @@ def test_moe_config_errors_name_the_field(tmp_path):
         build_spec(folder)
 
 
-def test_check_refuses_what_is_not_built_for_moe_in_one_line(tiny_qwen3_moe, tiny_qwen3):
+def match_sglang(why: str) -> str:
+    return (
+        r"^generator\.kind: model\.path is a mixture of experts \(model_type qwen3_moe\) with "
+        + why
+        + r".*: SGLang 0\.5\.23 would serve another model without an error"
+    )
+
+
+def test_check_refuses_what_is_not_built_for_moe_in_one_line(tiny_qwen3_moe, tiny_qwen3, tmp_path):
     from asyncrl import recipe
     from asyncrl.recipe import RecipeError
+    from tools.make_tiny_model import make_tiny_model
 
     moe = {"model": {"path": str(tiny_qwen3_moe)}}
     assert recipe.from_dict(moe).model.path == str(tiny_qwen3_moe)
@@ -127,6 +136,19 @@ def test_check_refuses_what_is_not_built_for_moe_in_one_line(tiny_qwen3_moe, tin
         with pytest.raises(RecipeError, match=match) as e:
             recipe.from_dict(moe | extra)
         assert "\n" not in str(e.value)
+    # SGLang generators: its Qwen3-MoE would serve a tied or partly dense checkpoint as another
+    # model (docs/moe.md), so only Qwen's layout is served there
+    sglang = {"generator": {"kind": "sglang", "urls": ["http://127.0.0.1:1"]}}
+    with pytest.raises(RecipeError, match=match_sglang(r"tie_word_embeddings true")) as e:
+        recipe.from_dict(moe | sglang)
+    assert "\n" not in str(e.value)
+    untied = make_tiny_model(tmp_path / "untied", arch="qwen3_moe", tie_embeddings=False)
+    assert recipe.from_dict({"model": {"path": str(untied)}} | sglang).generator.kind == "sglang"
+    dense_first = make_tiny_model(
+        tmp_path / "dense_first", arch="qwen3_moe", tie_embeddings=False, dense_layers=(0,)
+    )
+    with pytest.raises(RecipeError, match=match_sglang(r"dense layers \[0\] \(mlp_only_layers")):
+        recipe.from_dict({"model": {"path": str(dense_first)}} | sglang)
     # the same settings on the dense model pass
     dense = {"model": {"path": str(tiny_qwen3)}, "learner": {"lora": {"rank": 8}}}
     assert recipe.from_dict(dense).learner.lora.enabled
