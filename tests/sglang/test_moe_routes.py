@@ -26,10 +26,11 @@ from sglang_helpers import TOL, healthy, reference_logprobs
 from asyncrl.moe import RouteShape
 from asyncrl.rollout.generator_pool import GeneratorPool
 from asyncrl.rollout.sglang_protocol import SamplingParams, parse_routed_experts
-from tests.engine.test_moe_routes import PROMPTS
 from tools.sglang_cpu.server import ROUTES_ARGS, SGLangServer, routes_env
 
 pytestmark = pytest.mark.sglang
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
 
 # A position's experts may differ from transformers' only where its router has a near-tie: SGLang's
 # hidden states differ from transformers' by float32 rounding (its logprobs by ~3e-7,
