@@ -7,12 +7,12 @@ moment it is granted until its group is trained on or dropped (or the start is r
     started = consumed + stored + in_flight        (in_flight: unused starts of live leases)
 
 and a worker may start another group only while ``started < (version + max_staleness + 1) * B``
-(AReaL's rule, B = groups_per_batch) and at most ``depth * B`` groups wait or run, where the depth
-is ``max_staleness + 1`` batches unless ``max_batches_ahead`` asks for fewer (the bound stays a
-bound, the data gets fresher; one batch ahead is enough to overlap generation with training).
-With ``adaptive_depth_ess`` / ``adaptive_depth_kl`` the depth moves between 1 and that, one batch
-a step, as the learner's measured drift says (:meth:`ReplayStore.adapt_depth`); with
-``adaptive_depth_wait`` it deepens only where depth buys the learner time (:meth:`ReplayStore.take_batch`).
+(AReaL's rule, B = groups_per_batch) and at most ``depth * B`` groups wait or run. The depth is at
+most ``max_staleness + 1`` batches, or ``max_batches_ahead`` if fewer (the bound stays a bound, the
+data gets fresher; one batch ahead is enough to overlap generation with training). By default
+(``adaptive_depth_wait``) it starts at 1 and deepens only where depth buys the learner time
+(:meth:`ReplayStore.take_batch`); with ``adaptive_depth_ess`` / ``adaptive_depth_kl`` the learner's
+measured drift lowers it (:meth:`ReplayStore.adapt_depth`); with all three off it is the maximum.
 With max_staleness 0 this admits exactly B groups per version, which is synchronous RL: batch k
 holds only groups started at version k.
 

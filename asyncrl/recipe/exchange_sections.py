@@ -30,8 +30,9 @@ class BufferConfig:
     max_batches_ahead: int = setting(
         0,
         lo=0,
-        doc="pipeline depth: groups stored or running <= this x groups_per_batch; 0 = "
-        "max_staleness + 1 (AReaL). A bound of eta, not a target: fewer batches ahead, fresher data",
+        doc="most batches ahead: groups stored or running <= this x groups_per_batch; 0 = "
+        "max_staleness + 1 (AReaL). The depth moves below it by the learner's waits "
+        "(adaptive_depth_wait) or stays at it (adaptive_depth_wait false)",
     )
     adaptive_depth_ess: float = setting(
         0.0,
@@ -47,10 +48,11 @@ class BufferConfig:
         "one batch fewer ahead (down to 1), else one more (up to max_batches_ahead)",
     )
     adaptive_depth_wait: bool = setting(
-        False,
-        doc="adaptive pipeline depth by throughput: starts at 1 batch ahead; one deeper after a "
-        "batch the learner waited for while the depth (not eta) refused a worker starts, one "
-        "shallower when a further whole batch is already stored. Depth only where it buys time",
+        True,
+        doc="the pipeline depth by throughput: starts at 1 batch ahead; one deeper after a batch "
+        "the learner waited for while the depth (not eta) refused a worker starts, one shallower "
+        "when a further whole batch is already stored; up to max_batches_ahead. Depth only where "
+        "it buys the learner time (docs/off-policy.md); false: the fixed max_batches_ahead",
     )
     batch_order: Literal["oldest", "newest"] = setting(
         "oldest",

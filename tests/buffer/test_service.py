@@ -24,7 +24,13 @@ from tests.ports import refused_url
 
 
 def config(**kw) -> BufferConfig:
-    base = dict(groups_per_batch=2, max_staleness=0, lease_seconds=30.0, batch_timeout_s=20.0)
+    base = dict(  # a fixed depth: these tests count starts against it
+        groups_per_batch=2,
+        max_staleness=0,
+        lease_seconds=30.0,
+        batch_timeout_s=20.0,
+        adaptive_depth_wait=False,
+    )
     return BufferConfig(**{**base, **kw})
 
 

@@ -68,7 +68,9 @@ def note(text: str) -> None:
 
 
 def cfg(**kw) -> BufferConfig:
-    base = dict(groups_per_batch=2, max_staleness=1, lease_seconds=10.0)
+    # a fixed depth (eta + 1, or max_batches_ahead) unless a test asks for an adaptive one: these
+    # tests count starts against it
+    base = dict(groups_per_batch=2, max_staleness=1, lease_seconds=10.0, adaptive_depth_wait=False)
     return BufferConfig(**{**base, **kw})
 
 

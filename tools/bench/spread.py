@@ -29,9 +29,9 @@ in turn) so that load from elsewhere falls on all of them.
 ``--sft-steps`` steps (default 40 of recipes/demo_sft.yaml's 250), whose held-out success is low
 (0.08), so early progress compounds and a lag costs most; the start's own held-out success is
 measured and printed first. Its conditions (:data:`HARD`, seed i in run i) set the buffer
-explicitly, since demo.yaml's ``max_batches_ahead: 2`` is not the recipe default's η + 1:
+explicitly, since demo.yaml's ``max_batches_ahead: 2`` is not the recipe default:
 ``onpolicy`` (η = 0), ``eta4`` (η = 4, depth η + 1 = 5), ``eta4-depth2`` (demo.yaml as it is),
-``eta4-depth1``, ``eta4-wait`` (the depth by the learner's waits, ``buffer.adaptive_depth_wait``),
+``eta4-depth1`` (each a fixed depth), ``eta4-wait`` (the default: the depth by the learner's waits),
 the freshest groups first (``newest``: depth 5; ``eta4-depth2-newest``), each remedy on ``eta4``
 (``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
 ``adaptive``: the depth by the drift), and ``eta16`` (η = 16, depth 17) alone and with ``m2po``,
@@ -74,18 +74,24 @@ CONDITIONS: dict[str, tuple[list[str], bool] | None] = {
 }
 DEFAULT = ("trl-seeds", "async-one-seed", "async-seeds", "onpolicy-one-seed")
 
-ETA4 = ["buffer.max_staleness=4", "buffer.max_batches_ahead=0"]  # depth η + 1: the recipe default
-ETA16 = ["buffer.max_staleness=16", "buffer.max_batches_ahead=0"]  # depth 17: really that stale
+FIXED = "buffer.adaptive_depth_wait=false"  # the depth held at max_batches_ahead
+ETA4 = ["buffer.max_staleness=4", "buffer.max_batches_ahead=0", FIXED]  # depth η + 1 (AReaL)
+ETA16 = ["buffer.max_staleness=16", "buffer.max_batches_ahead=0", FIXED]  # depth 17: that stale
 ADAPTIVE = ["buffer.adaptive_depth_ess=0.9", "buffer.adaptive_depth_kl=0.05"]
 HARD: dict[str, tuple[list[str], bool]] = {
     "onpolicy": (["buffer.max_staleness=0"], True),
     "eta4": (ETA4, True),
-    "eta4-depth2": (["buffer.max_staleness=4", "buffer.max_batches_ahead=2"], True),
-    "eta4-depth1": (["buffer.max_staleness=4", "buffer.max_batches_ahead=1"], True),
-    "eta4-wait": ([*ETA4, "buffer.adaptive_depth_wait=true"], True),
+    "eta4-depth2": (["buffer.max_staleness=4", "buffer.max_batches_ahead=2", FIXED], True),
+    "eta4-depth1": (["buffer.max_staleness=4", "buffer.max_batches_ahead=1", FIXED], True),
+    "eta4-wait": (["buffer.max_staleness=4", "buffer.max_batches_ahead=0"], True),  # the default
     "newest": ([*ETA4, "buffer.batch_order=newest"], True),
     "eta4-depth2-newest": (
-        ["buffer.max_staleness=4", "buffer.max_batches_ahead=2", "buffer.batch_order=newest"],
+        [
+            "buffer.max_staleness=4",
+            "buffer.max_batches_ahead=2",
+            "buffer.batch_order=newest",
+            FIXED,
+        ],
         True,
     ),
     "m2po": ([*ETA4, "algorithm.loss=m2po"], True),
@@ -95,7 +101,7 @@ HARD: dict[str, tuple[list[str], bool]] = {
     "eta16": (ETA16, True),
     "eta16-m2po": ([*ETA16, "algorithm.loss=m2po"], True),
     "eta16-adaptive": ([*ETA16, *ADAPTIVE], True),
-    "eta16-wait": ([*ETA16, "buffer.adaptive_depth_wait=true"], True),
+    "eta16-wait": (["buffer.max_staleness=16", "buffer.max_batches_ahead=0"], True),
 }
 """``--start hard``'s conditions (issue #53): every one at seed i in run i."""
 CONDITIONS.update(HARD)
