@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="do not check that model, data and TLS files exist (recipes for another machine)",
     )
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # flags and overrides in any order, as `asyncrl run`
     try:
         r = recipe_mod.load(a.recipe, a.overrides, check_files=not a.no_files)
     except recipe_mod.RecipeError as e:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", help="YAML recipe: data.eval_path, run.eval_prompts, rollout.*")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--model", default="", help="model folder (default: the recipe's model.path)")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # flags and overrides in any order, as `asyncrl run`
     try:
         r = recipe_mod.load(a.recipe, a.overrides)
     except recipe_mod.RecipeError as e:

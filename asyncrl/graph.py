@@ -155,7 +155,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("recipe", help="YAML recipe file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.advantage=gae")
     p.add_argument("--out", type=Path, help="PNG path (default: <run dir>.dataflow.png)")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # flags and overrides in any order, as `asyncrl run`
     try:
         r = recipe_mod.load(a.recipe, a.overrides, check_files=False)
         flow = dataflow.from_recipe(r)

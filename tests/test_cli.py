@@ -42,3 +42,14 @@ def test_unknown_command_is_a_usage_error(capsys):
     else:
         raise AssertionError("an unknown command was accepted")
     assert "invalid choice: 'trian'" in capsys.readouterr().err
+
+
+def test_flags_and_overrides_mix_in_any_order(capsys):
+    """`asyncrl check RECIPE --no-files key=value` takes the override after the flag, as
+    `asyncrl run RECIPE --overwrite key=value` does (argparse alone refuses a positional list after
+    a flag): the resolved recipe shows it."""
+    from asyncrl.cli import run_command
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes/demo.yaml")
+    assert run_command(["check", recipe, "--no-files", "buffer.max_staleness=2"]) == 0
+    assert "max_staleness: 2" in capsys.readouterr().out

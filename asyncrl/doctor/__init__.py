@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
         help="SGLang's interpreter when it has its own environment: its NCCL is read from it",
     )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per server request")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # flags and overrides in any order, as `asyncrl run`
     try:
         r = recipe_mod.load(a.recipe, a.overrides, check_files=False)
     except recipe_mod.RecipeError as e:

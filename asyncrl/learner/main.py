@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("recipe", help="YAML recipe")
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # flags and overrides in any order, as `asyncrl run`
     try:
         recipe = recipe_mod.load(a.recipe, a.overrides)
     except recipe_mod.RecipeError as e:
