@@ -124,12 +124,15 @@ demo-lora: $(STAMP)
 # The mixture-of-experts demo (docs/moe.md): the demo's task on a tiny Qwen3-MoE (8 experts, top-2)
 # with routing replay: the built-in engine returns each token's experts and the learner trains the
 # token through them. 1. model (--arch qwen3_moe) + data, 2. SFT warm start (demo_moe_sft),
-# 3. async GRPO with routing replay (demo_moe); summary.json has the routing agreement.
+# 3. async GRPO with routing replay (demo_moe); summary.json has the routing agreement; 4. the same
+# stage without replay (demo_moe_noreplay), and the two side by side (tools/moe_replay_summary.py).
 demo-moe: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python tools/make_demo.py --arch qwen3_moe --out build/demo_moe
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_moe_sft.yaml --overwrite
 	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_moe.yaml --overwrite
-	@echo "summary: runs/demo_moe/summary.json (routing_agreement_*)   plots: runs/demo_moe/plots/"
+	OMP_NUM_THREADS=1 $(BIN)/asyncrl run recipes/demo_moe.yaml --overwrite run.name=demo_moe_noreplay algorithm.routing_replay=false
+	@$(BIN)/python tools/moe_replay_summary.py runs
+	@echo "summaries: runs/demo_moe{,_noreplay}/summary.json   plots: runs/demo_moe/plots/"
 
 # The agent demo (docs/agents.md): the tiny Qwen3 learns to call a tool, served over MCP (stdio, one
 # `python -m asyncrl.agents.demo_agent` per episode), to answer lookups it cannot know. 1. model +
