@@ -122,3 +122,6 @@ READ_WHEN_DISTILL = (DISTILL_REVERSE_KL,)
 # -- a mixture-of-experts policy whose samples carry the generator's routes (docs/moe.md) --------
 # (token, MoE layer) routings of the step's forwards whose top-k set equals the generator's
 ROUTING_AGREEMENT = "learner/routing_agreement"
+# the auxiliary load-balancing loss of the actor's training forwards (algorithm.moe_aux_loss_coef
+# > 0): E·Σ_e f_e·P_e, unweighted, mean over the step's updates (top_k when balanced)
+MOE_AUX = "loss/moe_aux"

@@ -41,7 +41,7 @@ from asyncrl.learner.losses.stats import zero_stats
 from asyncrl.learner.models import Models
 from asyncrl.learner.packing import MicroBatch, Sequence, pack, split_micro_batches
 from asyncrl.learner.placement import RoleMesh
-from asyncrl.learner.routing import set_routes
+from asyncrl.learner.routing import record_routing, recorded_aux_loss, set_routes
 
 
 @dataclass(kw_only=True)
@@ -61,6 +61,8 @@ class StepTotals:
     lrs: list[float] = field(default_factory=list)
     lr_factors: list[float] = field(default_factory=list)  # learner.lr_ess_scale's, per update
     micro_batches: int = 0
+    # Σ over updates of the MoE load-balancing loss (its share on this rank; None: none computed)
+    moe_aux: torch.Tensor | None = None
 
     @classmethod
     def on(cls, device: torch.device, max_staleness: int, loss: str = "") -> StepTotals:
@@ -182,15 +184,25 @@ def normaliser(models: Models, mbs: list[MicroBatch], mesh: RoleMesh) -> Normali
     """A mini-batch's GLOBAL token and sequence counts: every micro-batch of every
     data-parallel rank of the role (collective over them; a tensor-parallel group's ranks hold
     the same tokens: counted once). The counts come from packing, on the host: a CPU tensor's
-    all-reduce (gloo beside NCCL on a GPU), nothing read back from the device."""
+    all-reduce (gloo beside NCCL on a GPU), nothing read back from the device. With the MoE
+    load-balancing loss on, the same collective counts every input position too (its mean's
+    denominator); off, it is the two counts alone."""
     tokens, seqs = 0.0, 0.0
     for mb in mbs:
         tokens += mb.trained_tokens
         seqs += mb.trained_seqs
-    counts = torch.tensor([tokens, seqs], dtype=torch.float64)
+    counted = [tokens, seqs]
+    if models.config.algorithm.moe_aux_loss_coef > 0:
+        counted.append(float(sum(0 if mb.is_empty else mb.num_tokens for mb in mbs)))
+    counts = torch.tensor(counted, dtype=torch.float64)
     dist.all_reduce(counts, group=mesh.dp_group)
-    tokens, seqs = counts.tolist()
-    return Normaliser(tokens=tokens, seqs=seqs, seq_len=float(models.config.max_new_tokens))
+    tokens, seqs, *positions = counts.tolist()
+    return Normaliser(
+        tokens=tokens,
+        seqs=seqs,
+        seq_len=float(models.config.max_new_tokens),
+        positions=positions[0] if positions else 0.0,
+    )
 
 
 def advantages(models: Models, mb: MicroBatch, log_pi: torch.Tensor) -> torch.Tensor:
@@ -226,10 +238,18 @@ def actor_micro_batch(
     The loss is computed on log π (and the entropy) as leaves; its gradient then goes back
     through the output projection a chunk at a time and through the decoder
     (:mod:`asyncrl.learner.logprobs`). A rank whose micro-batch trains no token runs the same
-    collectives (the projection on one row, with gradient 0), so FSDP's pair up."""
+    collectives (the projection on one row, with gradient 0), so FSDP's pair up.
+
+    With ``moe_aux_loss_coef`` > 0 on an MoE, the routers record this forward, and coef × the
+    load-balancing loss of the micro-batch's tokens, weighted by their share of the mini-batch's
+    positions (so the update's term is the token-weighted mean over its micro-batches), goes back
+    in the same backward as the policy loss's gradient. An empty micro-batch (the padding row)
+    adds none."""
     alg, actor = models.config.algorithm, models.actor
     assert actor is not None
+    recording = record_routing(actor) if alg.moe_aux_loss_coef > 0 else []
     h = hidden(models, mb, actor)
+    aux = recorded_aux_loss(recording) if recording else None
     # the ``ref`` call's, computed here or on the ref's own ranks (then exchanged)
     ref_logp = mb.ref_logp if "ref" in models.meshes else None
     rows = mb.sel if mb.sel.numel() else torch.zeros(1, dtype=torch.long, device=h.device)
@@ -279,7 +299,13 @@ def actor_micro_batch(
         totals.loss += loss.detach().to(torch.float64)
     totals.tokens += 0 if mb.is_empty else mb.num_tokens
     grad_hidden = chunked_backward(hid, labels, actor.lm_head, grad_logp, grad_ent, **chunking)
-    hid.backward(grad_hidden)
+    if aux is None or mb.is_empty:
+        hid.backward(grad_hidden)
+        return
+    share = mb.num_tokens / norm.positions
+    torch.autograd.backward([hid, aux * (alg.moe_aux_loss_coef * share)], [grad_hidden, None])
+    part = aux.detach().to(torch.float64) * share
+    totals.moe_aux = part if totals.moe_aux is None else totals.moe_aux + part
 
 
 def update_actor(

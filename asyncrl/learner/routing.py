@@ -14,6 +14,12 @@ on the model's routers before each forward and leaves them there, so that a back
 (activation checkpointing) routes as the forward did. Whether replayed or not, each router counts
 the (token, MoE layer) routings where its own top-k set equals the generator's
 (:func:`agreement`), logged every step as ``learner/routing_agreement``.
+
+The auxiliary load-balancing loss (``algorithm.moe_aux_loss_coef``, :func:`load_balancing_loss`)
+needs each router's scores and the experts it used in the actor's training forward:
+:func:`record_routing` has the routers keep them for one forward, :func:`recorded_aux_loss` reads
+them and stops the recording (so a backward's recompute records nothing). Off, a router keeps
+nothing and runs not one more op.
 """
 
 from __future__ import annotations
@@ -45,9 +51,19 @@ class ReplayRouter(TokenChoiceTopKRouter):
         self.routes: torch.Tensor | None = None
         self.replay = False
         self.agree: torch.Tensor | None = None  # float64 [2]: agreeing routings, routings
+        # (scores [B, L, E], experts used [B, L, K]) of each forward while recording, else None
+        self.record: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(
         self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self._route(x_BLD, expert_bias_E)
+        if self.record is not None:  # the experts used: the replayed ones under replay
+            self.record.append((out[2], out[1]))
+        return out
+
+    def _route(
+        self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         top_BLK, own_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
         routes = self.routes
@@ -101,3 +117,63 @@ def agreement(model: torch.nn.Module | None, *, reset: bool = False) -> torch.Te
         if reset:
             r.agree = None
     return total
+
+
+def record_routing(model: torch.nn.Module) -> list[ReplayRouter]:
+    """Have the model's routers keep their scores and experts for the next forward (read by
+    :func:`recorded_aux_loss`); returns them (none on a dense model)."""
+    rs = routers(model)
+    for r in rs:
+        r.record = []
+    return rs
+
+
+def recorded_aux_loss(rs: list[ReplayRouter]) -> torch.Tensor | None:
+    """The load-balancing loss of the forward the routers ``rs`` recorded (every position of its
+    rows: a packed micro-batch has no padding), with its gradient into the routers; stops the
+    recording, so that a backward's recompute of the forward (activation checkpointing) adds
+    nothing. None when nothing was recorded."""
+    records = [r.record[0] for r in rs if r.record]
+    for r in rs:
+        r.record = None
+    if not records:
+        return None
+    e = rs[0].num_experts
+    return load_balancing_loss(
+        [s.reshape(-1, e) for s, _ in records],
+        [ids.reshape(-1, ids.shape[-1]) for _, ids in records],
+        num_experts=e,
+    )
+
+
+def load_balancing_loss(
+    probs: list[torch.Tensor],
+    experts: list[torch.Tensor],
+    *,
+    num_experts: int,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Switch Transformer's auxiliary loss as transformers' Qwen3-MoE computes it
+    (``load_balancing_loss_func``, its ``router_aux_loss_coef`` term), so that a coefficient means
+    what it means there: ``E · Σ_e f_e · P_e`` with, pooled over the MoE layers and the valid
+    tokens (R = layers × tokens), f_e = (routings to e) / R (so Σ_e f_e = top_k) and P_e = the sum
+    of e's router probabilities / R. Minimal (top_k) when the routings and the probabilities are
+    uniform; only P carries a gradient (the top-k choice has none).
+
+    ``probs``: per MoE layer, the router's softmax ``[N, E]``; ``experts``: the experts each token
+    went to ``[N, K]`` (transformers takes the top-k of ``probs``; under routing replay these are
+    the replayed ones, the experts actually trained); ``valid``: ``[N]``, 0 at padding (None: all
+    count). Computed in float32."""
+    dev = probs[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    rows = torch.zeros((), dtype=torch.float32, device=dev)
+    w = None if valid is None else valid.reshape(-1).to(device=dev, dtype=torch.float32)
+    for p, ids in zip(probs, experts, strict=True):
+        p = p.float()
+        k = ids.shape[-1]
+        ones = torch.ones(ids.numel(), device=dev) if w is None else w.repeat_interleave(k)
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, ids.reshape(-1).long(), ones)
+        prob_sum = prob_sum + (p.sum(0) if w is None else (p * w[:, None]).sum(0))
+        rows = rows + (p.shape[0] if w is None else w.sum())
+    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))

@@ -191,6 +191,7 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
     same on its ranks, from its first rank alone. The actor's gradient norms stay on the device
     (one per update: ``role/grad_norms``) until this one collective and read."""
     f64 = torch.float64
+    c = models.config
     counted = {
         "loss": totals.loss.reshape(1),
         "tokens": torch.tensor([float(totals.tokens)], dtype=f64),
@@ -203,6 +204,10 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
     } | {f"stat/{k}": v.reshape(1) for k, v in totals.stats.items()}
     # the actor's routings that agreed with the generator's, and all with the generator's
     counted["routing"] = agreement(models.actor, reset=True)
+    if c.algorithm.moe_aux_loss_coef > 0:  # every rank has the entry: the collective pairs up
+        counted["moe_aux"] = (
+            torch.zeros(1, dtype=f64) if totals.moe_aux is None else totals.moe_aux.reshape(1)
+        )
     trained = [m for role, m in models.meshes.items() if role != "ref" and m.holds]
     if any(m.tp_rank != 0 for m in trained):
         counted = {k: torch.zeros_like(v, dtype=f64) for k, v in counted.items()}
@@ -291,6 +296,8 @@ def step_metrics(
     agree, routed = summed["counted/routing"].tolist()
     if routed:  # samples carried the generator's routes (routing replay on or off)
         out[names.ROUTING_AGREEMENT] = agree / routed
+    if "counted/moe_aux" in summed:  # the load-balancing loss, mean over the updates
+        out[names.MOE_AUX] = float(summed["counted/moe_aux"]) / updates
     out |= peak_memory() | info | finalize_stats(stats)
     if models.config.loss != "sft":
         eta = models.config.max_staleness

@@ -382,6 +382,26 @@ def routing_replay(r: Recipe, file: str | None, check_files: bool) -> None:
         )
 
 
+def moe_aux_loss(r: Recipe, file: str | None, check_files: bool) -> None:
+    """The load-balancing loss balances a mixture of experts' routers: a dense model has none, and
+    the learner would add nothing while the recipe says it balances. The model's kind is read from
+    its config.json, so only with ``check_files``."""
+    if r.algorithm.moe_aux_loss_coef <= 0 or not (check_files and r.model.path):
+        return
+    try:
+        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # model_folder reports a missing folder; the learner a bad config.json
+    mtype = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if mtype not in MOE_MODEL_TYPES:
+        raise RecipeError(
+            f"{r.algorithm.moe_aux_loss_coef} > 0, but model.path is not a mixture of experts "
+            f"(model_type {mtype}): a dense model has no router to balance",
+            file=file,
+            key="algorithm.moe_aux_loss_coef",
+        )
+
+
 def model_reward(r: Recipe, file: str | None, check_files: bool) -> None:
     """``rollout.reward: model`` needs a reward model; the evaluation's reward is a rule."""
     if r.rollout.reward == "model" and not r.rollout.reward_model.enabled:
@@ -456,6 +476,7 @@ CHECKS: tuple[Check, ...] = (
     check_lora,
     moe_model,
     routing_replay,
+    moe_aux_loss,
     model_reward,
     served.reward_model_servers,
     served.teacher_and_distill,

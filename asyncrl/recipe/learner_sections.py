@@ -109,6 +109,13 @@ class AlgorithmConfig:
         "router chose for it (rollout routing replay, R3; docs/moe.md); the gating weights stay "
         "the current router's, so it still learns",
     )
+    moe_aux_loss_coef: float = setting(
+        0.0,
+        lo=0,
+        doc="mixture-of-experts policies: weight of the Switch/Qwen3-MoE auxiliary "
+        "load-balancing loss (transformers' router_aux_loss_coef; Qwen3-MoE's config has 0.001) "
+        "added to the actor's loss, logged as loss/moe_aux (0: off; docs/moe.md)",
+    )
 
     @property
     def uses_rollouts(self) -> bool:

@@ -33,12 +33,15 @@ class Normaliser:
     token, each counted by its weight (a per-turn sample its share of its episode, so ``seqs``
     counts episodes; :func:`token_weights`); ``seq_len``: Dr. GRPO's constant L (use
     ``rollout.max_new_tokens``). Build it from :func:`count_tokens_and_seqs` summed over
-    micro-batches and all-reduced over ranks.
+    micro-batches and all-reduced over ranks. ``positions``: every input position of the step's
+    sequences, trained or not, counted only for the MoE load-balancing loss (its mean is over all
+    the tokens the routers saw; 0 when it is off).
     """
 
     tokens: float
     seqs: float
     seq_len: float = 1.0
+    positions: float = 0.0
 
 
 def count_tokens_and_seqs(
