@@ -167,3 +167,31 @@ def test_check_refuses_the_aux_loss_on_a_dense_model(tiny_qwen3_moe, tiny_qwen3)
         recipe.from_dict(dense)
     assert "\n" not in str(e.value)
     assert recipe.from_dict(dense | {"algorithm": {}}).algorithm.moe_aux_loss_coef == 0.0
+
+
+def test_under_replay_the_aux_counts_the_replayed_experts(tiny_qwen3_moe, tmp_path):
+    """The routings that train are the generator's: the loss balances those, not the ones the
+    learner's router would have chosen."""
+    tr = make_trainer(
+        tiny_qwen3_moe, tmp_path, algorithm={"routing_replay": True, "moe_aux_loss_coef": 0.01}
+    )
+    seqs = random_sequences(2, tr.models.spec.model.vocab_size, seed=7)
+    # every position of every MoE layer to experts 0 and 1, whatever the router prefers
+    forced = [np.tile(np.array([0, 1], np.uint8), (len(s) - 1, 2, 1)) for s in seqs]
+    items = [
+        make_sequence(i, s[:1], s[1:], routed_experts=r)
+        for i, (s, r) in enumerate(zip(seqs, forced, strict=True))
+    ]
+    rs = record_routing(tr.models.actor)
+    with torch.no_grad():
+        passes.hidden(tr.models, pack(items).to(tr.models.device), tr.models.actor)
+    for r in rs:
+        assert (r.record[0][1].sort(-1).values == torch.tensor([0, 1])).all()
+    probs = [r.record[0][0].reshape(-1, EXPERTS) for r in rs]
+    got = float(recorded_aux_loss(rs))
+    # f_0 = f_1 = 1 (every routing), so the loss is E·(P_0 + P_1): the mean probabilities there
+    want = EXPERTS * float(sum(p[:, :2].sum() for p in probs)) / sum(p.shape[0] for p in probs)
+    assert got == pytest.approx(want, rel=RTOL)
+    # not the loss of the router's own choice (which counts its top-k, not experts 0 and 1)
+    own = aux_of(tr, [make_sequence(i, s[:1], s[1:]) for i, s in enumerate(seqs)])
+    assert abs(got - own) > 1e-2
