@@ -178,3 +178,19 @@ def test_staleness_effects_reads_each_versions_reward_and_the_early_arrivals_adv
         == pytest.approx(d["version_reward_tail"])
     )
     assert "late" in r.stdout and "plot:" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [(["--set", "learner.lr"], "--set: expected KEY=VALUE"), (["--label", "a/b"], "--label")],
+)
+def test_spread_refuses_a_variant_it_cannot_name(args: list[str], names: str) -> None:
+    """A variant's overrides must parse and its label becomes part of run folders' names, so a bad
+    one is refused before any run starts."""
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "spread.py"), "--conditions", "onpolicy", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and names in r.stderr and "Traceback" not in r.stderr

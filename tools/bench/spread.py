@@ -36,7 +36,9 @@ the freshest groups first (``newest``: depth 5; ``eta4-depth2-newest``), each re
 (``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
 ``adaptive``: the depth by the drift), and ``eta16`` (η = 16, depth 17) alone and with ``m2po``,
 ``adaptive`` and the wait-driven depth (``eta16-wait``). Prints the median held-out and median wall
-of each. ``--first-run K`` numbers the runs (and seeds) from K, to add seeds to an earlier bench's.
+of each. ``--first-run K`` numbers the runs (and seeds) from K, to add seeds to an earlier bench's;
+``--set KEY=VALUE`` adds a recipe override to every asyncrl condition (``--label`` keeps that
+variant's run folders apart).
 
     python tools/bench/spread.py --start hard --size mid --runs 5 --steps 50 \
         --conditions onpolicy,eta4,eta4-depth2,m2po,anchor,esslr,adaptive,eta16,eta16-m2po,eta16-adaptive
@@ -146,14 +148,23 @@ def ensure_hard_start(size: str, sft_steps: int) -> Path:
     return sft / "hf/latest"
 
 
-def run_one(condition: str, i: int, *, py: str, start: Path, steps: int, size: str) -> dict:
+def run_one(
+    condition: str,
+    i: int,
+    *,
+    py: str,
+    start: Path,
+    steps: int,
+    size: str,
+    extra: tuple[str, ...] = (),
+) -> dict:
     tag = f"spread_{size}_{condition}_{i}"
     spec = CONDITIONS[condition]
     if spec is None:
         r = run_trl(py, start, steps, 1, tag, seed=i)
     else:
         overrides, seeds = spec
-        r = run_asyncrl(start, steps, [f"run.seed={i if seeds else 0}", *overrides], tag)
+        r = run_asyncrl(start, steps, [f"run.seed={i if seeds else 0}", *overrides, *extra], tag)
     return {
         "heldout": heldout(r["model"], OUT / f"{tag}_eval.log"),
         "reward_last": running_mean(r["reward"], 5)[-1] if r["reward"] else None,
@@ -189,7 +200,24 @@ def main(argv: list[str] | None = None) -> int:
         help="sft: the vs_trl start; hard: SFT'd --sft-steps only, held-out near 0 (issue #53)",
     )
     p.add_argument("--sft-steps", type=int, default=HARD_SFT_STEPS, help="--start hard's SFT")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for every asyncrl condition (e.g. learner.lr=1e-3); repeatable",
+    )
+    p.add_argument(
+        "--label",
+        default="",
+        help="a word in every run's name, so that a variant's runs (--set) keep their own folders",
+    )
     a = p.parse_args(argv)
+    bad = [kv for kv in a.set if "=" not in kv]
+    if bad:
+        p.error(f"--set: expected KEY=VALUE, got {bad[0]!r}")
+    if a.label and not a.label.replace("-", "").replace(".", "").isalnum():
+        p.error(f"--label: letters, digits, '-' and '.' only, got {a.label!r}")
     default = HARD_DEFAULT if a.start == "hard" else DEFAULT
     conditions = [c for c in (a.conditions or ",".join(default)).split(",") if c]
     unknown = sorted(set(conditions) - set(CONDITIONS))
@@ -214,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                 py=py,
                 start=start,
                 steps=a.steps,
-                size=a.size if a.start == "sft" else f"{a.size}_hard",
+                size=(a.size if a.start == "sft" else f"{a.size}_hard")
+                + (f"_{a.label}" if a.label else ""),
+                extra=tuple(a.set),
             )
             results[c].append(r)
             print(
@@ -238,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"bench": "spread", "size": a.size, "start": a.start, "runs": a.runs}
     if a.start == "hard":
         out |= {"sft_steps": a.sft_steps, "heldout_start": at_start}
+    if a.set:
+        out |= {"set": a.set}
     print(json.dumps(out | {"conditions": summary}))
     return 0
 
