@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl import dataflow
-from asyncrl.moe import moe_layers, num_experts
 from asyncrl.recipe import (
     TOKEN_ADVANTAGES,
     Checkpointing,
@@ -25,6 +24,7 @@ from asyncrl.recipe import (
     Recipe,
     ref_is_lora_base,
 )
+from asyncrl.recipe.moe_config import moe_layers, num_experts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

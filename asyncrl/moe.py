@@ -1,7 +1,7 @@
 """What a mixture-of-experts model's config.json says about its routes, and how a sample's routes
 are put together from the requests that made it (pure, no I/O; docs/moe.md).
 
-The learner builds its MoE layers from the same rules (:func:`moe_layers`, :func:`num_experts`),
+The learner builds its MoE layers from the same rules (``asyncrl.recipe.moe_config``),
 and the rollout client reads SGLang's routes with them (:class:`RouteShape`), so both agree on
 which layers a route's rows are.
 """
@@ -13,27 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.recipe.checks import MOE_MODEL_TYPES
+from asyncrl.recipe.moe_config import moe_layers, num_experts
 from asyncrl.wire import route_dtype
-
-
-def moe_layers(cfg: dict) -> list[bool]:
-    """Which layers of an HF Qwen3-MoE config are MoE: transformers' rule (a layer is sparse unless
-    listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th one)."""
-    n = int(cfg.get("num_hidden_layers", 0))
-    if cfg.get("model_type") not in MOE_MODEL_TYPES:
-        return [False] * n
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    dense = set(cfg.get("mlp_only_layers") or ())
-    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
-
-
-def num_experts(cfg: dict) -> int:
-    """The experts per MoE layer (Qwen3-MoE's hub configs say ``num_experts``; transformers 5
-    writes ``num_local_experts``); 0 for a dense model."""
-    if cfg.get("model_type") not in MOE_MODEL_TYPES:
-        return 0
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ def distill_summary(learner: list[dict]) -> dict[str, float | None]:
 
 def _is_moe(r: Recipe) -> bool:
     """Whether ``model.path``'s config.json names a mixture-of-experts model (docs/moe.md)."""
-    from asyncrl.recipe.checks import MOE_MODEL_TYPES
+    from asyncrl.recipe.moe_config import MOE_MODEL_TYPES
 
     try:
         cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())

@@ -41,7 +41,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from asyncrl.learner import cpu_shims
 from asyncrl.learner.attention import choose_attention, inner_attention_config, module_importable
 from asyncrl.learner.routing import ReplayRouter
-from asyncrl.moe import moe_layers, num_experts
+from asyncrl.recipe.moe_config import moe_layers, num_experts
 
 log = logging.getLogger("asyncrl.learner")
 

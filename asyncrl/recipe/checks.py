@@ -15,6 +15,7 @@ from pathlib import Path
 from asyncrl.recipe import served
 from asyncrl.recipe.fields import TOKEN_ADVANTAGES, RecipeError
 from asyncrl.recipe.layout import check_critic_placement, check_placement, learner_roles
+from asyncrl.recipe.moe_config import MOE_MODEL_TYPES, moe_layers
 from asyncrl.recipe.schema import Recipe
 
 Check = Callable[[Recipe, str | None, bool], None]
@@ -284,10 +285,6 @@ def check_lora(r: Recipe, file: str | None = None, check_files: bool = True) -> 
         )
 
 
-MOE_MODEL_TYPES = ("qwen3_moe",)
-"""The mixture-of-experts model types the learner builds (docs/moe.md)."""
-
-
 def moe_model(r: Recipe, file: str | None, check_files: bool) -> None:
     """What is not built for a mixture-of-experts policy (docs/moe.md): LoRA (its targets are the
     dense projections; the experts would train in full or not at all, untested either way), tensor
@@ -337,9 +334,7 @@ def sglang_moe_layout(cfg: dict, what: str, file: str | None) -> None:
     wrong = []
     if cfg.get("tie_word_embeddings", False):
         wrong.append("tie_word_embeddings true (SGLang's lm_head would stay unloaded)")
-    n = int(cfg.get("num_hidden_layers") or 0)
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    dense = sorted(set(cfg.get("mlp_only_layers") or ()) | {i for i in range(n) if (i + 1) % step})
+    dense = [i for i, sparse in enumerate(moe_layers(cfg)) if not sparse]
     if dense:
         wrong.append(
             f"dense layers {dense} (mlp_only_layers, decoder_sparse_step: SGLang makes every layer "
