@@ -26,16 +26,17 @@ in turn) so that load from elsewhere falls on all of them.
         [--conditions trl-seeds,async-one-seed,async-seeds,onpolicy-one-seed]  # the default
 
 **The hard start** (issue #53, ``--start hard``): the same task from a model SFT'd for only
-``--sft-steps`` steps (default 40 of recipes/demo_sft.yaml's 250), whose held-out success is low
-(0.08), so early progress compounds and a lag costs most; the start's own held-out success is
+``--sft-steps`` steps (default 60 of recipes/demo_sft.yaml's 250), whose held-out success is low
+(0.12), so early progress compounds and a lag costs most; the start's own held-out success is
 measured and printed first. Its conditions (:data:`HARD`, seed i in run i) set the buffer
 explicitly, since demo.yaml's ``max_batches_ahead: 2`` is not the recipe default:
 ``onpolicy`` (η = 0), ``eta4`` (η = 4, depth η + 1 = 5), ``eta4-depth2`` (demo.yaml as it is),
 ``eta4-depth1`` (each a fixed depth), ``eta4-wait`` (the default: the depth by the learner's waits),
 the freshest groups first (``newest``: depth 5; ``eta4-depth2-newest``), each remedy on ``eta4``
 (``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
-``adaptive``: the depth by the drift), and ``eta16`` (η = 16, depth 17) alone and with ``m2po``,
-``adaptive`` and the wait-driven depth (``eta16-wait``). Prints the median held-out and median wall
+``adaptive``: the depth by the drift), the anchor on the default depth (``wait-anchor``), and
+``eta16`` (η = 16, depth 17) alone and with ``m2po``, ``adaptive`` and the wait-driven depth
+(``eta16-wait``). Prints the median held-out and median wall
 of each. ``--first-run K`` numbers the runs (and seeds) from K, to add seeds to an earlier bench's;
 ``--set KEY=VALUE`` adds a recipe override to every asyncrl condition (``--label`` keeps that
 variant's run folders apart).
@@ -98,6 +99,10 @@ HARD: dict[str, tuple[list[str], bool]] = {
     ),
     "m2po": ([*ETA4, "algorithm.loss=m2po"], True),
     "anchor": ([*ETA4, "algorithm.prox_anchor=staleness"], True),
+    "wait-anchor": (  # the default's depth with the staleness anchor
+        ["buffer.max_staleness=4", "buffer.max_batches_ahead=0", "algorithm.prox_anchor=staleness"],
+        True,
+    ),
     "esslr": ([*ETA4, "learner.lr_ess_scale=sqrt"], True),
     "adaptive": ([*ETA4, *ADAPTIVE], True),
     "eta16": (ETA16, True),
@@ -108,13 +113,15 @@ HARD: dict[str, tuple[list[str], bool]] = {
 """``--start hard``'s conditions (issue #53): every one at seed i in run i."""
 CONDITIONS.update(HARD)
 HARD_DEFAULT = tuple(HARD)
-HARD_SFT_STEPS = 40
-"""SFT steps of the hard start (the mid bench's 250 give ~0.3 held-out success). Held-out success of
+HARD_SFT_STEPS = 60
+"""SFT steps of the hard start (the mid bench's 250 give 0.20 held-out success). Held-out success of
 the mid model by SFT steps (2026-12-07): 60: 0.12, 40: 0.08, 30: 0.054, 20: 0.044, 15: 0.024,
-12: 0.004 (the issue's 0.003), 10: 0.0. Below 40 this task's start samples almost no success at
-temperature 1: from 12, 15 and 20 steps on-policy's 50 steps ended at held-out 0.000 (from 15: 2
-successes in 6,400 samples), so nothing is learned and no lag can cost. From 40, on-policy
-climbs (0.08 to 0.22 in 50 steps, batch reward 0.03 to 0.16)."""
+12: 0.004 (the issue's 0.003), 10: 0.0. From 12, 15 and 20 steps on-policy's 50 steps ended at
+held-out 0.000 (from 15: 2 successes in 6,400 samples at temperature 1): nothing is learned, so no
+lag can cost. From 40, 5 seeds of on-policy ended at a median 0.052, below the start, and no
+condition could be ranked (lr 1e-3 there collapsed to 0.000; sampling at temperature 0.7 reached
+0.124). From 60, on-policy's 5 seeds reached a median 0.180 (0.11 to 0.41) and η = 4 at depth 5
+0.064 (all 5 at or below 0.142): slow, noisy, but it ranks (BENCHMARKS.md, Session 23)."""
 
 
 def ensure_hard_start(size: str, sft_steps: int) -> Path:
