@@ -526,3 +526,36 @@ def test_the_forced_attention_reaches_every_learner_the_check_builds(tmp_path, m
     assert step_output[0] == (
         "error: ASYNCRL_CHECK_ATTENTION='flash': use one of auto, sdpa, flex, varlen"
     )
+
+
+REWARD_DISTRIBUTIONS = {
+    "exact_match": (),
+    "math": ("math-verify", "latex2sympy2_extended", "antlr4-python3-runtime"),  # sympy: torch's
+}
+"""What each built-in reward imports beyond the GPU host's own packages (torch and its deps)."""
+
+
+def test_the_bundle_carries_what_the_checks_rewards_import():
+    """The host has no math-verify: `one_gpu`'s recipe scores with ``math``, so there every reward
+    failed and the step ended with no step trained (`make gpu-host-check`, 2026-12-07). Each
+    reward a recipe of the check names is carried, at the version the CPU tier runs."""
+    import re
+    from importlib.metadata import version
+
+    import yaml
+
+    recipes = sorted(
+        set(re.findall(r'"recipes/(\w+\.yaml)"', (ROOT / "tools/gpu/check.py").read_text()))
+    )
+    assert "one_gpu.yaml" in recipes
+    pins = {}
+    for line in (ROOT / "tools/gpu/requirements.txt").read_text().splitlines():
+        if "==" in line and not line.lstrip().startswith("#"):
+            name, ver = line.split("==")
+            pins[name.strip().lower().replace("_", "-")] = ver.strip()
+    for name in recipes:
+        reward = yaml.safe_load((ROOT / "recipes" / name).read_text())["rollout"]["reward"]
+        assert reward in REWARD_DISTRIBUTIONS, f"{name}: reward {reward!r}: say what it imports"
+        for dist in REWARD_DISTRIBUTIONS[reward]:
+            key = dist.lower().replace("_", "-")
+            assert pins.get(key) == version(dist), f"{name} ({reward}): {dist} not pinned as here"
