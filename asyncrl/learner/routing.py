@@ -147,33 +147,27 @@ def recorded_aux_loss(rs: list[ReplayRouter]) -> torch.Tensor | None:
 
 
 def load_balancing_loss(
-    probs: list[torch.Tensor],
-    experts: list[torch.Tensor],
-    *,
-    num_experts: int,
-    valid: torch.Tensor | None = None,
+    probs: list[torch.Tensor], experts: list[torch.Tensor], *, num_experts: int
 ) -> torch.Tensor:
     """The Switch Transformer's auxiliary loss as transformers' Qwen3-MoE computes it
     (``load_balancing_loss_func``, its ``router_aux_loss_coef`` term), so that a coefficient means
-    what it means there: ``E · Σ_e f_e · P_e`` with, pooled over the MoE layers and the valid
-    tokens (R = layers × tokens), f_e = (routings to e) / R (so Σ_e f_e = top_k) and P_e = the sum
-    of e's router probabilities / R. Minimal (top_k) when the routings and the probabilities are
-    uniform; only P carries a gradient (the top-k choice has none).
+    what it means there: ``E · Σ_e f_e · P_e`` with, pooled over the MoE layers and the tokens
+    (R = layers × tokens), f_e = (routings to e) / R (so Σ_e f_e = top_k) and P_e = the sum of e's
+    router probabilities / R. Minimal (top_k) when the routings and the probabilities are uniform;
+    only P carries a gradient (the top-k choice has none).
 
-    ``probs``: per MoE layer, the router's softmax ``[N, E]``; ``experts``: the experts each token
-    went to ``[N, K]`` (transformers takes the top-k of ``probs``; under routing replay these are
-    the replayed ones, the experts actually trained); ``valid``: ``[N]``, 0 at padding (None: all
-    count). Computed in float32."""
+    ``probs``: per MoE layer, the router's softmax ``[N, E]`` of the tokens that count (a packed
+    micro-batch has no padding; transformers drops a padded batch's by its attention mask);
+    ``experts``: the experts each token went to ``[N, K]`` (transformers takes the top-k of
+    ``probs``; under routing replay these are the replayed ones, the experts actually trained).
+    Computed in float32."""
     dev = probs[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
     prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    rows = torch.zeros((), dtype=torch.float32, device=dev)
-    w = None if valid is None else valid.reshape(-1).to(device=dev, dtype=torch.float32)
+    rows = 0
     for p, ids in zip(probs, experts, strict=True):
-        p = p.float()
-        k = ids.shape[-1]
-        ones = torch.ones(ids.numel(), device=dev) if w is None else w.repeat_interleave(k)
-        counts = counts + torch.zeros_like(counts).scatter_add_(0, ids.reshape(-1).long(), ones)
-        prob_sum = prob_sum + (p.sum(0) if w is None else (p * w[:, None]).sum(0))
-        rows = rows + (p.shape[0] if w is None else w.sum())
+        flat = ids.reshape(-1).long()
+        counts = counts.scatter_add(0, flat, torch.ones(flat.numel(), device=dev))
+        prob_sum = prob_sum + p.float().sum(0)
+        rows += p.shape[0]
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))

@@ -49,13 +49,12 @@ def padded_hf(model_dir, seqs: list[np.ndarray], pad: int):
 
 
 def ours_on(logits, mask=None) -> torch.Tensor:
-    """:func:`load_balancing_loss` on transformers' router logits, choosing as its router does."""
-    probs = [torch.softmax(lg.float(), -1) for lg in logits]
+    """:func:`load_balancing_loss` on transformers' router logits, choosing as its router does;
+    with ``mask``, on the unpadded positions' rows only (what a packed micro-batch holds)."""
+    keep = None if mask is None else mask.reshape(-1) > 0
+    probs = [torch.softmax(lg.float() if keep is None else lg[keep].float(), -1) for lg in logits]
     return load_balancing_loss(
-        probs,
-        [p.topk(TOP_K, -1).indices for p in probs],
-        num_experts=EXPERTS,
-        valid=None if mask is None else mask.reshape(-1),
+        probs, [p.topk(TOP_K, -1).indices for p in probs], num_experts=EXPERTS
     )
 
 
