@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from asyncrl import metric_names as names
 from asyncrl.learner_info import write_whole
 from asyncrl.recipe import Recipe
+from asyncrl.recipe.checks import model_config
+from asyncrl.recipe.moe_config import MOE_MODEL_TYPES
 
 if TYPE_CHECKING:
     from asyncrl.rollout.held_out_eval import EvalReport
@@ -200,13 +202,8 @@ def distill_summary(learner: list[dict]) -> dict[str, float | None]:
 
 def _is_moe(r: Recipe) -> bool:
     """Whether ``model.path``'s config.json names a mixture-of-experts model (docs/moe.md)."""
-    from asyncrl.recipe.moe_config import MOE_MODEL_TYPES
-
-    try:
-        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-    return isinstance(cfg, dict) and cfg.get("model_type") in MOE_MODEL_TYPES
+    cfg = model_config(r)
+    return cfg is not None and cfg.get("model_type") in MOE_MODEL_TYPES
 
 
 def routing_summary(learner: list[dict]) -> dict[str, float | None]:

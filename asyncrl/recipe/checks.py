@@ -285,20 +285,28 @@ def check_lora(r: Recipe, file: str | None = None, check_files: bool = True) -> 
         )
 
 
+def model_config(r: Recipe) -> dict | None:
+    """``model.path``'s config.json (``{}`` when it is not a JSON object), or None when there is no
+    path or the file cannot be read: the ``model_folder`` check reports a missing folder, the
+    learner a bad config.json."""
+    if not r.model.path:
+        return None
+    try:
+        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def moe_model(r: Recipe, file: str | None, check_files: bool) -> None:
     """What is not built for a mixture-of-experts policy (docs/moe.md): LoRA (its targets are the
     dense projections; the experts would train in full or not at all, untested either way), tensor
     parallelism (TorchTitan shards the experts' hidden dims, not run here), a critic or reward
     model (scalar heads on an MoE backbone, not run here). Needs the model's config.json, so only
     with ``check_files``."""
-    if not (check_files and r.model.path):
-        return
-    try:
-        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # model_folder reports a missing folder; the learner a bad config.json
-    mtype = cfg.get("model_type") if isinstance(cfg, dict) else None
-    if mtype not in MOE_MODEL_TYPES:
+    cfg = model_config(r) if check_files else None
+    mtype = None if cfg is None else cfg.get("model_type")
+    if cfg is None or mtype not in MOE_MODEL_TYPES:
         return
     what = f"model.path is a mixture of experts (model_type {mtype})"
     if r.generator.kind == "sglang":
@@ -361,13 +369,10 @@ def routing_replay(r: Recipe, file: str | None, check_files: bool) -> None:
             file=file,
             key="algorithm.routing_replay",
         )
-    if not (check_files and r.model.path):
+    cfg = model_config(r) if check_files else None
+    if cfg is None:
         return
-    try:
-        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # model_folder reports a missing folder; the learner a bad config.json
-    mtype = cfg.get("model_type") if isinstance(cfg, dict) else None
+    mtype = cfg.get("model_type")
     if mtype not in MOE_MODEL_TYPES:
         raise RecipeError(
             f"true, but model.path is not a mixture of experts (model_type {mtype}): a dense "
@@ -381,13 +386,10 @@ def moe_aux_loss(r: Recipe, file: str | None, check_files: bool) -> None:
     """The load-balancing loss balances a mixture of experts' routers: a dense model has none, and
     the learner would add nothing while the recipe says it balances. The model's kind is read from
     its config.json, so only with ``check_files``."""
-    if r.algorithm.moe_aux_loss_coef <= 0 or not (check_files and r.model.path):
+    cfg = model_config(r) if check_files and r.algorithm.moe_aux_loss_coef > 0 else None
+    if cfg is None:
         return
-    try:
-        cfg = json.loads((r.resolve(r.model.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # model_folder reports a missing folder; the learner a bad config.json
-    mtype = cfg.get("model_type") if isinstance(cfg, dict) else None
+    mtype = cfg.get("model_type")
     if mtype not in MOE_MODEL_TYPES:
         raise RecipeError(
             f"{r.algorithm.moe_aux_loss_coef} > 0, but model.path is not a mixture of experts "
