@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
@@ -182,6 +182,65 @@ def test_wait_driven_depth_deepens_only_where_the_learner_waits_on_the_depth():
     step(12.1)
     assert store.depth == 1 and "depth" in store.stats()
     assert roundtrip(store, 13.0, "w2").depth == 1
+
+
+def _wait_depth_trace(eta: int, schedule: list[tuple[int, bool, int]]) -> list[tuple]:
+    """One worker and the learner on ``schedule``, a tick per entry (ask for k starts, whether the
+    learner asks before the worker acts, how many running groups finish): per tick the starts
+    granted, the depth and the batch taken, up to the first tick at which a running or stored
+    group is more than 4 versions old (where eta 4's bound would act)."""
+    store = ReplayStore(
+        cfg(max_staleness=eta, adaptive_depth_wait=True, lease_seconds=1e6), nonce="w"
+    )
+    running: list[tuple[str, str, int]] = []  # (group id, lease id, version started at)
+    stored: dict[str, int] = {}
+    trace: list[tuple] = []
+    n = 0
+
+    def learner(now: float) -> list[str] | None:
+        batch = store.take_batch(now)
+        if batch is None:
+            return None
+        store.set_version(store.version + 1)
+        for g in batch.groups:
+            del stored[g.id]
+        return [g.id for g in batch.groups]
+
+    for t, (ask, learner_first, finish) in enumerate(schedule):
+        oldest = min([v for *_, v in running] + list(stored.values()), default=store.version)
+        if store.version - oldest > 4:
+            break
+        taken = learner(t) if learner_first else None
+        grant = store.acquire("w", ask, now=t + 0.1, request_id=f"r{t}") if ask else None
+        for _ in range(grant.starts if grant else 0):
+            running.append((f"g{n}", grant.lease_id, store.version))
+            n += 1
+        done, running = running[:finish], running[finish:]
+        groups = [make_group(gid, lid, versions=[v, v]) for gid, lid, v in done]
+        assert not store.put(groups, now=t + 0.2).rejected
+        stored |= {gid: v for gid, _, v in done}
+        if taken is None:
+            taken = learner(t + 0.3)
+        trace.append((grant.starts if grant else 0, store.depth, taken))
+    return trace
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 6), st.booleans(), st.integers(0, 6)), min_size=1, max_size=40
+    )
+)
+def test_the_wait_driven_depth_at_eta_16_is_eta_4s_until_a_group_ages_past_4(schedule):
+    """Under adaptive_depth_wait the bound enters only where a group would age past it: with
+    eta 4 and eta 16 the store grants the same starts, keeps the same depth and hands out the
+    same batches on any schedule until a group is more than 4 versions old. So the hard-start
+    bench's eta16-wait runs, whose groups never aged past 4, ran eta4-wait's pipeline
+    (BENCHMARKS.md, Session 24)."""
+    t16 = _wait_depth_trace(16, schedule)
+    note("a group aged past 4" if len(t16) < len(schedule) else "no group aged past 4")
+    note(f"deepest {max((d for _, d, _ in t16), default=1)}")
+    assert _wait_depth_trace(4, schedule)[: len(t16)] == t16
 
 
 def test_newest_order_takes_the_freshest_and_the_stale_age_out():

@@ -35,8 +35,8 @@ explicitly, since demo.yaml's ``max_batches_ahead: 2`` is not the recipe default
 the freshest groups first (``newest``: depth 5; ``eta4-depth2-newest``), each remedy on ``eta4``
 (``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
 ``adaptive``: the depth by the drift), the anchor on the default depth (``wait-anchor``), and
-``eta16`` (η = 16, depth 17) alone and with ``m2po``, ``adaptive`` and the wait-driven depth
-(``eta16-wait``). Prints the median held-out and median wall
+``eta16`` (η = 16, depth 17) alone and with ``m2po``, ``adaptive``, ``anchor`` and the wait-driven
+depth (``eta16-wait``). Prints the median held-out and median wall
 of each. ``--first-run K`` numbers the runs (and seeds) from K, to add seeds to an earlier bench's;
 ``--set KEY=VALUE`` adds a recipe override to every asyncrl condition (``--label`` keeps that
 variant's run folders apart).
@@ -108,6 +108,7 @@ HARD: dict[str, tuple[list[str], bool]] = {
     "eta16": (ETA16, True),
     "eta16-m2po": ([*ETA16, "algorithm.loss=m2po"], True),
     "eta16-adaptive": ([*ETA16, *ADAPTIVE], True),
+    "eta16-anchor": ([*ETA16, "algorithm.prox_anchor=staleness"], True),
     "eta16-wait": (["buffer.max_staleness=16", "buffer.max_batches_ahead=0"], True),
 }
 """``--start hard``'s conditions (issue #53): every one at seed i in run i."""
