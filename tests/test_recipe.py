@@ -402,7 +402,8 @@ def test_check_warns_that_decoupled_ppo_with_one_update_per_batch_is_tis(tmp_pat
     assert len(warnings) == 1, p.stderr
     assert "algorithm.loss: decoupled_ppo with one update per batch" in warnings[0]
     assert "is tis" in warnings[0] and "learner.minibatches > 1" in warnings[0]
-    for fix in ("learner.minibatches=2", "learner.epochs=2", "algorithm.loss=tis"):
+    fixes = ("learner.minibatches=2", "learner.epochs=2", "algorithm.loss=tis")
+    for fix in (*fixes, "algorithm.prox_anchor=staleness"):  # the anchor's clip acts at one update
         assert recipe.warnings(recipe.load(path, [fix])) == [], fix
 
 

@@ -510,12 +510,13 @@ def warnings(recipe: Recipe) -> list[str]:
             "rollout.top_p/top_k/min_p: generators report μ before truncation (log_softmax of "
             "logits / temperature, as SGLang does), so importance ratios do not see the truncation"
         )
-    if alg.loss == "decoupled_ppo" and recipe.learner.minibatches * recipe.learner.epochs == 1:
+    one_update = recipe.learner.minibatches * recipe.learner.epochs == 1
+    if alg.loss == "decoupled_ppo" and one_update and alg.prox_anchor == "recompute":
         out.append(
             "algorithm.loss: decoupled_ppo with one update per batch (learner.minibatches × "
             "learner.epochs = 1) is tis: π_prox is the weights being updated, so its clip "
             "(clip_low/clip_high/dual_clip) never acts; set learner.minibatches > 1 for its trust "
-            "region, or loss: tis"
+            "region, algorithm.prox_anchor: staleness, or loss: tis"
         )
     lora = recipe.learner.lora
     if lora.enabled and recipe.generator.kind == "sglang":
