@@ -36,7 +36,7 @@ the freshest groups first (``newest``: depth 5; ``eta4-depth2-newest``), each re
 (``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
 ``adaptive``: the depth by the drift), the anchor on the default depth (``wait-anchor``), and
 ``eta16`` (η = 16, depth 17) alone and with ``m2po``, ``adaptive``, ``anchor`` and the wait-driven
-depth (``eta16-wait``). Prints the median held-out and median wall
+depth (``eta16-wait``; with the anchor ``eta16-wait-anchor``). Prints the median held-out and median wall
 of each. ``--first-run K`` numbers the runs (and seeds) from K, to add seeds to an earlier bench's;
 ``--set KEY=VALUE`` adds a recipe override to every asyncrl condition (``--label`` keeps that
 variant's run folders apart).
@@ -110,6 +110,14 @@ HARD: dict[str, tuple[list[str], bool]] = {
     "eta16-adaptive": ([*ETA16, *ADAPTIVE], True),
     "eta16-anchor": ([*ETA16, "algorithm.prox_anchor=staleness"], True),
     "eta16-wait": (["buffer.max_staleness=16", "buffer.max_batches_ahead=0"], True),
+    "eta16-wait-anchor": (
+        [
+            "buffer.max_staleness=16",
+            "buffer.max_batches_ahead=0",
+            "algorithm.prox_anchor=staleness",
+        ],
+        True,
+    ),
 }
 """``--start hard``'s conditions (issue #53): every one at seed i in run i."""
 CONDITIONS.update(HARD)
