@@ -194,3 +194,24 @@ def test_spread_refuses_a_variant_it_cannot_name(args: list[str], names: str) ->
         timeout=120,
     )
     assert r.returncode == 2 and names in r.stderr and "Traceback" not in r.stderr
+
+
+def test_spread_pins_the_algorithm_its_earlier_figures_ran() -> None:
+    """demo.yaml's π_prox is the staleness anchor since Session 24; a hard-start condition that
+    does not name it still recomputes π_prox, so Sessions 22 and 23's commands reproduce their
+    figures, while ``--set`` (last) overrides everything and the demo's own conditions take
+    demo.yaml as it is."""
+    from tools.bench.spread import recipe_overrides
+
+    assert recipe_overrides("eta4-wait", 3) == [
+        "run.seed=3",
+        "algorithm.prox_anchor=recompute",
+        "buffer.max_staleness=4",
+        "buffer.max_batches_ahead=0",
+    ]
+    anchored = recipe_overrides("wait-anchor", 3)
+    assert "algorithm.prox_anchor=staleness" in anchored
+    assert "algorithm.prox_anchor=recompute" not in anchored
+    variant = recipe_overrides("eta4", 0, ("algorithm.prox_anchor=staleness",))
+    assert variant[-1] == "algorithm.prox_anchor=staleness"
+    assert recipe_overrides("async-seeds", 2) == ["run.seed=2"]

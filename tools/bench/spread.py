@@ -31,12 +31,13 @@ in turn) so that load from elsewhere falls on all of them.
 measured and printed first. Its conditions (:data:`HARD`, seed i in run i) set the buffer
 explicitly, since demo.yaml's ``max_batches_ahead: 2`` is not the recipe default:
 ``onpolicy`` (η = 0), ``eta4`` (η = 4, depth η + 1 = 5), ``eta4-depth2`` (demo.yaml as it is),
-``eta4-depth1`` (each a fixed depth), ``eta4-wait`` (the default: the depth by the learner's waits),
+``eta4-depth1`` (each a fixed depth), ``eta4-wait`` (the recipe's default depth: by the learner's waits),
 the freshest groups first (``newest``: depth 5; ``eta4-depth2-newest``), each remedy on ``eta4``
 (``m2po``, ``anchor``: decoupled_ppo's staleness anchor, ``esslr``: the ESS-scaled lr,
-``adaptive``: the depth by the drift), the anchor on the default depth (``wait-anchor``), and
-``eta16`` (η = 16, depth 17) alone and with ``m2po``, ``adaptive``, ``anchor`` and the wait-driven
-depth (``eta16-wait``; with the anchor ``eta16-wait-anchor``). Prints the median held-out and median wall
+``adaptive``: the depth by the drift), the anchor on the default depth (``wait-anchor``: demo.yaml's
+algorithm since Session 24; every other condition recomputes π_prox, :data:`PINNED`), and ``eta16``
+(η = 16, depth 17) alone and with ``m2po``, ``adaptive``, ``anchor`` and the wait-driven depth
+(``eta16-wait``; with the anchor ``eta16-wait-anchor``). Prints the median held-out and median wall
 of each. ``--first-run K`` numbers the runs (and seeds) from K, to add seeds to an earlier bench's;
 ``--set KEY=VALUE`` adds a recipe override to every asyncrl condition (``--label`` keeps that
 variant's run folders apart).
@@ -86,7 +87,8 @@ HARD: dict[str, tuple[list[str], bool]] = {
     "eta4": (ETA4, True),
     "eta4-depth2": (["buffer.max_staleness=4", "buffer.max_batches_ahead=2", FIXED], True),
     "eta4-depth1": (["buffer.max_staleness=4", "buffer.max_batches_ahead=1", FIXED], True),
-    "eta4-wait": (["buffer.max_staleness=4", "buffer.max_batches_ahead=0"], True),  # the default
+    # the recipe's default depth (the learner's waits), π_prox recomputed: Session 23's default
+    "eta4-wait": (["buffer.max_staleness=4", "buffer.max_batches_ahead=0"], True),
     "newest": ([*ETA4, "buffer.batch_order=newest"], True),
     "eta4-depth2-newest": (
         [
@@ -99,7 +101,7 @@ HARD: dict[str, tuple[list[str], bool]] = {
     ),
     "m2po": ([*ETA4, "algorithm.loss=m2po"], True),
     "anchor": ([*ETA4, "algorithm.prox_anchor=staleness"], True),
-    "wait-anchor": (  # the default's depth with the staleness anchor
+    "wait-anchor": (  # the default depth with the staleness anchor: demo.yaml since Session 24
         ["buffer.max_staleness=4", "buffer.max_batches_ahead=0", "algorithm.prox_anchor=staleness"],
         True,
     ),
@@ -121,6 +123,10 @@ HARD: dict[str, tuple[list[str], bool]] = {
 }
 """``--start hard``'s conditions (issue #53): every one at seed i in run i."""
 CONDITIONS.update(HARD)
+PINNED = ("algorithm.prox_anchor=recompute",)
+"""What a :data:`HARD` condition runs with unless it sets it: the algorithm Sessions 22 and 23
+measured them with (demo.yaml's π_prox is the staleness anchor since Session 24, so ``wait-anchor``
+is its default), so that their figures reproduce."""
 HARD_DEFAULT = tuple(HARD)
 HARD_SFT_STEPS = 60
 """SFT steps of the hard start (the mid bench's 250 give 0.20 held-out success). Held-out success of
@@ -164,6 +170,17 @@ def ensure_hard_start(size: str, sft_steps: int) -> Path:
     return sft / "hf/latest"
 
 
+def recipe_overrides(condition: str, i: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The overrides of ``condition``'s run i: its seed, :data:`PINNED` (a hard condition that does
+    not set it), its own, then ``--set``'s (the last of one key wins)."""
+    spec = CONDITIONS[condition]
+    assert spec is not None, f"{condition} is not an asyncrl condition"
+    overrides, seeds = spec
+    named = {o.split("=")[0] for o in overrides}
+    pinned = [p for p in PINNED if condition in HARD and p.split("=")[0] not in named]
+    return [f"run.seed={i if seeds else 0}", *pinned, *overrides, *extra]
+
+
 def run_one(
     condition: str,
     i: int,
@@ -179,8 +196,7 @@ def run_one(
     if spec is None:
         r = run_trl(py, start, steps, 1, tag, seed=i)
     else:
-        overrides, seeds = spec
-        r = run_asyncrl(start, steps, [f"run.seed={i if seeds else 0}", *overrides, *extra], tag)
+        r = run_asyncrl(start, steps, recipe_overrides(condition, i, extra), tag)
     return {
         "heldout": heldout(r["model"], OUT / f"{tag}_eval.log"),
         "reward_last": running_mean(r["reward"], 5)[-1] if r["reward"] else None,
