@@ -207,17 +207,6 @@ def is_level(r: Recipe, file: str | None, check_files: bool) -> None:
         )
 
 
-def prox_anchor(r: Recipe, file: str | None, check_files: bool) -> None:
-    alg = r.algorithm
-    if alg.prox_anchor == "staleness" and alg.loss != "decoupled_ppo":
-        raise RecipeError(
-            f"the staleness anchor replaces decoupled_ppo's π_prox; {alg.loss} has none (leave it "
-            "recompute)",
-            file=file,
-            key="algorithm.prox_anchor",
-        )
-
-
 def lr_ess(r: Recipe, file: str | None, check_files: bool) -> None:
     lc = r.learner
     if lc.lr_ess_floor and lc.lr_ess_scale == "off":
@@ -467,7 +456,6 @@ CHECKS: tuple[Check, ...] = (
     ratio_mask,
     seq_mask,
     is_level,
-    prox_anchor,
     lr_ess,
     reward_model_loss,
     check_lora,
@@ -509,6 +497,13 @@ def warnings(recipe: Recipe) -> list[str]:
         out.append(
             "rollout.top_p/top_k/min_p: generators report μ before truncation (log_softmax of "
             "logits / temperature, as SGLang does), so importance ratios do not see the truncation"
+        )
+    if alg.prox_anchor == "staleness" and alg.loss != "decoupled_ppo":
+        # a warning, not an error: the demo recipes set the anchor, and a user who takes one to
+        # another loss (sft, tis, ...) should not have to unset it
+        out.append(
+            f"algorithm.prox_anchor: staleness anchors decoupled_ppo's π_prox; {alg.loss} has "
+            "none and ignores it"
         )
     one_update = recipe.learner.minibatches * recipe.learner.epochs == 1
     if alg.loss == "decoupled_ppo" and one_update and alg.prox_anchor == "recompute":

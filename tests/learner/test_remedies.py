@@ -172,9 +172,17 @@ def test_staleness_anchor_makes_decoupled_ppos_clip_act_at_one_update():
     torch.testing.assert_close(g, t(0.0, -w1 * r1 / 2), rtol=1e-12, atol=1e-12)
 
 
-def test_staleness_anchor_needs_decoupled_ppo():
-    with pytest.raises(RecipeError, match="algorithm.prox_anchor"):
-        recipe_mod.from_dict({"algorithm": {"loss": "tis", "prox_anchor": "staleness"}})
+def test_staleness_anchor_is_ignored_with_a_warning_by_other_losses():
+    """The demo recipes set the anchor; taking one to another loss (its SFT stage, tis) runs, and
+    the warning names the key it ignores."""
+    for loss in ("tis", "sft"):
+        r = recipe_mod.from_dict({"algorithm": {"loss": loss, "prox_anchor": "staleness"}})
+        assert any(w.startswith("algorithm.prox_anchor") for w in recipe_mod.warnings(r)), loss
+    r = recipe_mod.from_dict({"algorithm": {"loss": "decoupled_ppo", "prox_anchor": "staleness"}})
+    assert not any("prox_anchor" in w for w in recipe_mod.warnings(r))
+
+
+def test_m2po_needs_a_positive_tau():
     with pytest.raises(RecipeError, match="algorithm.m2po_tau"):
         recipe_mod.from_dict({"algorithm": {"loss": "m2po", "m2po_tau": 0}})
 
