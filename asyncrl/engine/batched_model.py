@@ -85,7 +85,10 @@ def _experts(
     out = torch.zeros_like(x)
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    # the tokens per expert, read once (bincount would wait for the device twice on CUDA: it
+    # reads the ids' maximum to size its output)
+    counts = torch.zeros(len(experts), dtype=torch.long, device=flat.device)
+    counts = counts.scatter_add_(0, flat, torch.ones_like(flat)).tolist()
     k = idx.shape[1]
     start = 0
     for e, n in enumerate(counts):
@@ -413,8 +416,8 @@ class BatchedLM:
             return
         b, q = record[0].shape[:2] if record else (0, 0)
         routes = torch.zeros(b, q, len(self.layers), self.top_k, dtype=torch.int32)
-        for li, idx in zip(self.moe_layers, record, strict=True):
-            routes[:, :, li] = idx.to("cpu", torch.int32)
+        if record:  # every MoE layer's in one copy: on CUDA one wait for the device, not one each
+            routes[:, :, self.moe_layers] = torch.stack(record, 2).to("cpu", torch.int32)
         out.append(routes)
 
     def prefill(

@@ -26,6 +26,7 @@ import torch
 
 from asyncrl.engine.batched_model import BatchedLM
 from asyncrl.engine.sampling import EngineSamplingParams, sample
+from asyncrl.engine.transfer import to_device, to_host
 from asyncrl.recipe import PauseMode
 
 # "abort" is SGLang's third mode; the recipe offers only the two that keep the work.
@@ -401,15 +402,19 @@ class Scheduler:
         model's own log_softmax(logits), not scaled by the request's temperature (SGLang scales
         only the sampled tokens'; tests/sglang/test_teacher.py)."""
         logp = torch.log_softmax(logits.float(), dim=-1)
-        ids = torch.tensor(r.prompt_ids, device=logp.device)
-        lps: list[float | None] = [None] + logp[:-1].gather(1, ids[1:, None])[:, 0].tolist()
+        ids = to_device(r.prompt_ids, torch.long, logp.device)
+        picked = logp[:-1].gather(1, ids[1:, None])[:, 0]
+        if r.top_logprobs_num:  # read back with the picked ones: one wait for the device
+            vals, idx = logp[:-1].topk(min(r.top_logprobs_num, logp.shape[1]), dim=-1)
+            got, top_vals, top_ids = to_host(picked, vals, idx)
+        else:
+            (got,) = to_host(picked)
+        lps: list[float | None] = [None, *got]
         start = r.logprob_start_len
         r.input_logprobs = [None] + lps[start + 1 :]
         if r.top_logprobs_num:
-            vals, idx = logp[:-1].topk(min(r.top_logprobs_num, logp.shape[1]), dim=-1)
             tops = [None] + [
-                list(zip(v, i, strict=True))
-                for v, i in zip(vals.tolist(), idx.tolist(), strict=True)
+                list(zip(v, i, strict=True)) for v, i in zip(top_vals, top_ids, strict=True)
             ]
             r.input_top = tops[start:]
 

@@ -1,5 +1,5 @@
 """Run under torchrun with 2 ranks by tests/learner/test_device_tier.py: one learner step on the
-pretend device (:mod:`tests.learner.device_tier`), FSDP2 sharding the actor over gloo, several
+pretend device (:mod:`tests.device_tier`), FSDP2 sharding the actor over gloo, several
 micro-batches a rank. Rank 0 writes ``OUT/found.json``: each rank's micro-batches and host reads."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
 
-from tests.learner.device_tier import pretend_device  # noqa: E402
+from tests.device_tier import pretend_device  # noqa: E402
 from tests.learner.test_model import make_trainer  # noqa: E402
 from tests.learner.test_step import rl_batch  # noqa: E402
 

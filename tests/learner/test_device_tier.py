@@ -1,4 +1,4 @@
-"""The learner's step on a device that is not the host (:mod:`tests.learner.device_tier`): forward,
+"""The learner's step on a device that is not the host (:mod:`tests.device_tier`): forward,
 loss, backward, clip and AdamW with the model and every batch tensor on the pretend device, on one
 rank and on two gloo ranks, LoRA too. It fails where CUDA would (a host tensor in device compute),
 and counts the host's waits for the device per micro-batch.
@@ -17,11 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from asyncrl.learner.losses.aggregation import count_tokens_and_seqs
-from tests.learner.device_tier import DeviceMixError, PretendDevice, pretend_device
+from tests.device_tier import DeviceMixError, PretendDevice, pretend_device
 from tests.learner.test_model import make_trainer
 from tests.learner.test_step import rl_batch
 
@@ -163,6 +164,32 @@ def test_several_updates_on_the_device(tiny_qwen3, tmp_path):
     # the prox pass packs the whole share; the updates pack each mini-batch apart
     assert 1 <= len(stored) <= res.metrics["learner/micro_batches"], where(mode)
     assert len(mode.reads) == len(stored) + 1, where(mode)
+
+
+def test_moe_step_with_routing_replay_on_the_device(tiny_qwen3_moe, tmp_path):
+    """A mixture of experts in bfloat16, as on a GPU: TorchTitan's grouped GEMM (``Experts``
+    keeps it for bfloat16 on CUDA), every sample's recorded experts replayed, the load-balancing
+    loss on. Its routes go to the device with the batch, its agreement count stays there until
+    the step's one read."""
+    tr = make_trainer(
+        tiny_qwen3_moe,
+        tmp_path,
+        model={"dtype": "bfloat16"},
+        algorithm={"routing_replay": True, "moe_aux_loss_coef": 0.01},
+        learner={**RL["learner"], "micro_batch_tokens": 48},
+        buffer=RL["buffer"],
+    )
+    batch = rl_batch(tr.models.spec.model.vocab_size, groups=3)
+    rng = np.random.default_rng(0)
+    for g in batch.groups:
+        for s in g.samples:
+            rows = len(s.prompt_ids) + len(s.completion_ids) - 1
+            # top-2 of 8 distinct experts per position and MoE layer, as a generator's router
+            s.routed_experts = np.argsort(rng.random((rows, 2, 8)), -1)[..., :2].astype(np.uint8)
+    with pretend_device(tr.models) as mode:
+        res = tr.step(batch)
+    assert res.metrics["loss/moe_aux"] > 0 and 0 <= res.metrics["learner/routing_agreement"] < 1
+    check_reads(mode, int(res.metrics["learner/micro_batches"]))
 
 
 @pytest.mark.slow

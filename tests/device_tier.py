@@ -171,6 +171,8 @@ class PretendDevice(TorchFunctionMode):
         self.host: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.reads: list[HostRead] = []
         self._from_numpy = torch.from_numpy
+        self._generator = torch.Generator
+        self.device_generators: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # -- which side a tensor is on ------------------------------------------------------------
 
@@ -190,11 +192,26 @@ class PretendDevice(TorchFunctionMode):
         def from_numpy(a):
             return self._mark_host(self._from_numpy(a))
 
+        mode = self
+
+        class Generator(self._generator):
+            """``torch.Generator(device)``: a host generator that, made for the pretend device,
+            counts as the device's (CUDA draws on a CUDA tensor only with a CUDA generator)."""
+
+            def __new__(cls, device: Any = "cpu"):
+                return super().__new__(cls, _real(device))
+
+            def __init__(self, device: Any = "cpu"):
+                if _is_pretend(device):
+                    mode.device_generators[self] = True
+
         torch.from_numpy = from_numpy
+        torch.Generator = Generator
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.from_numpy = self._from_numpy
+        torch.Generator = self._generator
         return super().__exit__(*exc)
 
     # -- the calls ----------------------------------------------------------------------------
@@ -236,6 +253,16 @@ class PretendDevice(TorchFunctionMode):
             self._read(name)
         if host and device:
             self._check_mix(name, args, kwargs, host)
+        gen = kwargs.get("generator")
+        if gen is not None and tensors and (gen in self.device_generators) != bool(device):
+            raise DeviceMixError(
+                f"{name}: a {'device' if device else 'host'} tensor drawn with a "
+                f"{'host' if device else 'device'} generator (at {_where()}): expected a "
+                "generator of the tensor's device"
+            )
+        if name in FACTORIES and real_kwargs.pop("pin_memory", False):
+            if not _host_factory(kwargs.get("device"), user):
+                raise DeviceMixError(f"{name}: pin_memory=True for a device tensor")
         out = func(*real_args, **real_kwargs)
         if tensors:  # computed from host tensors only: on the host
             return out if device else self._mark_host(out)

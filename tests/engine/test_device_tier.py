@@ -1,0 +1,122 @@
+"""The built-in engine's decode loop on a device that is not the host (:mod:`tests.device_tier`):
+the model, its KV cache, the sampler's tensors and its generators on the pretend device, so the
+CUDA branches run (``transfer.to_device`` from pinned memory, ``transfer.one_read``, generators
+made for the model's device). It fails where CUDA would, counts the host's waits for the device
+per step, and checks that those branches give the CPU branches' tokens, logprobs and routes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.engine.batched_model import BatchedLM
+from asyncrl.engine.sampling import EngineSamplingParams
+from asyncrl.engine.scheduler import Request, Scheduler
+from tests.device_tier import DeviceMixError, PretendDevice
+
+
+def requests(vocab: int, *, routes: bool) -> list[Request]:
+    """Greedy, drawn with the engine's generator, seeded (a generator of its own), truncated,
+    with stop tokens banned for a while, with the prompt's logprobs and top logprobs, and one
+    that only scores its prompt."""
+
+    def p(**kw) -> EngineSamplingParams:
+        return EngineSamplingParams.parse(kw, vocab_size=vocab)
+
+    return [
+        Request(
+            [5, 6, 7, 8],
+            p(temperature=0, max_new_tokens=6),
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=2,
+            return_routed_experts=routes,
+        ),
+        Request(
+            [9, 10],
+            p(temperature=0.8, top_p=0.9, max_new_tokens=5, min_new_tokens=3, sampling_seed=3),
+            return_routed_experts=routes,
+        ),
+        Request([11, 12, 13], p(top_k=5, max_new_tokens=4), return_logprob=True),
+        Request([11, 12, 13], p(max_new_tokens=0), return_logprob=True, logprob_start_len=1),
+    ]
+
+
+def generate(model_dir, *, routes: bool, on_device: bool):
+    """Every request to its end in this thread (the decode thread's loop, step by step), on the
+    pretend device if ``on_device``: the engine is built inside the mode, so that it sees its
+    model there. Returns the requests, the decode steps taken, the routes and the host's reads."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mode = PretendDevice() if on_device else contextlib.nullcontext()
+    with torch.no_grad(), mode:
+        lm = BatchedLM(model)
+        assert lm.device.type == ("cuda" if on_device else "cpu")
+        sch = Scheduler(lm, eos_ids=[2], decode_tail=lambda ids: "", seed=0)
+        reqs = requests(lm.shape.vocab, routes=routes)
+        sch.submit(reqs)
+        for _ in range(20):
+            if all(r.finish is not None for r in reqs):
+                break
+            sch._take_incoming()
+            sch._admit()
+            if sch.running:
+                sch._decode()
+        routed = [r.routed_experts().tolist() for r in reqs if r.return_routed_experts]
+    return reqs, sch.stats.steps, routed, mode.reads if on_device else []
+
+
+def outputs(reqs: list[Request]) -> list[tuple]:
+    return [
+        (r.finish, r.output_ids, r.output_logprobs, r.output_top, r.input_logprobs, r.input_top)
+        for r in reqs
+    ]
+
+
+def test_the_decode_loop_on_the_device_reads_once_a_step(tiny_qwen3):
+    """Nothing of the host in device compute, the seeded request drawn with a generator of the
+    device; one read per prefill and per decode step (every row's token, logprob and top
+    logprobs together), one per request that asks for its prompt's logprobs; and what comes back
+    is what the CPU branches give, bit for bit."""
+    on_device, steps, _, found = generate(tiny_qwen3, routes=False, on_device=True)
+    on_cpu, cpu_steps, _, _ = generate(tiny_qwen3, routes=False, on_device=False)
+    assert [r.finish for r in on_device] == [{"type": "length", "length": n} for n in (6, 5, 4, 0)]
+    assert outputs(on_device) == outputs(on_cpu) and steps == cpu_steps
+    reads = Counter(f"{r.name} at {r.where.split(' ')[0]}" for r in found)
+    assert set(reads) == {"cpu at engine/transfer.py:39"}, reads  # transfer.one_read
+    prefills, scored = 1, 2  # all four admitted at once; two want their prompt's logprobs
+    assert sum(reads.values()) == prefills + steps + scored
+
+
+def test_an_moe_engine_on_the_device_reads_its_routes_once_a_step(tiny_qwen3_moe):
+    """The experts each position chose come back in one read per step, whatever the number of
+    MoE layers, and equal the CPU branch's. Each MoE layer still reads its tokens per expert
+    once a step: the engine runs the experts one by one over their tokens, as transformers does
+    (its float32 numbers are the learner's; docs/moe.md)."""
+    on_device, steps, routes, found = generate(tiny_qwen3_moe, routes=True, on_device=True)
+    on_cpu, _, cpu_routes, _ = generate(tiny_qwen3_moe, routes=True, on_device=False)
+    assert outputs(on_device) == outputs(on_cpu) and routes == cpu_routes
+    assert [len(r) for r in routes] == [4 + 6 - 1, 2 + 5 - 1]
+    reads = Counter(r.where.split(":")[0] + " " + r.where.split(" ")[1] for r in found)
+    forwards, moe_layers = 1 + steps, 2
+    assert reads == {
+        "engine/transfer.py one_read": forwards + 2,
+        "engine/batched_model.py _routes": forwards,
+        "engine/batched_model.py _experts": forwards * moe_layers,
+    }
+
+
+def test_a_draw_needs_a_generator_of_the_tensors_device():
+    """CUDA refuses a host generator for a draw on the device ("Expected a 'cuda' device type
+    for generator"), and the tier with it."""
+    with PretendDevice():
+        probs = torch.full((2, 5), 0.2).to("cuda")
+        with pytest.raises(DeviceMixError, match="host generator"):
+            torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator(probs.device).manual_seed(0)
+        assert torch.multinomial(probs, 1, generator=g).device.type == "cuda"
+        with pytest.raises(DeviceMixError, match="device generator"):
+            torch.multinomial(torch.full((5,), 0.2), 1, generator=g)
