@@ -46,16 +46,47 @@ class RouteShape:
         return route_dtype(self.experts)
 
 
+def route_problem(routes: np.ndarray, shape: RouteShape | None) -> str | None:
+    """Why a sample's routes ``[positions, moe_layers, top_k]`` cannot be replayed on the model
+    whose routes are ``shape`` (None: a dense model), or None when they can: its MoE layers and
+    top-k, expert ids below its experts, and each position's ids distinct, as a router's top-k
+    (TorchTitan's dispatch cannot lay out one token sent twice to one expert; on CUDA an id out
+    of range is a device-side assert, which ends the process)."""
+    if shape is None:
+        return "given, but the model is dense (no MoE layer to replay them on)"
+    want = (len(shape.moe), shape.top_k)
+    if routes.ndim != 3 or routes.shape[1:] != want:
+        return (
+            f"[moe_layers, top_k] {list(routes.shape[1:])}, but the model's routes are "
+            f"{list(want)} (does the generator serve another model?)"
+        )
+    if not routes.size:
+        return None
+    low, high = int(routes.min()), int(routes.max())
+    if low < 0 or high >= shape.experts:
+        return f"expert id {low if low < 0 else high} outside [0, {shape.experts})"
+    ids = np.sort(routes, axis=-1)
+    twice = np.argwhere(ids[..., 1:] == ids[..., :-1])
+    if len(twice):
+        pos, layer = (int(v) for v in twice[0][:2])
+        return (
+            f"position {pos}, MoE layer {layer}: expert {int(ids[pos, layer, twice[0][2]])} "
+            "twice in one top-k"
+        )
+    return None
+
+
 def fit_routes(routes: np.ndarray | None, positions: int) -> np.ndarray | None:
     """An episode's routes over a sample's ``positions`` (its tokens but the last): tool output
-    after the last generated token was never fed to a router, and gets expert 0. Those positions
-    only follow every trained token (attention is causal), so no trained log-probability depends
-    on them."""
+    after the last generated token was never fed to a router, and gets experts 0..top_k-1 (each
+    once, as a router's top-k: :func:`route_problem`). Those positions only follow every trained
+    token (attention is causal), so no trained log-probability depends on them."""
     if routes is None or len(routes) == positions:
         return routes
     if len(routes) > positions:
         return routes[:positions]
-    pad = np.zeros((positions - len(routes), *routes.shape[1:]), routes.dtype)
+    shape = (positions - len(routes), *routes.shape[1:])
+    pad = np.broadcast_to(np.arange(shape[-1], dtype=routes.dtype), shape)
     return np.concatenate([routes, pad])
 
 

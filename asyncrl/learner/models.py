@@ -19,6 +19,7 @@ from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.offload import Offloader, Reallocation
 from asyncrl.learner.placement import RoleMesh
+from asyncrl.moe import RouteShape
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -38,6 +39,7 @@ class Models:
     # each call's outputs another role's ranks need (:func:`asyncrl.learner.placement.exchanges`)
     exchanges: dict[str, tuple[str, ...]]
     spec: ModelSpec
+    routes: RouteShape | None  # the routes a sample may carry for this model (None: dense)
     temperature: float  # of log π: the sampling temperature (1 for sft)
     chunk_tokens: int  # trained tokens per chunk of the output projection
     actor: torch.nn.Module | None = None

@@ -40,6 +40,7 @@ from asyncrl.learner.packing import Sequence, make_sequence
 from asyncrl.learner.passes import StepTotals
 from asyncrl.learner.routing import agreement
 from asyncrl.learner.source import Batch
+from asyncrl.moe import route_problem
 from asyncrl.rollout.turns import turn_of
 
 
@@ -96,6 +97,10 @@ def sequences(
                         f"{len(s.completion_ids)} tokens: algorithm.advantage distill trains on "
                         "the teacher's (a worker without rollout.teacher made it?)"
                     )
+            if np.size(s.routed_experts):
+                bad = route_problem(np.asarray(s.routed_experts), models.routes)
+                if bad is not None:  # refused here, not by a kernel (on CUDA: the process ends)
+                    raise LearnerError(f"sample {s.id!r}: routed_experts {bad}")
             cut = len(s.prompt_ids) + len(s.completion_ids) - 1 > models.max_seq_len
             if cut:
                 info["learner/truncated_samples"] += 1

@@ -33,7 +33,7 @@ from asyncrl.learner.config import TrainerConfig
 from asyncrl.learner.critic import CRITIC_STATES, Critic
 from asyncrl.learner.distributed import ensure_distributed
 from asyncrl.learner.logprobs import chunk_tokens
-from asyncrl.learner.model_spec import build_spec
+from asyncrl.learner.model_spec import build_spec, read_hf_config
 from asyncrl.learner.models import LearnerError, Models, reallocation
 from asyncrl.learner.packing import MicroBatch, Sequence
 from asyncrl.learner.placement import RoleMesh, build_role_meshes, exchanges
@@ -42,6 +42,7 @@ from asyncrl.learner.reward_model import RewardModelSteps
 from asyncrl.learner.scalar_model import scalar_spec, write_seq_cls_config
 from asyncrl.learner.source import Batch, BatchSource, broadcast_bytes
 from asyncrl.learner.step import StepResult, sequences, train_step
+from asyncrl.moe import RouteShape
 from asyncrl.recipe import RecipeError
 from asyncrl.recipe.layout import check_critic_placement, check_placement, ref_is_lora_base
 
@@ -123,6 +124,7 @@ class Trainer:
                 flow, {k: m.layout for k, m in meshes.items()}, actor.layout if colocated else None
             ),
             spec=spec,
+            routes=RouteShape.from_config(read_hf_config(self.model_dir)),
             temperature=c.temperature,
             chunk_tokens=chunk_tokens(vocab, c.learner.logits_chunk_mb),
         )

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.generator_http import BASE_LABEL, GeneratorError, adapter_name, parse_version_label
-from asyncrl.moe import RouteShape
+from asyncrl.moe import RouteShape, route_problem
 from asyncrl.wire import FINISH_REASONS
 
 
@@ -272,11 +272,9 @@ def parse_routed_experts(meta: dict[str, Any], rows: int, shape: RouteShape) -> 
         )
     ids = np.frombuffer(buf, dtype="<i4").reshape(rows, shape.layers, shape.top_k)
     ids = ids[:, list(shape.moe)]
-    if ids.size and (ids.min() < 0 or ids.max() >= shape.experts):
-        bad = int(ids.min() if ids.min() < 0 else ids.max())
-        raise GeneratorResponseError(
-            f"meta_info.routed_experts: expert id {bad} outside [0, {shape.experts})"
-        )
+    bad = route_problem(ids, shape)
+    if bad is not None:
+        raise GeneratorResponseError(f"meta_info.routed_experts: {bad}")
     return ids.astype(shape.dtype)
 
 

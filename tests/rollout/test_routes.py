@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncrl import wire
-from asyncrl.moe import RouteShape, fit_routes, splice_routes
+from asyncrl.moe import RouteShape, fit_routes, route_problem, splice_routes
 from asyncrl.rollout.sglang_protocol import (
     GeneratorResponseError,
     SamplingParams,
@@ -90,7 +90,8 @@ def test_requests_ask_for_routes_only_with_replay():
 def test_a_later_request_keeps_the_experts_that_sampled_earlier_tokens():
     """A resumed request or a conversation's next turn re-feeds the earlier tokens: their
     positions keep the routes they were sampled with; the rest (tool output) takes the new
-    request's; tool output after the last generated token pads with expert 0."""
+    request's; tool output after the last generated token pads with experts 0..top_k-1, each
+    once, as a router's top-k (the learner refuses an expert twice at one position)."""
     first = np.full((4 + 3 - 1, 2, 2), 1, np.uint8)  # prompt 4, produced 3
     # the next request: prompt 4 + 3 produced + 2 tool tokens = 9 input, produces 2
     second = np.full((9 + 2 - 1, 2, 2), 2, np.uint8)
@@ -100,7 +101,8 @@ def test_a_later_request_keeps_the_experts_that_sampled_earlier_tokens():
     assert splice_routes(None, second, 2) is second
     assert fit_routes(None, 5) is None
     padded = fit_routes(first, 8)
-    assert padded.shape == (8, 2, 2) and (padded[6:] == 0).all() and (padded[:6] == 1).all()
+    assert padded.shape == (8, 2, 2) and (padded[:6] == 1).all()
+    assert (padded[6:] == [0, 1]).all() and route_problem(padded[6:], SHAPE) is None
     assert fit_routes(first, 6) is first
 
 
