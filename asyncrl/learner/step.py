@@ -75,6 +75,7 @@ def sequences(
     rewards = [g.rewards for g in groups]
     seqs, i = [], 0
     eta = c.max_staleness
+    vocab = models.spec.model.vocab_size
     info = {"learner/truncated_samples": 0.0}
     staleness: list[np.ndarray] = []
     for gi, g in enumerate(groups):
@@ -97,9 +98,17 @@ def sequences(
                         f"{len(s.completion_ids)} tokens: algorithm.advantage distill trains on "
                         "the teacher's (a worker without rollout.teacher made it?)"
                     )
+            ids = np.concatenate([s.prompt_ids, s.completion_ids])
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                # refused here, not by the embedding (on CUDA a device-side assert ends the process)
+                bad = int(ids.min() if ids.min() < 0 else ids.max())
+                raise LearnerError(
+                    f"sample {s.id!r}: token id {bad} outside the model's vocabulary [0, {vocab}) "
+                    "(does the generator serve another model than model.path?)"
+                )
             if np.size(s.routed_experts):
                 bad = route_problem(np.asarray(s.routed_experts), models.routes)
-                if bad is not None:  # refused here, not by a kernel (on CUDA: the process ends)
+                if bad is not None:  # refused here, not by a kernel: as token ids, above
                     raise LearnerError(f"sample {s.id!r}: routed_experts {bad}")
             cut = len(s.prompt_ids) + len(s.completion_ids) - 1 > models.max_seq_len
             if cut:

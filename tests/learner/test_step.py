@@ -180,6 +180,30 @@ def test_batch_over_the_staleness_bound_is_refused_before_any_update(tiny_qwen3,
     assert max_diff(params(tr), before) > 0
 
 
+def test_a_token_outside_the_vocabulary_is_refused_in_one_line(tiny_qwen3, tmp_path):
+    """A generator serving another model than model.path: a token id past the embedding, which
+    on CUDA is a device-side assert that ends the learner, is refused by sample before any
+    pass, the model untouched."""
+    from asyncrl.learner.models import LearnerError
+
+    tr = make_trainer(tiny_qwen3, tmp_path, **RL)
+    vocab = tr.models.spec.model.vocab_size
+    before = params(tr)
+    for where, bad in (("completion_ids", vocab), ("prompt_ids", -1)):
+        batch = rl_batch(vocab)
+        s = batch.groups[2].samples[1]
+        setattr(s, where, np.append(getattr(s, where), np.int32(bad)))
+        s.behavior_logprobs, s.versions, s.loss_mask = (
+            np.resize(a, len(s.completion_ids))
+            for a in (s.behavior_logprobs, s.versions, s.loss_mask)
+        )
+        with pytest.raises(
+            LearnerError, match=rf"sample '2-1': token id {bad} outside .*\[0, {vocab}\)"
+        ):
+            tr.step(batch)
+    assert max_diff(params(tr), before) == 0 and tr.version == 0
+
+
 def test_kl_to_the_reference_model(tiny_qwen3, tmp_path):
     tr = make_trainer(
         tiny_qwen3, tmp_path, algorithm={"loss": "ppo", "kl_coef": 0.5, "kl_estimator": "k3"}, **RL
