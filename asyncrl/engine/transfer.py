@@ -10,6 +10,8 @@ plain tensors and lists: the same values, so the CPU engine computes exactly wha
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -35,7 +37,7 @@ def one_read(parts: tuple[torch.Tensor, ...]) -> list[list]:
     """Parts of the same row count (1-d or 2-d) as one float64 tensor, copied to the host once and
     cut back into each part's ``.tolist()`` in its own dtype: float64 holds every float32 value
     and every token id exactly, so each list is what the part's own ``.tolist()`` gives."""
-    flat = [p.reshape(p.shape[0], -1) for p in parts]
+    flat = [p.reshape(p.shape[0], math.prod(p.shape[1:])) for p in parts]  # 0 rows too
     host = torch.cat([f.to(torch.float64) for f in flat], dim=1).cpu()
     out, at = [], 0
     for p, f in zip(parts, flat, strict=True):

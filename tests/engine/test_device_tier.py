@@ -21,8 +21,8 @@ from tests.device_tier import DeviceMixError, PretendDevice
 
 def requests(vocab: int, *, routes: bool) -> list[Request]:
     """Greedy, drawn with the engine's generator, seeded (a generator of its own), truncated,
-    with stop tokens banned for a while, with the prompt's logprobs and top logprobs, and one
-    that only scores its prompt."""
+    with stop tokens banned for a while, with the prompt's logprobs and top logprobs, one that
+    only scores its prompt, and a one-token prompt's logprobs (none to compute)."""
 
     def p(**kw) -> EngineSamplingParams:
         return EngineSamplingParams.parse(kw, vocab_size=vocab)
@@ -43,6 +43,7 @@ def requests(vocab: int, *, routes: bool) -> list[Request]:
         ),
         Request([11, 12, 13], p(top_k=5, max_new_tokens=4), return_logprob=True),
         Request([11, 12, 13], p(max_new_tokens=0), return_logprob=True, logprob_start_len=1),
+        Request([14], p(max_new_tokens=2), return_logprob=True, logprob_start_len=0),
     ]
 
 
@@ -69,6 +70,11 @@ def generate(model_dir, *, routes: bool, on_device: bool):
     return reqs, sch.stats.steps, routed, mode.reads if on_device else []
 
 
+def by_function(reads) -> Counter:
+    """The host's reads counted by the file and function of asyncrl that made them."""
+    return Counter(r.where.split(":")[0] + " " + r.where.split(" ")[1] for r in reads)
+
+
 def outputs(reqs: list[Request]) -> list[tuple]:
     return [
         (r.finish, r.output_ids, r.output_logprobs, r.output_top, r.input_logprobs, r.input_top)
@@ -83,11 +89,13 @@ def test_the_decode_loop_on_the_device_reads_once_a_step(tiny_qwen3):
     is what the CPU branches give, bit for bit."""
     on_device, steps, _, found = generate(tiny_qwen3, routes=False, on_device=True)
     on_cpu, cpu_steps, _, _ = generate(tiny_qwen3, routes=False, on_device=False)
-    assert [r.finish for r in on_device] == [{"type": "length", "length": n} for n in (6, 5, 4, 0)]
+    assert [r.finish for r in on_device] == [
+        {"type": "length", "length": n} for n in (6, 5, 4, 0, 2)
+    ]
     assert outputs(on_device) == outputs(on_cpu) and steps == cpu_steps
-    reads = Counter(f"{r.name} at {r.where.split(' ')[0]}" for r in found)
-    assert set(reads) == {"cpu at engine/transfer.py:39"}, reads  # transfer.one_read
-    prefills, scored = 1, 2  # all four admitted at once; two want their prompt's logprobs
+    reads = by_function(found)
+    assert set(reads) == {"engine/transfer.py one_read"}, reads
+    prefills, scored = 1, 3  # all admitted at once; three want their prompt's logprobs
     assert sum(reads.values()) == prefills + steps + scored
 
 
@@ -100,10 +108,10 @@ def test_an_moe_engine_on_the_device_reads_its_routes_once_a_step(tiny_qwen3_moe
     on_cpu, _, cpu_routes, _ = generate(tiny_qwen3_moe, routes=True, on_device=False)
     assert outputs(on_device) == outputs(on_cpu) and routes == cpu_routes
     assert [len(r) for r in routes] == [4 + 6 - 1, 2 + 5 - 1]
-    reads = Counter(r.where.split(":")[0] + " " + r.where.split(" ")[1] for r in found)
+    reads = by_function(found)
     forwards, moe_layers = 1 + steps, 2
     assert reads == {
-        "engine/transfer.py one_read": forwards + 2,
+        "engine/transfer.py one_read": forwards + 3,
         "engine/batched_model.py _routes": forwards,
         "engine/batched_model.py _experts": forwards * moe_layers,
     }

@@ -114,6 +114,9 @@ def test_the_cuda_read_back_is_one_transfer_and_exact():
         assert got == p.tolist()
         assert [type(x) for x in flat(got)] == [type(x) for x in flat(p.tolist())]
     assert transfer.to_host(*parts) == lists  # the CPU path: part by part, the same lists
+    # no rows (a one-token prompt's logprobs): empty lists, as .tolist() gives
+    empty = (torch.zeros(0), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert transfer.one_read(empty) == [[], [], []]
     ids = transfer.to_device([1, 2, 3], torch.long, torch.device("cpu"))
     assert ids.dtype == torch.long and ids.tolist() == [1, 2, 3]
 
