@@ -162,9 +162,10 @@ def assign_targets(
     }
 
 
-def critic_zero_stats() -> dict[str, Tensor]:
-    """The critic's per-update sums at zero: every rank reduces these keys, critic or not."""
-    return {k: torch.zeros((), dtype=torch.float64) for k in VALUE_STAT_KEYS}
+def critic_zero_stats(device: torch.device | None = None) -> dict[str, Tensor]:
+    """The critic's per-update sums at zero, on ``device`` with the actor's (added to there, read
+    once at the step's end): every rank reduces these keys, critic or not."""
+    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in VALUE_STAT_KEYS}
 
 
 class Critic:
@@ -197,15 +198,15 @@ class Critic:
     @torch.no_grad()
     def values(self, mb: MicroBatch) -> Tensor:
         """V at each trained token of ``mb`` (flat over ``mb.sel``). Collective (FSDP)."""
-        return token_values(self.model, mb.tokens, mb.positions)[mb.sel]
+        return token_values(self.model, mb.tokens, mb.positions, mb.doc_lengths)[mb.sel]
 
-    def update(self, mbs: list[MicroBatch], norm: Normaliser, stats: dict[str, Tensor]) -> float:
+    def update(self, mbs: list[MicroBatch], norm: Normaliser, stats: dict[str, Tensor]) -> Tensor:
         """One optimizer update of the critic on an actor update's micro-batches (collective),
-        its loss normalised as the actor's (``norm``, token mean); adds to ``stats``; returns the
-        gradient norm before clipping."""
+        its loss normalised as the actor's (``norm``, token mean); adds to ``stats`` (on the
+        device: nothing is read back here); returns the gradient norm before clipping."""
         self.optimizers.zero_grad()
         for mb in mbs:
-            v = token_values(self.model, mb.tokens, mb.positions)
+            v = token_values(self.model, mb.tokens, mb.positions, mb.doc_lengths)
             if mb.sel.numel() == 0:  # FSDP's backward runs on every rank: a zero gradient
                 (v.sum() * 0.0).backward()
                 continue
@@ -220,11 +221,11 @@ class Critic:
                 norm=norm,
             )
             loss.backward()
-            stats["value_loss"] += loss.detach().to(torch.float64).cpu()
+            stats["value_loss"] += loss.detach().to(torch.float64)
             for k, x in st.items():
-                stats[k] += x.cpu()
+                stats[k] += x
         clip = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = dist_utils.clip_grad_norm_(list(self.model.parameters()), clip, foreach=True)
         self.optimizers.step()
         self.lr_schedulers.step()
-        return float(grad_norm)
+        return grad_norm.detach()

@@ -57,7 +57,7 @@ class StepTotals:
     # the staleness view's sums, on the device, summed over micro-batches (None: none trained yet)
     staleness: torch.Tensor | None = None
     grad_norms: list[torch.Tensor] = field(default_factory=list)  # the actor's, one per update
-    critic_grad_norms: list[float] = field(default_factory=list)
+    critic_grad_norms: list[torch.Tensor] = field(default_factory=list)  # the critic's, on device
     lrs: list[float] = field(default_factory=list)
     lr_factors: list[float] = field(default_factory=list)  # learner.lr_ess_scale's, per update
     micro_batches: int = 0

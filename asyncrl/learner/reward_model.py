@@ -76,7 +76,7 @@ class RewardModelSteps:
                 "placement.actor.ranks: the reward model trains on every learner rank, got "
                 f"{models.config.placement.actor.ranks}"
             )
-        self.models, self.config, self.device = models, models.config, models.device
+        self.models, self.config = models, models.config
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.model: torch.nn.Module = models.actor  # type: ignore[assignment]
         self._eval_pairs: list[Pair] | None = None
@@ -98,10 +98,12 @@ class RewardModelSteps:
         one-token row, to multiply by 0."""
         if not seqs:
             seqs = [np.zeros(1, np.int64)]
-        tokens = torch.from_numpy(np.concatenate(seqs).astype(np.int64))[None].to(self.device)
-        positions = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(self.device)
-        ends = torch.from_numpy(np.cumsum([len(s) for s in seqs]) - 1).to(self.device)
-        return token_values(self.model, tokens, positions)[ends]
+        device = self.models.device
+        tokens = torch.from_numpy(np.concatenate(seqs).astype(np.int64))[None].to(device)
+        positions = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)
+        ends = torch.from_numpy(np.cumsum([len(s) for s in seqs]) - 1).to(device)
+        lengths = tuple(len(s) for s in seqs)  # the attention's documents, read from no device
+        return token_values(self.model, tokens, positions, lengths)[ends]
 
     def _micro_batches(self, pairs: list[Pair]) -> list[list[Pair]]:
         """This rank's pairs in micro-batches; every rank runs as many (FSDP's collectives pair up),
@@ -125,8 +127,8 @@ class RewardModelSteps:
         pairs = batch_pairs(batch, self.models.max_seq_len)
         mine = pairs[self.dp_rank :: self.dp_size]
         n_pairs = max(len(pairs), 1)
-        # loss sum, correct pairs, margin sum, tokens
-        totals = torch.zeros(4, dtype=torch.float64)
+        # loss sum, correct pairs, margin sum, tokens: on the device, read once at the end
+        totals = torch.zeros(4, dtype=torch.float64, device=self.models.device)
         mbs = self._micro_batches(mine)
         optimizers, lr_schedulers = self.models.optimizers, self.models.lr_schedulers
         assert optimizers is not None and lr_schedulers is not None
@@ -138,15 +140,13 @@ class RewardModelSteps:
                 continue
             loss, stats = bradley_terry(s[0::2], s[1::2], pairs=n_pairs)
             loss.backward()
-            totals += torch.tensor(
-                [
-                    float(loss.detach()) * n_pairs,
-                    float(stats["rm_correct"]),
-                    float(stats["rm_margin"]),
-                    float(sum(len(c) + len(r) for c, r in mb)),
-                ],
-                dtype=torch.float64,
+            sums = (
+                loss.detach().to(torch.float64) * n_pairs,
+                stats["rm_correct"],
+                stats["rm_margin"],
             )
+            totals[:3] += torch.stack([x.to(torch.float64) for x in sums])
+            totals[3] += float(sum(len(c) + len(r) for c, r in mb))
         clip = self.config.learner.grad_clip
         grad_norm = dist_utils.clip_grad_norm_(
             list(self.model.parameters()), clip if clip > 0 else math.inf, foreach=True
@@ -156,14 +156,16 @@ class RewardModelSteps:
         lr_schedulers.step()
         version += 1
         dist.all_reduce(totals, group=self.dp_group)
-        loss, correct, margin, tokens = totals.tolist()
+        # the step's one read: the summed totals and the gradient norm (the same on every rank)
+        norm = grad_norm.detach().to(torch.float64).reshape(1)
+        loss, correct, margin, tokens, grad_norm = torch.cat([totals, norm]).tolist()
         dt = time.perf_counter() - t0
         metrics = {
             names.LOSS: loss / n_pairs,
             names.RM_LOSS: loss / n_pairs,
             names.RM_ACCURACY: correct / n_pairs,
             names.RM_MARGIN: margin / n_pairs,
-            names.GRAD_NORM: float(grad_norm),
+            names.GRAD_NORM: grad_norm,
             "lr": float(lr),
             "learner/step_s": dt,
             names.TRAINED_TOKENS: tokens,
@@ -215,14 +217,16 @@ class RewardModelSteps:
         if self._eval_pairs is None:
             self._eval_pairs = self._load_eval_pairs()
         mine = self._eval_pairs[self.dp_rank :: self.dp_size]
-        counts = torch.zeros(2, dtype=torch.float64)
+        counts = torch.zeros(2, dtype=torch.float64, device=self.models.device)  # read once
         self.model.eval()
         try:
             for mb in self._micro_batches(mine):
                 s = self.scores([x for pair in mb for x in pair])
                 if mb:
-                    counts += torch.tensor([float((s[0::2] > s[1::2]).sum()), len(mb)])
+                    counts[0] += (s[0::2] > s[1::2]).sum()
+                    counts[1] += len(mb)
         finally:
             self.model.train()
         dist.all_reduce(counts, group=self.dp_group)
-        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+        right, total = counts.tolist()
+        return right / total if total > 0 else None

@@ -96,16 +96,22 @@ def _parallelize_replicating_head(model: nn.Module, *, base: Any, **kw: Any) -> 
     return base(model, **kw)
 
 
-def token_values(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def token_values(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    doc_lengths: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """The head's value at every token of packed rows ``[1, L]`` (positions restart at 0 at each
-    sequence): ``[L]`` float32. A sequence's reward score is its last token's; a critic's values
-    are all of them. Collective under FSDP (every rank calls it)."""
+    sequence; ``doc_lengths``: their lengths, from ``pack()``, so that the attention reads none
+    back from the device): ``[L]`` float32. A sequence's reward score is its last token's; a
+    critic's values are all of them. Collective under FSDP (every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
     from asyncrl.learner.attention import attention_masks
     from asyncrl.learner.logprobs import local_hidden
 
-    h = local_hidden(model(tokens, positions, attention_masks(model, positions)))
+    h = local_hidden(model(tokens, positions, attention_masks(model, positions, doc_lengths)))
     v = model.lm_head(h[0])
     if isinstance(v, DTensor):  # tensor-parallel: replicated over the group
         v = v.to_local()

@@ -238,7 +238,7 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
             role["lr_ess_factor"][0] = float(np.mean(totals.lr_factors))
     critic = models.meshes.get("critic")
     if critic is not None and critic.leader:
-        role["critic_grad_norm"][0] = float(np.mean(totals.critic_grad_norms))
+        role["critic_grad_norm"] = torch.stack(totals.critic_grad_norms).to(f64).mean().reshape(1)
     named = {f"counted/{k}": v for k, v in counted.items()} | {
         f"role/{k}": v for k, v in role.items()
     }
@@ -258,7 +258,7 @@ def train_step(models: Models, realloc: Reallocation, batch: Batch, version: int
     seqs, info = sequences(models, batch, version)
     totals = StepTotals.on(models.device, eta, c.algorithm.loss)
     if models.with_critic:
-        totals.stats |= critic_zero_stats()
+        totals.stats |= critic_zero_stats(models.device)
     run = Step(
         batch=batch,
         seqs=seqs,

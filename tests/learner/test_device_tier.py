@@ -113,13 +113,15 @@ def check_reads(mode: PretendDevice, micro_batches: int, passes: int = 0) -> Non
         ({"loss": "gspo", "aggregation": "seq_mean_token_mean", "seq_mask_high": 5.0}, 0),
         ({"loss": "tis", "is_level": "sequence", "kl_coef": 0.1}, 1),
         ({"loss": "sft"}, 0),
+        ({"advantage": "gae", "loss": "ppo"}, 1),  # the critic's values, then its update
     ],
-    ids=lambda a: a["loss"] if isinstance(a, dict) else str(a),
+    ids=lambda a: a.get("advantage", a["loss"]) if isinstance(a, dict) else str(a),
 )
 def test_a_step_on_the_device_reads_the_host_once(tiny_qwen3, tmp_path, alg, passes):
     """One step of several micro-batches, every tensor of the step on the device: no host tensor
     in device compute, and one host read for all the updates' totals, whatever the loss,
-    aggregation and regularisers (a KL penalty's π_ref pass: one more per micro-batch)."""
+    aggregation and regularisers (a KL penalty's π_ref pass: one more per micro-batch; so does a
+    critic's values pass, and its update reads nothing)."""
     tr = make_trainer(
         tiny_qwen3,
         tmp_path,
@@ -190,6 +192,29 @@ def test_moe_step_with_routing_replay_on_the_device(tiny_qwen3_moe, tmp_path):
         res = tr.step(batch)
     assert res.metrics["loss/moe_aux"] > 0 and 0 <= res.metrics["learner/routing_agreement"] < 1
     check_reads(mode, int(res.metrics["learner/micro_batches"]))
+
+
+def test_reward_model_step_on_the_device(tiny_qwen3, tmp_path):
+    """A reward model's step (Bradley-Terry over preference pairs, several micro-batches): its
+    sums stay on the device, read once with the gradient norm at the step's end; the held-out
+    accuracy after it (its last step) reads once too."""
+    from asyncrl import recipe as recipe_mod
+    from asyncrl.learner.config import TrainerConfig
+    from asyncrl.learner.dataset_sources import PreferenceSource
+    from asyncrl.learner.trainer import Trainer
+    from tests.learner.test_reward_model import rm_recipe
+
+    recipe = recipe_mod.from_dict(rm_recipe(tmp_path, tiny_qwen3, 1, micro_batch_tokens=100))
+    tr = Trainer(TrainerConfig.from_recipe(recipe), checkpointing=False)
+    batch = PreferenceSource.from_recipe(recipe).next_batch()
+    try:
+        with pretend_device(tr.models) as mode:
+            res = tr.step(batch)
+    finally:
+        tr.close()
+    assert res.metrics["learner/micro_batches"] > 1 and res.metrics["grad_norm"] > 0
+    assert 0 <= res.metrics["rm/eval_accuracy"] <= 1
+    assert [r.where.split(" ")[1] for r in mode.reads] == ["step", "held_out_accuracy"], where(mode)
 
 
 @pytest.mark.slow
