@@ -65,7 +65,7 @@ def route_problem(routes: np.ndarray, shape: RouteShape | None) -> str | None:
     low, high = int(routes.min()), int(routes.max())
     if low < 0 or high >= shape.experts:
         return f"expert id {low if low < 0 else high} outside [0, {shape.experts})"
-    # column against column, each contiguous: 0.8 ms for 4,096 positions of Qwen3-30B-A3B's 48
+    # column against column, each contiguous: 2.5 ms for 4,096 positions of Qwen3-30B-A3B's 48
     # layers x top-8 (a sort along the last axis took 17 ms: seconds a step over a batch)
     k = routes.shape[-1]
     cols = np.ascontiguousarray(np.moveaxis(routes, -1, 0))
