@@ -1,6 +1,6 @@
 """Run under torchrun with 2 ranks by tests/learner/test_device_tier.py: one learner step on the
-pretend device (:mod:`tests.device_tier`), FSDP2 sharding the actor over gloo, several
-micro-batches a rank. Rank 0 writes ``OUT/found.json``: each rank's micro-batches and host reads."""
+pretend device (:mod:`tests.device_tier`), FSDP2 sharding the actor over gloo (``fsdp``) or one
+tensor-parallel group of the two (``tp``), several micro-batches a rank. Rank 0 writes ``OUT/found.json``: each rank's micro-batches and host reads."""
 
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ from tests.learner.test_step import rl_batch  # noqa: E402
 
 
 def main() -> None:
-    model, out = Path(sys.argv[1]), Path(sys.argv[2])
+    model, out, layout = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    # fsdp: the actor sharded over both ranks; tp: one tensor-parallel group of two
+    tp = {"placement": {r: {"tensor_parallel": 2} for r in ("actor", "ref")}}
     tr = make_trainer(
         model,
         out / "run",
         learner={"lr": 1e-3, "grad_clip": 1.0, "micro_batch_tokens": 48},
         buffer={"max_staleness": 8},
+        **(tp if layout == "tp" else {}),
     )
     with pretend_device(tr.models) as mode:
         res = tr.step(rl_batch(tr.models.spec.model.vocab_size, groups=3, seed=0))
@@ -35,6 +38,7 @@ def main() -> None:
         "reads": len(mode.reads),
         "where": [f"{r.name} at {r.where}" for r in mode.reads],
         "loss": res.loss,
+        "tp": tr.parallel_dims.tp,
     }
     every: list[dict | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, found)

@@ -218,15 +218,17 @@ def test_reward_model_step_on_the_device(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_step_on_the_device(tiny_qwen3, tmp_path):
-    """Two gloo ranks under torchrun, FSDP2 sharding the model, each on the pretend device: the
-    step runs, and reads the host once."""
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_two_ranks_step_on_the_device(tiny_qwen3, tmp_path, layout):
+    """Two gloo ranks under torchrun, FSDP2 sharding the model or one tensor-parallel group of the
+    two (DTensor's redistributions in the forward and the vocabulary-parallel log-probabilities),
+    each on the pretend device: the step runs, and reads the host once."""
     script = Path(__file__).with_name("device_tier_ranks.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     out = tmp_path / "out"
     p = subprocess.run(
-        [*cmd, str(script), str(tiny_qwen3), str(out)],
+        [*cmd, str(script), str(tiny_qwen3), str(out), layout],
         env=env,
         capture_output=True,
         text=True,
@@ -237,6 +239,7 @@ def test_two_ranks_step_on_the_device(tiny_qwen3, tmp_path):
     assert len(found) == 2
     for rank in found:
         assert rank["micro_batches"] >= 2 and rank["reads"] == 1, rank
+        assert rank["tp"] == (2 if layout == "tp" else 1)
 
 
 def test_entropy_is_computed_only_when_needed(tiny_qwen3, tmp_path, monkeypatch):
