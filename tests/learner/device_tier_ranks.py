@@ -1,6 +1,6 @@
 """Run under torchrun with 2 ranks by tests/learner/test_device_tier.py: one learner step on the
-pretend device (:mod:`tests.device_tier`), FSDP2 sharding the actor over gloo (``fsdp``) or one
-tensor-parallel group of the two (``tp``), several micro-batches a rank. Rank 0 writes ``OUT/found.json``: each rank's micro-batches and host reads."""
+pretend device (:mod:`tests.device_tier`), FSDP2 sharding the actor over gloo (``fsdp``), its LoRA
+adapters (``lora``), or one tensor-parallel group of the two (``tp``), several micro-batches a rank. Rank 0 writes ``OUT/found.json``: each rank's micro-batches and host reads."""
 
 from __future__ import annotations
 
@@ -22,12 +22,16 @@ from tests.learner.test_step import rl_batch  # noqa: E402
 
 def main() -> None:
     model, out, layout = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-    # fsdp: the actor sharded over both ranks; tp: one tensor-parallel group of two
+    # fsdp: the actor sharded over both ranks; tp: one tensor-parallel group of two; lora:
+    # FSDP2 over LoRA adapters on a frozen base
+    learner = {"lr": 1e-3, "grad_clip": 1.0, "micro_batch_tokens": 48}
+    if layout == "lora":
+        learner["lora"] = {"rank": 4, "alpha": 8.0}
     tp = {"placement": {r: {"tensor_parallel": 2} for r in ("actor", "ref")}}
     tr = make_trainer(
         model,
         out / "run",
-        learner={"lr": 1e-3, "grad_clip": 1.0, "micro_batch_tokens": 48},
+        learner=learner,
         buffer={"max_staleness": 8},
         **(tp if layout == "tp" else {}),
     )

@@ -218,11 +218,12 @@ def test_reward_model_step_on_the_device(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "lora"])
 def test_two_ranks_step_on_the_device(tiny_qwen3, tmp_path, layout):
-    """Two gloo ranks under torchrun, FSDP2 sharding the model or one tensor-parallel group of the
-    two (DTensor's redistributions in the forward and the vocabulary-parallel log-probabilities),
-    each on the pretend device: the step runs, and reads the host once."""
+    """Two gloo ranks under torchrun, FSDP2 sharding the model (or its LoRA adapters) or one
+    tensor-parallel group of the two (DTensor's redistributions in the forward and the
+    vocabulary-parallel log-probabilities), each on the pretend device: the step runs, and reads
+    the host once."""
     script = Path(__file__).with_name("device_tier_ranks.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
