@@ -218,18 +218,19 @@ def test_reward_model_step_on_the_device(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "lora"])
-def test_two_ranks_step_on_the_device(tiny_qwen3, tmp_path, layout):
-    """Two gloo ranks under torchrun, FSDP2 sharding the model (or its LoRA adapters) or one
-    tensor-parallel group of the two (DTensor's redistributions in the forward and the
-    vocabulary-parallel log-probabilities), each on the pretend device: the step runs, and reads
-    the host once."""
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "lora", "moe"])
+def test_two_ranks_step_on_the_device(request, tmp_path, layout):
+    """Two gloo ranks under torchrun, FSDP2 sharding the model (its LoRA adapters; a bfloat16
+    mixture of experts replaying routes) or one tensor-parallel group of the two (DTensor's
+    redistributions in the forward and the vocabulary-parallel log-probabilities), each on the
+    pretend device: the step runs, and reads the host once."""
+    model = request.getfixturevalue("tiny_qwen3_moe" if layout == "moe" else "tiny_qwen3")
     script = Path(__file__).with_name("device_tier_ranks.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     out = tmp_path / "out"
     p = subprocess.run(
-        [*cmd, str(script), str(tiny_qwen3), str(out), layout],
+        [*cmd, str(script), str(model), str(out), layout],
         env=env,
         capture_output=True,
         text=True,
@@ -241,6 +242,7 @@ def test_two_ranks_step_on_the_device(tiny_qwen3, tmp_path, layout):
     for rank in found:
         assert rank["micro_batches"] >= 2 and rank["reads"] == 1, rank
         assert rank["tp"] == (2 if layout == "tp" else 1)
+        assert (rank["routing_agreement"] is not None) == (layout == "moe")
 
 
 def test_entropy_is_computed_only_when_needed(tiny_qwen3, tmp_path, monkeypatch):
