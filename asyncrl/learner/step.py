@@ -237,7 +237,7 @@ def reduce_totals(models: Models, totals: StepTotals) -> dict[str, torch.Tensor]
         if models.meshes["actor"].leader and totals.lr_factors:
             role["lr_ess_factor"][0] = float(np.mean(totals.lr_factors))
     critic = models.meshes.get("critic")
-    if critic is not None and critic.leader:
+    if critic is not None and critic.leader and totals.critic_grad_norms:
         role["critic_grad_norm"] = torch.stack(totals.critic_grad_norms).to(f64).mean().reshape(1)
     named = {f"counted/{k}": v for k, v in counted.items()} | {
         f"role/{k}": v for k, v in role.items()
