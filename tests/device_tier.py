@@ -1,5 +1,5 @@
-"""A pretend accelerator for CPU tests: :class:`PretendDevice` runs the learner's real code, on real
-CPU tensors and real gloo collectives, while keeping track of which tensors would live on the GPU
+"""A pretend accelerator for CPU tests: :class:`PretendDevice` runs asyncrl's real code (the
+learner's steps, the built-in engine's decode loop), on real CPU tensors and real gloo collectives, while keeping track of which tensors would live on the GPU
 and which on the host, and fails where CUDA would, or where the host would wait for the GPU.
 
 Why this and not PyTorch's own stand-ins (tried with torch 2.13's CPU build, see
@@ -30,6 +30,11 @@ What it catches, at the call that does it:
   (``cpu[cuda_ids] = ...``, ``cuda_t[cpu_ids]``, ``torch.cat([cpu, cuda])``); 0-dim host tensors are
   scalars there, as in CUDA, except as the output of an in-place op;
 - ``.numpy()`` of a device tensor (CUDA raises too);
+- a draw (``generator=``) on device tensors with a host generator, or the other way round:
+  ``torch.Generator`` is wrapped while the mode is on, and one made for the pretend device is
+  the device's;
+- ``pin_memory=True`` for a tensor made on the device (pinned memory is the host's; it is
+  dropped for a host tensor, as this CPU build has no pinned allocator);
 
 and it counts, as :class:`HostRead`, every call that makes the host wait for the device: the reads
 of ``tests/engine/test_host_reads.py`` (``.item()``, ``.tolist()``, ``.cpu()``, ``int()``,

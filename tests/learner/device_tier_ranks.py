@@ -1,7 +1,8 @@
 """Run under torchrun with 2 ranks by tests/learner/test_device_tier.py: one learner step on the
 pretend device (:mod:`tests.device_tier`), FSDP2 sharding the actor over gloo (``fsdp``), its LoRA
 adapters (``lora``), a bfloat16 mixture of experts with routing replay (``moe``), or one
-tensor-parallel group of the two (``tp``), several micro-batches a rank. Rank 0 writes ``OUT/found.json``: each rank's micro-batches and host reads."""
+tensor-parallel group of the two (``tp``), several micro-batches a rank. Rank 0 writes
+``OUT/found.json``: each rank's micro-batches and host reads."""
 
 from __future__ import annotations
 

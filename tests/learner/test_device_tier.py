@@ -1,6 +1,7 @@
 """The learner's step on a device that is not the host (:mod:`tests.device_tier`): forward,
 loss, backward, clip and AdamW with the model and every batch tensor on the pretend device, on one
-rank and on two gloo ranks, LoRA too. It fails where CUDA would (a host tensor in device compute),
+rank and on two gloo ranks (FSDP2 or tensor-parallel), LoRA, a mixture of experts replaying
+routes, a critic and a reward model too. It fails where CUDA would (a host tensor in device compute),
 and counts the host's waits for the device per micro-batch.
 
 Why a ``__torch_function__`` mode of our own over the real computation, and not the ``meta`` device
@@ -24,6 +25,7 @@ import torch
 from asyncrl.learner.losses.aggregation import count_tokens_and_seqs
 from tests.device_tier import DeviceMixError, PretendDevice, pretend_device
 from tests.learner.test_model import make_trainer
+from tests.learner.test_route_checks import routed
 from tests.learner.test_step import rl_batch
 
 RL = {"learner": {"lr": 1e-3, "grad_clip": 1.0}, "buffer": {"max_staleness": 8}}
@@ -181,13 +183,7 @@ def test_moe_step_with_routing_replay_on_the_device(tiny_qwen3_moe, tmp_path):
         learner={**RL["learner"], "micro_batch_tokens": 48},
         buffer=RL["buffer"],
     )
-    batch = rl_batch(tr.models.spec.model.vocab_size, groups=3)
-    rng = np.random.default_rng(0)
-    for g in batch.groups:
-        for s in g.samples:
-            rows = len(s.prompt_ids) + len(s.completion_ids) - 1
-            # top-2 of 8 distinct experts per position and MoE layer, as a generator's router
-            s.routed_experts = np.argsort(rng.random((rows, 2, 8)), -1)[..., :2].astype(np.uint8)
+    batch = routed(rl_batch(tr.models.spec.model.vocab_size, groups=3), np.random.default_rng(0))
     with pretend_device(tr.models) as mode:
         res = tr.step(batch)
     assert res.metrics["loss/moe_aux"] > 0 and 0 <= res.metrics["learner/routing_agreement"] < 1
