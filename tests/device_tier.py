@@ -43,6 +43,8 @@ and the ops whose output size depends on the data (``nonzero``, ``unique``, ``ma
 indexing with a boolean mask, ``repeat_interleave`` without ``output_size``, ``bincount``) or whose
 result is a Python value (``equal``, ``allclose``).
 
+A mode is its thread's own: code that runs in other threads (the engine's decode and receiver
+threads) is seen only where a test enters the mode there too (``tests/engine/test_device_tier.py``).
 What it cannot see: the kernels of the backward (they run on what the forward saved, which was
 checked) and the Python hooks that run inside it (FSDP's reduce-scatter: torch's code).
 """
@@ -97,6 +99,8 @@ FACTORIES = {
     "randint",
     "randperm",
     "empty_strided",
+    "asarray",  # safetensors' load_file: torch.asarray(storage, device="cpu")
+    "frombuffer",
 }
 
 INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, torchtitan))

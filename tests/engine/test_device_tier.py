@@ -2,21 +2,33 @@
 the model, its KV cache, the sampler's tensors and its generators on the pretend device, so the
 CUDA branches run (``transfer.to_device`` from pinned memory, ``transfer.one_read``, generators
 made for the model's device). It fails where CUDA would, counts the host's waits for the device
-per step, and checks that those branches give the CPU branches' tokens, logprobs and routes."""
+per step, and checks that those branches give the CPU branches' tokens, logprobs and routes.
+Its weight updates too, in the engine's own threads: received, staged, fused and swapped in."""
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from asyncrl.engine.api import Engine, EngineConfig
 from asyncrl.engine.batched_model import BatchedLM
 from asyncrl.engine.sampling import EngineSamplingParams
 from asyncrl.engine.scheduler import Request, Scheduler
+from asyncrl.engine.weights import WeightStore
+from asyncrl.weights import buckets
 from tests.device_tier import DeviceMixError, PretendDevice
+from tests.engine.test_fused import perturbed
+
+PEER = Path(__file__).with_name("rank0_peer.py")
 
 
 def requests(vocab: int, *, routes: bool) -> list[Request]:
@@ -130,3 +142,130 @@ def test_a_draw_needs_a_generator_of_the_tensors_device():
         assert torch.multinomial(probs, 1, generator=g).device.type == "cuda"
         with pytest.raises(DeviceMixError, match="device generator"):
             torch.multinomial(torch.full((5,), 0.2), 1, generator=g)
+
+
+@contextlib.contextmanager
+def in_threads(mode: PretendDevice, *runners: Callable[[Callable], object]):
+    """The mode on in other threads as well (a mode is its thread's own): entered and left in
+    each by the engine's own way of running code there (the decode thread's ``Engine.call``,
+    the receiver thread's ``Receiver.run``)."""
+    entered = []
+    try:
+        for run in runners:
+            run(mode.__enter__)
+            entered.append(run)
+        yield
+    finally:
+        for run in reversed(entered):
+            run(lambda: mode.__exit__(None, None, None))
+
+
+@torch.no_grad()
+def test_a_weight_update_lands_on_the_device_and_is_served_from_it(tiny_qwen3, tmp_path):
+    """A served engine's weight updates on the pretend device, each part in the thread that runs
+    it on a GPU: the receiver thread's broadcasts (gloo's into host tensors, moved to the device
+    when staged; NCCL's into device tensors, which the fused projections adopt without a copy),
+    a load from disk (safetensors gives host tensors), the swap in the decode thread, then a
+    decode with what was swapped in. A host tensor installed as a weight fails the swap's
+    ``.data =`` as a host tensor in device compute; the weights served are the ones sent."""
+    group = "device_tier_update"
+    peer = subprocess.Popen(
+        [sys.executable, str(PEER), group], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = peer.stdout.readline()
+        assert line.startswith("port "), line
+        sends = [perturbed(tiny_qwen3, seed) for seed in range(5)]
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        save_file(dict(sends[4]), str(disk / "model.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+        params = dict(model.named_parameters())
+        with PretendDevice() as mode:
+            lm = BatchedLM(model)
+            eng = Engine(config=EngineConfig(model=str(tiny_qwen3)), hf_model=model)
+            eng.store = store = WeightStore(model, eng, receive_buffers=lm.receive_buffers)
+            eng.scheduler = Scheduler(lm, eos_ids=[], decode_tail=lambda ids: "", seed=0)
+            eng.scheduler.start()
+            try:
+                with in_threads(mode, eng.call, store.receiver.run):
+                    store.init_group(
+                        master_address="127.0.0.1",
+                        master_port=int(line.split()[1]),
+                        rank_offset=1,
+                        world_size=2,
+                        group_name=group,
+                        backend="gloo",
+                    )
+
+                    def decode() -> Request:
+                        r = Request(
+                            [5, 6, 7, 8],
+                            EngineSamplingParams.parse(
+                                {"temperature": 0, "max_new_tokens": 3}, vocab_size=lm.shape.vocab
+                            ),
+                        )
+                        eng.scheduler.submit([r])
+                        assert r.done.wait(60) and eng.scheduler.error is None
+                        assert r.finish["type"] == "length", r.finish
+                        return r
+
+                    def served(named) -> bool:
+                        return all(torch.equal(params[n], t) for n, t in named)
+
+                    ways = [("list", "gloo"), ("flattened_bucket", "gloo")]
+                    ways += [("list", "nccl"), ("flattened_bucket", "nccl")]
+                    for i, (load_format, backend) in enumerate(ways):
+                        # NCCL receives into tensors on the engine's device, gloo into host ones
+                        # (WeightStore.receive_distributed): the group here is gloo, which fills
+                        # either, named nccl to send the receive where NCCL's lands (a stand-in:
+                        # NCCL needs a GPU)
+                        store.backends[group] = backend
+                        path = tmp_path / f"{i}.pt"
+                        torch.save(sends[i], path)
+                        b = buckets.Bucket(
+                            names=[n for n, _ in sends[i]], tensors=[t for _, t in sends[i]]
+                        )
+                        store.begin()
+                        peer.stdin.write(f"{load_format} {path}\n")
+                        peer.stdin.flush()
+                        meta = b.meta()
+                        store.update(
+                            names=meta["names"],
+                            dtypes=[buckets.parse_dtype(d) for d in meta["dtypes"]],
+                            shapes=meta["shapes"],
+                            group_name=group,
+                            load_format=load_format if load_format != "list" else None,
+                            version=f"v{i + 1}",
+                            abort_all=False,
+                        )
+                        staged = dict(store._staged)
+                        assert not [n for n, t in staged.items() if mode.on_host(t)]
+                        store.end()
+                        assert served(sends[i]) and eng.version == f"v{i + 1}"
+                        if backend == "nccl":  # received where it is served: no copy
+                            received = {t.data_ptr() for t in staged.values()}
+                            assert all(f.weight.data_ptr() in received for f in lm.fused.values())
+                        decode()
+                    store.load_from_disk(str(disk), version="v-disk", abort_all=False)
+                    assert served(sends[4]) and eng.version == "v-disk"
+                    decode()
+                    store.destroy_group(group)
+            finally:
+                eng.close()
+        peer.stdin.close()
+        assert peer.wait(60) == 0
+    finally:
+        peer.kill()
+
+
+def test_a_host_tensor_installed_as_a_weight_is_refused():
+    """What the update test above relies on: a parameter of the device re-pointed at a host
+    tensor (``param.data = t``: CUDA allows it, and the model would then compute on the host, or
+    fail at its next step) is a host tensor in device compute; one of the device is not."""
+    p = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    with PretendDevice():
+        with pytest.raises(DeviceMixError, match="host tensor"):
+            p.data = torch.ones(4)
+        p.data = torch.ones(4).to("cuda")
+        assert p.device.type == "cuda"

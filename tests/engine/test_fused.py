@@ -26,7 +26,8 @@ PEER = Path(__file__).with_name("rank0_peer.py")
 PROMPT = [5, 6, 7, 8, 9, 10]
 
 
-def _perturbed(path: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
+def perturbed(path: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter of the model at ``path`` plus seeded noise: new weights to send."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     return [
@@ -90,7 +91,7 @@ def test_a_distributed_update_is_adopted_without_a_copy(tiny_qwen3, tmp_path):
 
         try:
             for load_format, seed in (("list", 1), ("flattened_bucket", 2)):
-                new = _perturbed(tiny_qwen3, seed)
+                new = perturbed(tiny_qwen3, seed)
                 before = served_logits()
                 assert client.post("/begin_weight_update", json={}).json()["success"]
                 staged = update(new, load_format)
