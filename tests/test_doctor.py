@@ -597,23 +597,6 @@ def test_built_in_engines_on_cuda_may_take_nccl(tiny_qwen3):
     assert "NCCL from another GPU, and take CUDA IPC handles on rank 0's own" in c.detail
 
 
-SGLANG_PY = Path.home() / ".cache/asyncrl/sglang-0.5.23-cpu/bin/python"
-
-
-@pytest.mark.skipif(
-    not SGLANG_PY.exists(), reason="SGLang's CPU venv is not built (make test-sglang)"
-)
-def test_the_nccl_of_sglangs_own_environment_is_read():
-    """SGLang 0.5.23's environment (torch 2.14.1's CUDA wheel, which imports on CPU) carries the
-    NCCL the pin table says; this CPU-only environment carries none."""
-    t = gpu.probe_python(str(SGLANG_PY))
-    assert t.torch.startswith("2.14.1") and t.nccl == gpu.expected_nccl("0.5.23")
-    import torch
-
-    if torch.version.cuda is None:  # asyncrl's CPU venv: no NCCL to compare with
-        assert gpu.this_torch().nccl is None
-
-
 def test_a_missing_interpreter_is_one_line():
     with pytest.raises(RuntimeError, match="cannot run"):
         gpu.probe_python("/nonexistent/python")

@@ -12,6 +12,7 @@ import pytest
 from conftest import START_TIMEOUT_S
 from sglang_helpers import TOL, Served, healthy, served_model_dir
 
+from asyncrl import gpu
 from asyncrl import recipe as recipe_mod
 from asyncrl.doctor import (
     Check,
@@ -79,3 +80,15 @@ def test_the_doctor_names_sglang_return_original_logprob(original_logprob_server
     assert "it runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1" in c.detail
     untempered, tempered = _mean_gaps(c.detail)
     assert untempered <= TOL and tempered > 4 * untempered
+
+
+def test_the_nccl_of_sglangs_own_environment_is_read(sglang_python):
+    """SGLang 0.5.23's environment (torch 2.14.1's CUDA wheel, which imports on CPU) carries the
+    NCCL the pin table says; this CPU-only environment carries none. In this tier, whose set-up
+    builds that environment (in the default tier it skipped on every fresh machine, CI's)."""
+    t = gpu.probe_python(str(sglang_python))
+    assert t.torch.startswith("2.14.1") and t.nccl == gpu.expected_nccl("0.5.23")
+    import torch
+
+    if torch.version.cuda is None:  # asyncrl's CPU venv: no NCCL to compare with
+        assert gpu.this_torch().nccl is None
