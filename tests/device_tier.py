@@ -1,6 +1,7 @@
 """A pretend accelerator for CPU tests: :class:`PretendDevice` runs asyncrl's real code (the
-learner's steps, the built-in engine's decode loop), on real CPU tensors and real gloo collectives, while keeping track of which tensors would live on the GPU
-and which on the host, and fails where CUDA would, or where the host would wait for the GPU.
+learner's steps, the built-in engine's decode loop and weight updates) on real CPU tensors and real
+gloo collectives, while keeping track of which tensors would live on the GPU and which on the host,
+and fails where CUDA would, or where the host would wait for the GPU.
 
 Why this and not PyTorch's own stand-ins (tried with torch 2.13's CPU build, see
 ``tests/learner/test_device_tier.py``):

@@ -24,7 +24,6 @@ from asyncrl.engine.batched_model import BatchedLM
 from asyncrl.engine.sampling import EngineSamplingParams
 from asyncrl.engine.scheduler import Request, Scheduler
 from asyncrl.engine.weights import WeightStore
-from asyncrl.weights import buckets
 from tests.device_tier import DeviceMixError, PretendDevice
 from tests.engine.test_fused import perturbed
 
@@ -162,8 +161,8 @@ def in_threads(mode: PretendDevice, *runners: Callable[[Callable], object]):
 
 @torch.no_grad()
 def test_a_weight_update_lands_on_the_device_and_is_served_from_it(tiny_qwen3, tmp_path):
-    """A served engine's weight updates on the pretend device, each part in the thread that runs
-    it on a GPU: the receiver thread's broadcasts (gloo's into host tensors, moved to the device
+    """An engine's weight updates on the pretend device (its weight store called as its HTTP
+    handlers call it), each part in the thread that runs it on a GPU: the receiver thread's broadcasts (gloo's into host tensors, moved to the device
     when staged; NCCL's into device tensors, which the fused projections adopt without a copy),
     a load from disk (safetensors gives host tensors), the swap in the decode thread, then a
     decode with what was swapped in. A host tensor installed as a weight fails the swap's
@@ -198,7 +197,7 @@ def test_a_weight_update_lands_on_the_device_and_is_served_from_it(tiny_qwen3, t
                         backend="gloo",
                     )
 
-                    def decode() -> Request:
+                    def decode() -> None:
                         r = Request(
                             [5, 6, 7, 8],
                             EngineSamplingParams.parse(
@@ -208,7 +207,6 @@ def test_a_weight_update_lands_on_the_device_and_is_served_from_it(tiny_qwen3, t
                         eng.scheduler.submit([r])
                         assert r.done.wait(60) and eng.scheduler.error is None
                         assert r.finish["type"] == "length", r.finish
-                        return r
 
                     def served(named) -> bool:
                         return all(torch.equal(params[n], t) for n, t in named)
@@ -223,17 +221,13 @@ def test_a_weight_update_lands_on_the_device_and_is_served_from_it(tiny_qwen3, t
                         store.backends[group] = backend
                         path = tmp_path / f"{i}.pt"
                         torch.save(sends[i], path)
-                        b = buckets.Bucket(
-                            names=[n for n, _ in sends[i]], tensors=[t for _, t in sends[i]]
-                        )
                         store.begin()
                         peer.stdin.write(f"{load_format} {path}\n")
                         peer.stdin.flush()
-                        meta = b.meta()
                         store.update(
-                            names=meta["names"],
-                            dtypes=[buckets.parse_dtype(d) for d in meta["dtypes"]],
-                            shapes=meta["shapes"],
+                            names=[n for n, _ in sends[i]],
+                            dtypes=[t.dtype for _, t in sends[i]],
+                            shapes=[list(t.shape) for _, t in sends[i]],
                             group_name=group,
                             load_format=load_format if load_format != "list" else None,
                             version=f"v{i + 1}",
